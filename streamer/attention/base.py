@@ -1,0 +1,49 @@
+"""The narrow interface between the model and an attention backend.
+
+The model runner builds one `AttentionMetadata` per step; every attention layer hands its q/k/v and its slice
+of the paged KV cache to the backend, which (1) writes the new k/v into the cache at `slot_mapping` and
+(2) attends each query token over its request's cached context through `block_table`.
+
+KV cache layout, per layer: `kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`;
+`kv_cache[0]` holds keys, `kv_cache[1]` values. A token at position p of a request lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_tokens: int  # real tokens; rows beyond it (padding) have slot -1 and their output is ignored
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1], on the model's device
+    seq_lens: torch.Tensor  # int32 [num_reqs]: context length after this step (cached + scheduled)
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens (+ padding)]; -1 = do not write
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: np.ndarray  # host copies, for backends that plan on the CPU
+    seq_lens_cpu: np.ndarray
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim]."""
+        ...
+
+
+@dataclass
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: Optional[int] = None  # attend to at most this many most recent positions (incl. self)

@@ -1,0 +1,61 @@
+"""Engine configuration: one dataclass the user fills (EngineArgs), validated once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # HF checkpoint folder; None = the embedded default model
+    tokenizer: Optional[str] = None  # defaults to `model`
+    dtype: str = "auto"  # auto = checkpoint's torch_dtype (float32 on CPU if it is float16)
+    device: str = "auto"  # auto = cuda if available else cpu
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights at real sizes)
+    seed: int = 0
+    max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
+    max_num_seqs: int = 256  # running-sequence cap
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes for the KV pool (CPU default: 2 GiB)
+    gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
+    num_kv_blocks: Optional[int] = None  # override the computed pool size (tests, benchmarks)
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
+    priority_aging: Optional[float] = None  # seconds of waiting that count as one priority level
+    attention_backend: Optional[str] = None  # "torch" | "triton"; None = triton on CUDA, torch on CPU
+    enforce_eager: bool = True
+    max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+
+    @classmethod
+    def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)

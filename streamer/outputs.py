@@ -1,0 +1,68 @@
+"""What the engine hands back: per-request outputs, shaped like vLLM's so its users feel at home."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One entry per generated token: {token_id: Logprob} holding the sampled token and the top-N.
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float] = None
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Optional[RequestMetrics] = None
+
+
+@dataclass
+class StreamOutput:
+    """One incremental item of `AsyncEngine.stream()`: what is new for one sequence since the last item."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: Optional[SampleLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+    usage: Optional[dict] = field(default=None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,110 @@
+"""Per-request sampling parameters, validated up front so that a bad value never reaches the device."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_real(name: str, value: object, lo: float, hi: float, lo_open: bool = False,
+                hi_open: bool = False) -> None:
+    lo_s = "(" if lo_open else "["
+    hi_s = ")" if hi_open else "]"
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number in {lo_s}{lo}, {hi}{hi_s}, got {value!r}")
+    bad = (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi)
+    if bad:
+        raise ValueError(f"{name} must be in {lo_s}{lo}, {hi}{hi_s}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how. Field names and defaults follow vLLM's SamplingParams."""
+
+    n: int = 1
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        _check_real("min_p", self.min_p, 0.0, 1.0)
+        _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if (not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
+                or self.repetition_penalty <= 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import replace
+        return replace(self, **changes)
