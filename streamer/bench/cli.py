@@ -1,0 +1,271 @@
+"""`streamer bench ...` and `streamer bench compare A.json B.json` (argv given here excludes the word "bench")."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Coroutine, Optional, Sequence, TypeVar
+from urllib.parse import urlsplit
+
+from tokenizers import Tokenizer
+
+from streamer.bench import report
+from streamer.bench.datasets import SampleRequest, file_requests, load_tokenizer, synthetic_requests
+from streamer.bench.metrics import summarize
+from streamer.bench.runner import BenchError, RunConfig, RunOutput, run
+
+T = TypeVar("T")
+GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+
+
+# --- argument types: each raises ArgumentTypeError, which argparse turns into a usage error (exit 2) ------
+def _int_at_least(low: int):  # type: ignore[no-untyped-def]
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return parse
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0 or math.isnan(v):
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def _ratio(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
+    return v
+
+
+def _percentiles(s: str) -> list[float]:
+    try:
+        ps = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 50,90,99, got {s!r}") from None
+    if not ps or any(not 0 < p <= 100 for p in ps):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100], got {s!r}")
+    return ps
+
+
+def _goodput_item(s: str) -> tuple[str, float]:
+    key, sep, val = s.partition(":")
+    if not sep or key not in GOODPUT_KEYS:
+        raise argparse.ArgumentTypeError(f"expected KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)}, got {s!r}")
+    return key, _positive_float(val)
+
+
+def _json_object(s: str) -> dict[str, Any]:
+    try:
+        v = json.loads(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streamer bench", description="Load-test an OpenAI-compatible streaming server. "
+        "`streamer bench compare A.json B.json` compares two saved runs.")
+    a = p.add_argument
+    a("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is optional)")
+    a("--model", help="model name sent to the server (default: first of GET /v1/models); a local folder also "
+                      "serves as --tokenizer")
+    a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
+    a("--endpoint", choices=("completions", "chat"), default="completions")
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", choices=("random", "file", "prefix"),
+                   help="random prompts, a JSON/JSONL/ShareGPT file, or prefix-sharing groups "
+                        "(default: file when --dataset-path is given, else random)")
+    g.add_argument("--dataset-path", help="JSON list or JSONL of prompts, or a ShareGPT file")
+    g.add_argument("--num-prompts", type=_int_at_least(1), default=1000)
+    g.add_argument("--input-len", type=_int_at_least(1), default=1024,
+                   help="random tokens per prompt (after any shared prefix)")
+    g.add_argument("--output-len", type=_int_at_least(1), default=None,
+                   help="max_tokens per request (default 128; for files: the file's, else 128)")
+    g.add_argument("--range-ratio", type=_ratio, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--prefix-len", type=_int_at_least(0), default=0, help="tokens of shared prefix")
+    g.add_argument("--num-prefixes", type=_int_at_least(1), default=10,
+                   help="groups (distinct prefixes) of the prefix dataset")
+    g.add_argument("--no-shuffle", action="store_true", help="keep the order of a prompt file")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=_positive_float, default=math.inf,
+                   help="requests/s (default inf: all at once); arrivals form a gamma process")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="gamma shape of the arrivals: 1 = Poisson, < 1 burstier, > 1 more uniform")
+    g.add_argument("--max-concurrency", type=_int_at_least(1), default=None)
+    g.add_argument("--num-warmups", type=_int_at_least(0), default=0, help="untimed requests sent first")
+    g.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: true")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--extra-body", type=_json_object, default={}, help="JSON object merged into every request")
+    g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
+    g.add_argument("--timeout", type=_positive_float, default=3600.0, help="seconds per request")
+    g = p.add_argument_group("output")
+    g.add_argument("--percentiles", type=_percentiles, default=[50.0, 90.0, 99.0], help="e.g. 50,90,99")
+    g.add_argument("--goodput", type=_goodput_item, nargs="+", metavar="KEY:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    g.add_argument("--save-result", metavar="FILE.json", help="summary plus every request's timings")
+    g.add_argument("--plot", metavar="FILE.png", help="TTFT/ITL histograms and throughput (needs matplotlib)")
+    g.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="live progress bar on stderr (auto: when stderr is a terminal)")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-argument checks; parser.error exits 2 with the usage line."""
+    u = urlsplit(args.base_url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        p.error(f"--base-url must look like http://HOST:PORT, got {args.base_url!r}")
+    args.dataset = args.dataset or ("file" if args.dataset_path else "random")
+    if args.dataset == "file":
+        if not args.dataset_path:
+            p.error("--dataset file needs --dataset-path")
+        if not Path(args.dataset_path).is_file():
+            p.error(f"--dataset-path {args.dataset_path!r} is not a file")
+    elif args.dataset_path:
+        p.error(f"--dataset-path is only for --dataset file, not {args.dataset}")
+    if args.dataset == "prefix" and args.prefix_len < 1:
+        p.error("--dataset prefix needs --prefix-len >= 1")
+    if args.plot and not report.plot_available():
+        p.error("--plot needs matplotlib: pip install 'streamer[plot]'")
+    for f in (args.save_result, args.plot):
+        if f and not Path(f).resolve().parent.is_dir():
+            p.error(f"cannot write {f!r}: no such folder")
+
+
+def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[Tokenizer]:
+    path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
+    if path is None:
+        if args.dataset in ("random", "prefix"):
+            p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
+                    "PATH (a folder with tokenizer.json) or --model as a local model folder")
+        return None
+    try:
+        return load_tokenizer(path)
+    except Exception as e:  # any load failure is the user's path, not a crash
+        p.error(f"cannot load a tokenizer from {path!r}: {e}")
+    return None  # unreachable (p.error exits)
+
+
+def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
+    if args.dataset == "file":
+        return file_requests(args.dataset_path, args.num_prompts, tok=tok, output_len=args.output_len,
+                             seed=args.seed, shuffle=not args.no_shuffle)
+    assert tok is not None
+    grouped = args.dataset == "prefix"
+    return synthetic_requests(tok, args.num_prompts, input_len=args.input_len, output_len=args.output_len or 128,
+                              range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+                              num_prefixes=args.num_prefixes if grouped else 1, seed=args.seed, shuffle=grouped)
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs the clients on one uvloop event loop (asyncio's when uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _raise_fd_limit() -> None:
+    """Many concurrent clients need many sockets: lift the soft open-files limit to the hard one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+    except (ImportError, ValueError, OSError):  # pragma: no cover - best effort
+        pass
+
+
+def _config_record(args: argparse.Namespace, out: RunOutput) -> dict[str, Any]:
+    cfg = {k: v for k, v in vars(args).items() if k != "api_key"}  # never write secrets to disk
+    cfg["model"] = out.model
+    cfg["request_rate"] = "inf" if math.isinf(args.request_rate) else args.request_rate
+    return cfg
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    p = build_parser()
+    try:
+        args = p.parse_args(list(argv))
+        _check(p, args)
+        tok = _tokenizer(p, args)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        requests = make_requests(args, tok)
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"streamer bench: error: {e}", file=sys.stderr)
+        return 1
+    cfg = RunConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+                    request_rate=args.request_rate, burstiness=args.burstiness,
+                    max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
+                    temperature=args.temperature, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                    timeout=args.timeout, seed=args.seed, extra_body=args.extra_body,
+                    progress=args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()))
+    _raise_fd_limit()
+    try:
+        out = run_loop(run(cfg, requests, tok))
+    except BenchError as e:
+        print(f"streamer bench: error: {e}", file=sys.stderr)
+        return 1
+    summary = summarize(out.results, out.duration, args.percentiles, dict(args.goodput) if args.goodput else None)
+    print(report.format_summary(summary, max_concurrency=args.max_concurrency))
+    if args.save_result:
+        report.save_result(args.save_result, _config_record(args, out), summary, out.results)
+    if args.plot:
+        report.plot(args.plot, out.results, title=f"{out.model} @ {args.base_url}")
+    return 0 if summary.completed else 1
+
+
+def compare_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamer bench compare", description="Two saved runs side by side, B/A.")
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    p.add_argument("--names", nargs=2, metavar=("NAME_A", "NAME_B"), help="column names (default: file names)")
+    try:
+        args = p.parse_args(list(argv))
+        docs = [report.load_result(f) for f in (args.a, args.b)]
+    except SystemExit as e:
+        return int(e.code or 0)
+    except (OSError, ValueError) as e:
+        p.print_usage(sys.stderr)
+        print(f"streamer bench compare: error: {e}", file=sys.stderr)
+        return 2
+    names = args.names or [Path(args.a).stem, Path(args.b).stem]
+    print(report.format_compare(docs[0], docs[1], *names))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "compare":
+        return compare_main(argv[1:])
+    return bench_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Drives a workload against a server: arrival schedule, concurrency cap, warm-ups, progress, results."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from streamer.bench.client import HttpClient, RawResponse, error_of, interpret
+from streamer.bench.datasets import SampleRequest
+from streamer.bench.metrics import RequestResult
+
+
+@dataclass
+class RunConfig:
+    base_url: str
+    model: Optional[str] = None  # None: the first id of GET /v1/models
+    endpoint: str = "completions"  # "completions" | "chat"
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: Optional[int] = None
+    num_warmups: int = 0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    api_key: Optional[str] = None
+    timeout: float = 3600.0
+    seed: int = 0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    progress: bool = False
+
+
+@dataclass
+class RunOutput:
+    model: str
+    duration: float
+    results: list[RequestResult]
+
+
+class BenchError(Exception):
+    """A run that cannot start (no model name, unreachable server); the message is for the user."""
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Send offsets (s): all 0 for an infinite rate, else a gamma process (shape = burstiness, mean gap
+    1/rate; burstiness 1 is Poisson). The first request goes at 0."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if n else np.zeros(0)
+
+
+def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                            "temperature": cfg.temperature}
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["max_completion_tokens"] = req.output_len
+    else:
+        body["prompt"] = req.prompt
+        body["max_tokens"] = req.output_len
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True  # vLLM's extension; streamer's server accepts it too
+    body.update(cfg.extra_body)
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def endpoint_path(endpoint: str) -> str:
+    return "/chat/completions" if endpoint == "chat" else "/completions"
+
+
+def to_result(resp: RawResponse, req: SampleRequest, sent: float) -> tuple[RequestResult, Optional[str]]:
+    """RequestResult (absolute `start`) plus the generated text when its tokens must still be counted."""
+    res = RequestResult(prompt_len=req.prompt_len, asked_output_len=req.output_len, start=sent)
+    if resp.error or resp.status != 200:
+        res.error = error_of(resp)
+        return res, None
+    out = interpret(resp)
+    if out.error:
+        res.error = out.error
+    elif not out.done:
+        res.error = "stream ended without data: [DONE]"
+    elif not out.token_times:
+        res.error = "no token chunks in the stream"
+    if res.error:
+        return res, None
+    times = out.token_times
+    res.ttft = times[0] - sent
+    res.itl = [b - a for a, b in zip(times, times[1:])]
+    res.latency = out.end_time - sent
+    res.success = True
+    if out.prompt_tokens is not None:
+        res.prompt_len = int(out.prompt_tokens)
+    if out.completion_tokens is not None:
+        res.output_len, res.output_len_source = int(out.completion_tokens), "usage"
+        return res, None
+    res.output_len, res.output_len_source = len(times), "chunks"
+    return res, out.text
+
+
+class Progress:
+    """A live one-line progress bar on stderr, redrawn on a timer (never per chunk or per request)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.done = self.failed = 0
+        self.t0 = perf_counter()
+        self._task: Optional[asyncio.Task[None]] = None
+
+    def start(self) -> None:
+        if self.enabled:
+            self.t0 = perf_counter()
+            self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    def add(self, ok: bool) -> None:
+        self.done += 1
+        self.failed += not ok
+
+    def render(self) -> str:
+        el = perf_counter() - self.t0
+        frac = self.done / self.total if self.total else 1.0
+        bar = "#" * int(frac * 30)
+        rate = self.done / el if el > 0 else 0.0
+        return (f"\r[{bar:<30}] {self.done}/{self.total} requests, {self.failed} failed, "
+                f"{rate:.1f} req/s, {el:.1f} s")
+
+    async def _tick(self) -> None:
+        while True:
+            sys.stderr.write(self.render())
+            sys.stderr.flush()
+            await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            sys.stderr.write(self.render() + "\n")
+            sys.stderr.flush()
+
+
+async def discover_model(client: HttpClient) -> str:
+    resp = await client.get("/models")
+    if resp.error or resp.status != 200:
+        raise BenchError(f"could not list the server's models ({error_of(resp)}); pass --model")
+    try:
+        return str(json.loads(bytes(resp.body))["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError("GET /v1/models returned no model; pass --model") from None
+
+
+def count_output_tokens(pending: list[tuple[RequestResult, str]], tok: Optional[Tokenizer]) -> None:
+    """Counts tokens of texts whose stream had no usage chunk; after the run, in one batch."""
+    if tok is None or not pending:
+        return
+    encs = tok.encode_batch([text for _, text in pending], add_special_tokens=False)
+    for (res, _), enc in zip(pending, encs):
+        res.output_len, res.output_len_source = len(enc.ids), "tokenizer"
+
+
+async def run(cfg: RunConfig, requests: Sequence[SampleRequest], tok: Optional[Tokenizer] = None) -> RunOutput:
+    """Warm-ups (results dropped), then the timed run on one event loop."""
+    client = HttpClient(cfg.base_url, timeout=cfg.timeout, api_key=cfg.api_key)
+    try:
+        model = cfg.model or await discover_model(client)
+        path = endpoint_path(cfg.endpoint)
+        bodies = [request_body(cfg, model, r) for r in requests]
+        if cfg.num_warmups:
+            await _warmup(cfg, client, path, bodies)
+        return await _timed(cfg, client, path, model, requests, bodies, tok)
+    finally:
+        await client.close()
+
+
+async def _warmup(cfg: RunConfig, client: HttpClient, path: str, bodies: list[bytes]) -> None:
+    sem = asyncio.Semaphore(cfg.max_concurrency or cfg.num_warmups)
+
+    async def one(body: bytes) -> None:
+        async with sem:
+            await client.post(path, body)
+
+    await asyncio.gather(*(one(bodies[i % len(bodies)]) for i in range(cfg.num_warmups)))
+
+
+async def _timed(cfg: RunConfig, client: HttpClient, path: str, model: str, requests: Sequence[SampleRequest],
+                 bodies: list[bytes], tok: Optional[Tokenizer]) -> RunOutput:
+    loop = asyncio.get_running_loop()
+    n = len(requests)
+    offsets = arrival_times(n, cfg.request_rate, cfg.burstiness, cfg.seed)
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    results: list[Optional[RequestResult]] = [None] * n
+    pending: list[tuple[RequestResult, str]] = []
+    progress = Progress(n, cfg.progress)
+
+    async def one(i: int) -> None:
+        if sem is not None:
+            await sem.acquire()
+        sent = perf_counter()
+        try:
+            resp = await client.post(path, bodies[i])
+        except Exception as e:  # a bug or odd server must cost one request, not the run
+            resp = RawResponse(error=f"{type(e).__name__}: {e}")
+        finally:
+            if sem is not None:
+                sem.release()
+        res, text = to_result(resp, requests[i], sent)
+        if text is not None:
+            pending.append((res, text))
+        results[i] = res
+        progress.add(res.success)
+
+    progress.start()
+    t0 = perf_counter()
+    tasks = []
+    for i in range(n):
+        wait = t0 + offsets[i] - perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(loop.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    duration = perf_counter() - t0
+    progress.stop()
+    count_output_tokens(pending, tok)
+    final = [r for r in results if r is not None]
+    for r in final:
+        r.start -= t0
+    return RunOutput(model=model, duration=duration, results=final)
