@@ -1,0 +1,30 @@
+"""streamer: an asyncio-first LLM inference and serving engine."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamer.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
+from streamer.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "StreamOutput", "EngineConfig"]
+
+if TYPE_CHECKING:
+    from streamer.async_engine import AsyncEngine
+    from streamer.config import EngineConfig
+    from streamer.llm import LLM
+
+
+def __getattr__(name: str):
+    # Imported lazily: `import streamer` stays cheap for the CLI and the bench client (no torch import).
+    if name == "LLM":
+        from streamer.llm import LLM
+        return LLM
+    if name == "AsyncEngine":
+        from streamer.async_engine import AsyncEngine
+        return AsyncEngine
+    if name == "EngineConfig":
+        from streamer.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(name)

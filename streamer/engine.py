@@ -1,0 +1,263 @@
+"""The engine core: requests in, incremental outputs out, one `step()` at a time.
+
+`step()` = `scheduler.schedule()` -> `runner.execute()` -> `process()`. The async engine calls the three
+parts separately so that `execute` runs on the device thread while the event loop does everything else.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from streamer.config import EngineConfig
+from streamer.detokenizer import IncrementalDetokenizer
+from streamer.kv_cache import KVCacheManager, cdiv
+from streamer.model_runner import ModelRunner, RunnerOutput
+from streamer.models.config import ModelConfig
+from streamer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from streamer.request import Request, RequestStatus
+from streamer.sampling_params import SamplingParams
+from streamer.scheduler import Scheduler, SchedulerOutput
+from streamer.tokenizer import Tokenizer
+
+logger = logging.getLogger("streamer")
+
+PromptType = Union[str, Sequence[int], dict]
+
+
+def resolve_model_dir(model: Optional[str]) -> Path:
+    if model is None:
+        from streamer.demo_model import default_model_path
+        return Path(default_model_path())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder not found: {model} (streamer loads local Hugging Face checkpoint "
+                                "folders; nothing is downloaded)")
+    return path
+
+
+@dataclass
+class SeqState:
+    """Per-sequence output state kept beside the scheduler's Request."""
+
+    req: Request
+    detok: IncrementalDetokenizer
+    prompt: Optional[str]
+    text: str = ""
+    logprobs: Optional[SampleLogprobs] = None
+    cumulative_logprob: float = 0.0
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+
+
+@dataclass
+class SeqUpdate:
+    """What one step produced for one sequence."""
+
+    state: SeqState
+    new_token_ids: list[int]
+    text: str
+    logprobs: Optional[SampleLogprobs]
+    finished: bool
+
+    @property
+    def req(self) -> Request:
+        return self.state.req
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len and config.max_model_len > limit:
+            logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
+                           config.max_model_len, limit)
+        self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
+        self.vocab_size = self.model_config.vocab_size
+        self.seqs: dict[str, SeqState] = {}
+        self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ intake
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Check one prompt against the model and the pool; returns the resolved max_tokens."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        n, limit = len(token_ids), self.max_model_len
+        if n >= limit:
+            raise ValueError(f"prompt is {n} tokens long, but max_model_len is {limit}: it must be shorter "
+                             f"than {limit} tokens to leave room for at least one generated token")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                             f"max_model_len {limit}; max_tokens may be at most {limit - n}")
+        need = cdiv(n + max_tokens, self.config.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {need} KV blocks but the cache holds "
+                             f"{self.kv.num_blocks}; lower max_tokens or enlarge the cache")
+        return max_tokens
+
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, cache_salt: Optional[str] = None,
+                    arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
+                    ) -> list[SeqState]:
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if prompt_token_ids is None:
+            text, prompt_token_ids = self.tokenize_prompt(prompt)
+        else:
+            text = prompt if isinstance(prompt, str) else None
+        max_tokens = self.validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        states = []
+        for i in range(params.n):
+            seq_params = params
+            if params.n > 1 and params.seed is not None:
+                seq_params = params.clone(seed=params.seed + i)  # distinct but reproducible samples
+            req = Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids, seq_params,
+                          max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
+                          block_size=self.config.block_size, hash_blocks=self.config.enable_prefix_caching,
+                          seq_index=i, parent_id=request_id)
+            state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
+                             logprobs=[] if params.logprobs is not None else None,
+                             metrics=RequestMetrics(arrival_time=arrival))
+            self.seqs[req.request_id] = state
+            self.scheduler.add(req)
+            states.append(state)
+        self.groups[request_id] = [s.req.request_id for s in states]
+        return states
+
+    def abort(self, request_id: str) -> list[SeqState]:
+        """Abort a user request (all of its sequences); returns the states that were still live."""
+        aborted = []
+        for seq_id in self.groups.pop(request_id, []):
+            state = self.seqs.pop(seq_id, None)
+            if state is None:
+                continue
+            self.scheduler.finish(state.req, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(seq_id)
+            aborted.append(state)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def block_tables(self, sched: SchedulerOutput) -> list[list[int]]:
+        return [list(self.kv.blocks_of(s.req.request_id)) for s in sched.scheduled]
+
+    def step(self) -> list[SeqUpdate]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched, self.block_tables(sched))
+        return self.process(sched, result)
+
+    def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
+        self.num_steps += 1
+        now = time.monotonic()
+        updates = []
+        for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
+            state = self.seqs.get(seq_id)
+            if state is None or state.req.is_finished:
+                continue  # aborted while the step ran
+            updates.append(self._append_token(state, token, result, i, now))
+        return updates
+
+    def _append_token(self, state: SeqState, token: int, result: RunnerOutput, row: int, now: float) -> SeqUpdate:
+        req = state.req
+        req.append_token(token)
+        m = state.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        new_logprobs = None
+        if state.logprobs is not None and result.logprobs is not None:
+            new_logprobs = [self._logprob_entry(result, row, req.params.logprobs or 0)]
+            state.logprobs.extend(new_logprobs)
+            state.cumulative_logprob += result.logprobs[row][0]
+        status, stop_reason = self._check_stop(req, token)
+        text, stop_str = state.detok.add_tokens([token])
+        if stop_str is not None and status is None:
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        elif status is not None:
+            text += state.detok.flush()
+        state.text += text
+        if status is not None:
+            req.stop_reason = stop_reason
+            self._finish(state, status)
+            m.finished_time = now
+        return SeqUpdate(state, [token], text, new_logprobs, status is not None)
+
+    def _check_stop(self, req: Request, token: int) -> tuple[Optional[RequestStatus], int | str | None]:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in req.eos_token_ids and not p.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in p.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, state: SeqState, status: RequestStatus) -> None:
+        req = state.req
+        self.scheduler.finish(req, status)
+        self.runner.release(req.request_id)
+        self.seqs.pop(req.request_id, None)
+        group = self.groups.get(req.parent_id or req.request_id)
+        if group is not None and all(sid not in self.seqs for sid in group):
+            del self.groups[req.parent_id or req.request_id]
+
+    def _logprob_entry(self, result: RunnerOutput, row: int, top_n: int) -> dict[int, Logprob]:
+        lps, ids = result.logprobs[row], result.logprob_token_ids[row]  # type: ignore[index]
+        decode = self.tokenizer.decode
+        entry = {ids[0]: Logprob(lps[0], result.ranks[row], decode([ids[0]], skip_special_tokens=False))}  # type: ignore[index]
+        for rank, (tid, lp) in enumerate(zip(ids[1:1 + top_n], lps[1:1 + top_n]), start=1):
+            entry.setdefault(tid, Logprob(lp, rank, decode([tid], skip_special_tokens=False)))
+        return entry
+
+    # ------------------------------------------------------------------ results
+    def completion(self, state: SeqState) -> CompletionOutput:
+        req = state.req
+        return CompletionOutput(
+            index=req.seq_index, text=state.text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            logprobs=state.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": self.kv.usage, "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
+        }

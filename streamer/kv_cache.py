@@ -1,0 +1,180 @@
+"""The paged KV cache's bookkeeping: a pool of fixed-size blocks, per-request block tables, prefix caching.
+
+Blocks are referenced by integer ids into the model runner's KV tensors. A block's `ref_cnt` counts the
+requests using it. A free block that holds a full, hashed block of some earlier request stays findable
+by its hash until it is evicted: the free list is an LRU (OrderedDict: O(1) removal from the middle when a
+cache hit revives a block); blocks without a hash sit at its front and are reused first.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Iterable, Optional
+
+from streamer.request import Request
+
+logger = logging.getLogger("streamer")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[Optional[bytes]] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks in use or waiting in the LRU
+        self.num_evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def lookup(self, block_hash: bytes) -> Optional[int]:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on cache-hit blocks, reviving those that were waiting in the free list."""
+        for b in block_ids:
+            if self.ref_cnt[b] == 0:
+                del self.free[b]
+            self.ref_cnt[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=False)
+            h = self.block_hash[b]
+            if h is not None:  # evict: the block's old content is no longer findable
+                if self.cached.get(h) == b:
+                    del self.cached[h]
+                self.block_hash[b] = None
+                self.num_evictions += 1
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block, in eviction order (first released = first evicted)."""
+        for b in block_ids:
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] < 0:
+                raise RuntimeError(f"block {b} released more often than referenced")
+            if self.ref_cnt[b] == 0:
+                self.free[b] = None
+                if self.block_hash[b] is None:
+                    self.free.move_to_end(b, last=False)
+
+    def cache(self, b: int, block_hash: bytes) -> None:
+        if block_hash not in self.cached and self.block_hash[b] is None:
+            self.cached[block_hash] = b
+            self.block_hash[b] = block_hash
+
+    def reset_prefix_cache(self) -> None:
+        for h, b in list(self.cached.items()):
+            self.block_hash[b] = None
+        self.cached.clear()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_blocks: dict[str, list[int]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request, in whole blocks, always leaving its last token to compute."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def can_fit(self, num_tokens: int, hit_blocks: list[int]) -> bool:
+        need = cdiv(num_tokens, self.block_size) - len(hit_blocks)
+        revived = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
+        return need <= self.pool.num_free - revived
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: Optional[list[int]] = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and the cache hits).
+        Returns False, changing nothing, when the pool is short."""
+        hit_blocks = hit_blocks or []
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(hit_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(hit_blocks)
+        revived = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
+        if need > self.pool.num_free - revived:
+            return False
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            blocks = blocks + hit_blocks
+            self._num_cached_blocks[req.request_id] = len(blocks)
+        if need > 0:
+            blocks = blocks + self.pool.allocate(need)
+        self.req_blocks[req.request_id] = blocks
+        # Register blocks that this step fills. Another request admitted in the same step may hit them:
+        # the runner writes every token's K/V of a layer before any of that layer's attention reads.
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req, blocks, total)
+        return True
+
+    def _cache_full_blocks(self, req: Request, blocks: list[int], num_tokens: int) -> None:
+        done = self._num_cached_blocks.get(req.request_id, 0)
+        full = min(num_tokens // self.block_size, len(req.block_hashes))
+        for i in range(done, full):
+            self.pool.cache(blocks[i], req.block_hashes[i])
+        if full > done:
+            self._num_cached_blocks[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        self._num_cached_blocks.pop(req.request_id, None)
+        if blocks:
+            # Tail first: when evicting, the end of a prefix chain goes before its (more shareable) start.
+            self.pool.release(reversed(blocks))
+
+    def check_consistency(self) -> None:
+        """Invariants, for tests: ref counts match the block tables and free blocks have no references."""
+        counts = [0] * self.pool.num_blocks
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                counts[b] += 1
+        if counts != self.pool.ref_cnt:
+            raise AssertionError("block ref counts do not match the block tables")
+        for b in self.pool.free:
+            if self.pool.ref_cnt[b] != 0:
+                raise AssertionError(f"free block {b} is referenced")
+        if len(self.pool.free) + sum(1 for c in counts if c > 0) != self.pool.num_blocks:
+            raise AssertionError("blocks lost: neither free nor referenced")
+        for h, b in self.pool.cached.items():
+            if self.pool.block_hash[b] != h:
+                raise AssertionError(f"cache map and block {b}'s hash disagree")

@@ -1,0 +1,56 @@
+"""Offline batch generation: `LLM(model).generate(prompts, params)`."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from streamer.config import EngineConfig
+from streamer.engine import LLMEngine, PromptType, SeqState
+from streamer.outputs import RequestOutput
+from streamer.sampling_params import SamplingParams
+
+
+def _is_token_list(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+class LLM:
+    """vLLM-shaped offline API. Engine arguments are `EngineConfig` fields (dtype, block_size, ...)."""
+
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        engine = self.engine
+        # Tokenize and validate everything first, so one bad prompt adds nothing.
+        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        for (_, ids), sp in zip(tokenized, params):
+            engine.validate(ids, sp)
+        ids = []
+        states: dict[str, list[SeqState]] = {}
+        for (text, token_ids), sp, prio in zip(tokenized, params, prios):
+            rid = f"offline-{next(engine._ids)}"
+            states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
+                                             prompt_token_ids=token_ids)
+            ids.append(rid)
+        while engine.has_unfinished():
+            engine.step()
+        return [self._output(rid, states[rid]) for rid in ids]
+
+    def _output(self, rid: str, states: list[SeqState]) -> RequestOutput:
+        first = states[0].req
+        return RequestOutput(request_id=rid, prompt=states[0].prompt, prompt_token_ids=list(first.prompt_token_ids),
+                             outputs=[self.engine.completion(s) for s in states], finished=True,
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=states[0].metrics)

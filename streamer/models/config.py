@@ -1,0 +1,89 @@
+"""The model's shape, read from a Hugging Face config.json (both the classic and the transformers-5 spelling)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    sliding_window: Optional[int]
+    torch_dtype: str
+    bos_token_id: Optional[int] = None
+    eos_token_id: list[int] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder not found: {path}")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"config.json not found in model folder {path}")
+        with open(cfg_file) as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
+        archs = c.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = c["num_attention_heads"]
+        hidden = c["hidden_size"]
+        rope = c.get("rope_parameters") or {}
+        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            if scaling["rope_type"] == "default":
+                scaling = None
+        eos = c.get("eos_token_id")
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = c.get("sliding_window")
+        if is_qwen2 or arch == "Qwen3ForCausalLM":
+            # Qwen configs carry a sliding_window value that only applies when use_sliding_window is set.
+            sliding = sliding if c.get("use_sliding_window", False) else None
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=bool(c.get("attention_bias", is_qwen2)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
+            raw=c,
+        )

@@ -1,0 +1,187 @@
+"""Building blocks of the decoder: linear layers laid out for tensor parallelism, RMSNorm, rotary embedding.
+
+Linear layers follow the Megatron split: a *column* layer splits its output features across ranks (q/k/v,
+gate/up), a *row* layer splits its input features (o_proj, down_proj) and all-reduces its output. Packed layers
+(qkv, gate_up) hold several checkpoint tensors in one parameter; each parameter carries a `weight_loader`
+that copies one checkpoint tensor (or one shard of it) into the right rows. With tp_size == 1 the split is
+the identity, so tensor parallelism only adds the collective, not a rewrite.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ParallelContext:
+    """Which shard of each layer this process holds. Single-process for now: rank 0 of 1."""
+
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def all_reduce(cls, x: torch.Tensor) -> torch.Tensor:
+        if cls.size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+
+def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+    _check_shape(name, param, loaded)
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split across ranks. `output_sizes` lists the packed sub-matrices."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
+                 shard_names: Optional[Sequence[Any]] = None) -> None:
+        super().__init__()
+        tp = ParallelContext.size
+        for s in output_sizes:
+            if s % tp:
+                raise ValueError(f"output size {s} is not divisible by tensor_parallel_size {tp}")
+        self.output_sizes = [s // tp for s in output_sizes]
+        self.shard_names = list(shard_names) if shard_names is not None else list(range(len(output_sizes)))
+        out = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+        else:
+            self.register_parameter("bias", None)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+        idx = 0 if shard is None else self.shard_names.index(shard)
+        size = self.output_sizes[idx]
+        offset = sum(self.output_sizes[:idx])
+        rank = ParallelContext.rank
+        full = size * ParallelContext.size
+        if loaded.shape[0] != full or loaded.shape[1:] != param.shape[1:]:
+            expected = (full, *param.shape[1:])
+            raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+        param.data[offset:offset + size].copy_(loaded[rank * size:(rank + 1) * size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        tp = ParallelContext.size
+        if input_size % tp:
+            raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp}")
+        self.input_size = input_size // tp
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+        rank, n = ParallelContext.rank, self.input_size
+        _check_shape(name, torch.empty(param.shape[0], n * ParallelContext.size, device="meta"), loaded)
+        param.data.copy_(loaded[:, rank * n:(rank + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ParallelContext.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        # Normalise in fp32 as HF does, then cast back before scaling by the weight.
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+                        scaling: Optional[dict[str, Any]]) -> torch.Tensor:
+    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    pos = torch.arange(max_positions, dtype=torch.float32)
+    if kind == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+    elif kind == "linear":
+        pos = pos / scaling["factor"]  # type: ignore[index]
+    elif kind != "default":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    freqs = torch.outer(pos, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox layout (rotate halves), as HF's Llama/Qwen/Mistral. x: [T, H, D]; cos/sin: [T, D/2]."""
+    d = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :d], xf[..., d:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: Optional[dict[str, Any]]) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, theta, scaling),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+WeightLoader = Callable[..., None]

@@ -1,0 +1,161 @@
+"""One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
+embeddings) and Qwen3 (per-head q/k RMSNorm). The differences are config switches, not subclasses."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from streamer.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from streamer.models.config import ModelConfig
+from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding,
+                                    RowParallelLinear, VocabEmbedding, default_weight_loader, silu_and_mul)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend_cls: type, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        tp = ParallelContext.size
+        if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+            raise ValueError(f"heads ({cfg.num_heads}/{cfg.num_kv_heads}) do not split over {tp} ranks")
+        self.num_heads = cfg.num_heads // tp
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp)  # kv heads are replicated when tp > num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        kv_total = self.kv_size * tp
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_total, kv_total],
+                                             bias=cfg.attention_bias, shard_names=["q", "k", "v"])
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+                             cfg.sliding_window)
+        self.attn: AttentionBackend = backend_cls(spec)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                 shard_names=["gate", "up"])
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend_cls: type, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, backend_cls, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our packed parameter fragment, shard id)
+    packed = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+    ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+    def __init__(self, cfg: ModelConfig, backend_cls: type, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend_cls, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return torch.nn.functional.linear(hidden, head.weight).float()
+
+    # ------------------------------------------------------------------ weights
+    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
+        """Map a checkpoint tensor name to (our parameter name, shard id within a packed parameter)."""
+        name = ckpt_name.removeprefix("model.")
+        for frag, (ours, shard) in self.packed.items():
+            if f".{frag}." in name:
+                return name.replace(f".{frag}.", f".{ours}."), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters; returns the names of the parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if ckpt_name.endswith(self.ignored_suffixes):
+                continue
+            if ckpt_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still store a copy of the embedding
+            name, shard = self.param_name(ckpt_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint for {self.cfg.architecture}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, ckpt_name, shard)
+            else:
+                default_weight_loader(param, tensor, ckpt_name)
+            loaded.add(name if shard is None else f"{name}:{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        names: set[str] = set()
+        for name, param in self.named_parameters():
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(owner, ColumnParallelLinear):
+                names.update(f"{name}:{s}" if len(owner.shard_names) > 1 else name for s in owner.shard_names)
+            else:
+                names.add(name)
+        return names
+
+    def checkpoint_name(self, internal: str) -> str:
+        """Inverse of param_name, for error messages."""
+        name, _, shard = internal.partition(":")
+        if shard:
+            fused = {v: k for k, v in self.packed.items()}
+            frag = fused[(name.split(".")[-2], shard)]
+            name = name.replace(f".{name.split('.')[-2]}.", f".{frag}.")
+        return name if name.startswith("lm_head") else f"model.{name}"

@@ -1,0 +1,106 @@
+"""A request as the scheduler sees it: token ids, progress (`num_computed_tokens`) and status.
+
+One `Request` is one sequence. A prompt asked for with n > 1 becomes n requests that share the prompt
+(and, through the prefix cache, its KV blocks)."""
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from streamer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+def hash_block(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    """128+-bit chained hash of one full block: equal hashes mean equal prefixes (collisions negligible)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    block_size: int = 16
+    hash_blocks: bool = True
+    seq_index: int = 0  # which of the parent's n sequences this is
+    parent_id: Optional[str] = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1 until admitted)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    first_scheduled_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.block_hashes: list[bytes] = []
+        self._extend_hashes()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        if not self.hash_blocks:
+            return
+        bs = self.block_size
+        for i in range(len(self.block_hashes), len(self.all_token_ids) // bs):
+            parent = self.block_hashes[-1] if self.block_hashes else b""
+            extra = self.cache_salt.encode() if (i == 0 and self.cache_salt) else b""
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def priority_key(self) -> tuple[float, float]:
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,131 @@
+"""Batched sampling: every request's parameters applied in one pass over the [batch, vocab] logits.
+
+Random rows use the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p without a
+cumulative sum and without a host sync. A seeded request draws E from its own generator, once per
+token, so its tokens do not depend on what else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from streamer.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors (built by the model runner for the rows that sample)."""
+
+    temperature: torch.Tensor  # [B] fp32; 0 marks a greedy row
+    top_k: Optional[torch.Tensor]  # [B] int64, vocab size when disabled; None if no row uses it
+    top_p: Optional[torch.Tensor]  # [B] fp32; None if no row uses it
+    min_p: Optional[torch.Tensor]  # [B] fp32; None if no row uses it
+    generators: list[Optional[torch.Generator]]  # per row; None = the global generator
+    all_greedy: bool
+    any_seeded: bool
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) masked to -inf (min_tokens)
+    penalties: Optional["PenaltyBatch"]
+    max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
+
+
+@dataclass
+class PenaltyBatch:
+    presence: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    repetition: torch.Tensor  # [B, 1]
+    output_counts: torch.Tensor  # [B, V] how often each token was generated
+    seen: torch.Tensor  # [B, V] bool: in the prompt or the output
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: Optional[torch.Tensor] = None  # [B, 1 + N]: sampled token, then the top-N
+    logprob_token_ids: Optional[torch.Tensor] = None  # [B, 1 + N]
+    ranks: Optional[torch.Tensor] = None  # [B]: rank of the sampled token (1 = most likely)
+
+
+def build_penalties(reqs: list[Request], rows: list[int], batch: int, vocab: int,
+                    device: torch.device) -> PenaltyBatch:
+    presence = torch.zeros(batch, 1)
+    frequency = torch.zeros(batch, 1)
+    repetition = torch.ones(batch, 1)
+    counts = torch.zeros(batch, vocab)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool)
+    for row, req in zip(rows, reqs):
+        p = req.params
+        presence[row], frequency[row], repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        out = torch.as_tensor(req.output_token_ids, dtype=torch.int64)
+        counts[row].index_add_(0, out, torch.ones(len(out)))
+        seen[row, torch.as_tensor(req.prompt_token_ids, dtype=torch.int64)] = True
+        seen[row, out] = True
+    return PenaltyBatch(presence.to(device), frequency.to(device), repetition.to(device), counts.to(device),
+                        seen.to(device))
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:
+    # Repetition (CTRL-style, as HF): shrink the logits of every seen token towards "less likely".
+    rep = torch.where(pen.seen, pen.repetition, torch.ones_like(pen.repetition))
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    # OpenAI-style frequency and presence penalties on generated tokens.
+    return logits - pen.frequency * pen.output_counts - pen.presence * (pen.output_counts > 0)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        mask |= torch.arange(logits.shape[-1], device=logits.device) >= top_k.unsqueeze(1)
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+        mask |= before > top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Generator]],
+                     any_seeded: bool) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    if any_seeded:
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                q[row].exponential_(generator=gen)
+    return (probs / q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        if batch.banned is not None:
+            logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        greedy = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy
+        else:
+            temp = batch.temperature.unsqueeze(1)
+            scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
+            if batch.top_k is not None or batch.top_p is not None:
+                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            probs = scaled.softmax(dim=-1)
+            if batch.min_p is not None:
+                keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+                probs = probs * keep
+            sampled = exponential_race(probs, batch.generators, batch.any_seeded)
+            tokens = torch.where(batch.temperature > 0, sampled, greedy)
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1))
+            out.ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            ids = tokens.unsqueeze(1)
+            if batch.max_logprobs > 0:
+                top_lp, top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
+                chosen = torch.cat([chosen, top_lp], dim=1)
+                ids = torch.cat([ids, top_ids], dim=1)
+            out.logprobs, out.logprob_token_ids = chosen, ids
+        return out

@@ -1,0 +1,235 @@
+"""Continuous batching: decide, once per step, how many tokens each request computes.
+
+There is no prefill phase. Every request has `num_computed_tokens` and a target (all of its known
+tokens); each step gives requests tokens until computed catches up, under a token budget
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Chunked prefill, prefix-cache hits and
+decode all fall out of that rule. Running requests go first; when the KV pool runs dry the last
+running request (the most recently admitted one, or the lowest-priority one) is preempted by recompute.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from streamer.config import EngineConfig
+from streamer.kv_cache import KVCacheManager
+from streamer.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    num_tokens: int  # tokens computed this step
+    start: int  # num_computed_tokens before this step
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the request's last known token, so that a new one is sampled?"""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def __len__(self) -> int:
+        return len(self.scheduled)
+
+
+class WaitingQueue:
+    """FCFS: a deque (preempted requests return to the front). Priority: a heap on (priority, arrival)."""
+
+    def __init__(self, policy: str, aging: Optional[float] = None) -> None:
+        self.policy = policy
+        self.aging = aging
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[tuple[float, float], int, Request]] = []
+        self._tie = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fifo) if self.policy == "fcfs" else iter(r for _, _, r in sorted(self._heap))
+
+    def key(self, req: Request) -> tuple[float, float]:
+        if self.aging:
+            # Aging: each `aging` seconds of waiting counts as one priority level, so nobody starves.
+            return (req.priority - (time.monotonic() - req.arrival_time) / self.aging, req.arrival_time)
+        return req.priority_key()
+
+    def push(self, req: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            (self._fifo.appendleft if front else self._fifo.append)(req)
+        else:
+            heapq.heappush(self._heap, (req.priority_key(), next(self._tie), req))
+
+    def peek(self) -> Request:
+        if self.policy == "fcfs":
+            return self._fifo[0]
+        if self.aging:
+            return min(self._heap, key=lambda e: self.key(e[2]))[2]
+        return self._heap[0][2]
+
+    def remove(self, req: Request) -> bool:
+        if self.policy == "fcfs":
+            try:
+                self._fifo.remove(req)
+                return True
+            except ValueError:
+                return False
+        for i, entry in enumerate(self._heap):
+            if entry[2] is req:
+                self._heap.pop(i)
+                heapq.heapify(self._heap)
+                return True
+        return False
+
+    def pop(self) -> Request:
+        if self.policy == "fcfs":
+            return self._fifo.popleft()
+        req = self.peek()
+        self.remove(req)
+        return req
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging)
+        self.running: list[Request] = []  # schedule order; the last one is the first to be preempted
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish or abort a request: its blocks go back to the pool at once."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def _running_key(self, req: Request) -> tuple[float, float]:
+        return req.priority_key()
+
+    def _add_running(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        if self.config.scheduling_policy == "priority":
+            keys = [self._running_key(r) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, self._running_key(req)), req)
+        else:
+            self.running.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req, front=True)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.config.scheduling_policy == "priority":
+            self._preempt_for_priority(out)
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []
+        pool_dry = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to do until its last sampled token arrives
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                pool_dry = True
+                if victim is req:
+                    break
+            else:
+                planned.append((req, n))
+                budget -= n
+                i += 1
+        if not pool_dry:  # admitting now would only preempt again next step
+            budget = self._admit(planned, budget)
+        for req, n in planned:
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            req.num_computed_tokens += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+        return out
+
+    def _admit(self, planned: list[tuple[Request, int]], budget: int) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.pop()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self._add_running(req)
+            planned.append((req, n))
+            budget -= n
+        return budget
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """A waiting request that outranks the worst running one takes its place when seats or blocks are short."""
+        while len(self.waiting) and self.running:
+            head, worst = self.waiting.peek(), self.running[-1]
+            if self.waiting.key(head) >= self._running_key(worst):
+                return
+            hits, num_hit = self.kv.get_computed_blocks(head)
+            first_chunk = min(head.num_tokens, num_hit + self.config.max_num_batched_tokens)
+            seats = len(self.running) < self.config.max_num_seqs
+            if seats and self.kv.can_fit(first_chunk, hits):
+                return
+            self._preempt(worst)
+            out.preempted.append(worst)
+
+    def check_invariants(self) -> None:
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.request_id not in self.kv.req_blocks, "a waiting request holds blocks"
+        self.kv.check_consistency()

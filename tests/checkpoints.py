@@ -1,0 +1,77 @@
+"""Tiny Hugging Face checkpoints with random weights, built by the tests (nothing is downloaded).
+
+Each folder is what `save_pretrained` writes (config.json + safetensors, sharded when asked) plus a
+tokenizer trained with `tokenizers`, so streamer and `transformers` load exactly the same model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                             initializer_range=0.08)
+
+
+def hf_config(family: str, vocab_size: int, **overrides: Any):
+    import transformers as tf
+    kw = dict(_BASE, vocab_size=vocab_size, **overrides)
+    if family == "llama":
+        kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        return tf.LlamaConfig(**kw)
+    if family == "mistral":
+        kw.setdefault("sliding_window", None)
+        return tf.MistralConfig(**kw)
+    if family == "qwen2":
+        kw.setdefault("tie_word_embeddings", True)
+        return tf.Qwen2Config(**kw)
+    if family == "qwen3":
+        kw.setdefault("head_dim", 32)
+        return tf.Qwen3Config(**kw)
+    raise ValueError(family)
+
+
+def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "bytelevel", seed: int = 0,
+                    dtype: torch.dtype = torch.float32, max_shard_size: str | None = None,
+                    **overrides: Any) -> Path:
+    import transformers as tf
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    make_tok = make_bytelevel_tokenizer if tokenizer == "bytelevel" else make_sentencepiece_tokenizer
+    make_tok(out_dir)
+    tok = json.loads((out_dir / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + sum(1 for t in tok["added_tokens"] if t["id"] >= len(tok["model"]["vocab"]))
+    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
+    cfg = hf_config(family, vocab, **overrides)
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    bos, eos = cfg_tok.get("bos_token"), cfg_tok.get("eos_token")
+    cfg.bos_token_id = ids.get(bos if isinstance(bos, str) else (bos or {}).get("content"))
+    cfg.eos_token_id = ids.get(eos if isinstance(eos, str) else (eos or {}).get("content"))
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects), fp32."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
