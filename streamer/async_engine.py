@@ -1,0 +1,340 @@
+"""AsyncEngine: the engine on an asyncio event loop, with the model step on a dedicated device thread.
+
+The loop owns every piece of mutable engine state (scheduler, KV bookkeeping, detokenizers): it
+schedules step N, hands it to the device thread, and while the device computes, it accepts requests,
+serves HTTP and streams step N-1's tokens. Only `ModelRunner.execute` runs on the device thread, and it
+reads nothing the loop changes while it runs (block tables are copied for it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Optional
+
+from streamer.config import EngineConfig
+from streamer.engine import LLMEngine, PromptType, SeqUpdate
+from streamer.metrics import EngineMetrics
+from streamer.outputs import CompletionOutput, RequestOutput, StreamOutput
+from streamer.sampling_params import SamplingParams
+
+logger = logging.getLogger("streamer")
+
+_TOKENIZE_OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread
+
+
+class EngineDeadError(RuntimeError):
+    """The device thread failed: no request can make progress any more."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound (`max_waiting`): try again later."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestStream:
+    """Async iterator over one request's incremental outputs. Leaving it early aborts the request."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, prompt_token_ids: list[int],
+                 queue: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.num_seqs = num_seqs
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_tokens = len(prompt_token_ids)
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self._queue = queue
+        self._finished_seqs = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._finished_seqs >= self.num_seqs
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self.completion_tokens += len(item.token_ids)
+        if item.finished:
+            self._finished_seqs += 1
+            if self.finished:
+                item.usage = self.usage()
+        return item
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self._finished_seqs = self.num_seqs
+            self.engine.abort_now(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    def __init__(self, model: Optional[str] = None, **engine_args) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.engine: Optional[LLMEngine] = None
+        self.metrics: Optional[EngineMetrics] = None
+        self._streams: dict[str, tuple[RequestStream, asyncio.Queue]] = {}
+        self._last_token_time: dict[str, float] = {}
+        self._dead: Optional[BaseException] = None
+        self._task: Optional[asyncio.Task] = None
+        self._device: Optional[ThreadPoolExecutor] = None
+        self._wakeup: Optional[asyncio.Event] = None
+        self._idle: Optional[asyncio.Event] = None
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> "AsyncEngine":
+        loop = asyncio.get_running_loop()
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="streamer-device")
+        # Load on the device thread: it owns the device from now on, and the loop stays responsive.
+        self.engine = await loop.run_in_executor(self._device, LLMEngine, self.config)
+        self.metrics = EngineMetrics(self.stats, self.model_name)
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task = asyncio.create_task(self._run(), name="streamer-engine-loop")
+        return self
+
+    async def stop(self, drain_timeout: float = 0.0) -> None:
+        """Stop the engine. With a drain timeout, in-flight requests may finish first; the rest are aborted."""
+        if drain_timeout > 0 and self.is_alive and self._idle is not None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), drain_timeout)
+            except asyncio.TimeoutError:
+                logger.warning("drain timeout: aborting %d request(s)", len(self._streams))
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for rid in list(self._streams):
+            self.abort_now(rid)
+        if self._device is not None:
+            self._device.shutdown(wait=True, cancel_futures=True)
+            self._device = None
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._task is not None and not self._task.done()
+
+    @property
+    def model_name(self) -> str:
+        return str(self.config.model) if self.config.model else "streamer-demo"
+
+    @property
+    def tokenizer(self):
+        return self._core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def _core(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)` or `await start()`")
+        return self.engine
+
+    def stats(self) -> dict:
+        e = self._core
+        s = e.stats()
+        s["running_by_priority"] = _count_by_priority(e.scheduler.running)
+        s["waiting_by_priority"] = _count_by_priority(e.scheduler.waiting)
+        s["num_requests"] = len(self._streams)
+        return s
+
+    # ------------------------------------------------------------------ requests
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.tokenizer
+        if len(text) > _TOKENIZE_OFF_LOOP_CHARS:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens)
+        return tok.encode(text, add_special_tokens)
+
+    async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                          request_id: Optional[str] = None, priority: int = 0,
+                          cache_salt: Optional[str] = None) -> RequestStream:
+        """Validate and enqueue a request; errors (ValueError, QueueFullError, EngineDeadError) raise here,
+        before any output. Returns the stream of its outputs."""
+        core = self._core
+        self._check_alive()
+        params = params if params is not None else SamplingParams()
+        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        if isinstance(prompt, str):
+            ids = await self.encode(prompt)
+        else:
+            text, ids = core.tokenize_prompt(prompt)
+        self._check_alive()
+        limit = self.config.max_waiting
+        if limit is not None and core.scheduler.num_waiting >= limit:
+            raise QueueFullError(f"the server is overloaded: {core.scheduler.num_waiting} requests waiting "
+                                 f"(max_waiting={limit})")
+        if request_id is not None and request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
+                                  cache_salt=cache_salt, prompt_token_ids=ids)
+        rid = states[0].req.parent_id or states[0].req.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(self, rid, len(states), ids, queue)
+        self._streams[rid] = (stream, queue)
+        self._idle.clear()  # type: ignore[union-attr]
+        self._wakeup.set()  # type: ignore[union-attr]
+        return stream
+
+    async def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None, priority: int = 0,
+                     cache_salt: Optional[str] = None) -> AsyncIterator[StreamOutput]:
+        """`async for out in engine.stream(prompt, params)`: incremental outputs; usage on the last one."""
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            stream.close()
+
+    async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> RequestOutput:
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+        n = stream.num_seqs
+        outs = [CompletionOutput(i, "", [], logprobs=[] if params and params.logprobs is not None else None)
+                for i in range(n)]
+        try:
+            async for item in stream:
+                o = outs[item.index]
+                o.text += item.text
+                o.token_ids += item.token_ids
+                if item.logprobs and o.logprobs is not None:
+                    o.logprobs += item.logprobs
+                if item.finished:
+                    o.finish_reason, o.stop_reason = item.finish_reason, item.stop_reason
+        finally:
+            stream.close()
+        return RequestOutput(stream.request_id, prompt if isinstance(prompt, str) else None,
+                             list(stream.prompt_token_ids), outs, True, num_cached_tokens=stream.cached_tokens)
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_now(request_id)
+
+    def abort_now(self, request_id: str) -> None:
+        """Abort on the loop thread: blocks return to the pool before the next step is scheduled."""
+        entry = self._streams.pop(request_id, None)
+        if self.engine is not None:
+            for state in self.engine.abort(request_id):
+                self._last_token_time.pop(state.req.request_id, None)
+                if self.metrics is not None:
+                    self.metrics.request_success.inc(finished_reason="abort", model_name=self.model_name)
+        if entry is not None:
+            stream, queue = entry
+            if not stream.finished:
+                for i in range(stream.num_seqs):
+                    queue.put_nowait(StreamOutput(request_id, i, [], "", finish_reason="abort"))
+        self._maybe_idle()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has failed: {self._dead!r}")
+        if self._task is None or self._task.done():
+            raise EngineDeadError("the engine is not running")
+
+    def _maybe_idle(self) -> None:
+        if not self._streams and self._idle is not None:
+            self._idle.set()
+
+    # ------------------------------------------------------------------ the loop
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self._core
+        try:
+            while True:
+                if not core.has_unfinished():
+                    self._wakeup.clear()  # type: ignore[union-attr]
+                    await self._wakeup.wait()  # type: ignore[union-attr]
+                    continue
+                sched = core.scheduler.schedule()
+                if not sched.scheduled:
+                    await asyncio.sleep(0.001)
+                    continue
+                tables = core.block_tables(sched)
+                result = await loop.run_in_executor(self._device, core.runner.execute, sched, tables)
+                self._dispatch(core.process(sched, result))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the device thread (or the step) failed: fail everyone, loudly
+            logger.exception("engine step failed; the engine is now dead")
+            self._dead = exc
+            err = EngineDeadError(f"the engine has failed: {exc!r}")
+            for rid, (_, queue) in list(self._streams.items()):
+                queue.put_nowait(err)
+            self._streams.clear()
+            if self._idle is not None:
+                self._idle.set()
+
+    def _dispatch(self, updates: list[SeqUpdate]) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        for u in updates:
+            req = u.req
+            rid = req.parent_id or req.request_id
+            entry = self._streams.get(rid)
+            prev = self._last_token_time.get(req.request_id)
+            if m is not None:
+                m.generation_tokens.inc(len(u.new_token_ids), model_name=self.model_name)
+                if prev is None:
+                    m.ttft.observe(now - req.arrival_time)
+                    if req.seq_index == 0:
+                        m.prompt_tokens.inc(req.num_prompt_tokens, model_name=self.model_name)
+                else:
+                    m.itl.observe(now - prev)
+            self._last_token_time[req.request_id] = now
+            if entry is not None:
+                stream, queue = entry
+                stream.cached_tokens = max(req.num_cached_tokens, 0)
+                queue.put_nowait(StreamOutput(rid, req.seq_index, u.new_token_ids, u.text, u.logprobs,
+                                              req.finish_reason if u.finished else None,
+                                              req.stop_reason if u.finished else None))
+            if u.finished:
+                self._last_token_time.pop(req.request_id, None)
+                met = u.state.metrics
+                if m is not None:
+                    m.observe_finished(req.finish_reason or "stop", req.num_prompt_tokens, req.num_output_tokens,
+                                       req.arrival_time, req.first_scheduled_time, met.first_token_time, now)
+                if entry is not None and rid not in self._core.groups:
+                    self._streams.pop(rid, None)
+        self._maybe_idle()
+
+
+def _count_by_priority(reqs) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in reqs:
+        counts[r.priority] = counts.get(r.priority, 0) + 1
+    return counts

@@ -1,0 +1,157 @@
+"""A small Prometheus text-format registry, with vLLM's metric names so existing dashboards work."""
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Callable, Optional
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _fmt_labels(labels: Labels, extra: str = "") -> str:
+    parts = [f'{k}="{v}"' for k, v in labels] + ([extra] if extra else [])
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+class Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help: str) -> None:
+        self.name, self.help = name, help
+        self._lock = threading.Lock()
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class Counter(Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help: str) -> None:
+        super().__init__(name, help)
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self._lock:
+            self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(tuple(sorted(labels.items())), 0.0)
+
+    def render(self) -> list[str]:
+        rows = self.values.items() or [((), 0.0)]
+        return self.header() + [f"{self.name}{_fmt_labels(k)} {v}" for k, v in rows]
+
+
+class Gauge(Metric):
+    """A gauge read at scrape time from a callback returning {labels: value}."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help: str, read: Callable[[], dict[Labels, float]]) -> None:
+        super().__init__(name, help)
+        self.read = read
+
+    def render(self) -> list[str]:
+        rows = self.read().items() or [((), 0.0)]
+        return self.header() + [f"{self.name}{_fmt_labels(k)} {v}" for k, v in rows]
+
+
+class Histogram(Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: list[float]) -> None:
+        super().__init__(name, help)
+        self.buckets = sorted(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.buckets, value)] += 1
+            self.sum += value
+            self.count += 1
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        acc = 0
+        for le, c in zip(self.buckets, self.counts):
+            acc += c
+            lines.append(f'{self.name}_bucket{{le="{le}"}} {acc}')
+        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
+        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+_LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.metrics: list[Metric] = []
+
+    def add(self, metric: Metric) -> Metric:
+        self.metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
+
+
+class EngineMetrics:
+    """The engine's metrics. Gauges read live engine state; counters and histograms are fed per request."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
+        self.registry = r = Registry()
+        self.model_name = model_name
+        lbl: Labels = (("model_name", model_name),)
+
+        def gauge(key: str) -> Callable[[], dict[Labels, float]]:
+            return lambda: {lbl: float(stats()[key])}
+
+        def per_priority(key: str) -> Callable[[], dict[Labels, float]]:
+            return lambda: {lbl + (("priority", str(p)),): float(v) for p, v in stats()[key].items()}
+
+        r.add(Gauge("vllm:num_requests_running", "Requests in the running batch.", gauge("num_running")))
+        r.add(Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", gauge("num_waiting")))
+        r.add(Gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", gauge("kv_cache_usage")))
+        r.add(Gauge("streamer:num_requests_running_by_priority", "Running requests per priority.",
+                    per_priority("running_by_priority")))
+        r.add(Gauge("streamer:num_requests_waiting_by_priority", "Waiting requests per priority.",
+                    per_priority("waiting_by_priority")))
+        r.add(Gauge("vllm:num_preemptions_total", "Preemptions (by recompute) so far.", gauge("num_preemptions")))
+        r.add(Gauge("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+                    gauge("prefix_cache_queries")))
+        r.add(Gauge("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+                    gauge("prefix_cache_hits")))
+        self.prompt_tokens = r.add(Counter("vllm:prompt_tokens_total", "Prompt tokens processed."))
+        self.generation_tokens = r.add(Counter("vllm:generation_tokens_total", "Tokens generated."))
+        self.request_success = r.add(Counter("vllm:request_success_total", "Finished requests by finish reason."))
+        self.ttft = r.add(Histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY))
+        self.itl = r.add(Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY))
+        self.tpot = r.add(Histogram("vllm:request_time_per_output_token_seconds",
+                                    "Mean time per output token of a request.", _LATENCY))
+        self.e2e = r.add(Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY))
+        self.queue_time = r.add(Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                                          _LATENCY))
+        self.prompt_len = r.add(Histogram("vllm:request_prompt_tokens", "Prompt length.",
+                                          [2.0 ** i for i in range(18)]))
+        self.gen_len = r.add(Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                       [2.0 ** i for i in range(18)]))
+
+    def render(self) -> str:
+        return self.registry.render()
+
+    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, arrival: float,
+                         first_scheduled: Optional[float], first_token: Optional[float], finished: float) -> None:
+        self.request_success.inc(finished_reason=finish_reason, model_name=self.model_name)
+        self.prompt_len.observe(prompt_tokens)
+        self.gen_len.observe(output_tokens)
+        self.e2e.observe(finished - arrival)
+        if first_scheduled is not None:
+            self.queue_time.observe(first_scheduled - arrival)
+        if first_token is not None and output_tokens > 1:
+            self.tpot.observe((finished - first_token) / (output_tokens - 1))
