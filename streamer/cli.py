@@ -1,0 +1,133 @@
+"""The `streamer` command: generate, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Optional, Sequence
+
+from streamer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--priority-aging", type=float, default=None,
+                   help="seconds of waiting that count as one priority level")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None)
+
+
+_ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
+                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed",
+                "tokenizer")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in _ENGINE_KEYS if hasattr(args, k)}
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def _describe_model(model: Optional[str]) -> str:
+    if model:
+        return model
+    from streamer.demo_model import default_model_path
+    return f"{default_model_path()} (the embedded demo model)"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import asyncio
+    from streamer.async_engine import AsyncEngine
+    try:
+        params = sampling_params(args)
+    except ValueError as e:
+        print(f"streamer generate: error: {e}", file=sys.stderr)
+        return 2
+    print(f"model: {_describe_model(args.model)}", file=sys.stderr)
+
+    async def run() -> None:
+        async with AsyncEngine(args.model, **engine_kwargs(args)) as engine:
+            sys.stdout.write(args.prompt)
+            sys.stdout.flush()
+            async for out in engine.stream(args.prompt, params):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+
+    try:
+        asyncio.run(run())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"streamer generate: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamer", description="LLM inference and serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    gen.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded demo model)")
+    gen.add_argument("--prompt", required=True)
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF checkpoint folder (default: the embedded demo model)")
+    add_engine_args(serve)
+    try:
+        from streamer.server.cli import add_serve_args, cmd_serve
+        add_serve_args(serve)
+        serve.set_defaults(func=cmd_serve)
+    except ImportError:
+        serve.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
+    sub.add_parser("bench", help="load-test an OpenAI-compatible server (streamer bench --help)", add_help=False)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from streamer.bench.cli import main as bench_main
+        return bench_main(argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
