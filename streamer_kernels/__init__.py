@@ -1,0 +1,111 @@
+"""streamer_kernels: Triton kernels for the streamer engine, with pure-torch references.
+
+Every public function here dispatches: the Triton kernel when the tensors are on a GPU (or when
+TRITON_INTERPRET=1, which runs the kernels on CPU tensors through Triton's interpreter), the torch reference in
+`streamer_kernels.reference` otherwise. The kernel modules are imported lazily, so importing this package does
+not need Triton, and TRITON_INTERPRET is honoured as long as it is set before the first kernel call.
+
+Conventions shared by all kernels:
+- the last dim of every tensor is contiguous; other dims may be strided (slices of a fused qkv are fine);
+- the KV cache per layer is key_cache / value_cache [num_blocks, block_size, num_kv_heads, head_dim]
+  (kv_cache[0] / kv_cache[1] of the engine's [2, ...] tensor);
+- query_start_loc / seq_lens / block_table are int32 (int64 also works), slot_mapping is int64;
+- no function synchronises with the host: every size the launch needs comes from shapes or Python ints.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from streamer_kernels import reference
+from streamer_kernels._utils import HAS_TRITON, interpret_mode, use_triton
+from streamer_kernels.reference import build_cos_sin_cache
+
+__all__ = [
+    "HAS_TRITON", "interpret_mode", "use_triton", "reference", "build_cos_sin_cache",
+    "reshape_and_cache", "unified_attention", "choose_num_kv_splits",
+    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+]
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into key_cache/value_cache [num_blocks, block_size, Hkv, D] at slot_mapping
+    (int64 [T]; slot = block * block_size + offset; -1 = padding, skipped). key/value must have the cache dtype.
+    Only the first min(T, len(slot_mapping)) rows are written."""
+    if use_triton(key):
+        from streamer_kernels.cache import reshape_and_cache as impl
+    else:
+        impl = reference.reshape_and_cache
+    impl(key, value, key_cache, value_cache, slot_mapping)
+
+
+def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      softmax_scale: float, max_query_len: int, max_seq_len: int,
+                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None) -> None:
+    """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
+
+    q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
+    query_start_loc int32 [B+1]; seq_lens int32 [B] (context length including this step's tokens);
+    block_table int32 [B, max_blocks]. Request b's queries sit at positions seq_len_b - q_b ... seq_len_b - 1;
+    the query at position p attends keys [max(0, p - sliding_window + 1), p]. max_query_len / max_seq_len are
+    host-side upper bounds (they size the launch: an underestimate drops work). Rows of `out` past
+    query_start_loc[B] are left untouched. num_kv_splits: None = automatic split-KV for decode batches.
+    """
+    if use_triton(q):
+        from streamer_kernels.attention import unified_attention as impl
+    else:
+        impl = reference.unified_attention
+    impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
+         max_seq_len, sliding_window, num_kv_splits=num_kv_splits)
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                         head_dim: int, dtype: torch.dtype, device: torch.device,
+                         sliding_window: Optional[int] = None) -> int:
+    """The split-KV factor `unified_attention` picks by itself (1 = single pass); exposed for planning/tests."""
+    from streamer_kernels.attention import choose_num_kv_splits as impl
+
+    return impl(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim, dtype, device, sliding_window)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (fp32 statistics; output in x's dtype). Returns a new tensor."""
+    if use_triton(x):
+        from streamer_kernels.norm import rms_norm as impl
+    else:
+        impl = reference.rms_norm
+    return impl(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass. Returns new tensors; inputs are not modified."""
+    if use_triton(x):
+        from streamer_kernels.norm import fused_add_rms_norm as impl
+    else:
+        impl = reference.fused_add_rms_norm
+    return impl(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] at `positions` [T]; cos_sin_cache [max_pos, rot_dim] = cat(cos, sin)
+    (see build_cos_sin_cache, which handles Llama-3 scaling). rot_dim <= D; the rest of each head passes
+    through. is_neox: rotate halves (Llama, neox) vs interleaved pairs (GPT-J). Returns new tensors."""
+    if use_triton(q):
+        from streamer_kernels.rotary import rotary_embedding as impl
+    else:
+        impl = reference.rotary_embedding
+    return impl(positions, q, k, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] -> silu(x[..., :d]) * x[..., d:]."""
+    if use_triton(x):
+        from streamer_kernels.activation import silu_and_mul as impl
+    else:
+        impl = reference.silu_and_mul
+    return impl(x)

@@ -1,0 +1,346 @@
+"""unified_attention: one Triton kernel for a varlen batch mixing prefill chunks and decode tokens over the
+paged KV cache, plus a split-KV ("flash-decoding") mode and its reduction kernel.
+
+Work decomposition
+------------------
+A program owns one *q-block* (BLOCK_Q consecutive query tokens of one request) for one KV head, and all the
+QPK = num_heads // num_kv_heads query heads that share that KV head. Its BLOCK_M = BLOCK_Q * QPK (padded to a
+power of two) rows are (token, head) pairs, so every K/V tile is loaded once and used by the whole group
+(GQA/MQA), and decode (BLOCK_Q small) still gives tl.dot at least 16 rows.
+
+Programs are numbered without a host sync: request b's q-blocks start at query_start_loc[b] // BLOCK_Q + b,
+an upper bound that leaves a few idle programs (which exit at once); a program finds its request by binary
+search over query_start_loc.
+
+The key loop walks tiles of TILE_N positions, looking up each position's physical block in the block table, so
+TILE_N and the cache block size are independent. Tiles that are entirely visible to every row of the q-block
+(strictly below the causal diagonal, inside the window) run without any masking; only the boundary tiles pay
+for it. Softmax is online, in fp32, in base 2 (the scale is folded with log2(e)).
+
+Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
+as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
+them. It pays when few requests with long contexts would otherwise occupy a handful of SMs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from streamer_kernels._utils import cdiv, device_sm_count, interpret_mode, next_pow2
+
+# Stands in for -inf as the initial running max: rows whose every key is masked in a tile (possible with a
+# sliding window, or in an empty split segment) then give exp2(-inf - m) = 0 rather than NaN.
+_NEG_LARGE = -1.0e30
+_LOG2E = 1.4426950408889634
+
+MAX_KV_SPLITS = 64
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest b in [0, num_seqs) with query_start_loc[b] // BLOCK_Q + b <= pid (binary search)."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load(ptrs, mask, USE_MASK: tl.constexpr):
+    # Unmasked loads where the mask is provably all-true keep the hot loop free of predication.
+    if USE_MASK:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q,
+    key_cache_ptr, value_cache_ptr, block_table_row_ptr,
+    stride_c_block, stride_c_slot,
+    q_pos, key_end, sliding_window, qk_scale,
+    tile_start, tile_stop,
+    offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
+    window / end-of-context masks; unmasked tiles must be fully visible to every row."""
+    for j in range(tile_start, tile_stop):
+        k_pos = j * TILE_N + offs_n
+        in_ctx = k_pos < key_end
+        # Past the context the block table holds garbage (or is out of bounds): never follow it there.
+        block = _load(block_table_row_ptr + k_pos // BLOCK_SIZE, in_ctx, MASKED).to(tl.int64)
+        offs_kv = (block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot)[:, None] + offs_d[None, :]
+        kv_mask = in_ctx[:, None] & d_mask[None, :]
+        k = _load(key_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)  # [TILE_N, BLOCK_D]
+        v = _load(value_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
+            if USE_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _unified_attention_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    num_seqs, qk_scale, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_block, stride_c_slot, stride_c_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_request(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
+    if q_block >= num_q_blocks:
+        return
+    if NUM_SPLITS == 1:
+        # Under the causal mask the last q-blocks of a prompt do the most work; launching them first shortens
+        # the tail of the grid.
+        q_block = num_q_blocks - 1 - q_block
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # tokens cached before this step's queries
+
+    # Rows are (query token, query head) pairs: row r -> token q_block * BLOCK_Q + r // QPK, head r % QPK
+    # within this KV head's group. Rows past BLOCK_Q * QPK only pad BLOCK_M to a power of two.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, TILE_N)
+    q_local = q_block * BLOCK_Q + offs_m // QPK
+    head = kv_head * QPK + offs_m % QPK
+    row_valid = (offs_m < BLOCK_Q * QPK) & (q_local < q_len)
+    q_pos = ctx_len + q_local
+    d_mask = offs_d < HEAD_DIM
+    token = (q_start + q_local).to(tl.int64)
+
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys this q-block needs: [key_start, key_end).
+    q_lo = q_block * BLOCK_Q
+    q_hi = tl.minimum(q_lo + BLOCK_Q, q_len)
+    key_end = ctx_len + q_hi
+    tile_lo = 0
+    if USE_WINDOW:
+        tile_lo = tl.maximum(ctx_len + q_lo - sliding_window + 1, 0) // TILE_N
+    tile_hi = tl.cdiv(key_end, TILE_N)
+    if NUM_SPLITS > 1:
+        tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+        tile_lo = tile_lo + split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_hi)
+        tile_lo = tl.minimum(tile_lo, tile_hi)
+
+    # Tiles [full_lo, full_hi) are visible to every row: wholly at or before the earliest query position and,
+    # with a window, wholly inside the latest query's window. The rest of [tile_lo, tile_hi) is masked.
+    full_hi = (ctx_len + q_lo + 1) // TILE_N
+    full_lo = tile_lo
+    if USE_WINDOW:
+        full_lo = tl.cdiv(tl.maximum(ctx_len + q_hi - sliding_window, 0), TILE_N)
+    full_lo = tl.minimum(tl.maximum(full_lo, tile_lo), tile_hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tile_hi)
+
+    m_i = tl.full([BLOCK_M], _NEG_LARGE, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_base = key_cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    v_base = value_cache_ptr + kv_head.to(tl.int64) * stride_c_head
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
+                                  q_pos, key_end, sliding_window, qk_scale, tile_lo, full_lo,
+                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  True, USE_WINDOW, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
+                                  q_pos, key_end, sliding_window, qk_scale, full_lo, full_hi,
+                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  False, USE_WINDOW, UPCAST, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
+                                  q_pos, key_end, sliding_window, qk_scale, full_hi, tile_hi,
+                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  True, USE_WINDOW, UPCAST, DOT_PRECISION)
+
+    store_mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only invalid rows have l == 0; they are not stored
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Partials: acc [T, H, NUM_SPLITS, BLOCK_D], (m, l) [T, H, NUM_SPLITS, 2]. Every split stores, even an
+        # empty one (m = -1e30, l = 0), so the reduction never reads uninitialised memory.
+        part_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=store_mask)
+        tl.store(part_ml_ptr + part_row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + part_row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, num_seqs,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows have no partials
+        return
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + row * 2)
+    l = tl.load(part_ml_ptr + row * 2 + 1)
+    acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM,
+                  other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.math.exp2(m - m_max)  # empty splits: exp2(-1e30 - m_max) = 0
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # rows per program (query tokens x grouped heads), a power of two >= 16
+    tile_n: int  # keys per loop iteration
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype) -> AttentionConfig:
+    """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
+    large q-blocks so each K/V tile feeds many rows. Heuristic, untuned beyond first principles: the GPU check
+    prints timings so these can be revisited on real hardware."""
+    big_elems = dtype == torch.float32 or head_dim > 128  # fp32 or wide heads: halve tiles (registers/smem)
+    if max_query_len * group <= 16 or max_query_len == 1:
+        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=32 if big_elems else 64,
+                               num_warps=4, num_stages=3)
+    block_m = max(64 if big_elems else 128, next_pow2(group))
+    return AttentionConfig(block_m=block_m, tile_n=32 if big_elems else 64,
+                           num_warps=8 if block_m >= 128 else 4, num_stages=2 if big_elems else 3)
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
+                         head_dim: int, dtype: torch.dtype, device: torch.device,
+                         sliding_window: Optional[int] = None) -> int:
+    """Split-KV factor for a batch: > 1 only for decode-only batches whose (request, KV head) programs would
+    fill less than two programs per SM, and only as far as each split keeps >= 4 tiles of work."""
+    if max_query_len != 1 or num_seqs == 0:
+        return 1
+    sms = device_sm_count(device)
+    programs = num_seqs * num_kv_heads
+    context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    tile_n = attention_config(head_dim, 1, 1, dtype).tile_n
+    tiles = cdiv(context, tile_n)
+    splits = 1
+    while (splits < MAX_KV_SPLITS and programs * splits < 2 * sms and tiles >= 4 * (splits * 2)):
+        splits *= 2
+    return splits
+
+
+def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      softmax_scale: float, max_query_len: int, max_seq_len: int,
+                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None) -> None:
+    """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
+    power of two forcing the split-KV path (which is correct for any batch, just slower for prefill)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride(), \
+        "key and value caches must share a layout (kv_cache[0] / kv_cache[1] do)"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1 and key_cache.stride(-1) == 1
+    assert out.shape == q.shape and key_cache.dtype == q.dtype
+    assert query_start_loc.shape[0] == num_seqs + 1 and block_table.shape[0] >= num_seqs
+    assert block_table.stride(1) == 1
+    group = num_heads // num_kv_heads
+    use_window = sliding_window is not None and sliding_window > 0
+
+    cfg = attention_config(head_dim, group, max_query_len, q.dtype)
+    block_q = cfg.block_m // group
+    block_d = next_pow2(head_dim)
+    # Upper bound on q-blocks without reading query_start_loc: sum_b ceil(q_b / BLOCK_Q) is at most both.
+    num_q_programs = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_query_len, block_q))
+
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim,
+                                             q.dtype, q.device, sliding_window if use_window else None)
+    assert num_kv_splits >= 1 and num_kv_splits & (num_kv_splits - 1) == 0, "num_kv_splits: a power of two"
+
+    if num_kv_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_kv_splits, block_d, dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_kv_splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused by the single-pass kernel
+
+    # bf16 arithmetic is broken in the numpy interpreter (bf16 lives there as raw uint16), so under it K/V/Q
+    # are widened to fp32 right after loading. fp32 inputs get exact fp32 dots (no TF32) on the GPU.
+    upcast = interpret_mode() and q.dtype == torch.bfloat16
+    precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+
+    _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
+        q, key_cache, value_cache, out, part_acc, part_ml,
+        query_start_loc, seq_lens, block_table,
+        num_seqs, softmax_scale * _LOG2E, int(sliding_window) if use_window else 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_table.stride(0),
+        NUM_HEADS=num_heads, QPK=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_kv_splits > 1:
+        _reduce_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, query_start_loc, num_seqs,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_kv_splits,
+            num_warps=1 if block_d * num_kv_splits <= 1024 else 4,
+        )

@@ -1,0 +1,216 @@
+"""Pure-torch references for every kernel in `streamer_kernels`.
+
+They define correctness (the Triton kernels are tested against them) and are also what the engine runs on a
+machine without Triton, so the elementwise ones (norm, rotary, activation) are vectorised; only the attention
+reference loops over requests, because clarity matters more there than speed.
+
+Signatures match the public API in `streamer_kernels/__init__.py` exactly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "reshape_and_cache", "unified_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
+    "silu_and_mul", "build_cos_sin_cache", "top_k_top_p_sample", "top_k_top_p_mask",
+]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------------------------
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] at `slot_mapping` (-1 = skip).
+
+    Only the first min(T, len(slot_mapping)) rows are considered.
+    """
+    n = min(key.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n].to(torch.long)
+    keep = slots >= 0
+    slots = slots[keep]
+    block_size = key_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    # Advanced indexing on the first two dims writes through to the (possibly strided) cache views.
+    key_cache[blocks, offsets] = key[:n][keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[:n][keep].to(value_cache.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------------------
+
+def _gather_context(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one request, [seq_len, Hkv, D], gathered through its block table row."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len, device=cache.device)
+    blocks = block_row.to(torch.long)[positions // block_size]
+    return cache[blocks, positions % block_size]
+
+
+def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                      softmax_scale: float, max_query_len: int, max_seq_len: int,
+                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None) -> None:
+    """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
+
+    Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
+    seq_len_b - q_b ... seq_len_b - 1 and the query at position p attends keys [max(0, p - window + 1), p].
+    `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
+    """
+    del max_query_len, max_seq_len, num_kv_splits
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_context(key_cache, block_table[b], seq_len).float()  # [S, Hkv, D]
+        v = _gather_context(value_cache, block_table[b], seq_len).float()
+        qb = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", qb, k) * softmax_scale  # [Hkv, G, q, S]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, num_heads, head_dim)
+        out[q_start:q_end] = o.to(out.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Norm, rotary, activation
+# --------------------------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm over the last dim: statistics in fp32, the normalised value rounded to x's dtype
+    before the weight is applied (as Hugging Face does, so checkpoints reproduce bit-for-bit)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is taken in the model dtype, as the unfused model does."""
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def build_cos_sin_cache(rot_dim: int, max_position: int, base: float = 10000.0,
+                        rope_scaling: Optional[dict] = None, dtype: torch.dtype = torch.float32,
+                        device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """cat(cos, sin) [max_position, rot_dim] for `rotary_embedding`.
+
+    `rope_scaling` follows the Hugging Face config: None, {"rope_type": "linear", "factor"}, or
+    {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    Computed in fp32 step by step as Hugging Face's rotary embedding does (so checkpoints reproduce), then cast.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device=device).float() / rot_dim))
+    positions = torch.arange(max_position, dtype=torch.float32, device=device)
+    rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type in (None, "default"):
+        pass
+    elif rope_type == "linear":
+        positions = positions / float(rope_scaling["factor"])
+    elif rope_type == "llama3":
+        factor = float(rope_scaling["factor"])
+        low_freq_factor = float(rope_scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_len = float(rope_scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, and the band between is interpolated.
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    else:
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+    freqs = torch.outer(positions, inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hkv, D] by position; returns new tensors (the inputs are not modified).
+
+    cos_sin_cache [max_pos, rot_dim] = cat(cos, sin); the first rot_dim dims of each head are rotated, the rest
+    pass through. neox pairs dim i with i + rot_dim/2; GPT-J pairs 2i with 2i+1. Math in fp32.
+    """
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # [T, rot/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x_rot, x_pass = xf[..., :rot_dim], xf[..., rot_dim:]
+        if is_neox:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([rotated, x_pass], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] -> silu(x[..., :d]) * x[..., d:], as the unfused gated MLP computes it in x's dtype."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sampling
+# --------------------------------------------------------------------------------------------------------------
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                     top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """logits [B, V] (fp32) with every token outside each row's top-k and top-p set set to -inf.
+
+    top_k int [B] (values <= 0 or >= V mean "off"), top_p float [B] (1.0 = off). The top-p set is the smallest
+    set of most-likely tokens (after top-k) whose probability reaches top_p; ties at the boundary are kept.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    if top_k is not None:
+        k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k).long()
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # A token is dropped when the tokens strictly more likely than it already reach top_p.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p.float()[:, None]
+        drop_sorted[:, 0] = False  # always keep the most likely token
+        threshold = sorted_logits.masked_fill(drop_sorted, float("inf")).min(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return logits
+
+
+def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
+                       top_p: Optional[torch.Tensor], exp_noise: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d.
+
+    That argmax is distributed exactly as p, needs no normalisation or cumulative sum, and is a deterministic
+    function of `exp_noise` [B, V] (so per-request seeded generators can supply it). temperature [B] > 0.
+    """
+    scaled = logits.float() / temperature.float()[:, None]
+    masked = top_k_top_p_mask(scaled, top_k, top_p)
+    probs = masked.softmax(dim=-1)
+    return (probs / exp_noise).argmax(dim=-1)
