@@ -1,0 +1,91 @@
+"""Greedy tokens identical to transformers (fp32) for every family, batch shape, chunking and pool size."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from tests.checkpoints import FAMILIES, hf_greedy
+
+MAX_NEW = 12
+
+
+def _prompts(n: int, seed: int, vocab: int = 500, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_pool_whole(llm: LLM) -> None:
+    e = llm.engine
+    e.scheduler.check_invariants()
+    assert e.kv.pool.num_free == e.kv.num_blocks
+    assert not e.seqs and not e.groups
+
+
+@pytest.fixture(scope="module")
+def batch16() -> list[list[int]]:
+    return _prompts(16, seed=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_transformers(make_ckpt, family, batch16):
+    path = make_ckpt(family, family=family)
+    ref = hf_greedy(path, batch16, MAX_NEW)
+    llm = LLM(str(path), dtype="float32")
+    assert _greedy(llm, batch16) == ref  # one batch of 16 mixed-length prompts
+    for p, r in zip(batch16[:3], ref[:3]):  # and single prompts
+        assert _greedy(llm, [p]) == [r]
+    assert len({tuple(r) for r in ref}) > 4, "degenerate reference: the test would not discriminate"
+    _assert_pool_whole(llm)
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama_dir, batch16):
+    return hf_greedy(llama_dir, batch16, MAX_NEW)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=5),  # chunked prefill: prompts split over many steps, mixed with decodes
+    dict(max_num_batched_tokens=7, num_kv_blocks=6, block_size=16),  # preemption + chunking
+    dict(num_kv_blocks=12, block_size=8),  # small pool: preemption by recompute
+    dict(num_kv_blocks=12, block_size=8, enable_prefix_caching=False),
+    dict(block_size=1),
+    dict(block_size=32),
+    dict(max_num_seqs=3),
+], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
+def test_scheduling_variants_match(llama_dir, batch16, llama_ref, engine_args):
+    llm = LLM(str(llama_dir), dtype="float32", **engine_args)
+    assert _greedy(llm, batch16) == llama_ref
+    _assert_pool_whole(llm)
+    if engine_args.get("num_kv_blocks", 1000) < 16:
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+
+
+def test_sliding_window_mistral(make_ckpt):
+    path = make_ckpt("mistral_sw", family="mistral", sliding_window=8)
+    prompts = _prompts(4, seed=3, max_len=30)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    assert _greedy(LLM(str(path), dtype="float32"), prompts) == ref
+    assert _greedy(LLM(str(path), dtype="float32", max_num_batched_tokens=4, block_size=4), prompts) == ref
+
+
+def test_sharded_checkpoint_and_bf16(make_ckpt):
+    path = make_ckpt("llama_sharded", family="llama", max_shard_size="20KB", seed=5)
+    assert (path / "model.safetensors.index.json").exists()
+    prompts = _prompts(3, seed=4)
+    assert _greedy(LLM(str(path), dtype="float32"), prompts) == hf_greedy(path, prompts, MAX_NEW)
+    bf16 = make_ckpt("qwen2_bf16", family="qwen2", dtype=torch.bfloat16, seed=6)
+    llm = LLM(str(bf16))  # dtype auto -> bfloat16 from the checkpoint
+    assert llm.engine.runner.dtype == torch.bfloat16
+    out = _greedy(llm, prompts)
+    assert all(len(o) == MAX_NEW for o in out)
+    # The same bf16 weights upcast to fp32 match transformers doing the same.
+    assert _greedy(LLM(str(bf16), dtype="float32"), prompts) == hf_greedy(bf16, prompts, MAX_NEW)

@@ -1,0 +1,90 @@
+"""Checkpoint loading: clear errors for every way a folder can be wrong; dummy weights at real sizes."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamer import LLM, SamplingParams
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_missing_config(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(d))
+
+
+def test_missing_weights(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(d))
+
+
+def test_unsupported_architecture(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(d))
+
+
+def test_missing_tensor_named(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    del w["model.layers.1.self_attn.k_proj.weight"]
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        LLM(str(d))
+
+
+def test_wrong_shape_named(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    w["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight.*shape \(3, 3\)"):
+        LLM(str(d))
+
+
+def test_shard_listed_in_index_missing(make_ckpt, tmp_path):
+    src = make_ckpt("llama_sharded", family="llama", max_shard_size="20KB", seed=5)
+    d = _copy(src, tmp_path / "m")
+    next(d.glob("model-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="lists shard"):
+        LLM(str(d))
+
+
+def test_dummy_weights_need_no_safetensors(llama_dir, tmp_path):
+    d = _copy(llama_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    llm = LLM(str(d), load_format="dummy", dtype="bfloat16")
+    out = llm.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 5
+    weights = [p for p in llm.engine.runner.model.parameters()]
+    assert all(p.dtype == torch.bfloat16 for p in weights)
+    assert all(torch.isfinite(p.float()).all() for p in weights)
+
+
+def test_engine_config_errors(llama_dir):
+    with pytest.raises(TypeError, match="unknown engine argument.*bogus"):
+        LLM(str(llama_dir), bogus=1)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(str(llama_dir), dtype="float8")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(llama_dir), attention_backend="flash")

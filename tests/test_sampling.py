@@ -1,0 +1,159 @@
+"""Sampling parameters: validation, seeded reproducibility, top-k/p, penalties, logprobs, stops."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from streamer.sampler import PenaltyBatch, apply_penalties, apply_top_k_top_p
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), dtype="float32")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", float("nan")), ("temperature", -0.5), ("temperature", float("inf")),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1),
+    ("max_tokens", 0), ("n", 0), ("presence_penalty", 3.0), ("frequency_penalty", float("nan")),
+    ("repetition_penalty", 0.0), ("logprobs", 21), ("seed", 1.5), ("min_tokens", -1), ("stop", [""]),
+    ("stop_token_ids", [-1]), ("max_tokens", True),
+])
+def test_invalid_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_prompt_validation_says_the_limit(llm):
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match=f"max_model_len is {limit}"):
+        llm.generate([[5] * (limit + 3)], SamplingParams())
+    with pytest.raises(ValueError, match=f"max_tokens may be at most {limit - 10}"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=limit))
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, "):
+        llm.generate([[5, 10 ** 6]], SamplingParams())
+    # A bad prompt in a batch adds nothing: the engine is left idle and whole.
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6], []], SamplingParams())
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_max_tokens_none_fills_the_context(llm):
+    limit = llm.engine.max_model_len
+    out = llm.generate([[5] * (limit - 4)], SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def _ids(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = _ids(llm, [[7, 8, 9]], p)[0]
+    others = SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)
+    mixed = llm.generate([[1, 2, 3, 4, 5], [7, 8, 9], [11] * 30], [others, p, others])
+    assert mixed[1].outputs[0].token_ids == alone
+    assert _ids(llm, [[7, 8, 9]], p)[0] == alone
+    assert _ids(llm, [[7, 8, 9]], p.clone(seed=99))[0] != alone
+
+
+def test_top_k_1_is_greedy(llm):
+    greedy = _ids(llm, [[3, 4, 5, 6]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    topk1 = _ids(llm, [[3, 4, 5, 6]], SamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True))
+    assert greedy == topk1
+    tiny_p = _ids(llm, [[3, 4, 5, 6]], SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, ignore_eos=True))
+    assert greedy == tiny_p
+
+
+def test_n_samples(llm):
+    out = llm.generate("def f(x):", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+
+
+def test_logprobs(llm):
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True))[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 6
+    total = 0.0
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the most likely token
+        ranked = sorted((lp.rank, lp.logprob) for t, lp in entry.items())
+        assert [r for r, _ in ranked] == [1, 2, 3]
+        assert all(a >= b for (_, a), (_, b) in zip(ranked, ranked[1:]))
+        assert entry[tok].logprob <= 0 and isinstance(entry[tok].decoded_token, str)
+        total += entry[tok].logprob
+    assert math.isclose(c.cumulative_logprob, total, rel_tol=1e-5)
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = _ids(llm, [[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
+    stop_tok = base[4]
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_tok]))
+    c = out[0].outputs[0]
+    first = base.index(stop_tok)
+    assert c.token_ids == base[:first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
+    # min_tokens bans the stop token until enough tokens exist.
+    c2 = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_tok],
+                                                  min_tokens=first + 2))[0].outputs[0]
+    assert stop_tok not in c2.token_ids[:first + 2]
+
+
+def test_stop_string_truncates_text(llm):
+    p = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = llm.generate(["hello"], p)[0].outputs[0].text
+    assert len(full) > 8
+    stop = full[5:8]
+    cut = full.index(stop)
+    c = llm.generate(["hello"], p.clone(stop=[stop]))[0].outputs[0]
+    assert c.text == full[:cut] and c.finish_reason == "stop" and c.stop_reason == stop
+    c = llm.generate(["hello"], p.clone(stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert c.text == full[:cut + len(stop)]
+
+
+def test_penalties_match_naive_reference():
+    torch.manual_seed(0)
+    B, V = 3, 11
+    logits = torch.randn(B, V)
+    prompt = [[1, 2], [3], [4, 4]]
+    output = [[2, 2, 5], [], [6]]
+    pres, freq, rep = [0.5, 0.0, -1.0], [0.3, 1.0, 0.0], [1.3, 1.0, 0.7]
+    counts = torch.zeros(B, V)
+    seen = torch.zeros(B, V, dtype=torch.bool)
+    for b in range(B):
+        for t in output[b]:
+            counts[b, t] += 1
+        seen[b, prompt[b] + output[b]] = True
+    pen = PenaltyBatch(torch.tensor(pres)[:, None], torch.tensor(freq)[:, None], torch.tensor(rep)[:, None],
+                       counts, seen)
+    got = apply_penalties(logits, pen)
+    want = logits.clone()
+    for b in range(B):
+        for t in set(prompt[b] + output[b]):
+            want[b, t] = want[b, t] / rep[b] if want[b, t] > 0 else want[b, t] * rep[b]
+        for t in set(output[b]):
+            want[b, t] -= freq[b] * output[b].count(t) + pres[b]
+    torch.testing.assert_close(got, want)
+
+
+def test_top_k_top_p_mask():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 4]), torch.tensor([1.0, 0.5]))
+    assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
+    # Row 2: softmax([1,2,3,4]) = [.03,.09,.24,.64]; the top token alone already covers p=0.5.
+    assert torch.isfinite(out[1, 3]) and torch.isinf(out[1, :3]).all()
+
+
+def test_frequency_penalty_changes_repetitive_output(llm):
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    base = _ids(llm, [[9, 9, 9]], p)[0]
+    pen = _ids(llm, [[9, 9, 9]], p.clone(frequency_penalty=2.0, presence_penalty=2.0))[0]
+    assert len(set(pen)) > len(set(base)) or pen != base
