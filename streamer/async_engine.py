@@ -302,6 +302,7 @@ class AsyncEngine:
     def _dispatch(self, updates: list[SeqUpdate]) -> None:
         now = time.monotonic()
         m = self.metrics
+        done: set[str] = set()
         for u in updates:
             req = u.req
             rid = req.parent_id or req.request_id
@@ -328,8 +329,10 @@ class AsyncEngine:
                 if m is not None:
                     m.observe_finished(req.finish_reason or "stop", req.num_prompt_tokens, req.num_output_tokens,
                                        req.arrival_time, req.first_scheduled_time, met.first_token_time, now)
-                if entry is not None and rid not in self._core.groups:
-                    self._streams.pop(rid, None)
+                if rid not in self._core.groups:
+                    done.add(rid)
+        for rid in done:  # after the loop: sibling sequences may finish in the same step
+            self._streams.pop(rid, None)
         self._maybe_idle()
 
 

@@ -1,0 +1,151 @@
+"""AsyncEngine: streaming equals offline generation, early exit aborts, failures reach every caller."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from streamer import LLM, AsyncEngine, SamplingParams
+from streamer.async_engine import EngineDeadError, QueueFullError
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [f"def f{i}(x): return x * {i}" for i in range(12)]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+async def _collect(engine, prompt, params=GREEDY, **kw):
+    ids, text, last = [], "", None
+    async for out in engine.stream(prompt, params, **kw):
+        ids += out.token_ids
+        text += out.text
+        last = out
+    return ids, text, last
+
+
+def _pool_whole(engine: AsyncEngine) -> bool:
+    core = engine.engine
+    return core.kv.pool.num_free == core.kv.num_blocks and not core.scheduler.has_work()
+
+
+def test_concurrent_streams_match_offline(llama_dir):
+    offline = LLM(str(llama_dir), dtype="float32").generate(PROMPTS, GREEDY)
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32", max_num_batched_tokens=32) as engine:
+            results = await asyncio.gather(*[_collect(engine, p) for p in PROMPTS])
+            assert _pool_whole(engine)
+            return results
+
+    results = run(main())
+    for (ids, text, last), ref in zip(results, offline):
+        assert ids == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text
+        assert last.finish_reason == "length"
+        assert last.usage["completion_tokens"] == 10
+        assert last.usage["prompt_tokens"] == len(ref.prompt_token_ids)
+
+
+def test_generate_n_and_request_id(llama_dir):
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            out = await engine.generate("hello", SamplingParams(n=2, max_tokens=5, seed=1, ignore_eos=True),
+                                        request_id="abc")
+            assert out.request_id == "abc" and len(out.outputs) == 2
+            assert all(len(o.token_ids) == 5 and o.finish_reason == "length" for o in out.outputs)
+            assert out.prompt_token_ids == engine.tokenizer.encode("hello")
+
+    run(main())
+
+
+def test_break_and_cancel_abort_within_a_step(llama_dir):
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            agen = engine.stream("abc", long)
+            async for _ in agen:
+                break
+            await agen.aclose()
+            assert _pool_whole(engine)
+
+            async def consume():
+                async for _ in engine.stream("xyz", long):
+                    pass
+
+            task = asyncio.create_task(consume())
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if engine.engine.scheduler.num_running:
+                    break
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert _pool_whole(engine)
+            # Explicit abort by id.
+            stream = await engine.add_request("q", long, request_id="r1")
+            await engine.abort("r1")
+            items = [o async for o in stream]
+            assert items and items[-1].finish_reason == "abort"
+            assert _pool_whole(engine)
+            # Still serving.
+            ids, _, _ = await _collect(engine, "hello")
+            assert len(ids) == 10
+
+    run(main())
+
+
+def test_validation_errors_raise_before_output(llama_dir):
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32", max_waiting=1) as engine:
+            with pytest.raises(ValueError, match="empty"):
+                await engine.add_request([], GREEDY)
+            with pytest.raises(ValueError, match="max_model_len"):
+                await engine.add_request("x", SamplingParams(max_tokens=10 ** 6))
+            first = await engine.add_request("a", GREEDY)  # waits until the loop schedules it
+            with pytest.raises(QueueFullError):
+                await engine.add_request("b", GREEDY)
+            assert len([o async for o in first]) == 10
+            ids, _, _ = await _collect(engine, "c")
+            assert len(ids) == 10
+
+    run(main())
+
+
+def test_model_runs_on_device_thread(llama_dir):
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            runner = engine.engine.runner
+            names = set()
+            original = runner.execute
+
+            def spy(*a, **kw):
+                names.add(threading.current_thread().name)
+                return original(*a, **kw)
+
+            runner.execute = spy
+            await _collect(engine, "hi")
+            assert names and all(n.startswith("streamer-device") for n in names)
+            assert threading.current_thread().name not in names
+
+    run(main())
+
+
+def test_device_failure_fails_every_caller(llama_dir):
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            await _collect(engine, "warm")
+
+            def boom(*a, **kw):
+                raise RuntimeError("device lost")
+
+            engine.engine.runner.execute = boom
+            results = await asyncio.gather(*[_collect(engine, p) for p in PROMPTS[:4]], return_exceptions=True)
+            assert all(isinstance(r, EngineDeadError) for r in results)
+            assert not engine.is_alive
+            with pytest.raises(EngineDeadError):
+                await engine.add_request("more", GREEDY)
+
+    run(main())
