@@ -207,11 +207,17 @@ class LLMEngine:
             state.logprobs.extend(new_logprobs)
             state.cumulative_logprob += result.logprobs[row][0]
         status, stop_reason = self._check_stop(req, token)
-        text, stop_str = state.detok.add_tokens([token])
-        if stop_str is not None and status is None:
+        detok = state.detok
+        stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+        # As vLLM: the eos / stop token's own text is left out unless asked for.
+        text, stop_str = ("", None) if stopped_by_token and not req.params.include_stop_str_in_output \
+            else detok.add_tokens([token])
+        if stop_str is not None:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         elif status is not None:
-            text += state.detok.flush()
+            text += detok.flush()
+            if detok.stop_reason is not None:  # the held-back tail completed a stop string
+                status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
         state.text += text
         if status is not None:
             req.stop_reason = stop_reason
@@ -241,10 +247,10 @@ class LLMEngine:
 
     def _logprob_entry(self, result: RunnerOutput, row: int, top_n: int) -> dict[int, Logprob]:
         lps, ids = result.logprobs[row], result.logprob_token_ids[row]  # type: ignore[index]
-        decode = self.tokenizer.decode
-        entry = {ids[0]: Logprob(lps[0], result.ranks[row], decode([ids[0]], skip_special_tokens=False))}  # type: ignore[index]
+        decode = self.tokenizer.decode_token
+        entry = {ids[0]: Logprob(lps[0], result.ranks[row], decode(ids[0]))}  # type: ignore[index]
         for rank, (tid, lp) in enumerate(zip(ids[1:1 + top_n], lps[1:1 + top_n]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank, decode([tid], skip_special_tokens=False)))
+            entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
         return entry
 
     # ------------------------------------------------------------------ results
