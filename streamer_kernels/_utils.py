@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import torch
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # triton is an optional dependency; the references serve without it
-    HAS_TRITON = False
+# Found, not imported: Triton decides interpreter-or-compiler for every @triton.jit function (its own standard
+# library included) when that function is defined, so it must not be imported before TRITON_INTERPRET is set.
+# triton is an optional dependency; the torch references serve without it.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def interpret_mode() -> bool:
@@ -21,6 +20,19 @@ def interpret_mode() -> bool:
     it must be set before that (tests set it before importing anything from this package).
     """
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def check_interpreter_consistency() -> None:
+    """Raise if TRITON_INTERPRET is on but Triton was imported before it was set (its standard library, e.g.
+    tl.cdiv / tl.max, would then be compiled-mode functions that fail deep inside our kernels)."""
+    if not interpret_mode():
+        return
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(standard.cdiv, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton had been imported; set it before the first "
+                           "`import triton` (e.g. in the environment of the process)")
 
 
 def use_triton(t: torch.Tensor) -> bool:

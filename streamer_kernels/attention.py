@@ -31,7 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import cdiv, device_sm_count, interpret_mode, next_pow2
+from streamer_kernels._utils import (cdiv, check_interpreter_consistency, device_sm_count, interpret_mode,
+                                     next_pow2)
+
+check_interpreter_consistency()
 
 # Stands in for -inf as the initial running max: rows whose every key is masked in a tile (possible with a
 # sliding window, or in an empty split segment) then give exp2(-inf - m) = 0 rather than NaN.
@@ -305,8 +308,10 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     cfg = attention_config(head_dim, group, max_query_len, q.dtype)
     block_q = cfg.block_m // group
     block_d = next_pow2(head_dim)
-    # Upper bound on q-blocks without reading query_start_loc: sum_b ceil(q_b / BLOCK_Q) is at most both.
-    num_q_programs = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_query_len, block_q))
+    # Program ids without reading query_start_loc: request b's q-blocks start at query_start_loc[b] // BLOCK_Q + b
+    # and its last one is below query_start_loc[b + 1] // BLOCK_Q + b + 1, so num_tokens // BLOCK_Q + num_seqs
+    # programs cover every request (the slack, at most one per request, exits at once).
+    num_q_programs = num_tokens // block_q + num_seqs
 
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim,

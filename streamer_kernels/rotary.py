@@ -5,7 +5,9 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import next_pow2
+from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+
+check_interpreter_consistency()
 
 
 @triton.jit

@@ -1,0 +1,164 @@
+"""unified_attention (single pass and split-KV) against the plain-torch reference on random paged batches.
+
+On a machine without a GPU the kernels run on CPU under TRITON_INTERPRET=1 (set here, before they are
+imported); with a GPU the same tests run compiled on CUDA.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from streamer_kernels.testing import TOLERANCE, configure_for_tests, make_paged_batch, rel_err
+
+DEVICE = configure_for_tests()
+triton = pytest.importorskip("triton")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import streamer_kernels.attention as attn_mod  # noqa: E402
+from streamer_kernels import reference  # noqa: E402
+from streamer_kernels.attention import choose_num_kv_splits, unified_attention  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ON_CPU = DEVICE.type == "cpu"
+SETTINGS = settings(max_examples=50 if ON_CPU else 300, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
+           scale=None) -> None:
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
+    unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
+                      batch.block_table, scale, batch.max_query_len, batch.max_seq_len, sliding_window,
+                      num_kv_splits=num_kv_splits)
+    expected = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, scale, batch.max_query_len,
+                                batch.max_seq_len, sliding_window)
+    n = batch.num_tokens
+    err = rel_err(out[:n], expected[:n])
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:g}"
+
+
+@st.composite
+def attention_cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    head_dim = draw(st.sampled_from([64, 80, 96, 128, 256]))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    block_size = draw(st.sampled_from([16, 32, 64]))
+    num_reqs = draw(st.integers(1, 4))
+    # Query lengths: decode (1), short, and chunks that straddle block boundaries; contexts from empty to a few
+    # blocks, so queries start mid-block.
+    q_lens = draw(st.lists(st.one_of(st.just(1), st.integers(1, 2 * block_size + 3)),
+                           min_size=num_reqs, max_size=num_reqs))
+    ctx_lens = draw(st.lists(st.integers(0, 3 * block_size + 5), min_size=num_reqs, max_size=num_reqs))
+    window = draw(st.one_of(st.none(), st.integers(1, 70)))
+    splits = draw(st.sampled_from([None, None, 2, 4]))
+    pad = draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dtype, head_dim, group, num_kv_heads, block_size, q_lens, ctx_lens, window, splits, pad, seed
+
+
+@SETTINGS
+@given(attention_cases())
+def test_unified_attention_random(case) -> None:
+    dtype, head_dim, group, num_kv_heads, block_size, q_lens, ctx_lens, window, splits, pad, seed = case
+    g = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(q_lens, ctx_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype,
+                             DEVICE, num_pad_tokens=pad, generator=g)
+    _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
+
+
+@settings(SETTINGS, max_examples=25 if ON_CPU else 150)
+@given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128]),
+       block_size=st.sampled_from([16, 32, 64]),
+       seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),
+       splits=st.sampled_from([1, 2, 4, 8, 16]), seed=st.integers(0, 2**31 - 1))
+def test_decode_batch_split_kv(dtype, group, head_dim, block_size, seq_lens, splits, seed) -> None:
+    """Decode-only batches (the flash-decoding path), including more splits than a context has tiles."""
+    g = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch([1] * len(seq_lens), [s - 1 for s in seq_lens], 2 * group, 2, head_dim, block_size,
+                             dtype, DEVICE, generator=g)
+    _check(batch, 2 * group, head_dim, dtype, num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prefill_chunk_after_context(dtype) -> None:
+    """One long chunk on top of a cached prefix next to decodes: several q-blocks per request, unmasked
+    middle tiles, reversed q-block order."""
+    g = torch.Generator().manual_seed(0)
+    batch = make_paged_batch([150, 1, 1, 37], [70, 200, 0, 15], 8, 2, 64, 16, dtype, DEVICE, num_pad_tokens=5,
+                             generator=g)
+    _check(batch, 8, 64, dtype)
+    _check(batch, 8, 64, dtype, sliding_window=33)
+
+
+def test_extreme_scores_stay_finite() -> None:
+    """Large logits (scale 1, big values) must not overflow the online softmax."""
+    g = torch.Generator().manual_seed(1)
+    batch = make_paged_batch([20, 1], [40, 100], 4, 1, 64, 16, torch.float32, DEVICE, generator=g)
+    batch.q.mul_(30)
+    _check(batch, 4, 64, torch.float32, scale=1.0)
+    _check(batch, 4, 64, torch.float32, scale=1.0, num_kv_splits=4)
+
+
+def test_non_contiguous_query_and_output() -> None:
+    """q as a slice of a fused qkv projection, out as a strided view: strides must be honoured."""
+    g = torch.Generator().manual_seed(2)
+    batch = make_paged_batch([5, 1, 19], [3, 50, 0], 4, 2, 64, 16, torch.float16, DEVICE, generator=g)
+    qkv = torch.randn(batch.q.shape[0], 8 * 64, generator=g).to(torch.float16).to(DEVICE)
+    q = qkv[:, :4 * 64].view(-1, 4, 64)
+    q.copy_(batch.q)
+    out_big = torch.full((q.shape[0], 4, 2 * 64), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = out_big[:, :, :64]
+    unified_attention(q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
+                      batch.block_table, 0.125, batch.max_query_len, batch.max_seq_len)
+    expected = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, 0.125, 0, 0)
+    assert rel_err(out, expected) <= TOLERANCE[torch.float16]
+    assert torch.isnan(out_big[:, :, 64:]).all(), "wrote outside the output view"
+
+
+def test_zero_query_requests_and_empty_batch() -> None:
+    """A request with no query tokens this step is skipped; an empty batch launches nothing."""
+    g = torch.Generator().manual_seed(3)
+    batch = make_paged_batch([3, 1], [5, 9], 2, 1, 64, 16, torch.float32, DEVICE, generator=g)
+    # Insert a zero-length request between the two.
+    qsl = torch.tensor([0, 3, 3, 4], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([8, 4, 10], dtype=torch.int32, device=DEVICE)
+    table = torch.stack([batch.block_table[0], batch.block_table[1], batch.block_table[1]])
+    out = torch.full_like(batch.q, float("nan"))
+    unified_attention(batch.q, batch.key_cache, batch.value_cache, out, qsl, seq_lens, table, 0.125, 3, 10)
+    expected = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, qsl, seq_lens, table,
+                                0.125, 3, 10)
+    assert rel_err(out, expected) <= TOLERANCE[torch.float32]
+    empty = batch.q[:0]
+    unified_attention(empty, batch.key_cache, batch.value_cache, empty.clone(), qsl[:1], seq_lens[:0],
+                      table[:0], 0.125, 0, 0)
+
+
+def test_choose_num_kv_splits(monkeypatch) -> None:
+    monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    bf16 = torch.bfloat16
+    # Few long decodes: split until there are at least 2 programs per SM (8 KV heads x 64 >= 264).
+    assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda) == 64
+    assert choose_num_kv_splits(4, 8, 1, 32768, 128, bf16, cuda) == 16
+    # Many sequences already fill the GPU.
+    assert choose_num_kv_splits(64, 8, 1, 4096, 128, bf16, cuda) == 1
+    # Prefill or mixed batches never split.
+    assert choose_num_kv_splits(1, 8, 7, 32768, 128, bf16, cuda) == 1
+    # Short contexts keep >= 4 tiles per split.
+    splits = choose_num_kv_splits(1, 8, 1, 512, 128, bf16, cuda)
+    assert splits * 4 <= math.ceil(512 / attn_mod.attention_config(128, 1, 1, bf16).tile_n)
+    # A sliding window bounds the useful context.
+    assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda, sliding_window=256) <= 1
+    monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 1)
+    assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, torch.device("cpu")) == 1
