@@ -1,0 +1,280 @@
+"""The OpenAI-compatible HTTP app: starlette routes over an `AsyncEngine` that runs on the same event loop."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from streamer.async_engine import AsyncEngine
+from streamer.server.chat_template import ChatTemplate
+from streamer.server.generation import Generation, engine_error
+from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize)
+from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
+from streamer.server.sse import sse_response, stream_events
+
+logger = logging.getLogger("streamer.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class _ClientGone(Exception):
+    """The client disconnected; nobody will read the response."""
+
+
+def default_served_name(engine: AsyncEngine) -> str:
+    if engine.config.model is None:
+        from streamer.demo_model import DEFAULT_MODEL_NAME
+        return DEFAULT_MODEL_NAME
+    return Path(engine.config.model).expanduser().resolve().name
+
+
+class OpenAIServer:
+    """The endpoints. Every client mistake is an APIError, answered as a 4xx before any SSE byte."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str], max_body_bytes: int) -> None:
+        self.engine = engine
+        self.model_name = served_model_name or default_served_name(engine)
+        self.model_aliases = {self.model_name, engine.model_name}
+        self.max_body_bytes = max_body_bytes
+        self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ generation endpoints
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion(await self._json(request))
+        self._check_model(req.model)
+        gen = await self._start("cmpl", req.prompts, req)
+        echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
+        fmt = CompletionFormat(len(req.prompts) * req.params.n, req.params.logprobs, req.return_token_ids, echo,
+                               req.params.n)
+        return await self._respond(request, gen, fmt, req)
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_chat(await self._json(request))
+        self._check_model(req.model)
+        text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                         req.tools, req.template_kwargs)
+        ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
+        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True)
+        return await self._respond(request, gen, ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids),
+                                   req)
+
+    async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
+                     chat: bool = False) -> Generation:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self.engine.add_request(
+                    prompt, req.params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                    priority=req.priority, cache_salt=req.cache_salt))
+        except Exception as e:
+            for s in streams:
+                s.close()
+            raise engine_error(e, chat) from None
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return Generation(rid, streams, req.params.n)
+
+    async def _respond(self, request: Request, gen: Generation, fmt: Format,
+                       req: CompletionRequest | ChatRequest) -> Response:
+        head = {"id": gen.request_id, "object": fmt.chunk_object, "created": int(time.time()),
+                "model": self.model_name}
+        if req.stream:
+            # The background task also runs when the client left before the body started streaming.
+            return sse_response(stream_events(gen, fmt, head, req.include_usage),
+                                headers={"X-Request-Id": gen.request_id}, background=BackgroundTask(gen.close))
+        try:
+            choices = await _collect_unless_disconnected(request, gen, fmt)
+        except _ClientGone:
+            gen.close("disconnect")
+            return Response(status_code=499)
+        finally:
+            gen.close()
+        if any(c.finish_reason == "abort" for c in choices):
+            raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
+        return JSONResponse({**head, "object": fmt.object,
+                             "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
+                             "usage": gen.usage()}, headers={"X-Request-Id": gen.request_id})
+
+    # ------------------------------------------------------------------ other endpoints
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "streamer",
+                "root": str(self.engine.engine.model_dir if self.engine.engine else self.engine.model_name),
+                "parent": None, "max_model_len": self.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.engine.is_alive else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.engine.metrics.render() if self.engine.metrics is not None else ""
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def tokenize(self, request: Request) -> Response:
+        model, prompt, add_special, add_gen = parse_tokenize(await self._json(request))
+        self._check_model(model)
+        if isinstance(prompt, list):  # chat messages
+            text = self.chat_template.render(prompt, add_generation_prompt=add_gen)
+        else:
+            text = prompt
+        tokens = await self.engine.encode(text, add_special_tokens=add_special)
+        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        model, tokens = parse_detokenize(await self._json(request))
+        self._check_model(model)
+        vocab = self.engine.tokenizer.vocab_size
+        if any(t >= vocab for t in tokens):
+            raise APIError(f"tokens must be in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    # ------------------------------------------------------------------ helpers
+    async def _json(self, request: Request) -> dict:
+        """The body, read with a size limit (413 past it) and parsed strictly."""
+        limit = self.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks))
+
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`.", 404,
+                           param="model", code="model_not_found")
+
+    def _prompt_text(self, prompt: PromptInput) -> str:
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+
+
+async def _collect_unless_disconnected(request: Request, gen: Generation, fmt: Format) -> list[Choice]:
+    """Fold the outputs into choices while watching the connection: a client that leaves aborts the request."""
+    choices = [Choice() for _ in range(fmt.num_choices)]
+
+    async def collect() -> None:
+        async for p, out in gen.items():
+            i = gen.choice_index(p, out)
+            choices[i].add(fmt.piece(i, p, out))
+
+    task = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # no-op when done; otherwise its cleanup aborts the engine request
+    if not task.done() or task.cancelled():
+        raise _ClientGone()
+    task.result()  # re-raises an engine failure
+    return choices
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    # The body is read already, so the server's next message is the disconnect (uvicorn: when the socket closes).
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- auth
+class BearerAuth:
+    """`Authorization: Bearer <key>` on every path but /health (load balancers probe it without a key)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not self._authorized(scope):
+            err = APIError("invalid or missing API key: send `Authorization: Bearer <key>`", 401,
+                           code="invalid_api_key")
+            response = error_response(err)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.expected)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------- the app
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(str(exc.detail), exc.status_code, kind))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody is there to read it
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(APIError("internal server error", 500, "server_error"))
+
+
+def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine)."""
+    s = OpenAIServer(engine, served_model_name, max_body_bytes)
+    routes = [
+        Route("/v1/completions", s.completions, methods=["POST"]),
+        Route("/v1/chat/completions", s.chat, methods=["POST"]),
+        Route("/v1/models", s.models, methods=["GET"]),
+        Route("/health", s.health, methods=["GET"]),
+        Route("/metrics", s.metrics, methods=["GET"]),
+        Route("/tokenize", s.tokenize, methods=["POST"]),
+        Route("/detokenize", s.detokenize, methods=["POST"]),
+    ]
+    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+        _ClientGone: _client_gone, Exception: _internal_error})
+    app.state.server = s
+    app.state.engine = engine
+    return app

@@ -1,0 +1,117 @@
+"""Chat templates rendered the way Hugging Face's `apply_chat_template` renders them.
+
+Same environment (a sandboxed, immutable jinja2 environment with trim_blocks/lstrip_blocks and the loopcontrols
+extension), same helpers (`raise_exception`, a `tojson` that does not HTML-escape, `strftime_now`), same
+variables (messages, tools, add_generation_prompt, the special tokens), so that a checkpoint's template gives the
+text it gives under transformers. The text is then tokenized without adding special tokens again.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Optional
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from streamer.server.protocol import APIError
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """HF's `{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it is a no-op."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple[str, str]] = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+class ChatTemplate:
+    """A model's chat template, compiled once. `render` raises APIError (400) for anything that goes wrong."""
+
+    def __init__(self, source: Optional[str], special_tokens: dict[str, Optional[str]]) -> None:
+        self.source = source
+        self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+        self._template: Optional[jinja2.Template] = None
+        self._error: Optional[str] = None
+        if source is None:
+            self._error = ("this model has no chat template (tokenizer_config.json has no chat_template and there "
+                           "is no chat_template.jinja): use /v1/completions with a plain prompt instead")
+        else:
+            try:
+                self._template = compile_template(source)
+            except jinja2.TemplateError as e:
+                self._error = f"this model's chat template does not compile: {e}"
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> "ChatTemplate":
+        def name(token_id: Optional[int]) -> Optional[str]:
+            return tokenizer.id_to_token(token_id) if token_id is not None else None
+        return cls(tokenizer.chat_template, {
+            "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+            "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)})
+
+    @property
+    def available(self) -> bool:
+        return self._template is not None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: Optional[list[dict]] = None,
+               extra: Optional[dict[str, Any]] = None) -> str:
+        if self._template is None:
+            raise APIError(self._error or "no chat template", param="messages", code="no_chat_template")
+        # As HF: the caller's chat_template_kwargs override the special tokens (but not the named arguments).
+        variables = {**self.special_tokens, **{k: v for k, v in (extra or {}).items() if k not in _RESERVED}}
+        try:
+            text = self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:  # raise_exception(), undefined names, sandbox violations
+            raise APIError(f"chat template error: {e}", param="messages", code="chat_template_error") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ArithmeticError, RecursionError) as e:
+            raise APIError(f"chat template error: {type(e).__name__}: {e}", param="messages",
+                           code="chat_template_error") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1]["content"])
+        return text
+
+
+_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """As HF does: end the prompt right after the final (assistant) message's content, so it is continued."""
+    final = final.strip()
+    pos = text.rfind(final) if final else -1
+    if pos < 0:
+        raise APIError("continue_final_message: the final message's content is not in the rendered template",
+                       param="messages")
+    return text[:pos + len(final)]

@@ -1,0 +1,138 @@
+"""`streamer serve [MODEL]`: the engine and the HTTP server on one uvloop event loop.
+
+SIGTERM/SIGINT stop accepting connections, let in-flight requests finish (up to --shutdown-timeout), abort the
+rest, and exit 0. A second signal stops waiting. uvicorn's own signal capture is replaced because it re-raises
+the signal after shutdown, which would end the process with -SIGTERM instead of 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+
+import uvicorn
+
+from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+
+if TYPE_CHECKING:
+    from streamer.async_engine import AsyncEngine
+
+logger = logging.getLogger("streamer.server")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health "
+                        "(default: $STREAMER_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="bound on queued requests; past it the server answers 429 with Retry-After")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # signals are handled by `_install_signal_handlers`
+
+
+def _loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
+    try:
+        import uvloop
+    except ImportError:  # Windows: plain asyncio
+        return None
+    return uvloop.new_event_loop
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from streamer.cli import engine_kwargs
+    logging.getLogger("streamer").setLevel(args.log_level.upper())
+    api_key = args.api_key or os.environ.get("STREAMER_API_KEY") or None
+    kwargs = dict(engine_kwargs(args), max_waiting=args.max_waiting)
+    if args.max_waiting is not None and args.max_waiting < 0:
+        print("streamer serve: error: --max-waiting must be >= 0", file=sys.stderr)
+        return 2
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_serve(args, api_key, kwargs))
+
+
+async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict) -> int:
+    from streamer.async_engine import AsyncEngine
+    from sse_starlette.sse import AppStatus
+    AppStatus.disable_automatic_graceful_drain()  # we drain: streams must finish, not be cut at SIGTERM
+    engine = AsyncEngine(args.model, **kwargs)
+    try:
+        await engine.start()
+    except Exception as e:  # a missing folder, a bad checkpoint, bad engine arguments
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        await engine.stop()
+        return 1
+    try:
+        app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
+                        max_body_bytes=args.max_body_bytes)
+        # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
+        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
+                                lifespan="off",
+                                log_level=args.log_level, access_log=args.access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5.0)  # a backstop only
+        server = _Server(config)
+        _install_signal_handlers(server, engine, args.shutdown_timeout)
+        announce = asyncio.ensure_future(_announce(server, app.state.server.model_name))
+        try:
+            await server.serve()
+        except SystemExit as e:  # uvicorn exits this way when it cannot bind
+            return int(e.code or 1)
+        finally:
+            announce.cancel()
+        return 0
+    finally:
+        await engine.stop()  # whatever outlived the drain is aborted here
+        logger.info("engine stopped")
+
+
+def _install_signal_handlers(server: uvicorn.Server, engine: "AsyncEngine", timeout: float) -> None:
+    """First signal: uvicorn stops accepting and waits for open responses, while the engine gets `timeout`
+    seconds to finish what it runs; then it aborts the rest, so those streams end with finish_reason "abort"
+    and [DONE] rather than being cut."""
+    loop = asyncio.get_running_loop()
+    drain: list[asyncio.Future] = []  # keeps the task referenced
+
+    def on_signal(sig: signal.Signals) -> None:
+        if server.should_exit:
+            logger.warning("%s again: exiting without waiting for in-flight requests", sig.name)
+            server.force_exit = True
+            return
+        logger.info("%s: not accepting new connections; waiting up to %gs for in-flight requests", sig.name,
+                    timeout)
+        server.should_exit = True
+        drain.append(asyncio.ensure_future(engine.stop(drain_timeout=timeout)))
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # Windows' loops cannot
+            loop.add_signal_handler(sig, on_signal, sig)
+
+
+async def _announce(server: uvicorn.Server, model_name: str) -> None:
+    while not server.started:
+        await asyncio.sleep(0.02)
+    for s in server.servers:
+        for sock in s.sockets:
+            host, port = sock.getsockname()[:2]
+            if ":" in host:
+                host = f"[{host}]"
+            print(f"streamer: serving {model_name} at http://{host}:{port}/v1 (health: /health, metrics: /metrics)",
+                  flush=True)
+            return

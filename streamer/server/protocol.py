@@ -1,0 +1,418 @@
+"""OpenAI request bodies -> validated requests. Every client mistake becomes an `APIError` (a 4xx), never a 5xx.
+
+Validation is by hand: JSON gives a handful of types, and checking them here lets each error name its field.
+Rules: null means "default" (as OpenAI does); unknown fields are ignored; bools are not numbers; numbers must be
+finite; lists and nesting are bounded so that no body can make the server do unbounded work.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from streamer.sampling_params import MAX_LOGPROBS, SamplingParams
+
+try:
+    import orjson
+
+    def _loads(raw: bytes) -> Any:  # rejects NaN/Infinity, numbers that overflow and nesting past 1024
+        return orjson.loads(raw)
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+except ImportError:  # pragma: no cover - orjson is optional
+    def _reject_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    def _loads(raw: bytes) -> Any:
+        return json.loads(raw, parse_constant=_reject_constant)
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+MAX_DEPTH = 32  # JSON nesting (tool schemas are the deepest legitimate thing)
+MAX_N = 64
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_STOP = 64
+MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 4096
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+PromptInput = Union[str, list[int]]
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = _loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(f"the request body must be a JSON object, got {_json_type(obj)}", code="invalid_json")
+    _check_depth(obj)
+    return obj
+
+
+def _check_depth(obj: Any) -> None:
+    stack = [(obj, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise APIError(f"the request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    return "an array" if isinstance(v, list) else "an object"
+
+
+def _show(v: Any) -> str:
+    """A short rendering of a client's value for an error message (never the whole of a huge one)."""
+    try:
+        text = json.dumps(v)
+    except (ValueError, TypeError):  # ints beyond Python's str-conversion limit
+        text = _json_type(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- fields
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def get_int(body: dict, name: str, default: Optional[int], lo: int = INT64_MIN, hi: int = INT64_MAX,
+            ) -> Optional[int]:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
+        v = int(v)  # 2.0 is an integer in JSON's eyes
+    if not _is_int(v):
+        raise APIError(f"{name} must be an integer, got {_show(v)}", param=name)
+    if not lo <= v <= hi:
+        raise APIError(f"{name} must be in [{lo}, {hi}], got {_show(v)}", param=name)
+    return v
+
+
+def get_float(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise APIError(f"{name} must be a number, got {_show(v)}", param=name)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise APIError(f"{name} must be a finite number, got {_show(v)}", param=name)
+    return f
+
+
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise APIError(f"{name} must be a boolean, got {_show(v)}", param=name)
+    return v
+
+
+def get_str(body: dict, name: str, default: Optional[str] = None, max_len: int = 1 << 20) -> Optional[str]:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise APIError(f"{name} must be a string, got {_show(v)}", param=name)
+    if len(v) > max_len:
+        raise APIError(f"{name} is longer than {max_len} characters", param=name)
+    return v
+
+
+def get_object(body: dict, name: str) -> dict:
+    v = body.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise APIError(f"{name} must be an object, got {_show(v)}", param=name)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(f"stop must be a string or an array of strings, got {_show(v)}", param="stop")
+    if len(stops) > MAX_STOP:
+        raise APIError(f"stop may hold at most {MAX_STOP} strings", param="stop")
+    if any(not s or len(s) > MAX_STOP_LEN for s in stops):
+        raise APIError(f"stop strings must be 1 to {MAX_STOP_LEN} characters long", param="stop")
+    return stops
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in v):
+        raise APIError(f"stop_token_ids must be an array of non-negative integers, got {_show(v)}",
+                       param="stop_token_ids")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise APIError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+    return v
+
+
+_LEADING_NAME = re.compile(r"[a-z_]+")
+
+
+def _param_of(message: str, known: set[str]) -> Optional[str]:
+    """SamplingParams' and the engine's messages start with the field they are about."""
+    m = _LEADING_NAME.match(message)
+    return m.group(0) if m and m.group(0) in known else None
+
+
+_SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
+                    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"}
+
+
+def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
+    msg = str(e)
+    return APIError(msg, param=_param_of(msg, _SAMPLING_FIELDS | extra_fields))
+
+
+def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Optional[int],
+                    logprobs: Optional[int]) -> SamplingParams:
+    """The sampling fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
+    n = get_int(body, "n", 1, 1, MAX_N)
+    assert n is not None
+    max_tokens = get_int(body, max_tokens_field, None, 1, INT64_MAX)
+    if max_tokens is None and max_tokens_field != "max_tokens":
+        max_tokens = get_int(body, "max_tokens", None, 1, INT64_MAX)
+    top_k = get_int(body, "top_k", -1, -1, INT64_MAX)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
+    if body.get("logit_bias"):
+        raise APIError("logit_bias is not supported", param="logit_bias")
+    try:
+        return SamplingParams(
+            n=n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            min_tokens=get_int(body, "min_tokens", 0, 0, INT64_MAX),  # type: ignore[arg-type]
+            temperature=get_float(body, "temperature", 1.0), top_p=get_float(body, "top_p", 1.0),
+            top_k=-1 if top_k == 0 else top_k,  # type: ignore[arg-type]  # vLLM reads 0 as "off" too
+            min_p=get_float(body, "min_p", 0.0),
+            presence_penalty=get_float(body, "presence_penalty", 0.0),
+            frequency_penalty=get_float(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            # torch seeds are 64-bit, and sequence i of n is seeded with seed + i
+            seed=get_int(body, "seed", None, INT64_MIN, INT64_MAX - MAX_N),
+            stop=_stop(body), stop_token_ids=_stop_token_ids(body),
+            ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
+            include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True))
+    except ValueError as e:
+        err = value_error(e)
+        if err.param == "max_tokens":
+            err.param = max_tokens_field
+        raise err from None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+@dataclass
+class _Common:
+    model: Optional[str]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: Optional[str]
+    return_token_ids: bool
+
+
+def _common(body: dict, params: SamplingParams) -> _Common:
+    stream = get_bool(body, "stream", False)
+    options = get_object(body, "stream_options")
+    if options and not stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    get_str(body, "user", None, 1 << 16)  # accepted and unused, as a type-checked courtesy
+    cache_salt = get_str(body, "cache_salt", None, 1024)
+    if cache_salt == "":
+        raise APIError("cache_salt must not be empty", param="cache_salt")
+    return _Common(model=get_str(body, "model", None, 1024), params=params, stream=stream,
+                   include_usage=get_bool(options, "include_usage", False),
+                   priority=get_int(body, "priority", 0, -(2 ** 31), 2 ** 31 - 1),  # type: ignore[arg-type]
+                   cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False))
+
+
+@dataclass
+class CompletionRequest(_Common):
+    prompts: list[PromptInput] = field(default_factory=list)
+    echo: bool = False
+
+
+@dataclass
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    top_logprobs: Optional[int] = None  # None: no logprobs in the response
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Optional[list[dict]] = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    prompts = parse_prompts(body.get("prompt"))
+    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = get_bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+    if body.get("suffix"):
+        raise APIError("suffix is not supported", param="suffix")
+    params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
+    common = _common(body, params)
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
+
+
+def parse_prompts(v: Any) -> list[PromptInput]:
+    """A string, an array of strings, an array of token ids, or an array of token-id arrays."""
+    if v is None:
+        raise APIError("prompt is required", param="prompt")
+    if isinstance(v, str):
+        prompts: list[Any] = [v]
+    elif isinstance(v, list) and v and all(_is_int(t) for t in v):
+        prompts = [v]
+    elif isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(isinstance(p, list) for p in v)):
+        prompts = v
+    else:
+        raise APIError("prompt must be a string, an array of strings, an array of token ids or an array of "
+                       f"token-id arrays, got {_show(v)}", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    for p in prompts:
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(p, list) and not all(_is_int(t) and 0 <= t <= INT64_MAX for t in p):
+            raise APIError("token-id prompts must hold non-negative integers only", param="prompt")
+    return prompts
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    messages = parse_messages(body.get("messages"))
+    want_logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and top > 0 and not want_logprobs:
+        raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+    top_logprobs = (top or 0) if want_logprobs else None
+    params = sampling_params(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
+                             logprobs=top_logprobs)
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    cont = get_bool(body, "continue_final_message", False)
+    if add_gen and cont and "add_generation_prompt" in body:
+        raise APIError("add_generation_prompt and continue_final_message cannot both be true",
+                       param="continue_final_message")
+    if cont:
+        add_gen = False
+        if messages[-1]["role"] != "assistant":
+            raise APIError("continue_final_message needs a final assistant message", param="messages")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
+    common = _common(body, params)
+    return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
+                       continue_final_message=cont, tools=tools or None,
+                       template_kwargs=get_object(body, "chat_template_kwargs"))
+
+
+def parse_messages(v: Any) -> list[dict[str, Any]]:
+    if not isinstance(v, list) or not v:
+        raise APIError(f"messages must be a non-empty array of message objects, got {_show(v)}", param="messages")
+    if len(v) > MAX_MESSAGES:
+        raise APIError(f"at most {MAX_MESSAGES} messages per request", param="messages")
+    return [_message(m, i) for i, m in enumerate(v)]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise APIError(f"{param} must be an object, got {_show(m)}", param=param)
+    role = m.get("role")
+    if role not in ROLES:
+        raise APIError(f"{param}.role must be one of {sorted(ROLES)}, got {_show(role)}", param=f"{param}.role")
+    out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), role, m, f"{param}.content")}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            out[key] = get_str(m, key, None, 1024)
+    if m.get("tool_calls") is not None:
+        if role != "assistant" or not isinstance(m["tool_calls"], list):
+            raise APIError(f"{param}.tool_calls must be an array on an assistant message", param=f"{param}.tool_calls")
+        out["tool_calls"] = m["tool_calls"]
+    return out
+
+
+def _content(c: Any, role: str, m: dict, param: str) -> str:
+    """A string, or an array of text parts (joined with newlines, as vLLM does for string templates)."""
+    if isinstance(c, str):
+        return c
+    if c is None:
+        if role == "assistant" and m.get("tool_calls"):
+            return ""
+        raise APIError(f"{param} is required", param=param)
+    if isinstance(c, list) and c:
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"{param} parts must be {{\"type\": \"text\", \"text\": string}} (only text is "
+                               f"supported), got {_show(part)}", param=param)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(f"{param} must be a string or a non-empty array of text parts, got {_show(c)}", param=param)
+
+
+def parse_tokenize(body: dict) -> tuple[Optional[str], Union[str, list[dict]], bool, bool]:
+    """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages"} (+ add_special_tokens,
+    add_generation_prompt). Returns (model, prompt or messages, add_special_tokens, add_generation_prompt)."""
+    model = get_str(body, "model", None, 1024)
+    if body.get("messages") is not None:
+        return (model, parse_messages(body["messages"]), get_bool(body, "add_special_tokens", False),
+                get_bool(body, "add_generation_prompt", True))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(f"prompt must be a string, got {_show(prompt)}", param="prompt")
+    return model, prompt, get_bool(body, "add_special_tokens", True), False
+
+
+def parse_detokenize(body: dict) -> tuple[Optional[str], list[int]]:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in tokens):
+        raise APIError(f"tokens must be an array of non-negative integers, got {_show(tokens)}", param="tokens")
+    return get_str(body, "model", None, 1024), tokens

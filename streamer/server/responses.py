@@ -1,0 +1,184 @@
+"""OpenAI response shapes for completions and chat, streamed (chunks) and not (one response).
+
+Each engine output becomes a `Piece` of one choice; a stream renders each piece as a chunk, a non-streamed
+response folds the pieces into `Choice`s. Both go through the same code, so the joined stream always equals the
+non-streamed response.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from streamer.outputs import Logprob, SampleLogprobs, StreamOutput
+
+_MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
+
+
+def _lp(value: float) -> float:
+    return value if value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def _text(lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+def _chosen(entry: dict[int, Logprob], token_id: int) -> Logprob:
+    return entry.get(token_id) or next(iter(entry.values()))
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The top-k alternatives of one position, best first (the sampled token is among them if ranked <= k)."""
+    ranked = [lp for lp in entry.values() if lp.rank is not None and 1 <= lp.rank <= k]
+    return sorted(ranked, key=lambda lp: lp.rank or 0)
+
+
+@dataclass
+class Piece:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Any  # completions: the legacy dict of lists; chat: a list of content entries; None: not asked
+    finish_reason: Optional[str]
+    stop_reason: int | str | None
+
+
+@dataclass
+class Choice:
+    """A choice folded from its pieces, for a non-streamed response."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Any = None
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.token_ids += piece.token_ids
+        lp = piece.logprobs
+        if isinstance(lp, dict):
+            self.logprobs = self.logprobs or {k: [] for k in lp}
+            for k, v in lp.items():
+                self.logprobs[k] += v
+        elif isinstance(lp, list):
+            self.logprobs = (self.logprobs or []) + lp
+        if piece.finish_reason is not None:
+            self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
+
+
+class Format:
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool) -> None:
+        self.num_choices = num_choices
+        self.k = top_logprobs  # None: no logprobs
+        self.return_token_ids = return_token_ids
+
+    def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
+        lp = self._logprobs(index, out) if self.k is not None else None
+        return Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason)
+
+    def _logprobs(self, index: int, out: StreamOutput) -> Any:
+        raise NotImplementedError
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
+        """A streamed choice, or None when the piece carries nothing (a token held back mid-character)."""
+        raise NotImplementedError
+
+    def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _empty(self, p: Piece) -> bool:
+        carries_tokens = (self.return_token_ids or self.k is not None) and p.token_ids
+        return not p.text and p.finish_reason is None and not carries_tokens
+
+    def _extras(self, d: dict[str, Any], finish: Optional[str], stop_reason: Any, token_ids: list[int]) -> dict:
+        if finish is not None:
+            d["stop_reason"] = stop_reason  # vLLM's extension: the stop string or token id that matched
+        if self.return_token_ids:
+            d["token_ids"] = token_ids
+        return d
+
+
+class CompletionFormat(Format):
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
+                 echo_texts: Optional[list[str]] = None, n: int = 1) -> None:
+        super().__init__(num_choices, top_logprobs, return_token_ids)
+        self.echo_texts, self.n = echo_texts, n
+        self._echoed: set[int] = set()
+        self._offsets = [0] * num_choices
+
+    def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
+        p = super().piece(index, prompt_index, out)
+        if self.echo_texts is not None and index not in self._echoed:
+            self._echoed.add(index)
+            p.text = self.echo_texts[prompt_index] + p.text
+        return p
+
+    def _logprobs(self, index: int, out: StreamOutput) -> dict[str, list]:
+        d: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(out.token_ids, out.logprobs or []):
+            chosen = _chosen(entry, tid)
+            text = _text(chosen)
+            # vLLM's shape: the sampled token is always listed. Tokens with the same text (partial UTF-8 bytes)
+            # share a key: the likelier one keeps it, so the dict stays best-first.
+            top: dict[str, float] = {}
+            for lp in sorted([*_top(entry, self.k or 0), chosen], key=lambda lp: -lp.logprob):
+                top.setdefault(_text(lp), _lp(lp.logprob))
+            d["tokens"].append(text)
+            d["token_logprobs"].append(_lp(chosen.logprob))
+            d["top_logprobs"].append(top)
+            d["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(text)
+        return d
+
+    def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
+        if self._empty(p):
+            return None
+        d = {"index": p.index, "text": p.text, "logprobs": p.logprobs, "finish_reason": p.finish_reason}
+        return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
+
+    def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        d = {"index": index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        return self._extras(d, c.finish_reason, c.stop_reason, c.token_ids)
+
+
+class ChatFormat(Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _logprobs(self, index: int, out: StreamOutput) -> list[dict[str, Any]]:
+        content = []
+        for tid, entry in zip(out.token_ids, out.logprobs or []):
+            chosen = _chosen(entry, tid)
+            text = _text(chosen)
+            content.append({"token": text, "logprob": _lp(chosen.logprob), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": _text(lp), "logprob": _lp(lp.logprob),
+                                              "bytes": list(_text(lp).encode())} for lp in _top(entry, self.k or 0)]})
+        return content
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """OpenAI's first delta of each choice carries the role."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.num_choices)]
+
+    def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
+        if self._empty(p):
+            return None
+        d = {"index": p.index, "delta": {"content": p.text} if p.text else {},
+             "logprobs": {"content": p.logprobs} if p.logprobs is not None else None,
+             "finish_reason": p.finish_reason}
+        return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
+
+    def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
+        d = {"index": index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": {"content": c.logprobs or []} if self.k is not None else None,
+             "finish_reason": c.finish_reason}
+        return self._extras(d, c.finish_reason, c.stop_reason, c.token_ids)

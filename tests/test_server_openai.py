@@ -1,0 +1,252 @@
+"""The server through the real `openai` client: completions and chat, streamed and not, n, stop, logprobs, usage,
+and 32 concurrent streams that each get exactly the tokens offline greedy generation gives."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from streamer import LLM, SamplingParams
+from tests.server_utils import ENGINE_KWARGS, LiveServer, metric
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+@pytest.fixture(scope="module")
+def live(llama_dir):
+    with LiveServer(llama_dir) as server:
+        yield server
+
+
+def client(live: LiveServer) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+async def _stream_completion(c: AsyncOpenAI, **kw: Any) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = []
+    async for chunk in await c.completions.create(stream=True, **kw):
+        chunks.append(chunk)
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason is not None:
+                assert ch.index not in finish, "finish_reason twice for one choice"
+                finish[ch.index] = ch.finish_reason
+    return texts, finish, chunks
+
+
+def test_models(live):
+    async def main():
+        async with client(live) as c:
+            models = await c.models.list()
+            assert [m.id for m in models.data] == [live.model_name] == ["llama"]
+            with pytest.raises(openai.NotFoundError) as e:
+                await c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+            assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    run(main())
+
+
+def test_completion_stream_equals_non_stream_and_usage(live):
+    async def main():
+        async with client(live) as c:
+            full = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=20, **GREEDY)
+            texts, finish, chunks = await _stream_completion(
+                c, model="llama", prompt=PROMPT, max_tokens=20, stream_options={"include_usage": True}, **GREEDY)
+        assert full.object == "text_completion" and len(full.choices) == 1
+        assert texts[0] == full.choices[0].text and len(full.choices[0].text) > 0
+        assert finish[0] == full.choices[0].finish_reason == "length"
+        assert full.usage.completion_tokens == 20
+        assert full.usage.prompt_tokens_details.cached_tokens >= 0
+        # OpenAI's shape: usage null on every chunk, then one usage chunk with no choices.
+        assert all(ch.usage is None and ch.choices for ch in chunks[:-1])
+        last = chunks[-1]
+        assert last.choices == [] and last.usage.completion_tokens == 20
+        assert last.usage.prompt_tokens == full.usage.prompt_tokens
+        assert last.usage.total_tokens == last.usage.prompt_tokens + 20
+        # The same prompt again: its full blocks come from the prefix cache.
+        assert last.usage.prompt_tokens_details.cached_tokens > 0
+        assert len({ch.id for ch in chunks}) == 1
+    run(main())
+
+
+def test_chat_stream_equals_non_stream(live):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+
+    async def main():
+        async with client(live) as c:
+            full = await c.chat.completions.create(model="llama", messages=messages, max_tokens=16, **GREEDY)
+            chunks = [ch async for ch in await c.chat.completions.create(
+                model="llama", messages=messages, max_completion_tokens=16, stream=True,
+                stream_options={"include_usage": True}, **GREEDY)]
+        assert full.object == "chat.completion"
+        msg = full.choices[0].message
+        assert msg.role == "assistant" and msg.content
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 16
+        assert chunks[0].object == "chat.completion.chunk"
+        assert chunks[0].choices[0].delta.role == "assistant"
+        content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        assert content == msg.content
+        with_choices = [ch for ch in chunks if ch.choices]
+        # finish_reason rides on the last content chunk; after it only the usage chunk
+        assert with_choices[-1].choices[0].finish_reason == "length"
+        assert all(ch.choices[0].finish_reason is None for ch in with_choices[:-1])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+        assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    run(main())
+
+
+def test_n2_seeded_sampling(live):
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+
+    async def main():
+        async with client(live) as c:
+            a = await c.completions.create(**kw)
+            b = await c.completions.create(**kw)
+            texts, finish, _ = await _stream_completion(c, **kw)
+            chat = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, n=2, temperature=1.0, seed=5)
+        assert [ch.index for ch in a.choices] == [0, 1]
+        assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]  # seeds make it reproducible
+        assert texts == {0: a.choices[0].text, 1: a.choices[1].text}
+        assert finish == {0: "length", 1: "length"}
+        assert a.usage.completion_tokens == 16
+        assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens <= 8
+    run(main())
+
+
+def _stop_in(text: str) -> str:
+    """A stop string from the middle of a greedy output: two characters, no replacement character."""
+    for i in range(4, len(text) - 2):
+        s = text[i:i + 2]
+        if "\ufffd" not in s and s.strip():
+            return s
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def test_stop_strings(live):
+    async def main():
+        async with client(live) as c:
+            base = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=24, **GREEDY)
+            text = base.choices[0].text
+            stop = _stop_in(text)
+            cut = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=24, stop=[stop, "\x00zz"],
+                                             **GREEDY)
+            texts, finish, chunks = await _stream_completion(c, model="llama", prompt=PROMPT, max_tokens=24,
+                                                             stop=stop, **GREEDY)
+            chat_base = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=24, **GREEDY)
+            chat_stop = _stop_in(chat_base.choices[0].message.content)
+            chat_cut = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
+                                                       max_tokens=24, stop=chat_stop, **GREEDY)
+        expected = text[:text.index(stop)]
+        assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].model_extra["stop_reason"] == stop
+        assert texts[0] == expected and finish[0] == "stop"
+        chat_text = chat_base.choices[0].message.content
+        assert chat_cut.choices[0].message.content == chat_text[:chat_text.index(chat_stop)]
+        assert chat_cut.choices[0].finish_reason == "stop"
+    run(main())
+
+
+def test_logprobs(live):
+    async def main():
+        async with client(live) as c:
+            comp = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=6, logprobs=3, **GREEDY)
+            _, _, chunks = await _stream_completion(c, model="llama", prompt=PROMPT, max_tokens=6, logprobs=3,
+                                                    **GREEDY)
+            chat = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=6, logprobs=True, top_logprobs=2, **GREEDY)
+        lp = comp.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+        assert "".join(lp.tokens) == comp.choices[0].text
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+        for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert 1 <= len(top) <= 4 and val <= 0
+            assert val == pytest.approx(max(top.values()))  # greedy: the sampled token is the best one
+        streamed = [t for ch in chunks for c_ in ch.choices if c_.logprobs for t in c_.logprobs.tokens]
+        assert streamed == lp.tokens
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 6
+        for entry in content:
+            assert len(entry.top_logprobs) == 2
+            assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+            assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+            assert entry.bytes == list(entry.token.encode())
+        assert "".join(e.token for e in content) == chat.choices[0].message.content
+    run(main())
+
+
+def test_concurrent_streams_match_offline_greedy(live, llama_dir):
+    prompts = [f"Client {i} says: the number {i * 7} is" for i in range(32)]
+    offline = LLM(str(llama_dir), **ENGINE_KWARGS).generate(
+        prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    async def one(c: AsyncOpenAI, prompt: str) -> tuple[list[int], str]:
+        ids: list[int] = []
+        text = ""
+        async for chunk in await c.completions.create(model="llama", prompt=prompt, max_tokens=12, stream=True,
+                                                      temperature=0.0,
+                                                      extra_body={"ignore_eos": True, "return_token_ids": True}):
+            for ch in chunk.choices:
+                ids += ch.model_extra["token_ids"]
+                text += ch.text
+        return ids, text
+
+    async def main():
+        async with client(live) as c:
+            return await asyncio.gather(*[one(c, p) for p in prompts])
+
+    results = run(main())
+    for (ids, text), ref in zip(results, offline):
+        assert ids == ref.outputs[0].token_ids
+        assert text == ref.outputs[0].text
+    live.wait_idle()
+
+
+def test_prompt_forms_echo_and_tokenize(live):
+    async def main():
+        async with client(live) as c, httpx.AsyncClient(base_url=live.url, timeout=60) as h:
+            tok = (await h.post("/tokenize", json={"model": "llama", "prompt": PROMPT})).json()
+            assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == live.engine.max_model_len
+            detok = (await h.post("/detokenize", json={"model": "llama", "tokens": tok["tokens"]})).json()
+            assert detok["prompt"].endswith(PROMPT)
+            by_text = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, **GREEDY)
+            by_ids = await c.completions.create(model="llama", prompt=tok["tokens"], max_tokens=5, **GREEDY)
+            assert by_ids.choices[0].text == by_text.choices[0].text
+            assert by_text.usage.prompt_tokens == tok["count"]
+            many = await c.completions.create(model="llama", prompt=[PROMPT, "Hello"], max_tokens=3, n=2,
+                                              temperature=0.0)
+            assert [ch.index for ch in many.choices] == [0, 1, 2, 3]
+            assert many.choices[0].text == many.choices[1].text == by_text.choices[0].text[:len(many.choices[0].text)]
+            batch = await c.completions.create(model="llama", prompt=[tok["tokens"], tok["tokens"][:5]], max_tokens=3,
+                                               temperature=0.0)
+            assert len(batch.choices) == 2
+            echo = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, echo=True, **GREEDY)
+            assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+            msgs = [{"role": "user", "content": "hi"}]
+            chat_tok = (await h.post("/tokenize", json={"model": "llama", "messages": msgs})).json()
+            chat = await c.chat.completions.create(model="llama", messages=msgs, max_tokens=2)
+            assert chat.usage.prompt_tokens == chat_tok["count"]
+    run(main())
+
+
+def test_health_and_metrics(live):
+    with httpx.Client(base_url=live.url, timeout=30) as h:
+        assert h.get("/health").status_code == 200
+        r = h.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert "vllm:num_requests_running" in r.text and "vllm:kv_cache_usage_perc" in r.text
+        live.wait_idle()
+        text = h.get("/metrics").text
+        assert metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
