@@ -45,13 +45,15 @@ class Counter(Metric):
 
 
 class Gauge(Metric):
-    """A gauge read at scrape time from a callback returning {labels: value}."""
+    """A value read at scrape time from a callback returning {labels: value} (a gauge, or a counter that the
+    engine keeps itself)."""
 
     kind = "gauge"
 
-    def __init__(self, name: str, help: str, read: Callable[[], dict[Labels, float]]) -> None:
+    def __init__(self, name: str, help: str, read: Callable[[], dict[Labels, float]], kind: str = "gauge") -> None:
         super().__init__(name, help)
         self.read = read
+        self.kind = kind
 
     def render(self) -> list[str]:
         rows = self.read().items() or [((), 0.0)]
@@ -122,11 +124,11 @@ class EngineMetrics:
                     per_priority("running_by_priority")))
         r.add(Gauge("streamer:num_requests_waiting_by_priority", "Waiting requests per priority.",
                     per_priority("waiting_by_priority")))
-        r.add(Gauge("vllm:num_preemptions_total", "Preemptions (by recompute) so far.", gauge("num_preemptions")))
+        r.add(Gauge("vllm:num_preemptions_total", "Preemptions (by recompute) so far.", gauge("num_preemptions"), kind="counter"))
         r.add(Gauge("vllm:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
-                    gauge("prefix_cache_queries")))
+                    gauge("prefix_cache_queries"), kind="counter"))
         r.add(Gauge("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
-                    gauge("prefix_cache_hits")))
+                    gauge("prefix_cache_hits"), kind="counter"))
         self.prompt_tokens = r.add(Counter("vllm:prompt_tokens_total", "Prompt tokens processed."))
         self.generation_tokens = r.add(Counter("vllm:generation_tokens_total", "Tokens generated."))
         self.request_success = r.add(Counter("vllm:request_success_total", "Finished requests by finish reason."))

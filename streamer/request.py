@@ -101,6 +101,3 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else b""
             extra = self.cache_salt.encode() if (i == 0 and self.cache_salt) else b""
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
-
-    def priority_key(self) -> tuple[float, float]:
-        return (self.priority, self.arrival_time)

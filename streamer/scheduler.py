@@ -46,12 +46,21 @@ class SchedulerOutput:
         return len(self.scheduled)
 
 
+def priority_key(aging: Optional[float]):
+    """Sort key: lower runs first. With aging, every `aging` seconds of waiting counts as one priority level:
+    priority - (now - arrival) / aging. Its `now` term is the same for everyone, so ordering by
+    priority + arrival / aging is equivalent, and static (a heap stays valid)."""
+    if aging:
+        return lambda r: (r.priority + r.arrival_time / aging, r.arrival_time)
+    return lambda r: (r.priority, r.arrival_time)
+
+
 class WaitingQueue:
-    """FCFS: a deque (preempted requests return to the front). Priority: a heap on (priority, arrival)."""
+    """FCFS: a deque (preempted requests return to the front). Priority: a heap on the priority key."""
 
     def __init__(self, policy: str, aging: Optional[float] = None) -> None:
         self.policy = policy
-        self.aging = aging
+        self.key = priority_key(aging)
         self._fifo: deque[Request] = deque()
         self._heap: list[tuple[tuple[float, float], int, Request]] = []
         self._tie = itertools.count()
@@ -62,24 +71,14 @@ class WaitingQueue:
     def __iter__(self):
         return iter(self._fifo) if self.policy == "fcfs" else iter(r for _, _, r in sorted(self._heap))
 
-    def key(self, req: Request) -> tuple[float, float]:
-        if self.aging:
-            # Aging: each `aging` seconds of waiting counts as one priority level, so nobody starves.
-            return (req.priority - (time.monotonic() - req.arrival_time) / self.aging, req.arrival_time)
-        return req.priority_key()
-
     def push(self, req: Request, front: bool = False) -> None:
         if self.policy == "fcfs":
             (self._fifo.appendleft if front else self._fifo.append)(req)
         else:
-            heapq.heappush(self._heap, (req.priority_key(), next(self._tie), req))
+            heapq.heappush(self._heap, (self.key(req), next(self._tie), req))
 
     def peek(self) -> Request:
-        if self.policy == "fcfs":
-            return self._fifo[0]
-        if self.aging:
-            return min(self._heap, key=lambda e: self.key(e[2]))[2]
-        return self._heap[0][2]
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][2]
 
     def remove(self, req: Request) -> bool:
         if self.policy == "fcfs":
@@ -90,7 +89,8 @@ class WaitingQueue:
                 return False
         for i, entry in enumerate(self._heap):
             if entry[2] is req:
-                self._heap.pop(i)
+                self._heap[i] = self._heap[-1]
+                self._heap.pop()
                 heapq.heapify(self._heap)
                 return True
         return False
@@ -98,9 +98,7 @@ class WaitingQueue:
     def pop(self) -> Request:
         if self.policy == "fcfs":
             return self._fifo.popleft()
-        req = self.peek()
-        self.remove(req)
-        return req
+        return heapq.heappop(self._heap)[2]
 
 
 class Scheduler:
@@ -141,14 +139,11 @@ class Scheduler:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
-    def _running_key(self, req: Request) -> tuple[float, float]:
-        return req.priority_key()
-
     def _add_running(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         if self.config.scheduling_policy == "priority":
-            keys = [self._running_key(r) for r in self.running]
-            self.running.insert(bisect.bisect_right(keys, self._running_key(req)), req)
+            keys = [self.waiting.key(r) for r in self.running]
+            self.running.insert(bisect.bisect_right(keys, self.waiting.key(req)), req)
         else:
             self.running.append(req)
 
@@ -216,7 +211,7 @@ class Scheduler:
         """A waiting request that outranks the worst running one takes its place when seats or blocks are short."""
         while len(self.waiting) and self.running:
             head, worst = self.waiting.peek(), self.running[-1]
-            if self.waiting.key(head) >= self._running_key(worst):
+            if self.waiting.key(head) >= self.waiting.key(worst):
                 return
             hits, num_hit = self.kv.get_computed_blocks(head)
             first_chunk = min(head.num_tokens, num_hit + self.config.max_num_batched_tokens)
