@@ -114,9 +114,13 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admitted request's prefix-cache lookup (for /metrics)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit
 
     def can_fit(self, num_tokens: int, hit_blocks: list[int]) -> bool:
         need = cdiv(num_tokens, self.block_size) - len(hit_blocks)

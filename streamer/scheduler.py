@@ -199,6 +199,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop()
+            self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
