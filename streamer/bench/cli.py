@@ -233,9 +233,9 @@ def bench_main(argv: Sequence[str]) -> int:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
     summary = summarize(out.results, out.duration, args.percentiles, dict(args.goodput) if args.goodput else None)
-    print(report.format_summary(summary, max_concurrency=args.max_concurrency))
+    print(report.format_summary(summary, max_concurrency=args.max_concurrency, client_cpu=out.client_cpu))
     if args.save_result:
-        report.save_result(args.save_result, _config_record(args, out), summary, out.results)
+        report.save_result(args.save_result, _config_record(args, out), summary, out.results, out.client_cpu)
     if args.plot:
         report.plot(args.plot, out.results, title=f"{out.model} @ {args.base_url}")
     return 0 if summary.completed else 1

@@ -307,6 +307,9 @@ def sse_events(body: bytes) -> list[tuple[int, bytes]]:
         elif line.startswith(b"data:"):
             v = line[5:]
             data.append(v[1:] if v[:1] == b" " else v)
+    tail = body[end:]
+    if tail.startswith(b"data:"):  # a last line without its newline
+        data.append(tail[6:] if tail[5:6] == b" " else tail[5:])
     if data:  # a last event without its blank line: accept it rather than lose the [DONE]
         events.append((len(body), b"\n".join(data)))
     return events

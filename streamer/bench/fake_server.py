@@ -145,6 +145,7 @@ class FakeServer:
         self.record = record
         self.received: list[dict[str, Any]] = []  # request bodies, in arrival order
         self.count = 0
+        self.in_flight = self.max_in_flight = 0  # streaming requests being answered (for concurrency checks)
         self._server: Optional[asyncio.AbstractServer] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -177,16 +178,25 @@ class FakeServer:
         if plan.status != 200:
             return proto.send(plan.status, plan.error_body.encode())
         stream = _Stream(plan, body, path.endswith("chat/completions"), self.model)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         if not plan.delays and not plan.done_delay and plan.disconnect_after is None and plan.error_after is None:
             proto.start_stream()  # instant: the whole response in one write
             assert proto.transport is not None
             proto.transport.write(b"".join(stream.piece(i) for i in range(len(stream.pieces))) + stream.tail())
+            self.in_flight -= 1
             return proto.done()
         task = asyncio.get_running_loop().create_task(self._paced(proto, stream))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _paced(self, proto: _Proto, s: _Stream) -> None:
+        try:
+            await self._paced_inner(proto, s)
+        finally:
+            self.in_flight -= 1
+
+    async def _paced_inner(self, proto: _Proto, s: _Stream) -> None:
         plan, tr = s.plan, proto.transport
         assert tr is not None
         proto.start_stream()

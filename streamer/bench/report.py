@@ -21,7 +21,8 @@ def _row(label: str, value: Any) -> str:
     return f"{label:<44}{value!s:>16}"
 
 
-def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, max_errors: int = 5) -> str:
+def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_cpu: Optional[float] = None,
+                   max_errors: int = 5) -> str:
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="="),
              _row("Successful requests:", s.completed), _row("Failed requests:", s.failed),
              _row("Maximum request concurrency:", max_concurrency if max_concurrency else "unlimited"),
@@ -34,6 +35,8 @@ def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, max_err
               _row("Peak output token throughput (tok/s):", s.max_output_tokens_per_s),
               _row("Peak concurrent requests:", s.max_concurrent_requests),
               _row("Total token throughput (tok/s):", s.total_token_throughput)]
+    if client_cpu is not None and s.duration > 0:  # near 100% would mean the generator limits the numbers
+        lines.append(_row("Load generator CPU (% of one core):", 100.0 * client_cpu / s.duration))
     for m in METRICS:
         lines.append("{s:{c}^{n}}".format(s=METRIC_NAMES[m], n=_W, c="-"))
         for k, v in s.stats[m].items():
@@ -48,9 +51,10 @@ def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, max_err
 
 # --- result files -----------------------------------------------------------------------------------
 def save_result(path: str | Path, config: dict[str, Any], summary: Summary,
-                results: Sequence[RequestResult]) -> None:
+                results: Sequence[RequestResult], client_cpu: Optional[float] = None) -> None:
     doc = {"format": RESULT_FORMAT, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "config": config, "summary": summary.to_json(), "requests": [r.to_json() for r in results]}
+           "config": config, "summary": summary.to_json(), "client_cpu_seconds": client_cpu,
+           "requests": [r.to_json() for r in results]}
     Path(path).write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
 
 

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, process_time
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -40,6 +40,7 @@ class RunOutput:
     model: str
     duration: float
     results: list[RequestResult]
+    client_cpu: float = 0.0  # CPU seconds this process spent during the timed run (all threads)
 
 
 class BenchError(Exception):
@@ -77,12 +78,14 @@ def endpoint_path(endpoint: str) -> str:
 def to_result(resp: RawResponse, req: SampleRequest, sent: float) -> tuple[RequestResult, Optional[str]]:
     """RequestResult (absolute `start`) plus the generated text when its tokens must still be counted."""
     res = RequestResult(prompt_len=req.prompt_len, asked_output_len=req.output_len, start=sent)
-    if resp.error or resp.status != 200:
+    if resp.status != 200:
         res.error = error_of(resp)
         return res, None
-    out = interpret(resp)
+    out = interpret(resp)  # even after a broken connection: an error event in the stream says more
     if out.error:
         res.error = out.error
+    elif resp.error:
+        res.error = resp.error
     elif not out.done:
         res.error = "stream ended without data: [DONE]"
     elif not out.token_times:
@@ -213,18 +216,19 @@ async def _timed(cfg: RunConfig, client: HttpClient, path: str, model: str, requ
         progress.add(res.success)
 
     progress.start()
+    cpu0 = process_time()
     t0 = perf_counter()
     tasks = []
     for i in range(n):
-        wait = t0 + offsets[i] - perf_counter()
-        if wait > 0:
+        while (wait := t0 + offsets[i] - perf_counter()) > 0:  # loop: uvloop timers may wake <1 ms early
             await asyncio.sleep(wait)
         tasks.append(loop.create_task(one(i)))
     await asyncio.gather(*tasks)
     duration = perf_counter() - t0
+    cpu = process_time() - cpu0
     progress.stop()
     count_output_tokens(pending, tok)
     final = [r for r in results if r is not None]
     for r in final:
         r.start -= t0
-    return RunOutput(model=model, duration=duration, results=final)
+    return RunOutput(model=model, duration=duration, results=final, client_cpu=cpu)
