@@ -24,6 +24,7 @@ class LiveServer:
         self.engine_kwargs = {**ENGINE_KWARGS, **engine_kwargs}
         self.engine: Optional[AsyncEngine] = None
         self.server: Optional[uvicorn.Server] = None
+        self.app: Any = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.port = 0
         self.model_name = ""
@@ -63,7 +64,7 @@ class LiveServer:
         self.engine = AsyncEngine(str(self.model_dir), **self.engine_kwargs)
         try:
             await self.engine.start()
-            app = build_app(self.engine, **self.app_kwargs)  # type: ignore[arg-type]
+            self.app = app = build_app(self.engine, **self.app_kwargs)  # type: ignore[arg-type]
             self.model_name = app.state.server.model_name
             config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning",
                                     timeout_graceful_shutdown=3)

@@ -202,7 +202,10 @@ async def _collect_unless_disconnected(request: Request, gen: Generation, fmt: F
         task.cancel()  # no-op when done; otherwise its cleanup aborts the engine request
     if not task.done() or task.cancelled():
         raise _ClientGone()
-    task.result()  # re-raises an engine failure
+    try:
+        task.result()
+    except Exception as e:  # the engine failed under us (EngineDeadError): 503
+        raise engine_error(e) from None
     return choices
 
 
@@ -218,7 +221,7 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health" and not self._authorized(scope):
@@ -233,7 +236,8 @@ class BearerAuth:
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
             if name == b"authorization":
-                return hmac.compare_digest(value, self.expected)
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)
         return False
 
 

@@ -195,7 +195,10 @@ _LEADING_NAME = re.compile(r"[a-z_]+")
 
 
 def _param_of(message: str, known: set[str]) -> Optional[str]:
-    """SamplingParams' and the engine's messages start with the field they are about."""
+    """SamplingParams' and the engine's messages start with the field they are about; "prompt (...) + max_tokens
+    (...) exceeds ..." is about max_tokens, the one the client can lower."""
+    if "+ max_tokens" in message:
+        return "max_tokens"
     m = _LEADING_NAME.match(message)
     return m.group(0) if m and m.group(0) in known else None
 
