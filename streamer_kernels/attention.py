@@ -253,17 +253,27 @@ class AttentionConfig:
     num_stages: int
 
 
+# Shared memory the K/V pipeline of one program may take: two programs then fit an SM on Ampere/Hopper, and
+# one on GPUs with ~100 KB.
+_SMEM_BUDGET = 96 * 1024
+
+
 def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype) -> AttentionConfig:
     """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
     large q-blocks so each K/V tile feeds many rows. Heuristic, untuned beyond first principles: the GPU check
     prints timings so these can be revisited on real hardware."""
-    big_elems = dtype == torch.float32 or head_dim > 128  # fp32 or wide heads: halve tiles (registers/smem)
+    elem = torch.empty((), dtype=dtype).element_size()
+    block_d = max(16, next_pow2(head_dim))
+    wide = elem * block_d > 256  # fp32 or heads wider than 128: halve tiles (registers, shared memory)
+    tile_n = 32 if wide else 64
+    # K and V tiles per pipeline stage; as many stages (<= 3) as the budget allows.
+    num_stages = max(1, min(3, _SMEM_BUDGET // (2 * tile_n * block_d * elem)))
     if max_query_len * group <= 16 or max_query_len == 1:
-        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=32 if big_elems else 64,
-                               num_warps=4, num_stages=3)
-    block_m = max(64 if big_elems else 128, next_pow2(group))
-    return AttentionConfig(block_m=block_m, tile_n=32 if big_elems else 64,
-                           num_warps=8 if block_m >= 128 else 4, num_stages=2 if big_elems else 3)
+        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=tile_n, num_warps=4,
+                               num_stages=num_stages)
+    block_m = max(64 if wide else 128, next_pow2(group))
+    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=8 if block_m >= 128 else 4,
+                           num_stages=num_stages)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
@@ -287,9 +297,11 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
-                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None) -> None:
+                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
+                      config: Optional[AttentionConfig] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
-    power of two forcing the split-KV path (which is correct for any batch, just slower for prefill)."""
+    power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
+    `config` overrides the launch shape (for tuning sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -305,9 +317,10 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
 
-    cfg = attention_config(head_dim, group, max_query_len, q.dtype)
+    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype)
+    assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
     block_q = cfg.block_m // group
-    block_d = next_pow2(head_dim)
+    block_d = max(16, next_pow2(head_dim))  # tl.dot needs a reduction dim of at least 16
     # Program ids without reading query_start_loc: request b's q-blocks start at query_start_loc[b] // BLOCK_Q + b
     # and its last one is below query_start_loc[b + 1] // BLOCK_Q + b + 1, so num_tokens // BLOCK_Q + num_seqs
     # programs cover every request (the slack, at most one per request, exits at once).

@@ -1,0 +1,114 @@
+"""TritonAttentionBackend: against the kernel references and the engine's torch backend on the same metadata,
+then the whole engine with attention_backend="triton" against attention_backend="torch" (on CPU through the
+Triton interpreter)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from streamer_kernels.testing import TOLERANCE, configure_for_tests, make_paged_batch, rel_err
+
+DEVICE = configure_for_tests()
+triton = pytest.importorskip("triton")
+
+from streamer.attention.base import AttentionMetadata, AttentionSpec  # noqa: E402
+from streamer.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from streamer.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from streamer_kernels import reference  # noqa: E402
+
+
+def _meta(batch, num_reqs: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        num_reqs=num_reqs, num_tokens=batch.num_tokens, query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_table=batch.block_table, slot_mapping=batch.slot_mapping,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+        query_start_loc_cpu=batch.query_start_loc.cpu().numpy().astype(np.int64),
+        seq_lens_cpu=batch.seq_lens.cpu().numpy().astype(np.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [
+    # (q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window, pad)
+    ([1, 1, 1], [30, 0, 77], 8, 2, 64, 16, None, 2),  # decode only (+ padding rows)
+    ([9, 1, 40, 1], [0, 12, 7, 100], 4, 4, 128, 32, None, 0),  # mixed prefill chunks and decodes, MHA
+    ([17, 1], [20, 64], 8, 1, 96, 16, 24, 3),  # MQA, sliding window, head_dim 96
+    ([5, 3], [3, 0], 4, 2, 32, 8, None, 0),  # small heads (Qwen3-style 32), block size 8
+], ids=["decode", "mixed", "mqa-window", "small"])
+def test_backend_matches_reference_and_torch_backend(case, dtype) -> None:
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, window, pad = case
+    seed = 7
+    # The same random draws with and without this step's k/v already in the cache.
+    before = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE,
+                              num_pad_tokens=pad, write_new=False, generator=torch.Generator().manual_seed(seed))
+    after = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE,
+                             num_pad_tokens=pad, write_new=True, generator=torch.Generator().manual_seed(seed))
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    meta = _meta(before, len(q_lens))
+
+    kv_triton = before.kv_cache.clone()
+    out = TritonAttentionBackend(spec).forward(before.q, before.new_k, before.new_v, kv_triton, meta)
+    # The cache now holds exactly the reference's contents (NaN where nothing was ever written).
+    assert torch.equal(kv_triton.isnan(), after.kv_cache.isnan())
+    written = ~after.kv_cache.isnan()
+    assert torch.equal(kv_triton[written], after.kv_cache[written])
+
+    n = before.num_tokens
+    expected = torch.empty_like(before.q)
+    reference.unified_attention(after.q, after.key_cache, after.value_cache, expected, after.query_start_loc,
+                                after.seq_lens, after.block_table, spec.scale, 0, 0, window)
+    assert rel_err(out[:n], expected[:n]) <= TOLERANCE[dtype]
+    assert (out[n:] == 0).all(), "padding rows are zeroed"
+
+    # The engine's own torch backend agrees (on a cache without NaN poison, which it would multiply by zero).
+    kv_torch = torch.nan_to_num(before.kv_cache, nan=0.0)
+    out_torch = TorchAttentionBackend(spec).forward(before.q, before.new_k, before.new_v, kv_torch, meta)
+    assert rel_err(out[:n], out_torch[:n]) <= 2 * TOLERANCE[dtype]
+
+
+def test_backend_rejects_cpu_without_interpreter(monkeypatch) -> None:
+    if DEVICE.type != "cpu":
+        pytest.skip("CPU-only check")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    batch = make_paged_batch([1], [3], 2, 1, 64, 16, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        TritonAttentionBackend(AttentionSpec(2, 1, 64, 0.125)).forward(batch.q, batch.new_k, batch.new_v,
+                                                                       batch.kv_cache, _meta(batch, 1))
+
+
+# ------------------------------------------------------------------------------------------------ whole engine
+
+def _prompts(n: int, seed: int, vocab: int = 500, max_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
+
+
+def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
+    from streamer import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type, **engine_args)
+    assert llm.engine.runner.attention_backend == engine_args["attention_backend"]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(),
+    dict(max_num_batched_tokens=7, block_size=8),  # chunked prefill mixed with decodes, small blocks
+], ids=["default", "chunked"])
+def test_engine_triton_backend_matches_torch_backend(llama_dir, engine_args) -> None:
+    prompts = _prompts(6, seed=11)
+    torch_out = _greedy(llama_dir, prompts, attention_backend="torch", **engine_args)
+    triton_out = _greedy(llama_dir, prompts, attention_backend="triton", **engine_args)
+    assert triton_out == torch_out
+
+
+def test_engine_triton_backend_sliding_window(make_ckpt) -> None:
+    path = make_ckpt("mistral_sw", family="mistral", sliding_window=8)
+    prompts = _prompts(3, seed=12, max_len=30)
+    args = dict(max_num_batched_tokens=4, block_size=4)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))
