@@ -121,10 +121,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, bench_args = parse(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare-servers-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [("streamer", args.streamer_cmd, {})]
+    runs: list[tuple[str, str, dict[str, str]]] = [("streamer", args.streamer_cmd, {})]
     if args.vllm_venv:
         runs.insert(0, ("vllm", args.vllm_cmd, VLLM_ENV))
-    results = {name: bench_one(name, cmd, env, args, bench_args, out_dir) for name, cmd, env in runs}
+    try:
+        results = {name: bench_one(name, cmd, env, args, bench_args, out_dir) for name, cmd, env in runs}
+    except RuntimeError as e:
+        print(f"compare_servers: error: {e}", file=sys.stderr)
+        return 1
     print(f"\nresults and logs in {out_dir}")
     if "vllm" in results:
         a, b = (report.load_result(results[n]) for n in ("vllm", "streamer"))

@@ -107,7 +107,8 @@ def test_chat_role_and_finish_chunks_are_not_tokens(monkeypatch: pytest.MonkeyPa
 
 
 def test_crlf_separators_comments_and_multiline_data() -> None:
-    body = (b": ping\r\n\r\n" + event(text("a"), b"\r\n") + b"event: x\ndata: {\"choices\": [{\"text\":\ndata: \"b\"}]}\n\n"
+    body = (b": ping\r\n\r\n" + event(text("a"), b"\r\n")
+            + b"event: x\ndata: {\"choices\": [{\"text\":\ndata: \"b\"}]}\n\n"
             + b"data: [DONE]")  # last event without its blank line
     events = sse_events(body)
     assert [d for _, d in events] == [json.dumps(text("a")).encode(), b'{"choices": [{"text":\n"b"}]}', b"[DONE]"]

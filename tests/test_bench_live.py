@@ -94,7 +94,7 @@ def test_timings_obey_the_script_and_metrics_match_hand_computation() -> None:
     assert s.max_concurrent_requests == max(
         sum(int(r.start - t0) <= b <= int(r.start + r.latency - t0) for r in ok) for b in buckets)
     assert out.duration >= max(r.start + r.latency for r in ok) - 1e-9
-    assert 1 <= srv.max_in_flight <= 3
+    assert 1 <= srv.max_in_flight <= 3 and 1 <= s.max_in_flight <= 3
 
 
 def test_chat_endpoint_and_request_bodies(tok: Tokenizer) -> None:

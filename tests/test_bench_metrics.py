@@ -78,6 +78,9 @@ def test_peaks_use_one_second_buckets_and_chunk_weights() -> None:
     s = summarize(ALL, 2.0)
     assert (s.max_output_tokens_per_s, s.max_concurrent_requests) == (6.0, 2)
     assert peaks([]) == (0.0, 0)
+    assert s.max_in_flight == 1  # R1 ends at .35 before R2 starts; R2 ends at 1.1 before R3 starts
+    overlapping = [R1, RequestResult(start=0.2, latency=1.0, success=True), RequestResult(start=0.35, latency=0.1)]
+    assert summarize(overlapping, 2.0).max_in_flight == 2
 
 
 @pytest.mark.parametrize("slo,good", [({"ttft": 250, "tpot": 100}, 1), ({"e2el": 500}, 2), ({"tpot": 100}, 2),

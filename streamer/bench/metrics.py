@@ -46,7 +46,7 @@ class RequestResult:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RequestResult":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})  # type: ignore[attr-defined]
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Summary:
     total_token_throughput: float
     max_output_tokens_per_s: float
     max_concurrent_requests: int
+    max_in_flight: int
     request_goodput: Optional[float]
     stats: dict[str, dict[str, float]]  # metric -> {mean, median, std, p50, ...} in milliseconds
     errors: list[tuple[str, int]]  # distinct errors, most frequent first, with counts
@@ -116,6 +117,16 @@ def peaks(ok: Sequence[RequestResult]) -> tuple[float, int]:
     return (float(tokens.max()), int(conc.max())) if len(tokens) else (0.0, 0)
 
 
+def max_in_flight(ok: Sequence[RequestResult]) -> int:
+    """Most requests in flight at one instant (the 1 s-bucket peak counts every request a second overlaps)."""
+    edges = sorted([(r.start, 1) for r in ok] + [(r.start + r.latency, -1) for r in ok])  # ends sort first
+    best = cur = 0
+    for _, step in edges:
+        cur += step
+        best = max(best, cur)
+    return best
+
+
 def goodput_count(ok: Sequence[RequestResult], slo_ms: dict[str, float]) -> int:
     """Successful requests meeting every SLO (ms) in slo_ms (keys: ttft, tpot, e2el)."""
     def value(r: RequestResult, k: str) -> float:
@@ -140,6 +151,7 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
                    request_throughput=len(ok) / dur, output_throughput=total_out / dur,
                    total_token_throughput=(total_in + total_out) / dur,
                    max_output_tokens_per_s=peak_tps, max_concurrent_requests=peak_conc,
+                   max_in_flight=max_in_flight(ok),
                    request_goodput=goodput,
                    stats={k: describe(v, percentiles) for k, v in values.items()},
                    errors=[(e, c) for e, c in errors])

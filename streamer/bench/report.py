@@ -33,7 +33,8 @@ def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_
         lines.append(_row("Request goodput (req/s):", s.request_goodput))
     lines += [_row("Output token throughput (tok/s):", s.output_throughput),
               _row("Peak output token throughput (tok/s):", s.max_output_tokens_per_s),
-              _row("Peak concurrent requests:", s.max_concurrent_requests),
+              _row("Peak concurrent requests (1 s buckets):", s.max_concurrent_requests),
+              _row("Peak in-flight requests (instant):", s.max_in_flight),
               _row("Total token throughput (tok/s):", s.total_token_throughput)]
     if client_cpu is not None and s.duration > 0:  # near 100% would mean the generator limits the numbers
         lines.append(_row("Load generator CPU (% of one core):", 100.0 * client_cpu / s.duration))
@@ -72,7 +73,8 @@ _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests
                ("output_throughput", "Output throughput (tok/s)"),
                ("total_token_throughput", "Total token throughput (tok/s)"),
                ("max_output_tokens_per_s", "Peak output throughput (tok/s)"),
-               ("max_concurrent_requests", "Peak concurrent requests")]
+               ("max_concurrent_requests", "Peak concurrent requests (1 s)"),
+               ("max_in_flight", "Peak in-flight requests")]
 
 
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Optional[float], Optional[float]]]:

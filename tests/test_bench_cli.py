@@ -1,0 +1,194 @@
+"""`streamer bench` command line: usage errors (exit 2), full runs, result files, plot, compare, progress."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from streamer.bench import main
+from streamer.bench.fake_server import FakeServer, Plan
+from streamer.bench.report import RESULT_FORMAT, format_compare, plot_available
+from streamer.bench.runner import Progress
+from streamer.bench.testing import make_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeServer]:
+    with FakeServer(lambda i, b: Plan(status=500) if "fail" in b.get("prompt", "") else Plan()) as s:
+        yield s
+
+
+BASE = ["--base-url", "http://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "--base-url"),
+    (["--base-url", "ftp://x"], "--base-url must look like"),
+    (BASE + ["--num-prompts", "0"], "must be >= 1"),
+    (BASE + ["--num-prompts", "ten"], "expected an integer"),
+    (BASE + ["--input-len", "0"], "must be >= 1"),
+    (BASE + ["--output-len", "-3"], "must be >= 1"),
+    (BASE + ["--prefix-len", "-1"], "must be >= 0"),
+    (BASE + ["--range-ratio", "1.0"], "must be in [0, 1)"),
+    (BASE + ["--request-rate", "0"], "must be > 0"),
+    (BASE + ["--request-rate", "nan"], "must be > 0"),
+    (BASE + ["--request-rate", "fast"], "expected a number"),
+    (BASE + ["--burstiness", "0"], "must be > 0"),
+    (BASE + ["--max-concurrency", "0"], "must be >= 1"),
+    (BASE + ["--num-warmups", "-1"], "must be >= 0"),
+    (BASE + ["--timeout", "0"], "must be > 0"),
+    (BASE + ["--percentiles", "0,50"], "percentiles must be in (0, 100]"),
+    (BASE + ["--percentiles", "50,x"], "comma-separated"),
+    (BASE + ["--goodput", "ttft"], "KEY:MS"),
+    (BASE + ["--goodput", "itl:5"], "KEY:MS"),
+    (BASE + ["--goodput", "ttft:-5"], "must be > 0"),
+    (BASE + ["--endpoint", "embeddings"], "invalid choice"),
+    (BASE + ["--dataset", "file"], "needs --dataset-path"),
+    (BASE + ["--dataset-path", "/no/such/file.json"], "is not a file"),
+    (BASE + ["--dataset", "prefix", "--tokenizer", "TOK"], "needs --prefix-len"),
+    (BASE, "builds prompts with the model's tokenizer"),
+    (BASE + ["--model", "not-a-folder"], "builds prompts with the model's tokenizer"),
+    (BASE + ["--tokenizer", "/no/such/dir"], "cannot load a tokenizer"),
+    (BASE + ["--extra-body", "[1]"], "expected a JSON object"),
+    (BASE + ["--save-result", "/no/such/dir/r.json", "--tokenizer", "TOK"], "no such folder"),
+    (BASE + ["--bogus"], "unrecognized arguments"),
+])
+def test_usage_errors_exit_2(argv: list[str], message: str, tokdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [tokdir if a == "TOK" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: streamer bench" in err and message in err
+
+
+def test_plot_without_matplotlib_is_a_usage_error(monkeypatch: pytest.MonkeyPatch, tokdir: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("streamer.bench.report.plot_available", lambda: False)
+    assert main(BASE + ["--tokenizer", tokdir, "--plot", "x.png"]) == 2
+    assert "pip install 'streamer[plot]'" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "--request-rate" in capsys.readouterr().out
+
+
+def test_module_entry_point_exit_code() -> None:
+    p = subprocess.run([sys.executable, "-m", "streamer.bench", "--base-url", "x"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--base-url must look like" in p.stderr
+
+
+def run_cli(server: FakeServer, tokdir: str, tmp: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    res = tmp / "r.json"
+    code = main(["--base-url", server.base_url, "--tokenizer", tokdir, "--input-len", "8", "--output-len", "5",
+                 "--num-prompts", "20", "--max-concurrency", "5", "--save-result", str(res), *extra])
+    return code, json.loads(res.read_text())
+
+
+def test_full_run_table_and_result_file(server: FakeServer, tokdir: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = run_cli(server, tokdir, tmp_path, "--api-key", "s3cret", "--percentiles", "50,99.9",
+                        "--goodput", "ttft:60000", "e2el:60000", "--progress", "on")
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "Successful requests:" in out and "Request goodput (req/s):" in out and "P99.9 ITL (ms):" in out
+    assert "20/20 requests" in err  # the progress bar's last frame
+    assert doc["format"] == RESULT_FORMAT
+    assert "api_key" not in doc["config"] and "s3cret" not in json.dumps(doc)
+    assert doc["config"]["model"] == "fake" and doc["config"]["request_rate"] == "inf"
+    s = doc["summary"]
+    assert s["completed"] == 20 and s["failed"] == 0 and s["total_output_tokens"] == 100
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])
+    assert set(s["stats"]["itl"]) == {"mean", "median", "std", "p50", "p99.9"}
+    r = doc["requests"][0]
+    assert r["success"] and len(r["itl"]) == 4 and r["output_len"] == 5 and r["prompt_len"] > 0
+    assert {"start", "ttft", "latency", "error", "asked_output_len"} <= set(r)
+
+
+def test_all_failed_exits_1_with_errors_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["please fail"] * 3))
+    with FakeServer(lambda i, b: Plan(status=500)) as srv:
+        code = main(["--base-url", srv.base_url, "--model", "m", "--dataset-path", str(f), "--num-prompts", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "Failed requests:" in out and "3 x HTTP 500: scripted failure" in out
+
+
+def test_sharegpt_file_without_tokenizer(server: FakeServer, tmp_path: Path) -> None:
+    f = tmp_path / "sg.json"
+    f.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi there"},
+                                                {"from": "gpt", "value": "hello"}]}]))
+    res = tmp_path / "r.json"
+    assert main(["--base-url", server.base_url, "--dataset-path", str(f), "--num-prompts", "4", "--output-len", "3",
+                 "--endpoint", "chat", "--save-result", str(res)]) == 0
+    doc = json.loads(res.read_text())
+    assert doc["summary"]["completed"] == 4 and doc["summary"]["total_output_tokens"] == 12
+
+
+def test_prefix_dataset_via_cli(server: FakeServer, tokdir: str, tmp_path: Path) -> None:
+    code, doc = run_cli(server, tokdir, tmp_path, "--dataset", "prefix", "--prefix-len", "6", "--num-prefixes", "2",
+                        "--request-rate", "200", "--burstiness", "2", "--seed", "4")
+    assert code == 0 and doc["summary"]["completed"] == 20
+
+
+def test_unreachable_model_listing_is_an_error(tokdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer() as srv:
+        url = srv.base_url
+    assert main(["--base-url", url, "--tokenizer", tokdir, "--num-prompts", "1"]) == 1
+    assert "pass --model" in capsys.readouterr().err
+
+
+def test_compare(server: FakeServer, tokdir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _, a = run_cli(server, tokdir, tmp_path)
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    b = json.loads(json.dumps(a))
+    b["summary"]["request_throughput"] = a["summary"]["request_throughput"] * 2
+    b["summary"]["stats"]["ttft"]["p99"] = a["summary"]["stats"]["ttft"]["p99"] / 4
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "B/A" in out
+    assert [ln for ln in out.splitlines() if ln.startswith("Request throughput")][0].endswith("2.00x")
+    assert [ln for ln in out.splitlines() if ln.startswith("p99 TTFT")][0].endswith("0.25x")
+    assert "vllm" in format_compare(a, b, "vllm", "streamer")
+
+
+@pytest.mark.parametrize("argv", [["compare", "only-one.json"], ["compare", "/no/a.json", "/no/b.json"]])
+def test_compare_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert "usage: streamer bench compare" in capsys.readouterr().err
+
+
+def test_compare_rejects_other_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "x.json"
+    f.write_text("{}")
+    assert main(["compare", str(f), str(f)]) == 2
+    assert "not a `streamer bench --save-result` file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not plot_available(), reason="matplotlib is an optional extra")
+def test_plot(server: FakeServer, tokdir: str, tmp_path: Path) -> None:
+    png = tmp_path / "p.png"
+    code, _ = run_cli(server, tokdir, tmp_path, "--plot", str(png))
+    assert code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_render() -> None:
+    p = Progress(4, enabled=False)
+    p.add(True)
+    p.add(False)
+    line = p.render()
+    assert line.startswith("\r[###############               ] 2/4 requests, 1 failed")

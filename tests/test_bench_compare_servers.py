@@ -1,0 +1,65 @@
+"""bench/compare_servers.py with the fake server standing in for streamer's and vLLM's servers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamer.bench.testing import make_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = "{python} -m streamer.bench.fake_server --port {port}"
+
+
+def compare(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "compare_servers.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def tokdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tokenizer(tmp_path_factory.mktemp("tok")))
+
+
+def bench_args(tokdir: str) -> list[str]:
+    return ["--", "--tokenizer", tokdir, "--num-prompts", "10", "--input-len", "8", "--output-len", "4",
+            "--max-concurrency", "2", "--progress", "off"]
+
+
+def test_streamer_only(tmp_path: Path, tokdir: str) -> None:
+    p = compare("--model", "fake", "--streamer-cmd", FAKE, "--out-dir", str(tmp_path), *bench_args(tokdir))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "streamer.json").read_text())
+    assert doc["summary"]["completed"] == 10 and doc["config"]["model"] == "fake"
+    assert "Serving Benchmark Result" in p.stdout
+
+
+def test_side_by_side_with_a_stand_in_vllm(tmp_path: Path, tokdir: str) -> None:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    slow = "{venv}/bin/python -m streamer.bench.fake_server --port {port} --itl-ms 5"
+    p = compare("--model", "fake", "--streamer-cmd", FAKE, "--vllm-venv", str(venv), "--vllm-cmd", slow,
+                "--out-dir", str(tmp_path), *bench_args(tokdir))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "vllm.json").is_file() and (tmp_path / "streamer.json").is_file()
+    table = p.stdout[p.stdout.index("B/A") - 80:]
+    assert "vllm" in table and "streamer" in table and "Request throughput" in table
+    vllm_itl = json.loads((tmp_path / "vllm.json").read_text())["summary"]["stats"]["itl"]["mean"]
+    assert vllm_itl >= 5.0  # the stand-in's scripted 5 ms gaps (a causal lower bound)
+
+
+def test_server_that_dies_is_reported(tmp_path: Path, tokdir: str) -> None:
+    p = compare("--model", "fake", "--streamer-cmd", "{python} -c 'import sys; print(\"boom\"); sys.exit(3)'",
+                "--out-dir", str(tmp_path), *bench_args(tokdir))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "exited with code 3 before it was ready" in p.stderr and "boom" in p.stderr
+
+
+def test_bad_venv_is_a_usage_error(tmp_path: Path) -> None:
+    p = compare("--model", "fake", "--vllm-venv", str(tmp_path / "none"))
+    assert p.returncode == 2 and "has no bin/python" in p.stderr
