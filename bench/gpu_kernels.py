@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -88,7 +87,6 @@ def ceilings(timer: Timer, device: torch.device) -> tuple[float, float]:
     ms = timer(lambda: dst.copy_(src))
     copy_gbps = 2 * n_bytes / ms / 1e6  # read + write
     row("ceiling", f"device copy {n_bytes >> 20} MiB", ms, gbps=round(copy_gbps, 1))
-    del src, dst
 
     n = 8192 if not DRY else 256
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
@@ -167,7 +165,6 @@ def bench_decode(timer: Timer, device: torch.device, copy_gbps: float, batch: in
                 g = kv_bytes / t / 1e6
                 row("sweep", f"{name} bm={cfg.block_m} tn={cfg.tile_n} w={cfg.num_warps} st={cfg.num_stages} "
                     f"splits={s}", t, gbps=round(g, 1), pct_ceiling=round(100 * g / copy_gbps, 1))
-    del kv, k, v
 
 
 def bench_prefill(timer: Timer, device: torch.device, mm_tflops: float, batch: int, seq: int, target: bool,
@@ -210,7 +207,6 @@ def bench_prefill(timer: Timer, device: torch.device, mm_tflops: float, batch: i
             tf = flops / t / 1e9
             row("sweep", f"{name} bm={cfg.block_m} tn={cfg.tile_n} w={cfg.num_warps} st={cfg.num_stages}", t,
                 tflops=round(tf, 1), pct_ceiling=round(100 * tf / mm_tflops, 1))
-    del kv, k, v
 
 
 def bench_mixed(timer: Timer, device: torch.device) -> None:
@@ -230,7 +226,6 @@ def bench_mixed(timer: Timer, device: torch.device) -> None:
     qsl = qsl.to(device)
     ms = timer(lambda: unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, D ** -0.5, chunk, ctx))
     row("attention", f"mixed 1x{chunk} chunk + {decodes} decodes @ {ctx}", ms)
-    del kv
 
 
 # ------------------------------------------------------------------------------------------------ fused ops

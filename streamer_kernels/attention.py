@@ -23,7 +23,6 @@ them. It pays when few requests with long contexts would otherwise occupy a hand
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import (cdiv, check_interpreter_consistency, device_sm_count, interpret_mode,
-                                     next_pow2)
+from streamer_kernels._utils import cdiv, check_interpreter_consistency, device_sm_count, interpret_mode, next_pow2
 
 check_interpreter_consistency()
 
@@ -231,12 +229,12 @@ def _reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + row * 2)
-    l = tl.load(part_ml_ptr + row * 2 + 1)
+    l_part = tl.load(part_ml_ptr + row * 2 + 1)
     acc = tl.load(part_acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=offs_d[None, :] < HEAD_DIM,
                   other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.math.exp2(m - m_max)  # empty splits: exp2(-1e30 - m_max) = 0
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_part * w, axis=0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 

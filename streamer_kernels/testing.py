@@ -29,6 +29,14 @@ def configure_for_tests() -> torch.device:
     return torch.device("cpu")
 
 
+def max_examples(on_cpu: int, on_cuda: int) -> int:
+    """Hypothesis budget: CPU runs pay the interpreter, CUDA runs pay one compile per new specialisation.
+    STREAMER_KERNEL_MAX_EXAMPLES caps both (smoke runs)."""
+    n = on_cpu if os.environ.get("TRITON_INTERPRET") == "1" else on_cuda
+    cap = os.environ.get("STREAMER_KERNEL_MAX_EXAMPLES")
+    return min(n, int(cap)) if cap else n
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e|| in fp64; NaN anywhere in `actual` (a poisoned, unwritten element) gives inf."""
     a, e = actual.double(), expected.double()

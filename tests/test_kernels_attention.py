@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from streamer_kernels.testing import TOLERANCE, configure_for_tests, make_paged_batch, rel_err
+from streamer_kernels.testing import TOLERANCE, configure_for_tests, make_paged_batch, max_examples, rel_err
 
 DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
@@ -23,8 +23,7 @@ from streamer_kernels import reference  # noqa: E402
 from streamer_kernels.attention import choose_num_kv_splits, unified_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ON_CPU = DEVICE.type == "cpu"
-SETTINGS = settings(max_examples=50 if ON_CPU else 300, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=max_examples(50, 30), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -74,7 +73,7 @@ def test_unified_attention_random(case) -> None:
     _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
 
 
-@settings(SETTINGS, max_examples=25 if ON_CPU else 150)
+@settings(SETTINGS, max_examples=max_examples(25, 12))
 @given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128]),
        block_size=st.sampled_from([16, 32, 64]),
        seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamer_kernels.testing import configure_for_tests
+from streamer_kernels.testing import configure_for_tests, max_examples
 
 DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
@@ -15,10 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 from streamer_kernels import reference  # noqa: E402
 from streamer_kernels.cache import reshape_and_cache  # noqa: E402
 
-ON_CPU = DEVICE.type == "cpu"
 
-
-@settings(max_examples=40 if ON_CPU else 300, deadline=None, derandomize=True,
+@settings(max_examples=max_examples(40, 15), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        num_kv_heads=st.sampled_from([1, 2, 3, 8]), head_dim=st.sampled_from([64, 80, 96, 128, 256]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamer_kernels.testing import TOLERANCE, configure_for_tests, rel_err
+from streamer_kernels.testing import TOLERANCE, configure_for_tests, max_examples, rel_err
 
 DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
@@ -18,9 +18,8 @@ from streamer_kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from streamer_kernels.reference import build_cos_sin_cache  # noqa: E402
 from streamer_kernels.rotary import rotary_embedding  # noqa: E402
 
-ON_CPU = DEVICE.type == "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SETTINGS = settings(max_examples=60 if ON_CPU else 300, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=max_examples(60, 12), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 # Elementwise kernels round once more than nothing: bound them like attention outputs.
 TOL = TOLERANCE

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU check for streamer's Triton kernels: one command on a lent GPU (H200), under 8 minutes, table last.
+#
+#   bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
+#   bench/gpu_check.sh --cpu-dry-run   # CPU smoke test of the same script (tiny shapes, Triton interpreter)
+#
+# Steps, each under its own time limit so one hang cannot eat the budget (worst case ~7.5 min):
+#   1. kernel tests on CUDA (tests/test_kernels_*.py, compiled, no interpreter)           <= 150 s
+#   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, sweep      <= 120 s
+#   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256        <= 170 s
+#   4. bench/gpu_report.py: the summary table
+# Raw logs and JSON land in $OUT/gpu_check (or a temp dir), so they come back with the run.
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+RES="${OUT:-$(mktemp -d)}/gpu_check"
+mkdir -p "$RES"
+DRY=""
+if [ "${1:-}" = "--cpu-dry-run" ]; then DRY="--cpu-dry-run"; fi
+PY=${PYTHON:-python}
+T0=$(date +%s)
+stamp() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
+
+stamp "preflight"
+$PY - <<'EOF' 2>&1 | tee "$RES/preflight.log"
+import importlib, sys
+print("python", sys.version.split()[0])
+try:
+    import torch
+    print("torch", torch.__version__, "| cuda", torch.version.cuda, "| device",
+          torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+except Exception as e:
+    print("torch import failed:", e)
+for mod in ("triton", "pytest", "hypothesis", "tokenizers", "safetensors", "numpy", "transformers"):
+    try:
+        m = importlib.import_module(mod)
+        print(f"{mod} {getattr(m, '__version__', '?')}")
+    except Exception as e:
+        print(f"MISSING {mod}: {type(e).__name__}")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+
+# 1. Kernel tests. On the GPU they run compiled (TRITON_INTERPRET unset); the dry run takes a quick subset.
+stamp "kernel tests"
+if [ -z "$DRY" ]; then
+    env -u TRITON_INTERPRET timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
+        tests/test_kernels_backend.py >"$RES/tests.log" 2>&1
+else
+    TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
+        -W ignore::DeprecationWarning tests/test_kernels_cache.py tests/test_kernels_fused.py \
+        "tests/test_kernels_attention.py::test_unified_attention_random" \
+        "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" >"$RES/tests.log" 2>&1
+fi
+TESTS_RC=$?
+tail -n 15 "$RES/tests.log"
+
+# 2. Kernel benchmarks.
+stamp "kernel benchmarks"
+timeout -k 10 120 $PY bench/gpu_kernels.py $DRY --out "$RES/kernels.json" 2>&1 | tee "$RES/kernels.log"
+
+# 3. End to end, with the measured copy bandwidth for the roofline column.
+stamp "end-to-end decode"
+COPY=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['copy_gbps'])" "$RES/kernels.json" 2>/dev/null)
+timeout -k 10 170 $PY bench/gpu_e2e.py $DRY ${COPY:+--copy-gbps "$COPY"} --out "$RES/e2e.json" 2>&1 \
+    | tee "$RES/e2e.log"
+
+# 4. The table, last.
+stamp "done"
+$PY bench/gpu_report.py --tests-log "$RES/tests.log" --tests-rc "$TESTS_RC" "$RES/kernels.json" "$RES/e2e.json"

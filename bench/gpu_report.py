@@ -1,0 +1,100 @@
+"""Print the GPU check's final table from the JSON that gpu_kernels.py / gpu_e2e.py wrote and the test log.
+
+    python bench/gpu_report.py --tests-log tests.log --tests-rc 0 kernels.json e2e.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+
+def _metric(r: dict[str, Any]) -> str:
+    if "gbps" in r:
+        return f"{r['gbps']:.0f} GB/s"
+    if "tflops" in r:
+        return f"{r['tflops']:.0f} TFLOP/s"
+    if "tok_per_s" in r:
+        return f"{r['tok_per_s']:.0f} tok/s"
+    if "speedup" in r:
+        return f"x{r['speedup']:.2f} vs torch"
+    return ""
+
+
+def _detail(r: dict[str, Any]) -> str:
+    parts = []
+    if "pct_ceiling" in r:
+        parts.append(f"{r['pct_ceiling']:.0f}% of ceiling")
+    if "pct_roofline" in r:
+        parts.append(f"{r['pct_roofline']:.0f}% of roofline ({r['roofline_ms']:.2f} ms)")
+    if "sdpa_ms" in r:
+        parts.append(f"SDPA {r['sdpa_ms']:.3f} ms (x{r['vs_sdpa']:.2f})")
+    if r.get("splits", 1) != 1:
+        parts.append(f"splits={r['splits']}")
+    if "prefill_s" in r:
+        parts.append(f"prefill+1st {r['prefill_s']:.2f} s")
+    if "rel_err" in r:
+        parts.append(f"err {r['rel_err']}")
+    if "error" in r:
+        parts.append(f"ERROR {r['error']}")
+    return ", ".join(parts)
+
+
+def _tests_summary(log: Path | None, rc: int | None) -> str:
+    if log is None or not log.exists():
+        return "not run"
+    text = log.read_text(errors="replace")
+    found = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|errors|skipped)\b.* in [0-9.]+s.*?)\s*=*$", text,
+                       flags=re.MULTILINE)
+    summary = found[-1] if found else "no pytest summary (timed out or crashed?)"
+    return f"{summary} (rc {rc})" if rc is not None else summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results", nargs="*", type=Path)
+    ap.add_argument("--tests-log", type=Path, default=None)
+    ap.add_argument("--tests-rc", type=int, default=None)
+    args = ap.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    for path in args.results:
+        if path.exists():
+            rows += json.loads(path.read_text()).get("rows", [])
+        else:
+            rows.append({"section": "error", "name": path.name, "ms": float("nan"), "error": "no results file"})
+    table = [("section", "case", "ms", "metric", "details", "target")]
+    table.append(("tests", "kernel tests on the device", "", "", _tests_summary(args.tests_log, args.tests_rc), ""))
+    for r in rows:
+        if r["section"] == "sweep":
+            continue  # printed above the table, as JSON lines
+        target = ""
+        if r.get("target"):
+            target = f"{r['target']}: {'PASS' if r.get('ok') else 'MISS'}"
+        ms = r.get("ms")
+        table.append((r["section"], r["name"], "" if ms is None or ms != ms else f"{ms:.3f}", _metric(r),
+                      _detail(r), target))
+    best_sweep: dict[str, tuple[float, str]] = {}
+    for r in rows:
+        if r["section"] == "sweep" and r.get("ms") == r.get("ms") and "error" not in r:
+            case = " ".join(r["name"].split(" ")[:4])
+            if case not in best_sweep or r["ms"] < best_sweep[case][0]:
+                best_sweep[case] = (r["ms"], r["name"])
+    for case, (ms, name) in best_sweep.items():
+        table.append(("sweep", f"best for {case}", f"{ms:.3f}", "", name[len(case):].strip(), ""))
+
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    line = "+".join("-" * (w + 2) for w in widths)
+    print("\n" + "=" * len(line))
+    print("streamer GPU check")
+    print("=" * len(line))
+    for i, row in enumerate(table):
+        print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
