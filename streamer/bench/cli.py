@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is optional)")
     a("--model", help="model name sent to the server (default: first of GET /v1/models); a local folder also "
                       "serves as --tokenizer")
+    a("--served-model-name", help="name sent in requests when it differs from --model")
     a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
     a("--endpoint", choices=("completions", "chat"), default="completions")
     g = p.add_argument_group("workload")
@@ -220,7 +221,7 @@ def bench_main(argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
-    cfg = RunConfig(base_url=args.base_url, model=args.model, endpoint=args.endpoint,
+    cfg = RunConfig(base_url=args.base_url, model=args.served_model_name or args.model, endpoint=args.endpoint,
                     request_rate=args.request_rate, burstiness=args.burstiness,
                     max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
                     temperature=args.temperature, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
