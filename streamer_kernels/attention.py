@@ -36,7 +36,7 @@ check_interpreter_consistency()
 
 # Stands in for -inf as the initial running max: rows whose every key is masked in a tile (possible with a
 # sliding window, or in an empty split segment) then give exp2(-inf - m) = 0 rather than NaN.
-_NEG_LARGE = -1.0e30
+_NEG_LARGE = tl.constexpr(-1.0e30)  # a constexpr: jitted code may only read constexpr globals
 _LOG2E = 1.4426950408889634
 
 MAX_KV_SPLITS = 64
@@ -270,7 +270,8 @@ def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch
         return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=tile_n, num_warps=4,
                                num_stages=num_stages)
     block_m = max(64 if wide else 128, next_pow2(group))
-    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=8 if block_m >= 128 else 4,
+    # 8 warps even for 64-row wide tiles: with 4, the [64, 256] fp32 accumulator spills on sm_80.
+    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=8 if block_m >= 128 or wide else 4,
                            num_stages=num_stages)
 
 
