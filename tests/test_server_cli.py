@@ -1,0 +1,152 @@
+"""`python -m streamer serve` as a subprocess: prints its URL, logs each finished request, drains on SIGTERM
+(the in-flight stream finishes, new connections are refused) and exits 0; a drain timeout aborts what is left."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ServeProcess:
+    def __init__(self, *args: str, env: Optional[dict[str, str]] = None) -> None:
+        cmd = [sys.executable, "-m", "streamer", "serve", *args]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        self.stdout: "queue.Queue[str]" = queue.Queue()
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_lines.append), daemon=True).start()
+        self.url = ""
+
+    @staticmethod
+    def _pump(pipe, sink) -> None:
+        for line in pipe:
+            sink(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def wait_url(self, timeout: float = 180) -> str:
+        """The URL the server prints once it listens (`--port 0` picks a free port)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.stdout.get(timeout=0.2)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.stderr}")
+                continue
+            m = re.search(r"at (http://\S+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                return self.url
+        raise AssertionError(f"no URL printed in {timeout}s:\n{self.stderr}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def long_dir(make_ckpt):
+    return make_ckpt("server_long", family="llama", max_position_embeddings=4096)
+
+
+def _data(line: str) -> Optional[str]:
+    return line[6:] if line.startswith("data: ") else None
+
+
+def test_sigterm_drains_in_flight_stream_then_exits_0(llama_dir):
+    srv = ServeProcess(str(llama_dir), "--port", "0", "--dtype", "float32", "--num-kv-blocks", "256",
+                       "--shutdown-timeout", "300")
+    try:
+        url = srv.wait_url()
+        port = url.rsplit(":", 1)[1]
+        # A second server on the same port fails cleanly instead of hanging.
+        clash = subprocess.run([sys.executable, "-m", "streamer", "serve", str(llama_dir), "--port", port,
+                                "--num-kv-blocks", "64"], cwd=REPO, capture_output=True, text=True, timeout=180,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert clash.returncode != 0
+        body = {"model": llama_dir.name, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(base_url=url, timeout=300) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(d for d in map(_data, lines) if d is not None)
+            assert json.loads(first)["choices"][0]["finish_reason"] is None
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):  # not accepting any more
+                httpx.get(url + "/health", timeout=5)
+            rest = [d for d in map(_data, lines) if d is not None]
+        assert rest[-1] == "[DONE]"
+        usage = json.loads(rest[-2])["usage"]
+        assert usage["completion_tokens"] == 200
+        assert json.loads(rest[-3])["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(120) == 0
+    finally:
+        srv.kill()
+    log = srv.stderr
+    drain_at = log.index("SIGTERM: not accepting new connections")
+    done = re.search(r"request (cmpl-\w+) finished: prompt_tokens=\d+ completion_tokens=200 "
+                     r"finish_reason=length latency=[\d.]+s", log)
+    assert done is not None, log
+    assert drain_at < done.start()  # the request was still running when the signal came
+
+
+def test_drain_timeout_aborts_and_api_key_from_env(long_dir):
+    srv = ServeProcess(str(long_dir), "--port", "0", "--num-kv-blocks", "512", "--shutdown-timeout", "1",
+                       "--served-model-name", "tiny", env={"STREAMER_API_KEY": "k3y"})
+    try:
+        url = srv.wait_url()
+        with httpx.Client(base_url=url, timeout=120) as h:
+            assert h.get("/v1/models").status_code == 401
+            assert h.get("/health").status_code == 200
+            models = h.get("/v1/models", headers={"Authorization": "Bearer k3y"}).json()
+            assert [m["id"] for m in models["data"]] == ["tiny"]
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+            with h.stream("POST", "/v1/completions", json=body, headers={"Authorization": "Bearer k3y"}) as r:
+                lines = r.iter_lines()
+                next(d for d in map(_data, lines) if d is not None)
+                srv.proc.send_signal(signal.SIGTERM)
+                rest = [d for d in map(_data, lines) if d is not None]
+        assert rest[-1] == "[DONE]"
+        assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+        assert srv.proc.wait(60) == 0
+        assert "finish_reason=abort" in srv.stderr
+    finally:
+        srv.kill()
+
+
+def test_serve_without_model_uses_the_demo_model():
+    from streamer.demo_model import DEFAULT_MODEL_NAME, DemoModelMissingError, default_model_path
+    try:
+        default_model_path()
+    except DemoModelMissingError:
+        pytest.skip("the embedded demo model is not in this checkout")
+    srv = ServeProcess("--port", "0", "--num-kv-blocks", "64")
+    try:
+        url = srv.wait_url()
+        with httpx.Client(base_url=url, timeout=120) as h:
+            assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [DEFAULT_MODEL_NAME]
+            r = h.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.kill()
