@@ -87,11 +87,15 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch (default: all prompts)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--dummy", action="store_true", help="random weights for --model too (config only)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tmp = None
-    dummy = args.model is None
-    if dummy:
+    dummy = args.model is None or args.dummy
+    if args.model is None:
         tmp = Path(tempfile.mkdtemp())
         model = make_dummy_model(tmp / "llama-90m", args.dtype)
     else:

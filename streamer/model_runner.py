@@ -171,6 +171,9 @@ class ModelRunner:
             top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([float(p.min_p) for p in params], device=dev)
+        restricted = None
+        if top_k is not None or top_p is not None:
+            restricted = torch.tensor([p.top_k > 0 or p.top_p < 1.0 for p in params], device=dev)
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         penalties = (build_penalties([reqs[i] for i in pen_rows], pen_rows, n, vocab, dev) if pen_rows else None)
         banned_rows: list[int] = []
@@ -187,7 +190,7 @@ class ModelRunner:
         return SamplingBatch(
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev), top_k=top_k, top_p=top_p,
             min_p=min_p, generators=gens, all_greedy=all_greedy, any_seeded=any(g is not None for g in gens),
-            banned=banned, penalties=penalties, max_logprobs=max(wants) if wants else -1)
+            banned=banned, penalties=penalties, max_logprobs=max(wants) if wants else -1, restricted=restricted)
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = self.generators.get(req.request_id)

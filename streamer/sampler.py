@@ -28,6 +28,7 @@ class SamplingBatch:
     banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) masked to -inf (min_tokens)
     penalties: Optional["PenaltyBatch"]
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
+    restricted: Optional[torch.Tensor] = None  # [B] bool: the row uses top-k or top-p
 
 
 @dataclass
@@ -75,16 +76,67 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
                       top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p over the renormalised rest, would drop. One full sort."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        mask |= torch.arange(logits.shape[-1], device=logits.device) >= top_k.unsqueeze(1)
-    if top_p is not None:
-        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-        mask |= before > top_p.unsqueeze(1)
+    mask = _top_k_top_p_mask(sorted_logits, top_k, top_p)
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                      top_p: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mask over logits sorted in descending order. `lse`: the row's log-normaliser when the sorted values are
+    only the head of the row (top-p without top-k must normalise over the whole vocabulary)."""
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        mask |= torch.arange(sorted_logits.shape[-1], device=sorted_logits.device) >= top_k.unsqueeze(1)
+    if top_p is not None:
+        masked = sorted_logits.masked_fill(mask, float("-inf"))
+        norm = masked.logsumexp(dim=-1, keepdim=True)
+        if lse is not None and top_k is not None:
+            norm = torch.where(top_k.unsqueeze(1) <= sorted_logits.shape[-1], norm, lse)
+        elif lse is not None:
+            norm = lse
+        probs = (masked - norm).exp()
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+        mask |= before > top_p.unsqueeze(1)
+    return mask
+
+
+CANDIDATES = 256
+
+
+def sample_from_candidates(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[torch.Tensor]:
+    """CPU fast path for top-k/top-p rows: work on each row's `CANDIDATES` most likely tokens instead of
+    sorting and racing over the whole vocabulary. A row qualifies when its own parameters and logits
+    guarantee that nothing outside its head can survive (top_k <= CANDIDATES, or the head already holds
+    top_p of the mass), so the decision never depends on the rest of the batch. Returns None when no row
+    qualifies; otherwise tokens for the qualifying rows and -1 elsewhere."""
+    vocab = scaled.shape[-1]
+    k = min(CANDIDATES, vocab)
+    if batch.restricted is None or k == vocab:
+        return None
+    vals, idx = scaled.topk(k, dim=-1)
+    lse = scaled.logsumexp(dim=-1, keepdim=True)
+    covered = torch.zeros(scaled.shape[0], dtype=torch.bool, device=scaled.device)
+    if batch.top_k is not None:
+        covered |= batch.top_k <= k
+    if batch.top_p is not None:
+        covered |= (vals - lse).exp().sum(dim=-1) >= batch.top_p
+    covered &= batch.restricted
+    if not bool(covered.any()):
+        return None
+    mask = _top_k_top_p_mask(vals, batch.top_k, batch.top_p, lse)
+    probs = vals.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    if batch.min_p is not None:
+        probs = probs * (probs >= batch.min_p.unsqueeze(1) * probs[:, :1])
+    # Only rows this path decides draw from their generators, so a seeded row's draws never depend on
+    # which other rows share its batch.
+    flags = covered.tolist()
+    gens = [g if c else None for g, c in zip(batch.generators, flags)]
+    choice = exponential_race(probs, gens, batch.any_seeded)
+    tokens = idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return torch.where(covered, tokens, torch.full_like(tokens, -1))
 
 
 def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Generator]],
@@ -98,6 +150,16 @@ def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Genera
 
 
 class Sampler:
+    @staticmethod
+    def _sample_full(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.top_k is not None or batch.top_p is not None:
+            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+        probs = scaled.softmax(dim=-1)
+        if batch.min_p is not None:
+            keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+        return exponential_race(probs, batch.generators, batch.any_seeded)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         if batch.penalties is not None:
@@ -110,13 +172,13 @@ class Sampler:
         else:
             temp = batch.temperature.unsqueeze(1)
             scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
-            if batch.top_k is not None or batch.top_p is not None:
-                scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
-            probs = scaled.softmax(dim=-1)
-            if batch.min_p is not None:
-                keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-                probs = probs * keep
-            sampled = exponential_race(probs, batch.generators, batch.any_seeded)
+            fast = sample_from_candidates(scaled, batch) if logits.device.type == "cpu" else None
+            if fast is not None and bool((fast >= 0).all()):
+                sampled = fast
+            else:
+                sampled = self._sample_full(scaled, batch)
+                if fast is not None:
+                    sampled = torch.where(fast >= 0, fast, sampled)
             tokens = torch.where(batch.temperature > 0, sampled, greedy)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:

@@ -157,3 +157,29 @@ def test_frequency_penalty_changes_repetitive_output(llm):
     base = _ids(llm, [[9, 9, 9]], p)[0]
     pen = _ids(llm, [[9, 9, 9]], p.clone(frequency_penalty=2.0, presence_penalty=2.0))[0]
     assert len(set(pen)) > len(set(base)) or pen != base
+
+
+def test_candidate_fast_path_matches_full_mask():
+    from streamer.sampler import CANDIDATES, SamplingBatch, sample_from_candidates
+    torch.manual_seed(0)
+    B, V = 6, 2000
+    logits = torch.randn(B, V) * 4  # peaked enough that top-p heads fit in the candidate set
+    logits[5] = torch.randn(V) * 0.01  # nearly flat: top_p=0.9 needs far more than CANDIDATES tokens
+    top_k = torch.tensor([5, V, V, 40, V, V])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9])
+    restricted = torch.tensor([True, True, True, True, False, True])
+    allowed = torch.isfinite(apply_top_k_top_p(logits, top_k, top_p))
+    batch = SamplingBatch(temperature=torch.ones(B), top_k=top_k, top_p=top_p, min_p=None,
+                          generators=[None] * B, all_greedy=False, any_seeded=False, banned=None,
+                          penalties=None, max_logprobs=-1, restricted=restricted)
+    seen = [set() for _ in range(B)]
+    for _ in range(200):
+        tok = sample_from_candidates(logits, batch)
+        assert tok is not None
+        for b in range(B):
+            if tok[b] >= 0:
+                assert allowed[b, tok[b]], f"row {b} sampled a token the full mask drops"
+                seen[b].add(int(tok[b]))
+    assert tok[4] == -1 and tok[5] == -1  # unrestricted row, and a row whose head is not enough
+    assert all(seen[b] for b in range(4))
+    assert len(seen[1]) > 1 and CANDIDATES < V
