@@ -48,7 +48,7 @@ not_finite = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 huge = st.one_of(st.integers(min_value=2 ** 63), st.integers(max_value=-(2 ** 63) - 1),
                  st.sampled_from([1e30, -1e30, 1e308]))
 not_int = st.one_of(wrong_type, st.booleans(), not_finite, st.floats(0.1, 0.9), huge)
-not_number = st.one_of(wrong_type, st.booleans(), not_finite)
+not_number = st.one_of(wrong_type, st.booleans(), not_finite, st.sampled_from([1e39, -1e300, 10 ** 40]))
 not_bool = st.one_of(st.text(max_size=4), st.integers(), st.lists(st.booleans(), max_size=2), not_finite)
 
 

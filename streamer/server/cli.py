@@ -70,26 +70,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict) -> int:
-    from streamer.async_engine import AsyncEngine
     from sse_starlette.sse import AppStatus
+
+    from streamer.async_engine import AsyncEngine
     AppStatus.disable_automatic_graceful_drain()  # we drain: streams must finish, not be cut at SIGTERM
-    engine = AsyncEngine(args.model, **kwargs)
+    shutdown = _Shutdown(args.shutdown_timeout)
+    shutdown.install()  # before loading: a signal during start-up still exits 0
+    engine = shutdown.engine = AsyncEngine(args.model, **kwargs)
     try:
-        await engine.start()
-    except Exception as e:  # a missing folder, a bad checkpoint, bad engine arguments
-        print(f"streamer serve: error: {e}", file=sys.stderr)
-        await engine.stop()
-        return 1
-    try:
+        try:
+            await engine.start()
+        except Exception as e:  # a missing folder, a bad checkpoint, bad engine arguments
+            print(f"streamer serve: error: {e}", file=sys.stderr)
+            return 1
+        if shutdown.requested:
+            return 0
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
-                                lifespan="off",
-                                log_level=args.log_level, access_log=args.access_log,
+                                lifespan="off", log_level=args.log_level, access_log=args.access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5.0)  # a backstop only
-        server = _Server(config)
-        _install_signal_handlers(server, engine, args.shutdown_timeout)
+        server = shutdown.server = _Server(config)
         announce = asyncio.ensure_future(_announce(server, app.state.server.model_name))
         try:
             await server.serve()
@@ -103,26 +105,37 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
         logger.info("engine stopped")
 
 
-def _install_signal_handlers(server: uvicorn.Server, engine: "AsyncEngine", timeout: float) -> None:
-    """First signal: uvicorn stops accepting and waits for open responses, while the engine gets `timeout`
-    seconds to finish what it runs; then it aborts the rest, so those streams end with finish_reason "abort"
-    and [DONE] rather than being cut."""
-    loop = asyncio.get_running_loop()
-    drain: list[asyncio.Future] = []  # keeps the task referenced
+class _Shutdown:
+    """First SIGTERM/SIGINT: uvicorn stops accepting and waits for open responses, while the engine gets
+    `timeout` seconds to finish what it runs and then aborts the rest, so those streams end with
+    finish_reason "abort" and [DONE] rather than being cut. A second signal stops waiting."""
 
-    def on_signal(sig: signal.Signals) -> None:
-        if server.should_exit:
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.requested = False
+        self.server: Optional[uvicorn.Server] = None
+        self.engine: Optional["AsyncEngine"] = None
+        self._drain: Optional[asyncio.Future] = None
+
+    def install(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):  # Windows' loops cannot
+                loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        if self.requested:
             logger.warning("%s again: exiting without waiting for in-flight requests", sig.name)
-            server.force_exit = True
+            if self.server is not None:
+                self.server.force_exit = True
             return
+        self.requested = True
         logger.info("%s: not accepting new connections; waiting up to %gs for in-flight requests", sig.name,
-                    timeout)
-        server.should_exit = True
-        drain.append(asyncio.ensure_future(engine.stop(drain_timeout=timeout)))
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):  # Windows' loops cannot
-            loop.add_signal_handler(sig, on_signal, sig)
+                    self.timeout)
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.engine is not None and self.engine.is_alive:
+            self._drain = asyncio.ensure_future(self.engine.stop(drain_timeout=self.timeout))
 
 
 async def _announce(server: uvicorn.Server, model_name: str) -> None:

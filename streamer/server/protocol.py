@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - orjson is optional
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_DEPTH = 32  # JSON nesting (tool schemas are the deepest legitimate thing)
 MAX_N = 64
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -117,7 +118,8 @@ def get_int(body: dict, name: str, default: Optional[int], lo: int = INT64_MIN, 
     if not _is_int(v):
         raise APIError(f"{name} must be an integer, got {_show(v)}", param=name)
     if not lo <= v <= hi:
-        raise APIError(f"{name} must be in [{lo}, {hi}], got {_show(v)}", param=name)
+        bounds = f">= {lo}" if hi == INT64_MAX else f"in [{lo}, {hi}]"
+        raise APIError(f"{name} must be an integer {bounds}, got {_show(v)}", param=name)
     return v
 
 
@@ -131,8 +133,8 @@ def get_float(body: dict, name: str, default: float) -> float:
         f = float(v)
     except OverflowError:
         f = math.inf
-    if not math.isfinite(f):
-        raise APIError(f"{name} must be a finite number, got {_show(v)}", param=name)
+    if not math.isfinite(f) or abs(f) > FLOAT32_MAX:  # sampling runs in float32: larger values overflow it
+        raise APIError(f"{name} must be a finite number (within float32 range), got {_show(v)}", param=name)
     return f
 
 
