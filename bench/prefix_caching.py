@@ -1,0 +1,102 @@
+"""Prefix caching on vs off, side by side in one run (in-process AsyncEngine, all requests submitted at once).
+
+    python bench/prefix_caching.py [--model DIR] [--num-requests 64] [--prefix-len 1024] [--suffix-len 64]
+                                   [--output-len 64]
+
+Workload A (shared): every request = one shared system prompt of --prefix-len tokens + its own --suffix-len
+tokens. Workload B (distinct): prompts of the same total length with no shared prefix, to measure what
+caching costs when it cannot help. Prints median TTFT and output throughput for each, and the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+import torch
+
+
+async def run_workload(engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    from streamer import SamplingParams
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ttfts: list[float] = []
+    cached = 0
+
+    async def one(p: list[int]) -> int:
+        nonlocal cached
+        t0 = time.perf_counter()
+        n = 0
+        async for out in engine.stream({"prompt_token_ids": p}, params):
+            if n == 0 and out.token_ids:
+                ttfts.append(time.perf_counter() - t0)
+            n += len(out.token_ids)
+            if out.usage:
+                cached += out.usage["prompt_tokens_details"]["cached_tokens"]
+        return n
+
+    t = time.perf_counter()
+    counts = await asyncio.gather(*[one(p) for p in prompts])
+    wall = time.perf_counter() - t
+    return {"median_ttft": statistics.median(ttfts), "out_tps": sum(counts) / wall, "wall": wall,
+            "cached": cached}
+
+
+async def measure(model, caching: bool, workloads: dict[str, list[list[int]]], output_len: int,
+                  engine_args: dict) -> dict[str, dict[str, float]]:
+    from streamer import AsyncEngine
+    async with AsyncEngine(model, enable_prefix_caching=caching, **engine_args) as engine:
+        warm = [[7] * 8]
+        await run_workload(engine, warm, 2)
+        return {name: await run_workload(engine, ps, output_len) for name, ps in workloads.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded demo model)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dummy", action="store_true", help="random weights (the folder needs only config.json)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from streamer.config import EngineConfig
+    from streamer.engine import resolve_model_dir
+    from streamer.models.config import ModelConfig
+    vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
+    rng = random.Random(args.seed)
+    rand = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
+    system = rand(args.prefix_len)
+    total = args.prefix_len + args.suffix_len
+    workloads = {"shared prefix": [system + rand(args.suffix_len) for _ in range(args.num_requests)],
+                 "no shared prefix": [rand(total) for _ in range(args.num_requests)]}
+    engine_args = dict(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=max(2048, total + args.output_len + 1),
+                       load_format="dummy" if args.dummy else "auto")
+    EngineConfig(**engine_args)  # validate before the long runs
+    res = {on: asyncio.run(measure(args.model, on, workloads, args.output_len, engine_args)) for on in (True, False)}
+    print(f"\n{args.num_requests} requests, prefix {args.prefix_len} + suffix {args.suffix_len} tokens, "
+          f"{args.output_len} output tokens, model {args.model or 'demo'}, {args.dtype}")
+    print(f"{'workload':<18} {'caching':<8} {'median TTFT s':>14} {'out tok/s':>10} {'cached tokens':>14}")
+    for name in workloads:
+        for on in (True, False):
+            r = res[on][name]
+            print(f"{name:<18} {'on' if on else 'off':<8} {r['median_ttft']:>14.3f} {r['out_tps']:>10.1f} "
+                  f"{r['cached']:>14}")
+    s_on, s_off = res[True]["shared prefix"], res[False]["shared prefix"]
+    d_on, d_off = res[True]["no shared prefix"], res[False]["no shared prefix"]
+    print(f"\nshared prefix: median TTFT off/on = {s_off['median_ttft'] / s_on['median_ttft']:.2f}x, "
+          f"throughput on/off = {s_on['out_tps'] / s_off['out_tps']:.2f}x")
+    print(f"no shared prefix: throughput on/off = {d_on['out_tps'] / d_off['out_tps']:.3f}x "
+          f"(caching overhead {100 * (1 - d_on['out_tps'] / d_off['out_tps']):+.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
