@@ -93,13 +93,11 @@ class OpenAIServer:
                 streams.append(await self.engine.add_request(
                     prompt, req.params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
                     priority=req.priority, cache_salt=req.cache_salt))
-        except Exception as e:
+        except BaseException as e:
             for s in streams:
                 s.close()
-            raise engine_error(e, chat) from None
-        except BaseException:
-            for s in streams:
-                s.close()
+            if isinstance(e, Exception):
+                raise engine_error(e, chat) from None
             raise
         return Generation(rid, streams, req.params.n)
 

@@ -247,7 +247,7 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
             skip_special_tokens=get_bool(body, "skip_special_tokens", True))
     except ValueError as e:
         err = value_error(e)
-        if err.param == "max_tokens":
+        if err.param == "max_tokens" and max_tokens_field in body:
             err.param = max_tokens_field
         raise err from None
 

@@ -1,6 +1,7 @@
 """Server-sent events exactly as OpenAI sends them: `data: {json}\\n\\n` per chunk, then `data: [DONE]\\n\\n`."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, AsyncIterator, Optional
 
@@ -35,6 +36,9 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
                 yield event({**head, "choices": [choice], **extra})
         if include_usage:
             yield event({**head, "choices": [], "usage": gen.usage()})
+    except (asyncio.CancelledError, GeneratorExit):  # the client left (sse-starlette cancels us)
+        gen.close("disconnect")
+        raise
     except Exception as e:  # after the first byte, the only way to tell the client is an error event
         logger.error("request %s failed mid-stream: %r", gen.request_id, e)
         yield event(engine_error(e).body())
