@@ -48,7 +48,7 @@ class ServeProcess:
                 line = self.stdout.get(timeout=0.2)
             except queue.Empty:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.stderr}")
+                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.stderr}") from None
                 continue
             m = re.search(r"at (http://\S+)/v1", line)
             if m:

@@ -171,7 +171,7 @@ def test_logprobs(live):
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
         assert "".join(lp.tokens) == comp.choices[0].text
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
-        for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        for val, top in zip(lp.token_logprobs, lp.top_logprobs):
             assert 1 <= len(top) <= 4 and val <= 0
             assert val == pytest.approx(max(top.values()))  # greedy: the sampled token is the best one
         streamed = [t for ch in chunks for c_ in ch.choices if c_.logprobs for t in c_.logprobs.tokens]

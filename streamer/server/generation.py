@@ -85,14 +85,14 @@ class Generation:
                 t.cancel()
 
     def usage(self) -> dict:
-        total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
-                 "prompt_tokens_details": {"cached_tokens": 0}}
+        """OpenAI's usage summed over the prompts, with prompt_tokens_details.cached_tokens (prefix-cache hits)."""
+        prompt = completion = cached = 0
         for s in self.streams:
-            u = s.usage()
-            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-                total[k] += u[k]
-            total["prompt_tokens_details"]["cached_tokens"] += u["prompt_tokens_details"]["cached_tokens"]
-        return total
+            prompt += s.prompt_tokens
+            completion += s.completion_tokens
+            cached += s.cached_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def close(self, reason: Optional[str] = None) -> None:
         """Abort what is still running (frees its KV blocks at once) and log the request's one line."""

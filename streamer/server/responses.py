@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from streamer.outputs import Logprob, SampleLogprobs, StreamOutput
+from streamer.outputs import Logprob, StreamOutput
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
 

@@ -26,10 +26,11 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
                         ) -> AsyncIterator[bytes]:
     """The chunks of one streamed response. The generator's cleanup aborts the engine request when the client
     goes away (sse-starlette cancels it on disconnect)."""
-    extra = {"usage": None} if include_usage else {}  # OpenAI's chunks say usage: null until the last one
+    # OpenAI's chunks say usage: null until the last one
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
     try:
-        for choice in fmt.opening_chunks():
-            yield event({**head, "choices": [choice], **extra})
+        for opening in fmt.opening_chunks():
+            yield event({**head, "choices": [opening], **extra})
         async for p, out in gen.items():
             choice = fmt.chunk_choice(fmt.piece(gen.choice_index(p, out), p, out))
             if choice is not None:
