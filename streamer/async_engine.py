@@ -195,7 +195,7 @@ class AsyncEngine:
             text, ids = core.tokenize_prompt(prompt)
         self._check_alive()
         limit = self.config.max_waiting
-        if limit is not None and core.scheduler.num_waiting >= limit:
+        if limit is not None and core.scheduler.num_waiting + params.n > max(limit, params.n):
             raise QueueFullError(f"the server is overloaded: {core.scheduler.num_waiting} requests waiting "
                                  f"(max_waiting={limit})")
         if request_id is not None and request_id in self._streams:
@@ -252,7 +252,7 @@ class AsyncEngine:
             for state in self.engine.abort(request_id):
                 self._last_token_time.pop(state.req.request_id, None)
                 if self.metrics is not None:
-                    self.metrics.request_success.inc(finished_reason="abort", model_name=self.model_name)
+                    self.metrics.request_success.inc(finished_reason="abort", model_name=m.model_name)
         if entry is not None:
             stream, queue = entry
             if not stream.finished:
@@ -309,11 +309,11 @@ class AsyncEngine:
             entry = self._streams.get(rid)
             prev = self._last_token_time.get(req.request_id)
             if m is not None:
-                m.generation_tokens.inc(len(u.new_token_ids), model_name=self.model_name)
+                m.generation_tokens.inc(len(u.new_token_ids), model_name=m.model_name)
                 if prev is None:
                     m.ttft.observe(now - req.arrival_time)
                     if req.seq_index == 0:
-                        m.prompt_tokens.inc(req.num_prompt_tokens, model_name=self.model_name)
+                        m.prompt_tokens.inc(req.num_prompt_tokens, model_name=m.model_name)
                 else:
                     m.itl.observe(now - prev)
             self._last_token_time[req.request_id] = now

@@ -108,14 +108,14 @@ class EngineMetrics:
 
     def __init__(self, stats: Callable[[], dict], model_name: str) -> None:
         self.registry = r = Registry()
-        self.model_name = model_name
-        lbl: Labels = (("model_name", model_name),)
+        self.model_name = model_name  # the served name; the server may set it after start-up
 
         def gauge(key: str) -> Callable[[], dict[Labels, float]]:
-            return lambda: {lbl: float(stats()[key])}
+            return lambda: {(("model_name", self.model_name),): float(stats()[key])}
 
         def per_priority(key: str) -> Callable[[], dict[Labels, float]]:
-            return lambda: {lbl + (("priority", str(p)),): float(v) for p, v in stats()[key].items()}
+            return lambda: {(("model_name", self.model_name), ("priority", str(p))): float(v)
+                            for p, v in stats()[key].items()}
 
         r.add(Gauge("vllm:num_requests_running", "Requests in the running batch.", gauge("num_running")))
         r.add(Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", gauge("num_waiting")))

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 MAX_LOGPROBS = 20
+MAX_SEED = 2 ** 63 - 1
+_F32_MAX = 3.0e38  # floats travel to the device as float32
 
 
 def _is_int(x: object) -> bool:
@@ -20,7 +22,7 @@ def _check_real(name: str, value: object, lo: float, hi: float, lo_open: bool = 
                 hi_open: bool = False) -> None:
     lo_s = "(" if lo_open else "["
     hi_s = ")" if hi_open else "]"
-    if not _is_real(value) or not math.isfinite(value):
+    if not _is_real(value) or not math.isfinite(value) or abs(value) > _F32_MAX:
         raise ValueError(f"{name} must be a finite number in {lo_s}{lo}, {hi}{hi_s}, got {value!r}")
     bad = (value <= lo if lo_open else value < lo) or (value >= hi if hi_open else value > hi)
     if bad:
@@ -70,7 +72,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= _F32_MAX:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         _check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < -1 or self.top_k == 0:
@@ -78,11 +80,10 @@ class SamplingParams:
         _check_real("min_p", self.min_p, 0.0, 1.0)
         _check_real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if (not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
-                or self.repetition_penalty <= 0):
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= _F32_MAX:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - self.n):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED - self.n}], got {self.seed!r}")
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):

@@ -21,6 +21,8 @@ def llm(llama_dir) -> LLM:
     ("max_tokens", 0), ("n", 0), ("presence_penalty", 3.0), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("seed", 1.5), ("min_tokens", -1), ("stop", [""]),
     ("stop_token_ids", [-1]), ("max_tokens", True),
+    # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
+    ("seed", 2 ** 64), ("seed", -1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

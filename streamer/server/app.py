@@ -60,6 +60,8 @@ class OpenAIServer:
         self.engine = engine
         self.model_name = served_model_name or default_served_name(engine)
         self.model_aliases = {self.model_name, engine.model_name}
+        if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
+            engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
         self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer)
         self.created = int(time.time())
