@@ -252,7 +252,7 @@ class AsyncEngine:
             for state in self.engine.abort(request_id):
                 self._last_token_time.pop(state.req.request_id, None)
                 if self.metrics is not None:
-                    self.metrics.request_success.inc(finished_reason="abort", model_name=m.model_name)
+                    self.metrics.request_success.inc(finished_reason="abort", model_name=self.metrics.model_name)
         if entry is not None:
             stream, queue = entry
             if not stream.finished:
