@@ -26,13 +26,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging", type=float, default=None,
                    help="seconds of waiting that count as one priority level")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True, default=None,
+                   help="never torch.compile the model")
+    c.add_argument("--compile", dest="enforce_eager", action="store_const", const=False,
+                   help="torch.compile the model also on CPU (default: compile on CUDA only)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
 
 
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
-                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed",
+                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed", "enforce_eager",
                 "tokenizer")
 
 

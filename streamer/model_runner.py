@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from streamer.attention.base import AttentionMetadata
+from streamer.attention.base import AttentionMetadata, forward_context
 from streamer.config import EngineConfig
 from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
@@ -82,6 +82,8 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed)
         self.sampler = Sampler()
+        self.forward = self.model
+        self.compiled = self._should_compile()
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.num_blocks = self._num_kv_blocks()
@@ -91,8 +93,41 @@ class ModelRunner:
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.dtype).replace("torch.", ""),
                     self.device)
+        if self.compiled:
+            self.forward = self._compile()
+            self.warmup()
 
     # ------------------------------------------------------------------ set-up
+    def _should_compile(self) -> bool:
+        if self.config.enforce_eager is not None:
+            return not self.config.enforce_eager
+        return self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every graph the engine will need (a 1-token step and a many-token step; the token dimension is
+        dynamic beyond that) before serving, so no request pays for compilation. Writes nothing (slots -1)."""
+        import time
+        t = time.perf_counter()
+        for n in (1, min(16, self.max_model_len)):
+            meta = AttentionMetadata(
+                num_reqs=1, num_tokens=n,
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+                block_table=torch.zeros(1, cdiv(n, self.block_size), dtype=torch.int32, device=self.device),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                max_query_len=n, max_seq_len=n, query_start_loc_cpu=np.array([0, n]), seq_lens_cpu=np.array([n]))
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            with forward_context(meta):
+                self.forward(ids, torch.arange(n, device=self.device), self.kv_caches)
+        logger.info("compiled and warmed up in %.1f s", time.perf_counter() - t)
+
+    def _compile(self):
+        """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension."""
+        for layer in self.model.layers:
+            layer.self_attn.use_op = True
+        return torch.compile(self.model, dynamic=True, fullgraph=True)
+
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -203,7 +238,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> RunnerOutput:
         input_ids, positions, meta = self.prepare(sched, block_tables)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with forward_context(meta):
+            hidden = self.forward(input_ids, positions, self.kv_caches)
         sampling = [i for i, s in enumerate(sched.scheduled) if s.samples]
         if not sampling:
             return RunnerOutput([], [])

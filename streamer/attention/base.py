@@ -47,3 +47,29 @@ class AttentionSpec:
     head_dim: int
     scale: float
     sliding_window: Optional[int] = None  # attend to at most this many most recent positions (incl. self)
+
+
+# --------------------------------------------------------------------------------------------- forward context
+# The runner publishes each step's metadata here instead of passing it through the model: the model's
+# signature stays (input_ids, positions, kv_caches), so a compiled graph never guards on per-step ints.
+_current: Optional[AttentionMetadata] = None
+
+
+class forward_context:
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def __enter__(self) -> AttentionMetadata:
+        global _current
+        self._prev, _current = _current, self.meta
+        return self.meta
+
+    def __exit__(self, *exc) -> None:
+        global _current
+        _current = self._prev
+
+
+def current_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward_context")
+    return _current

@@ -7,7 +7,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec
+from streamer.attention.base import AttentionBackend, AttentionSpec, current_metadata
+from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
 from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding,
                                     RowParallelLinear, VocabEmbedding, default_weight_loader, silu_and_mul)
@@ -34,9 +35,10 @@ class Attention(nn.Module):
         spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                              cfg.sliding_window)
         self.attn: AttentionBackend = backend_cls(spec)
+        self.layer_id = register_layer(self.attn)
+        self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -45,7 +47,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
+        if self.use_op:
+            out = paged_attention(q, k, v, kv_cache, self.layer_id)
+        else:
+            out = self.attn.forward(q, k, v, kv_cache, current_metadata())
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -69,13 +74,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata):
+                kv_cache: torch.Tensor):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        h = self.self_attn(positions, h, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -97,13 +102,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample.
+        The step's attention metadata comes from `streamer.attention.base.forward_context`."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv, meta)
+            x, residual = layer(positions, x, residual, kv)
         x, _ = self.norm(x, residual)
         return x
 
