@@ -89,3 +89,20 @@ def test_sharded_checkpoint_and_bf16(make_ckpt):
     assert all(len(o) == MAX_NEW for o in out)
     # The same bf16 weights upcast to fp32 match transformers doing the same.
     assert _greedy(LLM(str(bf16), dtype="float32"), prompts) == hf_greedy(bf16, prompts, MAX_NEW)
+
+
+def test_text_prompts_with_sentencepiece_tokenizer(make_ckpt):
+    """A Llama-2/Mistral-style tokenizer (Metaspace, byte fallback): text in, text out, same tokens as HF."""
+    import transformers as tf
+    path = make_ckpt("mistral_sp", family="mistral", tokenizer="sentencepiece", seed=11)
+    texts = ["Hello world", "def f(x):\n    return x", "日本語のテキスト", "emoji 🙂 ok"]
+    hf_tok = tf.AutoTokenizer.from_pretrained(path)
+    llm = LLM(str(path), dtype="float32")
+    ids = [llm.tokenizer.encode(t) for t in texts]
+    assert ids == [hf_tok(t)["input_ids"] for t in texts]
+    ref = hf_greedy(path, ids, MAX_NEW)
+    outs = llm.generate(texts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    for o, r, p in zip(outs, ref, ids):
+        assert o.prompt_token_ids == p and o.outputs[0].token_ids == r
+        full = llm.tokenizer.decode(p + r)
+        assert o.outputs[0].text == full[len(llm.tokenizer.decode(p)):] or "\ufffd" in full
