@@ -130,8 +130,14 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, hit_blocks: Optional[list[int]] = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the cache hits).
         Returns False, changing nothing, when the pool is short."""
-        hit_blocks = hit_blocks or []
         blocks = self.req_blocks.get(req.request_id, [])
+        if not hit_blocks:  # the common decode case: usually the last block still has room
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size:
+                if self.enable_prefix_caching and total % self.block_size == 0:
+                    self._cache_full_blocks(req, blocks, total)
+                return True
+        hit_blocks = hit_blocks or []
         num_computed = req.num_computed_tokens + len(hit_blocks) * self.block_size
         total = num_computed + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks) - len(hit_blocks)
