@@ -9,7 +9,8 @@ Measures
   at several batch x context sizes: achieved GB/s of K/V read, % of the copy ceiling, vs SDPA on contiguous K/V;
 - unified_attention prefill (4,096-token prompts, causal): TFLOP/s, % of the matmul ceiling, vs SDPA;
 - a small launch-config sweep at the two target shapes (the defaults are untuned heuristics);
-- the fused elementwise kernels against their torch references.
+- the fused elementwise kernels against their torch references;
+- the torch sampling path (top-k/top-p + exponential race), to size what a Triton sampler could save.
 Every Triton result is also checked against SDPA / the reference (relative error printed).
 Targets (H200): decode >= 70% of copy bandwidth at 64 x 4,096; prefill >= 50% of bf16 matmul at 4,096.
 """
@@ -261,6 +262,24 @@ def bench_fused(timer: Timer, device: torch.device) -> None:
             rel_err=f"{err:.2e}")
 
 
+def bench_sampling(timer: Timer, device: torch.device) -> None:
+    """What a Triton sampler could save at most: the torch top-k/top-p + exponential-race path over a batch of
+    Llama-3 vocab rows (full sort: the worst case; the engine's sampler sorts only a top-k head)."""
+    B, V = (256, 128256) if not DRY else (4, 512)
+    logits = torch.randn(B, V, device=device)
+    temperature = torch.full((B,), 0.8, device=device)
+    top_k = torch.full((B,), 50, device=device, dtype=torch.long)
+    top_p = torch.full((B,), 0.9, device=device)
+    noise = torch.empty(B, V, device=device).exponential_()
+
+    def plain() -> torch.Tensor:
+        return ((logits / temperature[:, None]).softmax(-1) / torch.empty_like(logits).exponential_()).argmax(-1)
+
+    row("sampling", f"torch exponential race, no top-k/p [{B} x {V}]", timer(plain))
+    row("sampling", f"torch top-k/top-p (full sort) + race [{B} x {V}]",
+        timer(lambda: reference.top_k_top_p_sample(logits, temperature, top_k, top_p, noise)))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -294,7 +313,8 @@ def main() -> int:
             ("decode split", lambda: bench_decode(timer, device, copy_gbps, 1, 300, False, False, 4)),
             ("prefill", lambda: bench_prefill(timer, device, mm_tflops, 1, 40, True, False)),
         ]
-    steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device))]
+    steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device)),
+              ("sampling", lambda: bench_sampling(timer, device))]
     failures = 0
     for name, step in steps:
         try:
@@ -304,8 +324,8 @@ def main() -> int:
             row("error", name, float("nan"), error=f"{type(e).__name__}: {str(e)[:200]}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps({"copy_gbps": copy_gbps, "matmul_tflops": mm_tflops, "rows": ROWS}))
+        if args.out:  # after every step: a timeout still leaves the finished rows for the report
+            args.out.write_text(json.dumps({"copy_gbps": copy_gbps, "matmul_tflops": mm_tflops, "rows": ROWS}))
     return 1 if failures else 0
 
 

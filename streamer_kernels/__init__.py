@@ -51,8 +51,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     query_start_loc int32 [B+1]; seq_lens int32 [B] (context length including this step's tokens);
     block_table int32 [B, max_blocks]. Request b's queries sit at positions seq_len_b - q_b ... seq_len_b - 1;
     the query at position p attends keys [max(0, p - sliding_window + 1), p]. max_query_len / max_seq_len are
-    host-side upper bounds (they size the launch: an underestimate drops work). Rows of `out` past
-    query_start_loc[B] are left untouched. num_kv_splits: None = automatic split-KV for decode batches.
+    host-side hints that pick the launch shape and the split-KV factor; results never depend on them. Rows of
+    `out` past query_start_loc[B] are left untouched. num_kv_splits: None = automatic split-KV for decode
+    batches; a power of two forces that many splits.
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl

@@ -40,6 +40,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and (t.is_cuda or interpret_mode())
 
 
+def empty_output(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty for kernel outputs; NaN-filled when STREAMER_KERNELS_POISON=1 (the tests set it), so that an
+    element a kernel forgets to write cannot pass by holding stale memory that happens to be right."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if os.environ.get("STREAMER_KERNELS_POISON") == "1" and dtype.is_floating_point:
+        out.fill_(float("nan"))
+    return out
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 

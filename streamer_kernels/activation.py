@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+from streamer_kernels._utils import check_interpreter_consistency, empty_output, next_pow2
 
 check_interpreter_consistency()
 
@@ -30,7 +30,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, two_d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    out = empty_output((*x.shape[:-1], d), x.dtype, x.device)
     out2 = out.view(-1, d)
     if rows.shape[0] == 0 or d == 0:
         return out

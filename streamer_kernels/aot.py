@@ -109,7 +109,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), sum(int(s) for s in spills)
 
 
-def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, thunk) pairs; each thunk calls a host wrapper the way the engine does."""
     from streamer_kernels.activation import silu_and_mul
     from streamer_kernels.attention import unified_attention
@@ -118,6 +118,8 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     from streamer_kernels.rotary import rotary_embedding
 
     dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16, torch.float32]
+    if only_dtype:
+        dtypes = [getattr(torch, only_dtype)]
     head_dims = [64, 128, 256] if quick else [64, 80, 96, 128, 256]
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -137,7 +139,7 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                         variants.append((1024, None))
                     for window, splits in variants:
                         name = (f"attention {kind} {str(dtype)[6:]} D={head_dim} H={num_heads}/{num_kv_heads}"
-                                + (f" window" if window else "") + (f" splits={splits}" if splits else ""))
+                                + (" window" if window else "") + (f" splits={splits}" if splits else ""))
 
                         def thunk(q=q, kv=kv, qsl=qsl, table=table, window=window, splits=splits,
                                   q_lens=q_lens) -> None:
@@ -175,10 +177,10 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
                lambda k=k, kc=kc: reshape_and_cache(k, k, kc, kc, torch.zeros(8, dtype=torch.int64)))
 
 
-def compile_all(arch: int, quick: bool) -> list[CompiledVariant]:
+def compile_all(arch: int, quick: bool, only_dtype: str | None = None) -> list[CompiledVariant]:
     out: list[CompiledVariant] = []
     with compile_only(arch) as compiled:
-        for name, thunk in _cases(quick):
+        for name, thunk in _cases(quick, only_dtype):
             compiled.clear()
             thunk()
             for ck in compiled:
@@ -197,9 +199,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100) or 90 (H100/H200)")
     ap.add_argument("--quick", action="store_true", help="bf16 and a few head dims only")
+    ap.add_argument("--dtype", default=None, help="only this dtype: bfloat16, float16 or float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    variants = compile_all(args.arch, args.quick)
+    variants = compile_all(args.arch, args.quick, args.dtype)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(v) for v in variants], f)

@@ -258,15 +258,23 @@ _SMEM_BUDGET = 96 * 1024
 
 def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype) -> AttentionConfig:
     """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
-    large q-blocks so each K/V tile feeds many rows. Heuristic, untuned beyond first principles: the GPU check
-    prints timings so these can be revisited on real hardware."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    large q-blocks so each K/V tile feeds many rows. Sized from first principles and checked spill-free for
+    sm_80/sm_90 with `python -m streamer_kernels.aot`; the GPU check times alternatives at the target shapes."""
     block_d = max(16, next_pow2(head_dim))
-    wide = elem * block_d > 256  # fp32 or heads wider than 128: halve tiles (registers, shared memory)
+    decode = max_query_len * group <= 16 or max_query_len == 1
+    if dtype == torch.float32:
+        # No 16-bit tensor-core path: dots run as 3xTF32 (fp32-accurate), whose register appetite wants small
+        # tiles; these are the largest that compile without spills.
+        if block_d <= 128:
+            return (AttentionConfig(max(16, next_pow2(group)), 32, 4, 3) if decode
+                    else AttentionConfig(max(32, next_pow2(group)), 32, 4, 2))
+        return AttentionConfig(max(16, next_pow2(group)), 32, 8, 1)
+    elem = torch.empty((), dtype=dtype).element_size()
+    wide = block_d > 128  # wide heads: halve tiles (registers, shared memory)
     tile_n = 32 if wide else 64
     # K and V tiles per pipeline stage; as many stages (<= 3) as the budget allows.
     num_stages = max(1, min(3, _SMEM_BUDGET // (2 * tile_n * block_d * elem)))
-    if max_query_len * group <= 16 or max_query_len == 1:
+    if decode:
         return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=tile_n, num_warps=4,
                                num_stages=num_stages)
     block_m = max(64 if wide else 128, next_pow2(group))
@@ -338,9 +346,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         part_acc = part_ml = out  # unused by the single-pass kernel
 
     # bf16 arithmetic is broken in the numpy interpreter (bf16 lives there as raw uint16), so under it K/V/Q
-    # are widened to fp32 right after loading. fp32 inputs get exact fp32 dots (no TF32) on the GPU.
-    upcast = interpret_mode() and q.dtype == torch.bfloat16
-    precision = "ieee" if (q.dtype == torch.float32 or upcast) else "tf32"
+    # are widened to fp32 right after loading. On the GPU fp32 inputs get 3xTF32 dots: fp32-accurate (plain
+    # TF32 is not) yet on tensor cores (IEEE fp32 dots run on FMA units and spill registers).
+    interpreted = interpret_mode()
+    upcast = interpreted and q.dtype == torch.bfloat16
+    precision = "ieee" if interpreted else ("tf32x3" if q.dtype == torch.float32 else "tf32")
 
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml,

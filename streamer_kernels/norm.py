@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+from streamer_kernels._utils import check_interpreter_consistency, empty_output, next_pow2
 
 check_interpreter_consistency()
 
@@ -48,12 +48,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     assert weight.shape == (n,) and weight.stride(0) == 1
     assert n <= MAX_HIDDEN, f"rms_norm supports rows up to {MAX_HIDDEN} elements"
     x2 = _as_rows(x)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = empty_output(x.shape, x.dtype, x.device)
     out2 = out.view(-1, n)
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype
         r2 = _as_rows(residual)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        new_residual = empty_output(x.shape, x.dtype, x.device)
         nr2 = new_residual.view(-1, n)
     else:
         r2 = nr2 = x2  # unused

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+from streamer_kernels._utils import check_interpreter_consistency, empty_output, next_pow2
 
 check_interpreter_consistency()
 
@@ -70,8 +70,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     assert rot_dim % 2 == 0 and rot_dim <= head_dim
     assert positions.shape[0] >= num_tokens and positions.stride(0) == 1
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out = empty_output(q.shape, q.dtype, q.device)
+    k_out = empty_output(k.shape, k.dtype, k.device)
     if num_tokens == 0:
         return q_out, k_out
     block_half = next_pow2(rot_dim // 2)

@@ -20,6 +20,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 def configure_for_tests() -> torch.device:
     """Kernels run compiled on CUDA when a GPU is present and TRITON_INTERPRET is not set; otherwise the
     interpreter is switched on and they run on CPU tensors. Call before importing the kernel modules."""
+    os.environ["STREAMER_KERNELS_POISON"] = "1"  # kernel outputs start as NaN: unwritten elements fail
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("0", ""):
         return torch.device("cuda")
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":

@@ -99,14 +99,18 @@ def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     dict(),
     dict(max_num_batched_tokens=7, block_size=8),  # chunked prefill mixed with decodes, small blocks
 ], ids=["default", "chunked"])
-def test_engine_triton_backend_matches_torch_backend(llama_dir, engine_args) -> None:
+def test_engine_triton_backend_matches_torch_backend(request, engine_args) -> None:
+    pytest.importorskip("transformers")  # the checkpoint fixtures are built with it
+    llama_dir = request.getfixturevalue("llama_dir")
     prompts = _prompts(6, seed=11)
     torch_out = _greedy(llama_dir, prompts, attention_backend="torch", **engine_args)
     triton_out = _greedy(llama_dir, prompts, attention_backend="triton", **engine_args)
     assert triton_out == torch_out
 
 
-def test_engine_triton_backend_sliding_window(make_ckpt) -> None:
+def test_engine_triton_backend_sliding_window(request) -> None:
+    pytest.importorskip("transformers")
+    make_ckpt = request.getfixturevalue("make_ckpt")
     path = make_ckpt("mistral_sw", family="mistral", sliding_window=8)
     prompts = _prompts(3, seed=12, max_len=30)
     args = dict(max_num_batched_tokens=4, block_size=4)
