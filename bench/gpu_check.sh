@@ -42,9 +42,11 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 
 # 1. Kernel tests. On the GPU they run compiled (TRITON_INTERPRET unset); the dry run takes a quick subset.
+# SIGINT at the limit lets pytest print its summary of what did run. Hypothesis budgets are smaller on CUDA
+# (each new specialisation costs a compile); STREAMER_KERNEL_MAX_EXAMPLES lowers them further.
 stamp "kernel tests"
 if [ -z "$DRY" ]; then
-    env -u TRITON_INTERPRET timeout -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    env -u TRITON_INTERPRET timeout -s INT -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
         tests/test_kernels_backend.py >"$RES/tests.log" 2>&1
 else

@@ -23,7 +23,7 @@ from streamer_kernels import reference  # noqa: E402
 from streamer_kernels.attention import choose_num_kv_splits, unified_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SETTINGS = settings(max_examples=max_examples(50, 20), deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -74,7 +74,7 @@ def test_unified_attention_random(case) -> None:
     _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
 
 
-@settings(SETTINGS, max_examples=max_examples(25, 8))
+@settings(SETTINGS, max_examples=max_examples(25, 6))
 @given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4, 8]), head_dim=st.sampled_from([64, 128]),
        block_size=st.sampled_from([16, 32, 64]),
        seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=5),

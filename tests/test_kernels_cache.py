@@ -16,7 +16,7 @@ from streamer_kernels import reference  # noqa: E402
 from streamer_kernels.cache import reshape_and_cache  # noqa: E402
 
 
-@settings(max_examples=max_examples(40, 10), deadline=None, derandomize=True,
+@settings(max_examples=max_examples(40, 8), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        num_kv_heads=st.sampled_from([1, 2, 3, 8]), head_dim=st.sampled_from([64, 80, 96, 128, 256]),

@@ -19,7 +19,7 @@ from streamer_kernels.reference import build_cos_sin_cache  # noqa: E402
 from streamer_kernels.rotary import rotary_embedding  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-SETTINGS = settings(max_examples=max_examples(60, 8), deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=max_examples(60, 6), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 # Elementwise kernels round once more than nothing: bound them like attention outputs.
 TOL = TOLERANCE
