@@ -43,14 +43,17 @@ def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, torc
 
 
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:
-    """Random weights at real sizes, small enough that activations stay finite in bf16/fp16."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights at real sizes, small enough that activations stay finite in bf16/fp16. Filled on the
+    parameters' own device (an 8B model filled on the host would take minutes)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
-        else:
-            cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen)
-            p.data.copy_(cpu)
+            continue
+        gen = gens.get(p.device)
+        if gen is None:
+            gen = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.data.uniform_(-0.05, 0.05, generator=gen)
 
 
 def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend_cls: type,
