@@ -25,7 +25,7 @@ def stub_model(runner) -> None:
     # once, so that the stub itself costs nothing per step.
     table = torch.randn(4096, vocab, generator=gen) * 4.0
 
-    def forward(input_ids, positions, kv_caches, meta):
+    def forward(input_ids, positions, kv_caches):
         return torch.zeros(input_ids.shape[0], hidden_size)
 
     def compute_logits(hidden):
