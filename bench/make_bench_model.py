@@ -1,0 +1,115 @@
+"""Write the shared benchmark checkpoint: a ~90M-parameter Llama with real random bf16 weights (safetensors).
+
+    python bench/make_bench_model.py [--out DIR] [--force]     # prints the folder
+
+Both engines (streamer and vLLM-CPU, or transformers) then load the very same weights from disk, so their
+outputs and costs are comparable. The config is bench/offline_throughput.py's LLAMA_90M (hidden 768, 12 layers,
+12 heads, intermediate 2048, vocab 8192, tied embeddings), weights from LlamaForCausalLM's own initialiser with
+torch seed 0. The tokenizer covers the whole model vocabulary (8192 ids): a random-weight model emits every id
+about equally often, and with a smaller tokenizer (the demo model's, or tests/tokenizer_factory.py's, <= 1024
+ids) nearly every generated token would decode to nothing, so a streaming client would see no text at all and
+the serving benchmarks could not time tokens. It is a byte-level BPE in the style of
+tests/tokenizer_factory.make_bytelevel_tokenizer (same special tokens <|begin_of_text|>=0, <|end_of_text|>=1,
+<|pad|>=2, BOS template and tokenizer_config.json), with the 256 byte symbols and then two-character merges of
+printable ASCII up to 8192 ids, built deterministically without training; the config's bos/eos ids are the
+tokenizer's. Idempotent: an existing complete folder is left as it is (unless --force).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+DEFAULT_DIR = Path.home() / ".cache" / "streamer-bench" / "llama-90m"
+REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "BENCH_MODEL.json")
+
+
+def _tokenizer_into(folder: Path, vocab_size: int) -> str:
+    """Byte-level BPE with exactly vocab_size ids: 3 specials, 256 bytes, then printable-ASCII pair merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from tests.tokenizer_factory import _bos_template, _special, _write_config
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: (ord(c) > 0x7E, ord(c)))  # bytes
+    vocab = {t: i for i, t in enumerate(specials)}
+    for c in alphabet:
+        vocab[c] = len(vocab)
+    printable = [c for c in alphabet if 0x21 <= ord(c) <= 0x7E] + ["\u0120"]  # "Ġ" is the space byte
+    merges = []
+    for a in printable:
+        for b in printable:
+            if len(vocab) >= vocab_size:
+                break
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+    if len(vocab) != vocab_size:
+        raise ValueError(f"could not make {vocab_size} ids (got {len(vocab)})")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.add_special_tokens([_special(t) for t in specials])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    bos = specials[0]
+    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
+                                              _bos_template(bos, tok.token_to_id(bos))])
+    _write_config(folder, tok, {"bos_token": bos, "eos_token": specials[1], "pad_token": specials[2],
+                                "add_bos_token": True, "add_eos_token": False})
+    return f"byte-level BPE, {vocab_size} ids (3 specials, 256 bytes, {len(merges)} ASCII-pair merges)"
+
+
+def make(out: Path, force: bool = False) -> Path:
+    if not force and all((out / n).is_file() for n in REQUIRED):
+        made = json.loads((out / "BENCH_MODEL.json").read_text())
+        if made.get("tokenizer_size") == json.loads((out / "config.json").read_text()).get("vocab_size"):
+            return out  # complete, and from this version of the script
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from offline_throughput import LLAMA_90M
+
+    tmp = Path(tempfile.mkdtemp(prefix=".llama-90m-", dir=out.parent if out.parent.exists() else None))
+    try:
+        source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
+        tok = AutoTokenizer.from_pretrained(tmp)
+        assert len(tok) == LLAMA_90M["vocab_size"], (len(tok), LLAMA_90M["vocab_size"])
+        cfg = dict(LLAMA_90M)
+        cfg.pop("architectures", None)
+        cfg.pop("model_type", None)
+        cfg["torch_dtype"] = "bfloat16"
+        if tok.bos_token_id is not None:
+            cfg["bos_token_id"] = tok.bos_token_id
+        if tok.eos_token_id is not None:
+            cfg["eos_token_id"] = tok.eos_token_id
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        (tmp / "BENCH_MODEL.json").write_text(json.dumps(
+            {"made_by": "bench/make_bench_model.py", "seed": 0, "parameters": n_params, "tokenizer": source,
+             "tokenizer_size": len(tok)}, indent=1) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    args = ap.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    print(make(args.out.resolve(), args.force))
+
+
+if __name__ == "__main__":
+    main()
