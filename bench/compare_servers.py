@@ -30,13 +30,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from streamer.bench import report  # noqa: E402
-from streamer.bench.cli import main as bench_main  # noqa: E402
+from streamer.bench import report
+from streamer.bench.cli import main as bench_main
 
 STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port}"
 VLLM_CMD = ("{venv}/bin/python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
@@ -85,7 +85,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def wait_for_load(max_load: Optional[float], max_wait: float, poll: float = 20.0) -> float:
+def wait_for_load(max_load: float | None, max_wait: float, poll: float = 20.0) -> float:
     """Waits (polling every `poll` s, at most `max_wait` s) until the 1-minute load average is below max_load."""
     load = os.getloadavg()[0]
     if max_load is None:
@@ -123,7 +123,7 @@ class Server:
     def __init__(self, name: str, cmd: str, env_extra: dict[str, str], args: argparse.Namespace,
                  out_dir: Path) -> None:
         self.name, self.cmd, self.env_extra, self.args, self.out_dir = name, cmd, env_extra, args, out_dir
-        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.base = ""
 
     def start(self) -> None:
@@ -226,7 +226,7 @@ def _drop(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _stat(doc: dict, metric: str, key: str) -> Optional[float]:
+def _stat(doc: dict, metric: str, key: str) -> float | None:
     return doc["summary"]["stats"].get(metric, {}).get(key)
 
 
@@ -258,7 +258,7 @@ def format_table(results: dict[str, dict[str, dict]], names: list[str], tags: li
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args, bench_args = parse(sys.argv[1:] if argv is None else argv)
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare-servers-"))
     out_dir.mkdir(parents=True, exist_ok=True)

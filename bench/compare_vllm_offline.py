@@ -125,7 +125,7 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, out_path:
     log = out_path.with_suffix(".log")
     cmd = [python, str(HERE), "--worker", name, "--spec", str(spec_path), "--out", str(out_path)]
     with open(log, "wb") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout)
+        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=args.timeout, check=False)
     if p.returncode != 0 or not out_path.exists():
         tail = log.read_text(errors="replace")[-4000:]
         return {"engine": engine, "error": f"exit code {p.returncode}; log {log}; tail:\n{tail}"}

@@ -68,10 +68,10 @@ def main() -> None:
         meta = AttentionMetadata(num_reqs=B, num_tokens=B, query_start_loc=torch.from_numpy(qsl),
                                  seq_lens=torch.from_numpy(seq), block_table=perm, slot_mapping=slots,
                                  max_query_len=1, max_seq_len=L, query_start_loc_cpu=qsl, seq_lens_cpu=seq)
-        t_paged = bench(lambda: be.forward(q, k, v, kv, meta), args.reps) * args.layers
+        t_paged = bench(lambda q=q, k=k, v=v, kv=kv, meta=meta: be.forward(q, k, v, kv, meta), args.reps) * args.layers
         kc, vc = torch.randn(B, H, D, L, dtype=dt), torch.randn(B, H, L, D, dtype=dt)
 
-        def contiguous():
+        def contiguous(q=q, kc=kc, vc=vc):
             s = torch.matmul(q.view(B, H, 1, D), kc).float() * spec.scale
             torch.matmul(s.softmax(-1).to(dt), vc)
 

@@ -69,9 +69,8 @@ def make(out: Path, force: bool = False) -> Path:
         if made.get("tokenizer_size") == json.loads((out / "config.json").read_text()).get("vocab_size"):
             return out  # complete, and from this version of the script
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     from offline_throughput import LLAMA_90M
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tmp = Path(tempfile.mkdtemp(prefix=".llama-90m-", dir=out.parent if out.parent.exists() else None))
     try:
