@@ -6,6 +6,7 @@ projects logits only at each sampling request's last scheduled token, and sample
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class ModelRunner:
         self.block_size = config.block_size
         backend_cls = resolve_backend(config.attention_backend, self.device)
         self.attention_backend = backend_cls.name
+        if backend_cls.name == "torch":  # its CPU decode kernel is compiled unless the user forbids compiling
+            backend_cls = functools.partial(backend_cls, compile=config.enforce_eager is not True)
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed)
@@ -95,7 +98,7 @@ class ModelRunner:
                     self.device)
         if self.compiled:
             self.forward = self._compile()
-            self.warmup()
+        self.warmup()
 
     # ------------------------------------------------------------------ set-up
     def _should_compile(self) -> bool:
@@ -106,7 +109,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run every graph the engine will need (a 1-token step and a many-token step; the token dimension is
-        dynamic beyond that) before serving, so no request pays for compilation. Writes nothing (slots -1)."""
+        dynamic beyond that; the 1-token step also builds the compiled decode attention) before serving, so no
+        request pays for compilation. Writes nothing (slots -1)."""
         import time
         t = time.perf_counter()
         for n in (1, min(16, self.max_model_len)):
@@ -120,7 +124,8 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             with forward_context(meta):
                 self.forward(ids, torch.arange(n, device=self.device), self.kv_caches)
-        logger.info("compiled and warmed up in %.1f s", time.perf_counter() - t)
+        logger.info("%s in %.1f s", "compiled and warmed up" if self.compiled else "warmed up",
+                    time.perf_counter() - t)
 
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension."""

@@ -11,18 +11,20 @@ import pytest
 
 from tests.server_utils import LiveServer, metric, sse_events
 
-LONG = {"model": "long", "prompt": "The quick brown fox", "max_tokens": 3000, "ignore_eos": True,
+# Long enough that no request finishes while a test holds it (the tiny model decodes a token in about a millisecond).
+MAX = 60000
+LONG = {"model": "long", "prompt": "The quick brown fox", "max_tokens": MAX, "ignore_eos": True,
         "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def long_dir(make_ckpt):
-    return make_ckpt("server_long", family="llama", max_position_embeddings=4096)
+    return make_ckpt("server_long", family="llama", max_position_embeddings=65536)
 
 
 @pytest.fixture(scope="module")
 def live(long_dir):
-    with LiveServer(long_dir, served_model_name="long", num_kv_blocks=1024) as server:
+    with LiveServer(long_dir, served_model_name="long", num_kv_blocks=8192) as server:
         yield server
 
 
@@ -56,7 +58,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(live):
         after = _metrics(h)
         assert _aborts(after) == _aborts(before) + 1
         generated = metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total")
-        assert generated < 3000
+        assert generated < MAX
         assert metric(after, "vllm:kv_cache_usage_perc") == 0 and metric(after, "vllm:num_requests_running") == 0
         _assert_serves(h)
 
@@ -69,10 +71,10 @@ def test_non_streaming_disconnect_aborts(live):
         live.wait_idle(30)
         after = _metrics(h)
         assert _aborts(after) == _aborts(before) + 1
-        assert metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") < 3000
+        assert metric(after, "vllm:generation_tokens_total") - metric(before, "vllm:generation_tokens_total") < MAX
         with pytest.raises(httpx.ReadTimeout):
             h.post("/v1/chat/completions", timeout=httpx.Timeout(60, read=1.5), json={
-                "model": "long", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                "model": "long", "messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX,
                 "ignore_eos": True, "n": 2})
         live.wait_idle(30)
         assert _aborts(_metrics(h)) == _aborts(after) + 2  # both sequences of n=2

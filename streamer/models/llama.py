@@ -2,7 +2,7 @@
 embeddings) and Qwen3 (per-head q/k RMSNorm). The differences are config switches, not subclasses."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RMSNo
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend_cls: type, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], rotary: RotaryEmbedding) -> None:
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -66,7 +66,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend_cls: type, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend_cls, rotary)
         self.mlp = MLP(cfg)
@@ -93,7 +93,7 @@ class LlamaForCausalLM(nn.Module):
     }
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
-    def __init__(self, cfg: ModelConfig, backend_cls: type, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

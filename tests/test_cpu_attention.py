@@ -1,0 +1,85 @@
+"""The torch backend's CPU attention: the Inductor-compiled paged decode and the prefill paths against the kernel
+reference on paged batches (GQA/MQA, sliding window, batches of one, contexts of one block, NaN in unused slots),
+compiled == eager, and the fallback to eager when compilation is impossible."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from streamer.attention import torch_backend
+from streamer.attention.base import AttentionMetadata, AttentionSpec
+from streamer.attention.torch_backend import TorchAttentionBackend
+from streamer_kernels import reference
+from streamer_kernels.testing import TOLERANCE, make_paged_batch, rel_err
+
+
+def _meta(batch, num_reqs: int) -> AttentionMetadata:
+    return AttentionMetadata(
+        num_reqs=num_reqs, num_tokens=batch.num_tokens, query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, block_table=batch.block_table, slot_mapping=batch.slot_mapping,
+        max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+        query_start_loc_cpu=batch.query_start_loc.numpy().astype(np.int64),
+        seq_lens_cpu=batch.seq_lens.numpy().astype(np.int64))
+
+
+CASES = [
+    # (q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window)
+    ([1], [0], 4, 4, 32, 16, None),  # one request, one token, one block: the padded-to-2 path
+    ([1, 1, 1, 1, 1], [30, 0, 77, 15, 16], 8, 2, 64, 16, None),  # decode batch, GQA 4, block-boundary lengths
+    ([1, 1, 1], [40, 3, 100], 8, 1, 64, 8, 24),  # MQA, sliding window
+    ([9, 1, 40, 1], [0, 12, 7, 100], 4, 4, 128, 32, None),  # mixed: fresh prefill, chunk continuation, decodes
+    ([17, 1, 1], [20, 64, 2], 6, 3, 32, 4, 10),  # chunk + decodes under a window, tiny blocks
+]
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=["single", "gqa", "mqa-window", "mixed", "window-chunk"])
+def test_matches_reference(case, dtype, compile) -> None:
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, window = case
+    seed = 3
+
+    def batch(write_new: bool):
+        return make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
+                                write_new=write_new, generator=torch.Generator().manual_seed(seed))
+
+    before, after = batch(False), batch(True)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    kv = before.kv_cache.clone()  # NaN wherever nothing was written: it must never reach the output
+    out = TorchAttentionBackend(spec, compile=compile).forward(before.q, before.new_k, before.new_v, kv,
+                                                               _meta(before, len(q_lens)))
+    written = ~after.kv_cache.isnan()
+    assert torch.equal(kv[written], after.kv_cache[written])
+    expected = torch.empty_like(after.q)
+    reference.unified_attention(after.q, after.key_cache, after.value_cache, expected, after.query_start_loc,
+                                after.seq_lens, after.block_table, spec.scale, 0, 0, window)
+    assert not out.isnan().any()
+    assert rel_err(out, expected) <= TOLERANCE[dtype]
+
+
+def test_compiled_decode_equals_eager_on_varied_batches() -> None:
+    gen = torch.Generator().manual_seed(0)
+    spec = AttentionSpec(8, 2, 64, 0.125)
+    for n in (2, 7, 33):
+        ctx = torch.randint(0, 200, (n,), generator=gen).tolist()
+        b = make_paged_batch([1] * n, ctx, 8, 2, 64, 16, torch.float32, "cpu", generator=gen)
+        outs = [TorchAttentionBackend(spec, compile=c).forward(b.q, b.new_k, b.new_v, b.kv_cache.nan_to_num(0),
+                                                               _meta(b, n)) for c in (True, False)]
+        assert rel_err(outs[0], outs[1]) <= 1e-5
+
+
+def test_falls_back_to_eager_when_compilation_fails(monkeypatch, caplog) -> None:
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch_backend, "_compiled_decode", broken)
+    monkeypatch.setattr(torch_backend, "_compile_failed", False)
+    b = make_paged_batch([1, 1], [5, 9], 4, 4, 32, 16, torch.float32, "cpu",
+                         generator=torch.Generator().manual_seed(1))
+    spec = AttentionSpec(4, 4, 32, 32 ** -0.5)
+    out = TorchAttentionBackend(spec).forward(b.q, b.new_k, b.new_v, b.kv_cache.nan_to_num(0), _meta(b, 2))
+    assert torch_backend._compile_failed and "eager path" in caplog.text
+    ref = TorchAttentionBackend(spec, compile=False).forward(b.q, b.new_k, b.new_v, b.kv_cache.nan_to_num(0),
+                                                             _meta(b, 2))
+    assert torch.equal(out, ref)
