@@ -27,6 +27,7 @@ class EngineConfig:
     priority_aging: Optional[float] = None  # seconds of waiting that count as one priority level
     attention_backend: Optional[str] = None  # "torch" | "triton"; None = triton on CUDA, torch on CPU
     enforce_eager: Optional[bool] = None  # None: compile on CUDA, eager on CPU; True/False forces it
+    cpu_weight_packing: bool = True  # eager CPU: linear weights in oneDNN's prepacked layout (20-40% faster)
     max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
     tensor_parallel_size: int = 1
 

@@ -20,6 +20,7 @@ from streamer.attention.base import AttentionMetadata, forward_context
 from streamer.config import EngineConfig
 from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
+from streamer.models.layers import PackableLinear, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
@@ -98,6 +99,10 @@ class ModelRunner:
                     self.device)
         if self.compiled:
             self.forward = self._compile()
+        elif self.device.type == "cpu" and config.cpu_weight_packing and cpu_packing_supported(self.dtype):
+            for module in self.model.modules():
+                if isinstance(module, PackableLinear):
+                    module.pack_for_cpu()
         self.warmup()
 
     # ------------------------------------------------------------------ set-up
@@ -112,7 +117,17 @@ class ModelRunner:
         dynamic beyond that; the 1-token step also builds the compiled decode attention) before serving, so no
         request pays for compilation. Writes nothing (slots -1)."""
         import time
+        import torch._inductor.config as inductor_config
         t = time.perf_counter()
+        # Freezing (CPU): weights become constants, so Inductor prepacks them for oneDNN (as PackableLinear does
+        # in eager mode) and folds what depends only on them. Graphs are built here, so patching here suffices.
+        # (torch.compile(options={"freezing": True}) does not reach the CPU linears: checked in the output code.)
+        with inductor_config.patch(freezing=self.compiled and self.device.type == "cpu"):
+            self._warmup_steps()
+        logger.info("%s in %.1f s", "compiled and warmed up" if self.compiled else "warmed up",
+                    time.perf_counter() - t)
+
+    def _warmup_steps(self) -> None:
         for n in (1, min(16, self.max_model_len)):
             meta = AttentionMetadata(
                 num_reqs=1, num_tokens=n,
@@ -124,8 +139,6 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             with forward_context(meta):
                 self.forward(ids, torch.arange(n, device=self.device), self.kv_caches)
-        logger.info("%s in %.1f s", "compiled and warmed up" if self.compiled else "warmed up",
-                    time.perf_counter() - t)
 
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension."""

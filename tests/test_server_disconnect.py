@@ -19,7 +19,7 @@ LONG = {"model": "long", "prompt": "The quick brown fox", "max_tokens": MAX, "ig
 
 @pytest.fixture(scope="module")
 def long_dir(make_ckpt):
-    return make_ckpt("server_long", family="llama", max_position_embeddings=65536)
+    return make_ckpt("server_disconnect_long", family="llama", max_position_embeddings=65536)
 
 
 @pytest.fixture(scope="module")

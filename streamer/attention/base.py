@@ -10,7 +10,7 @@ KV cache layout, per layer: `kv_cache[2, num_blocks, block_size, num_kv_heads, h
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
 import numpy as np
@@ -29,6 +29,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: np.ndarray  # host copies, for backends that plan on the CPU
     seq_lens_cpu: np.ndarray
+    # What a backend derives from this step's metadata once and reuses in every layer (see torch_backend).
+    backend_cache: dict = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):

@@ -10,6 +10,7 @@ this step's k/v directly, the others to their gathered cached context with an of
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -18,17 +19,6 @@ import torch.nn.functional as F
 from streamer.attention.base import AttentionMetadata, AttentionSpec
 
 logger = logging.getLogger("streamer")
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    n = slot_mapping.shape[0]
-    k, v = k[:n], v[:n]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-    hkv, d = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, hkv, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, hkv, d).index_copy_(0, slot_mapping, v)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -40,17 +30,19 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     Every step is elementwise or a reduction with indirect loads, so Inductor fuses the gather into the loops.
     """
     bs = key_cache.shape[1]
-    pos = torch.arange(block_table.shape[1] * bs, device=q.device)
+    b, m = block_table.shape
+    pos = torch.arange(m * bs, device=q.device)
     slots = block_table[:, pos // bs].long() * bs + pos % bs  # [B, L]
     keys = key_cache.flatten(0, 1)[slots]  # [B, L, Hkv, D] (never materialised when compiled)
     scores = (q.unsqueeze(1).float() * keys.unsqueeze(3).float()).sum(-1)  # [B, L, Hkv, G]
     valid = (pos[None, :] < seq_lens[:, None]) & (pos[None, :] >= first_pos[:, None])
     scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1)
-    values = value_cache.flatten(0, 1)[slots]
+    probs = torch.softmax(scores, dim=1).view(b, m, bs, *scores.shape[2:])  # [B, M, bs, Hkv, G]
+    # Values: reduce within each block first (its rows stay in L1 across the head loop), then across blocks.
     # Masked positions may hold anything (stale or never-written blocks): select, do not multiply by zero.
-    weighted = torch.where(valid[:, :, None, None, None], probs.unsqueeze(-1) * values.unsqueeze(3).float(), 0.0)
-    return weighted.sum(1).to(q.dtype)
+    values = value_cache[block_table.long()].unsqueeze(4).float()  # [B, M, bs, Hkv, 1, D]
+    weighted = torch.where(valid.view(b, m, bs, 1, 1, 1), probs.unsqueeze(-1) * values, 0.0)
+    return weighted.sum(2).sum(1).to(q.dtype)
 
 
 _compiled_decode: Optional[Callable] = None
@@ -73,11 +65,65 @@ def run_decode_kernel(compile: bool, *args: torch.Tensor) -> torch.Tensor:
     # called from eager code or from inside the compiled model's custom op. Without duck sizing, sizes that happen
     # to be equal at the first call (a batch of 2 and 2 blocks) are not assumed equal forever. The recompile limit
     # is raised for this function only: a process that builds engines of many head layouts (the tests) needs more
-    # than the default 8 graphs.
-    with (torch._C._AutoDispatchBelowADInplaceOrView(),
-          torch.fx.experimental._config.patch(use_duck_shape=False),
-          torch._dynamo.config.patch(recompile_limit=64)):
-        return _compiled_decode(*args)
+    # than the default 8 graphs. (Plain attribute swaps: config.patch() costs ~30 us a call.)
+    dyn, fx = torch._dynamo.config, torch.fx.experimental._config
+    saved = dyn.recompile_limit, fx.use_duck_shape
+    dyn.recompile_limit, fx.use_duck_shape = 64, False
+    try:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _compiled_decode(*args)
+    finally:
+        dyn.recompile_limit, fx.use_duck_shape = saved
+
+
+@dataclass
+class _StepPlan:
+    """What every layer of one step shares: derived once per step, not once per layer."""
+
+    write_slots: torch.Tensor  # slot_mapping without the -1 rows
+    write_rows: Optional[torch.Tensor]  # rows of k/v to write; None = the first len(write_slots) rows
+    decode_tok: Optional[torch.Tensor]  # token rows of the decode requests; None when there are none
+    decode_direct: bool  # every token row is a decode row, in order: the kernel's output is the layer's output
+    num_decode: int
+    table: Optional[torch.Tensor]  # [>=2, >=2] block table of the decode rows, padded
+    seq_lens: Optional[torch.Tensor]
+    first_pos: Optional[torch.Tensor]
+    prefill_rows: list[int]
+
+
+def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _StepPlan:
+    key = ("torch", window)
+    plan = meta.backend_cache.get(key)
+    if plan is not None:
+        return plan
+    slots = meta.slot_mapping
+    keep = (slots >= 0).nonzero().squeeze(1)
+    write_rows = None if len(keep) == len(slots) else keep
+    qsl = meta.query_start_loc_cpu
+    q_lens = qsl[1:meta.num_reqs + 1] - qsl[:meta.num_reqs]
+    rows = (q_lens == 1).nonzero()[0]
+    prefill_rows = [int(i) for i in (q_lens > 1).nonzero()[0]]
+    b = len(rows)
+    plan = _StepPlan(slots if write_rows is None else slots[keep], write_rows, None, False, b, None, None, None,
+                     prefill_rows)
+    if b:
+        dev = slots.device
+        tok_np = qsl[rows]
+        lens_np = meta.seq_lens_cpu[rows]
+        width = max(2, -(-int(lens_np.max()) // block_size))
+        # Dynamo specialises sizes 0 and 1: at least 2 rows and 2 blocks keep one graph for every batch. Padding
+        # rows read block 0 over and over (cheap, cached); their output is dropped.
+        table = torch.zeros(max(b, 2), width, dtype=meta.block_table.dtype, device=dev)
+        n = min(width, meta.block_table.shape[1])
+        table[:b, :n] = meta.block_table[torch.as_tensor(rows, device=dev), :n]
+        lens = torch.ones(max(b, 2), dtype=torch.int64, device=dev)
+        lens[:b] = torch.as_tensor(lens_np, device=dev)
+        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        plan.decode_tok = torch.as_tensor(tok_np, device=dev)
+        plan.decode_direct = b == meta.num_reqs and meta.num_tokens == b and len(slots) == b
+        plan.table, plan.seq_lens, plan.first_pos = table, lens, first
+    meta.backend_cache[key] = plan
+    return plan
 
 
 class TorchAttentionBackend:
@@ -90,34 +136,32 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window)
+        self._write(k, v, kv_cache, plan)
+        if plan.decode_direct and q.shape[0] == plan.num_decode:
+            return self._decode(q, kv_cache, plan)
         out = torch.zeros_like(q)
-        qsl = meta.query_start_loc_cpu
-        q_lens = qsl[1:meta.num_reqs + 1] - qsl[:meta.num_reqs]
-        decode = (q_lens == 1).nonzero()[0]
-        if len(decode):
-            self._decode(q, kv_cache, meta, decode, out)
-        for i in (q_lens > 1).nonzero()[0]:
-            self._prefill(q, k, v, kv_cache, meta, int(i), out)
+        if plan.num_decode:
+            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kv_cache, plan)
+        for i in plan.prefill_rows:
+            self._prefill(q, k, v, kv_cache, meta, i, out)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows,
-                out: torch.Tensor) -> None:
-        dev = q.device
-        tok = torch.as_tensor(meta.query_start_loc_cpu[rows], device=dev)
-        lens = torch.as_tensor(meta.seq_lens_cpu[rows], device=dev)
-        table = meta.block_table[torch.as_tensor(rows, device=dev)]
-        table = table[:, :-(-int(lens.max()) // kv_cache.shape[2])]
-        b, hkv, d = len(rows), self.spec.num_kv_heads, self.spec.head_dim
-        qb = (q[tok] * self.spec.scale).view(b, hkv, self.gqa, d)
-        first = (lens - self.spec.sliding_window).clamp(min=0) if self.spec.sliding_window else torch.zeros_like(lens)
-        # Dynamo specialises sizes 0 and 1; padding to >= 2 rows and blocks keeps one graph for every batch.
-        if b == 1:
-            qb, lens, first, table = (torch.cat([x, x]) for x in (qb, lens, first, table))
-        if table.shape[1] == 1:
-            table = torch.cat([table, table], dim=1)
-        o = self._run_decode(qb, kv_cache[0], kv_cache[1], table.contiguous(), lens, first)
-        out[tok] = o[:b].reshape(b, hkv * self.gqa, d)
+    @staticmethod
+    def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+        n = len(plan.write_slots)
+        k, v = (k[:n], v[:n]) if plan.write_rows is None else (k[plan.write_rows], v[plan.write_rows])
+        kv_cache[0].flatten(0, 1).index_copy_(0, plan.write_slots, k)
+        kv_cache[1].flatten(0, 1).index_copy_(0, plan.write_slots, v)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+        """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""
+        b, spec = plan.num_decode, self.spec
+        qb = (q * spec.scale).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
+        if b < 2:
+            qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
+        o = self._run_decode(qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos)
+        return o[:b].view(b, spec.num_heads, spec.head_dim)
 
     def _run_decode(self, *args: torch.Tensor) -> torch.Tensor:
         global _compile_failed
