@@ -54,18 +54,27 @@ def worker_vllm(spec: dict) -> dict:
     return _run_workloads(f"vLLM-CPU {__version__}", gen, spec)
 
 
-def worker_streamer(spec: dict) -> dict:
+def worker_streamer(spec: dict, compiled: bool = False) -> dict:
     sys.path.insert(0, str(HERE.parents[1]))
     import streamer
     from streamer import LLM, SamplingParams
-    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=2048, kv_cache_memory=KV_GIB << 30)
+    t = time.perf_counter()
+    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=2048, kv_cache_memory=KV_GIB << 30,
+              enforce_eager=False if compiled else None)
+    print(f"streamer{' compiled' if compiled else ''}: engine ready in {time.perf_counter() - t:.1f} s",
+          file=sys.stderr)
 
     def gen(prompts, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return _run_workloads(f"streamer {getattr(streamer, '__version__', '')}".strip(), gen, spec)
+    name = f"streamer {getattr(streamer, '__version__', '')}".strip()
+    return _run_workloads(name + (" compiled" if compiled else ""), gen, spec)
+
+
+def worker_streamer_compiled(spec: dict) -> dict:
+    return worker_streamer(spec, compiled=True)
 
 
 def worker_transformers(spec: dict) -> dict:
@@ -97,7 +106,8 @@ def _run_workloads(engine: str, gen, spec: dict) -> dict:
     return res
 
 
-WORKERS = {"vllm": worker_vllm, "streamer": worker_streamer, "transformers": worker_transformers}
+WORKERS = {"vllm": worker_vllm, "streamer": worker_streamer, "streamer-compiled": worker_streamer_compiled,
+           "transformers": worker_transformers}
 
 
 # --- driver -----------------------------------------------------------------------------------------------------

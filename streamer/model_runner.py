@@ -113,9 +113,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Run every graph the engine will need (a 1-token step and a many-token step; the token dimension is
-        dynamic beyond that; the 1-token step also builds the compiled decode attention) before serving, so no
-        request pays for compilation. Writes nothing (slots -1)."""
+        """Run every graph the engine will need before serving, so no request pays for compilation: the model's
+        (1 token, then a dynamic token dimension) and the CPU decode attention's (a lone request, a batch).
+        Writes nothing (slots -1)."""
         import time
         import torch._inductor.config as inductor_config
         t = time.perf_counter()
@@ -128,17 +128,27 @@ class ModelRunner:
                     time.perf_counter() - t)
 
     def _warmup_steps(self) -> None:
-        for n in (1, min(16, self.max_model_len)):
+        bs, dev = self.block_size, self.device
+        # (query tokens per request, context length per request): a lone decode over a long context (the CPU
+        # decode kernel splits it across threads), a decode batch, and a prefill chunk.
+        steps = [([1], [min(4 * bs, self.max_model_len)]), ([1, 1], [1, 1]), ([16], [16])]
+        for q_lens, seq_lens in steps:
+            q_lens = [min(n, self.max_model_len) for n in q_lens]
+            seq_lens = [max(s, q) for s, q in zip(seq_lens, q_lens)]
+            qsl = np.concatenate([[0], np.cumsum(q_lens)])
+            n = int(qsl[-1])
+            width = cdiv(max(seq_lens), bs)
             meta = AttentionMetadata(
-                num_reqs=1, num_tokens=n,
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-                block_table=torch.zeros(1, cdiv(n, self.block_size), dtype=torch.int32, device=self.device),
-                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                max_query_len=n, max_seq_len=n, query_start_loc_cpu=np.array([0, n]), seq_lens_cpu=np.array([n]))
-            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+                num_reqs=len(q_lens), num_tokens=n,
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_table=torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl.astype(np.int64),
+                seq_lens_cpu=np.array(seq_lens, dtype=np.int64))
+            positions = torch.from_numpy(np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]))
             with forward_context(meta):
-                self.forward(ids, torch.arange(n, device=self.device), self.kv_caches)
+                self.forward(torch.zeros(n, dtype=torch.int64, device=dev), positions.to(dev), self.kv_caches)
 
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension."""

@@ -26,6 +26,8 @@ def _meta(batch, num_reqs: int) -> AttentionMetadata:
 CASES = [
     # (q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, sliding_window)
     ([1], [0], 4, 4, 32, 16, None),  # one request, one token, one block: the padded-to-2 path
+    ([1], [100], 8, 2, 64, 16, None),  # a lone request over 7 blocks: its context split across threads
+    ([1], [150], 4, 1, 32, 8, 30),  # split context under a sliding window: early parts are empty
     ([1, 1, 1, 1, 1], [30, 0, 77, 15, 16], 8, 2, 64, 16, None),  # decode batch, GQA 4, block-boundary lengths
     ([1, 1, 1], [40, 3, 100], 8, 1, 64, 8, 24),  # MQA, sliding window
     ([9, 1, 40, 1], [0, 12, 7, 100], 4, 4, 128, 32, None),  # mixed: fresh prefill, chunk continuation, decodes
@@ -35,7 +37,8 @@ CASES = [
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES, ids=["single", "gqa", "mqa-window", "mixed", "window-chunk"])
+@pytest.mark.parametrize("case", CASES, ids=["single", "single-split", "split-window", "gqa", "mqa-window", "mixed",
+                                             "window-chunk"])
 def test_matches_reference(case, dtype, compile) -> None:
     q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, window = case
     seed = 3
@@ -56,6 +59,24 @@ def test_matches_reference(case, dtype, compile) -> None:
                                 after.seq_lens, after.block_table, spec.scale, 0, 0, window)
     assert not out.isnan().any()
     assert rel_err(out, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_split_context_matches_unsplit(threads) -> None:
+    """Whatever the thread count (and so the number of parts), a lone request gets the same attention."""
+    b = make_paged_batch([1], [200], 8, 2, 64, 16, torch.float32, "cpu", generator=torch.Generator().manual_seed(5))
+    spec = AttentionSpec(8, 2, 64, 0.125)
+    kv = b.kv_cache.nan_to_num(0)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = TorchAttentionBackend(spec).forward(b.q, b.new_k, b.new_v, kv.clone(), _meta(b, 1))
+    finally:
+        torch.set_num_threads(old)
+    expected = torch.empty_like(b.q)
+    reference.unified_attention(b.q, b.key_cache, b.value_cache, expected, b.query_start_loc, b.seq_lens,
+                                b.block_table, spec.scale, 0, 0, None)
+    assert rel_err(out, expected) <= 1e-5
 
 
 def test_compiled_decode_equals_eager_on_varied_batches() -> None:

@@ -88,3 +88,21 @@ def test_engine_config_errors(llama_dir):
         LLM(str(llama_dir), dtype="float8")
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(str(llama_dir), attention_backend="flash")
+
+
+def test_cpu_weight_packing_gives_the_same_tokens(llama_dir):
+    """Eager CPU runs the linears on oneDNN-prepacked weights by default; tokens match the plain-weight path."""
+    from streamer import LLM, SamplingParams
+    from streamer.models.layers import PackableLinear, cpu_packing_supported
+
+    if not cpu_packing_supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 7, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for packing in (True, False):
+        llm = LLM(str(llama_dir), dtype="float32", cpu_weight_packing=packing)
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+        assert linears and all((m.packed is not None) == packing for m in linears)
+        outs[packing] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]

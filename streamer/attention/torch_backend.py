@@ -22,34 +22,49 @@ logger = logging.getLogger("streamer")
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
-    """One query token per request over its paged context.
+                 seq_lens: torch.Tensor, first_pos: torch.Tensor, splits: int) -> torch.Tensor:
+    """One query token per request over its paged context, optionally split into `splits` parts.
 
-    q: [B, Hkv, G, D], already scaled; key/value_cache: [num_blocks, block_size, Hkv, D]; block_table: [B, M];
-    seq_lens / first_pos: [B], the request attends positions first_pos <= p < seq_len. Returns [B, Hkv, G, D].
-    Every step is elementwise or a reduction with indirect loads, so Inductor fuses the gather into the loops.
+    q: [B, Hkv, G, D], already scaled; key/value_cache: [num_blocks, block_size, Hkv, D]; block_table:
+    [B * splits, M], row b * splits + s holding part s of request b's blocks (part s starts at position
+    s * M * block_size); seq_lens / first_pos: [B], request b attends positions first_pos <= p < seq_len.
+    Returns [B, Hkv, G, D]. Every step is elementwise or a reduction with indirect loads, so Inductor fuses the
+    gathers into its loops; parts run in parallel and are merged through their softmax statistics.
     """
     bs = key_cache.shape[1]
-    b, m = block_table.shape
-    pos = torch.arange(m * bs, device=q.device)
-    slots = block_table[:, pos // bs].long() * bs + pos % bs  # [B, L]
-    keys = key_cache.flatten(0, 1)[slots]  # [B, L, Hkv, D] (never materialised when compiled)
-    scores = (q.unsqueeze(1).float() * keys.unsqueeze(3).float()).sum(-1)  # [B, L, Hkv, G]
-    valid = (pos[None, :] < seq_lens[:, None]) & (pos[None, :] >= first_pos[:, None])
+    r, m = block_table.shape
+    b = q.shape[0]
+    local = torch.arange(m * bs, device=q.device)
+    slots = block_table[:, local // bs].long() * bs + local % bs  # [R, L]
+    part_start = (torch.arange(r, device=q.device) % splits) * (m * bs)
+    pos = part_start[:, None] + local[None, :]  # [R, L] position in the request
+    req = torch.arange(r, device=q.device) // splits
+    valid = (pos < seq_lens[req][:, None]) & (pos >= first_pos[req][:, None])
+    keys = key_cache.flatten(0, 1)[slots]  # [R, L, Hkv, D]
+    scores = (q[req].unsqueeze(1).float() * keys.unsqueeze(3).float()).sum(-1)  # [R, L, Hkv, G]
     scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=1).view(b, m, bs, *scores.shape[2:])  # [B, M, bs, Hkv, G]
-    # Values: reduce within each block first (its rows stay in L1 across the head loop), then across blocks.
-    # Masked positions may hold anything (stale or never-written blocks): select, do not multiply by zero.
-    values = value_cache[block_table.long()].unsqueeze(4).float()  # [B, M, bs, Hkv, 1, D]
-    weighted = torch.where(valid.view(b, m, bs, 1, 1, 1), probs.unsqueeze(-1) * values, 0.0)
-    return weighted.sum(2).sum(1).to(q.dtype)
+    peak = scores.amax(1)  # [R, Hkv, G]; -inf for a part with nothing to attend
+    safe = torch.where(peak == float("-inf"), 0.0, peak)
+    e = torch.exp(scores - safe[:, None]).view(r, m, bs, *scores.shape[2:])  # [R, M, bs, Hkv, G]; 0 where masked
+    denom = e.sum(2).sum(1)  # [R, Hkv, G]
+    values = value_cache[block_table.long()].unsqueeze(4).float()  # [R, M, bs, Hkv, 1, D]
+    weighted = torch.where(valid.view(r, m, bs, 1, 1, 1), e.unsqueeze(-1) * values, 0.0)
+    num = weighted.sum(2).sum(1)  # [R, Hkv, G, D]
+    if splits == 1:
+        return (num / denom.unsqueeze(-1)).to(q.dtype)
+    peak = peak.view(b, splits, *peak.shape[1:])
+    top = peak.amax(1, keepdim=True)
+    scale = torch.exp(peak - top)  # [B, S, Hkv, G]; 0 for an empty part (every request has a non-empty one)
+    num = (num.view(b, splits, *num.shape[1:]) * scale.unsqueeze(-1)).sum(1)
+    denom = (denom.view(b, splits, *denom.shape[1:]) * scale).sum(1)
+    return (num / denom.unsqueeze(-1)).to(q.dtype)
 
 
 _compiled_decode: Optional[Callable] = None
 _compile_failed = False
 
 
-def run_decode_kernel(compile: bool, *args: torch.Tensor) -> torch.Tensor:
+def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     """`paged_decode`, compiled unless told otherwise: one graph per dtype and head layout (static, so Inductor
     unrolls the head loops: 25% faster than all-dynamic), dynamic in batch size, context blocks and pool size."""
     global _compiled_decode
@@ -57,7 +72,7 @@ def run_decode_kernel(compile: bool, *args: torch.Tensor) -> torch.Tensor:
         return paged_decode(*args)
     if _compiled_decode is None:
         _compiled_decode = torch.compile(paged_decode, dynamic=False, fullgraph=True)
-    q, key_cache, value_cache, block_table, seq_lens, first_pos = args
+    q, key_cache, value_cache, block_table, seq_lens, first_pos, _ = args
     for t, dim in ((q, 0), (key_cache, 0), (value_cache, 0), (block_table, 0), (block_table, 1), (seq_lens, 0),
                    (first_pos, 0)):
         torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -89,6 +104,7 @@ class _StepPlan:
     seq_lens: Optional[torch.Tensor]
     first_pos: Optional[torch.Tensor]
     prefill_rows: list[int]
+    splits: int = 1  # parts each decode row's context is split into (see paged_decode)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _StepPlan:
@@ -110,18 +126,31 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
         dev = slots.device
         tok_np = qsl[rows]
         lens_np = meta.seq_lens_cpu[rows]
-        width = max(2, -(-int(lens_np.max()) // block_size))
-        # Dynamo specialises sizes 0 and 1: at least 2 rows and 2 blocks keep one graph for every batch. Padding
-        # rows read block 0 over and over (cheap, cached); their output is dropped.
-        table = torch.zeros(max(b, 2), width, dtype=meta.block_table.dtype, device=dev)
-        n = min(width, meta.block_table.shape[1])
-        table[:b, :n] = meta.block_table[torch.as_tensor(rows, device=dev), :n]
-        lens = torch.ones(max(b, 2), dtype=torch.int64, device=dev)
+        need = -(-int(lens_np.max()) // block_size)
+        table_rows = meta.block_table[torch.as_tensor(rows, device=dev)]
+        threads = torch.get_num_threads()
+        # A lone request would keep one thread busy: split its context across the threads instead (merged
+        # through the parts' softmax statistics). Batches parallelise over requests.
+        splits = min(8, 1 << (threads.bit_length() - 1)) if b == 1 and need >= 4 else 1
+        # Dynamo specialises sizes 0 and 1: at least 2 table rows and 2 blocks per row keep one graph per
+        # `splits` for every batch. Padding rows read block 0 over and over (cheap, cached); their output is
+        # dropped.
+        width = max(2, -(-need // splits))
+        rows_out = max(b, 2) if splits == 1 else splits
+        table = torch.zeros(rows_out, width, dtype=meta.block_table.dtype, device=dev)
+        if splits == 1:
+            n = min(width, table_rows.shape[1])
+            table[:b, :n] = table_rows[:, :n]
+        else:
+            flat = table.view(-1)
+            n = min(need, table_rows.shape[1])
+            flat[:n] = table_rows[0, :n]
+        lens = torch.ones(max(b, 2) if splits == 1 else 1, dtype=torch.int64, device=dev)
         lens[:b] = torch.as_tensor(lens_np, device=dev)
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
         plan.decode_tok = torch.as_tensor(tok_np, device=dev)
         plan.decode_direct = b == meta.num_reqs and meta.num_tokens == b and len(slots) == b
-        plan.table, plan.seq_lens, plan.first_pos = table, lens, first
+        plan.table, plan.seq_lens, plan.first_pos, plan.splits = table, lens, first, splits
     meta.backend_cache[key] = plan
     return plan
 
@@ -158,12 +187,12 @@ class TorchAttentionBackend:
         """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""
         b, spec = plan.num_decode, self.spec
         qb = (q * spec.scale).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
-        if b < 2:
+        if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
-        o = self._run_decode(qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos)
+        o = self._run_decode(qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos, plan.splits)
         return o[:b].view(b, spec.num_heads, spec.head_dim)
 
-    def _run_decode(self, *args: torch.Tensor) -> torch.Tensor:
+    def _run_decode(self, *args) -> torch.Tensor:
         global _compile_failed
         try:
             return run_decode_kernel(self.compile, *args)
