@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--dummy", action="store_true", help="random weights (the folder needs only config.json)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of (caching on, caching off), alternating; the table shows per-round medians")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,15 +83,25 @@ def main() -> None:
                        max_model_len=max(2048, total + args.output_len + 1),
                        load_format="dummy" if args.dummy else "auto")
     EngineConfig(**engine_args)  # validate before the long runs
-    res = {on: asyncio.run(measure(args.model, on, workloads, args.output_len, engine_args)) for on in (True, False)}
+    rounds: dict[bool, list[dict[str, dict[str, float]]]] = {True: [], False: []}
+    for i in range(args.repeat):  # alternating on/off, so slow drifts in machine load hit both alike
+        for on in (True, False):
+            rounds[on].append(asyncio.run(measure(args.model, on, workloads, args.output_len, engine_args)))
+            r = rounds[on][-1]
+            print(f"round {i + 1} caching {'on' if on else 'off'}: " + ", ".join(
+                f"{name}: TTFT {v['median_ttft']:.3f} s, {v['out_tps']:.1f} tok/s" for name, v in r.items()),
+                flush=True)
+    res = {on: {name: {key: statistics.median(r[name][key] for r in rounds[on]) for key in rounds[on][0][name]}
+                for name in workloads} for on in (True, False)}
     print(f"\n{args.num_requests} requests, prefix {args.prefix_len} + suffix {args.suffix_len} tokens, "
           f"{args.output_len} output tokens, model {args.model or 'demo'}, {args.dtype}")
+    print(f"{args.repeat} round(s), medians")
     print(f"{'workload':<18} {'caching':<8} {'median TTFT s':>14} {'out tok/s':>10} {'cached tokens':>14}")
     for name in workloads:
         for on in (True, False):
             r = res[on][name]
             print(f"{name:<18} {'on' if on else 'off':<8} {r['median_ttft']:>14.3f} {r['out_tps']:>10.1f} "
-                  f"{r['cached']:>14}")
+                  f"{r['cached']:>14.0f}")
     s_on, s_off = res[True]["shared prefix"], res[False]["shared prefix"]
     d_on, d_off = res[True]["no shared prefix"], res[False]["no shared prefix"]
     print(f"\nshared prefix: median TTFT off/on = {s_off['median_ttft'] / s_on['median_ttft']:.2f}x, "
