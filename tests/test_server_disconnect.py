@@ -46,13 +46,15 @@ def test_stream_disconnect_aborts_and_frees_blocks(live):
         before = _metrics(h)
         with h.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             assert r.status_code == 200
-            events = 0
+            seen: list[str] = []
             for line in r.iter_lines():
-                events += line.startswith("data: ")
-                if events == 3:
+                if line.startswith("data: "):
+                    seen.append(line)
+                if len(seen) == 3:
                     break
             held = live.pool_state()
-            assert held["streams"] == 1 and held["free"] < held["blocks"]
+            # (The message says what the server was doing: this assertion has failed, rarely, in full-suite runs.)
+            assert held["streams"] == 1 and held["free"] < held["blocks"], (held, seen)
         # leaving the block closed the connection mid-stream
         live.wait_idle(30)
         after = _metrics(h)
