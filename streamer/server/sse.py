@@ -37,7 +37,8 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
                 yield event({**head, "choices": [choice], **extra})
         if include_usage:
             yield event({**head, "choices": [], "usage": gen.usage()})
-    except (asyncio.CancelledError, GeneratorExit):  # the client left (sse-starlette cancels us)
+    except (asyncio.CancelledError, GeneratorExit) as e:  # the client left (sse-starlette cancels us)
+        logger.debug("request %s: stream cancelled (%s)", gen.request_id, type(e).__name__)
         gen.close("disconnect")
         raise
     except Exception as e:  # after the first byte, the only way to tell the client is an error event
