@@ -20,6 +20,9 @@ PROMPT_CONTEXT_TOKENS = 5
 # bytes are invalid (emit them as U+FFFD) or the window just decodes to nothing (out-of-vocab ids): stop
 # waiting, so that the window, and the cost per token, stay bounded.
 MAX_UNREAD_TOKENS = 8
+# The emitted prefix grows up to this many ids before it is cut back to the newest ones: a step then decodes
+# once (the window) instead of twice (the window, then the new prefix) most of the time.
+MAX_PREFIX_TOKENS = MAX_UNREAD_TOKENS
 _REPLACEMENT = "\ufffd"
 
 
@@ -118,6 +121,10 @@ class IncrementalDetokenizer:
             while common < min(len(text), len(self._prefix_text)) and text[common] == self._prefix_text[common]:
                 common += 1
             delta = text[common:]
+        if upto is None and len(self._ids) <= MAX_PREFIX_TOKENS:
+            # The whole window is emitted: it becomes the prefix as it is, its text is `text` (no decode).
+            self._read, self._prefix_text = len(self._ids), text
+            return delta
         upto = len(self._ids) if upto is None else upto
         del self._ids[:self._read]
         self._read = upto - self._read
