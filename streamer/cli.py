@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True, default=None,
                    help="never torch.compile the model")
     c.add_argument("--compile", dest="enforce_eager", action="store_const", const=False,
-                   help="torch.compile the model also on CPU (default: compile on CUDA only)")
+                   help="torch.compile the model also on CPU (default: `serve` compiles on every device, "
+                        "`generate` on CUDA only)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
 

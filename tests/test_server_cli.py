@@ -73,7 +73,7 @@ def _data(line: str) -> Optional[str]:
 
 def test_sigterm_drains_in_flight_stream_then_exits_0(llama_dir):
     srv = ServeProcess(str(llama_dir), "--port", "0", "--dtype", "float32", "--num-kv-blocks", "256",
-                       "--shutdown-timeout", "300")
+                       "--shutdown-timeout", "300", "--enforce-eager")
     try:
         url = srv.wait_url()
         port = url.rsplit(":", 1)[1]
@@ -111,7 +111,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(llama_dir):
 
 def test_drain_timeout_aborts_and_api_key_from_env(long_dir):
     srv = ServeProcess(str(long_dir), "--port", "0", "--num-kv-blocks", "512", "--shutdown-timeout", "1",
-                       "--served-model-name", "tiny", env={"STREAMER_API_KEY": "k3y"})
+                       "--served-model-name", "tiny", "--enforce-eager", env={"STREAMER_API_KEY": "k3y"})
     try:
         url = srv.wait_url()
         with httpx.Client(base_url=url, timeout=120) as h:
@@ -148,5 +148,6 @@ def test_serve_without_model_uses_the_demo_model():
             assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(60) == 0
+        assert "compiled and warmed up" in srv.stderr, "serve compiles the model by default, also on CPU"
     finally:
         srv.kill()
