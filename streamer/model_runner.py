@@ -99,11 +99,25 @@ class ModelRunner:
                     self.device)
         if self.compiled:
             self.forward = self._compile()
-        elif self.device.type == "cpu" and config.cpu_weight_packing and cpu_packing_supported(self.dtype):
-            for module in self.model.modules():
-                if isinstance(module, PackableLinear):
-                    module.pack_for_cpu()
+            try:
+                self.warmup()
+            except Exception as e:  # no C++ toolchain, or an Inductor bug: serve eagerly rather than not at all
+                logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
+                               str(e).splitlines()[0] if str(e) else "")
+                self._use_eager()
+                self.warmup()
+            return
+        self._use_eager()
         self.warmup()
+
+    def _use_eager(self) -> None:
+        self.compiled, self.forward = False, self.model
+        for layer in self.model.layers:
+            layer.self_attn.use_op = False
+        if self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype):
+            for module in self.model.modules():
+                if isinstance(module, PackableLinear) and module.packed is None:
+                    module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
     def _should_compile(self) -> bool:

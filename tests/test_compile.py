@@ -26,3 +26,25 @@ def test_compiled_matches_eager_without_recompiling(llama_dir):
     assert dyn.counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     assert compiled.engine.runner.model.layers[0].self_attn.use_op
     assert torch.is_inference_mode_enabled() is False
+
+
+def test_failed_compilation_falls_back_to_eager(llama_dir, monkeypatch, caplog):
+    """Without a working compiler (or on an Inductor bug) the engine still starts, eagerly, and says why."""
+    def broken_compile(model, **kwargs):
+        def forward(*args, **kw):
+            raise RuntimeError("no C++ compiler found")
+        return forward
+
+    from streamer.attention import torch_backend
+    # The CPU decode kernel's compile state is process-wide: restore it afterwards (monkeypatch.undo).
+    monkeypatch.setattr(torch_backend, "_compiled_decode", torch_backend._compiled_decode)
+    monkeypatch.setattr(torch_backend, "_compile_failed", torch_backend._compile_failed)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(llama_dir), dtype="float32", enforce_eager=False)
+    assert not llm.engine.runner.compiled and "running the model eagerly" in caplog.text
+    monkeypatch.undo()
+    ref = LLM(str(llama_dir), dtype="float32", enforce_eager=True)
+    assert (llm.generate(prompts, params)[0].outputs[0].token_ids
+            == ref.generate(prompts, params)[0].outputs[0].token_ids)
