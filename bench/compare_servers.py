@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from streamer.bench import report
 from streamer.bench.cli import main as bench_main
 
+from loadavg import wait_for_load  # bench/ is on sys.path: this file runs as a script
+
 STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port}"
 VLLM_CMD = ("{venv}/bin/python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
             "--max-model-len 2048 --host 127.0.0.1 --port {port}")
@@ -83,21 +85,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(wait)
         except subprocess.TimeoutExpired:
             continue
-
-
-def wait_for_load(max_load: float | None, max_wait: float, poll: float = 20.0) -> float:
-    """Waits (polling every `poll` s, at most `max_wait` s) until the 1-minute load average is below max_load."""
-    load = os.getloadavg()[0]
-    if max_load is None:
-        return load
-    deadline = time.monotonic() + max_wait
-    while load >= max_load and time.monotonic() < deadline:
-        print(f"   load average {load:.2f} >= {max_load:g}: waiting", flush=True)
-        time.sleep(poll)
-        load = os.getloadavg()[0]
-    if load >= max_load:
-        print(f"   load average still {load:.2f} after {max_wait:g} s: running anyway", flush=True)
-    return load
 
 
 def warm_up(base: str, n: int) -> None:

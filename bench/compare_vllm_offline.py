@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from loadavg import wait_for_load  # bench/ (stdlib only; also imported by the vLLM-venv worker)
+
 HERE = Path(__file__).resolve()
 DEFAULT_MODEL = Path.home() / ".cache" / "streamer-bench" / "llama-90m"
 DEFAULT_VENV = Path.home() / ".cache" / "vllm-cpu-venv"
@@ -111,18 +113,6 @@ WORKERS = {"vllm": worker_vllm, "streamer": worker_streamer, "streamer-compiled"
 
 
 # --- driver -----------------------------------------------------------------------------------------------------
-def wait_for_load(max_load: float, max_wait: float, poll: float = 20.0) -> float:
-    deadline = time.monotonic() + max_wait
-    load = os.getloadavg()[0]
-    while load >= max_load and time.monotonic() < deadline:
-        print(f"  load average {load:.2f} >= {max_load}: waiting", flush=True)
-        time.sleep(poll)
-        load = os.getloadavg()[0]
-    if load >= max_load:
-        print(f"  load average still {load:.2f} after {max_wait:g} s: running anyway", flush=True)
-    return load
-
-
 def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, out_path: Path) -> dict:
     name, _, threads = engine.partition("@")
     python = str(Path(args.vllm_venv) / "bin" / "python") if name == "vllm" else sys.executable
