@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from streamer.attention.base import AttentionMetadata, AttentionSpec
+from streamer.kv_cache import cdiv
 
 logger = logging.getLogger("streamer")
 
@@ -66,8 +67,9 @@ _compile_failed = False
 
 def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     """`paged_decode`, compiled unless told otherwise: one graph per dtype and head layout (static, so Inductor
-    unrolls the head loops: 25% faster than all-dynamic), dynamic in batch size, context blocks and pool size."""
-    global _compiled_decode
+    unrolls the head loops: 25% faster than all-dynamic), dynamic in batch size, context blocks and pool size.
+    If compiling fails (no C++ toolchain, an Inductor bug), it says so once and runs eagerly from then on."""
+    global _compiled_decode, _compile_failed
     if not compile or _compile_failed:
         return paged_decode(*args)
     if _compiled_decode is None:
@@ -87,6 +89,11 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     try:
         with torch._C._AutoDispatchBelowADInplaceOrView():
             return _compiled_decode(*args)
+    except Exception as e:
+        _compile_failed = True
+        logger.warning("compiled CPU decode attention unavailable (%s: %s); using the eager path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return paged_decode(*args)
     finally:
         dyn.recompile_limit, fx.use_duck_shape = saved
 
@@ -120,13 +127,14 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
     rows = (q_lens == 1).nonzero()[0]
     prefill_rows = [int(i) for i in (q_lens > 1).nonzero()[0]]
     b = len(rows)
-    plan = _StepPlan(slots if write_rows is None else slots[keep], write_rows, None, False, b, None, None, None,
-                     prefill_rows)
+    plan = _StepPlan(write_slots=slots if write_rows is None else slots[keep], write_rows=write_rows,
+                     decode_tok=None, decode_direct=False, num_decode=b, table=None, seq_lens=None, first_pos=None,
+                     prefill_rows=prefill_rows)
     if b:
         dev = slots.device
         tok_np = qsl[rows]
         lens_np = meta.seq_lens_cpu[rows]
-        need = -(-int(lens_np.max()) // block_size)
+        need = cdiv(int(lens_np.max()), block_size)
         table_rows = meta.block_table[torch.as_tensor(rows, device=dev)]
         threads = torch.get_num_threads()
         # A lone request would keep one thread busy: split its context across the threads instead (merged
@@ -135,7 +143,7 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
         # Dynamo specialises sizes 0 and 1: at least 2 table rows and 2 blocks per row keep one graph per
         # `splits` for every batch. Padding rows read block 0 over and over (cheap, cached); their output is
         # dropped.
-        width = max(2, -(-need // splits))
+        width = max(2, cdiv(need, splits))
         rows_out = max(b, 2) if splits == 1 else splits
         table = torch.zeros(rows_out, width, dtype=meta.block_table.dtype, device=dev)
         if splits == 1:
@@ -189,20 +197,9 @@ class TorchAttentionBackend:
         qb = (q * spec.scale).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
         if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
-        o = self._run_decode(qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos, plan.splits)
+        o = run_decode_kernel(self.compile, qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos,
+                              plan.splits)
         return o[:b].view(b, spec.num_heads, spec.head_dim)
-
-    def _run_decode(self, *args) -> torch.Tensor:
-        global _compile_failed
-        try:
-            return run_decode_kernel(self.compile, *args)
-        except Exception as e:  # no C++ toolchain, or an Inductor bug: fall back once and for all
-            if not self.compile or _compile_failed:
-                raise
-            _compile_failed = True
-            logger.warning("compiled CPU decode attention unavailable (%s: %s); using the eager path",
-                           type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            return paged_decode(*args)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, i: int, out: torch.Tensor) -> None:
@@ -230,7 +227,7 @@ class TorchAttentionBackend:
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
         """Contiguous [length, Hkv, D] keys and values of the blocks listed in `block_ids`."""
         bs = kv_cache.shape[2]
-        ids = block_ids[:-(-length // bs)]
+        ids = block_ids[:cdiv(length, bs)]
         k = kv_cache[0][ids].flatten(0, 1)[:length]
         v = kv_cache[1][ids].flatten(0, 1)[:length]
         return k, v
