@@ -50,6 +50,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.cpu_weight_packing, bool):
+            raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
 

@@ -88,6 +88,10 @@ def test_engine_config_errors(llama_dir):
         LLM(str(llama_dir), dtype="float8")
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(str(llama_dir), attention_backend="flash")
+    with pytest.raises(ValueError, match="cpu_weight_packing"):
+        LLM(str(llama_dir), cpu_weight_packing="no")  # a string would be truthy: refuse it
+    with pytest.raises(ValueError, match="enforce_eager"):
+        LLM(str(llama_dir), enforce_eager="yes")
 
 
 def test_cpu_weight_packing_gives_the_same_tokens(llama_dir):
