@@ -56,7 +56,7 @@ def measure(model: str | None, n: int, steps: int, seed: int, sampling: str = "g
         t0 = time.perf_counter()
         sched = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        result = engine.runner.execute(sched, engine.block_tables(sched))
+        result = engine.runner.execute(engine.prepare(sched))
         t2 = time.perf_counter()
         engine.process(sched, result)
         t3 = time.perf_counter()

@@ -284,8 +284,8 @@ class AsyncEngine:
                 if not sched.scheduled:
                     await asyncio.sleep(0.001)
                     continue
-                tables = core.block_tables(sched)
-                result = await loop.run_in_executor(self._device, core.runner.execute, sched, tables)
+                inputs = core.prepare(sched)
+                result = await loop.run_in_executor(self._device, core.runner.execute, inputs)
                 self._dispatch(core.process(sched, result))
         except asyncio.CancelledError:
             raise

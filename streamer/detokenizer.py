@@ -1,28 +1,30 @@
 """Incremental detokenization with UTF-8 hold-back and stop strings.
 
-Decoding uses vLLM's prefix/read-offset scheme: each step decodes only a short window of ids
-(a few already-emitted "prefix" tokens + the unread ones) and emits what the unread ones added to the
-prefix's text. Decoding in context keeps sentencepiece's leading spaces right, and the window keeps
-the cost per token independent of the output length. A window whose text ends in U+FFFD is an
-unfinished multi-byte character (split byte-level tokens or <0xNN> byte-fallback tokens): hold it.
+The common path is `tokenizers`' own `DecodeStream` (in Rust: vLLM's prefix/read-offset scheme, decoding a window
+of the last emitted token(s) plus the new one, and emitting what the new one added; ~0.7 us a token). It holds
+back a window whose text ends in U+FFFD (an unfinished multi-byte character: split byte-level tokens or
+<0xNN> byte-fallback tokens) by returning None. Two cases it does not handle are handled here, in Python, on a
+window of our own: bytes that never complete (after MAX_UNREAD_TOKENS held tokens we emit what is settled,
+invalid bytes as U+FFFD, so the window and the cost per token stay bounded), and a prompt context that ends
+mid-character (its text is then not a prefix of the next window's, which DecodeStream rejects). After either,
+the stream restarts from the tokens just emitted. Decoding in context keeps sentencepiece's leading spaces right.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Optional
 
+from tokenizers.decoders import DecodeStream
+
 from streamer.sampling_params import SamplingParams
 from streamer.tokenizer import Tokenizer
 
 # Prompt tokens decoded in front of the output, so that the first generated word gets its leading space right.
 PROMPT_CONTEXT_TOKENS = 5
-# A UTF-8 character spans at most 4 tokens. Past this many unread tokens without a complete character the
+# A UTF-8 character spans at most 4 tokens. Past this many held tokens without a complete character the
 # bytes are invalid (emit them as U+FFFD) or the window just decodes to nothing (out-of-vocab ids): stop
 # waiting, so that the window, and the cost per token, stay bounded.
 MAX_UNREAD_TOKENS = 8
-# The emitted prefix grows up to this many ids before it is cut back to the newest ones: a step then decodes
-# once (the window) instead of twice (the window, then the new prefix) most of the time.
-MAX_PREFIX_TOKENS = MAX_UNREAD_TOKENS
 _REPLACEMENT = "\ufffd"
 
 
@@ -33,10 +35,13 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._dropped = tokenizer.all_special_ids if params.skip_special_tokens else frozenset()
-        # Window state: _ids[:_read] were emitted already, _ids[_read:] not yet; _prefix_text = decode(_ids[:_read]).
-        self._ids = self._prompt_context(prompt_token_ids)
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        # Decoding state: _context = the last emitted ids (at first the prompt's tail), _context_text their text
+        # (None until needed), _unread = ids fed since; _stream decodes them (None: the Python path does).
+        self._context: list[int] = []
+        self._context_text: Optional[str] = None
+        self._unread: list[int] = []
+        self._stream: Optional[DecodeStream] = None
+        self._restart(self._prompt_context(prompt_token_ids))
         # Stop-string state.
         self._stops: list[str] = list(params.stop or [])
         self._include_stop = params.include_stop_str_in_output
@@ -56,13 +61,24 @@ class IncrementalDetokenizer:
         new = "".join(self._step(t) for t in token_ids if t not in self._dropped)
         return self._emit(self._scan_stops(new, final=False)), self._stop_reason
 
+    def add_token(self, token_id: int) -> tuple[str, Optional[str]]:
+        """`add_tokens([token_id])` without the list (the engine's call, once per sequence per step)."""
+        if self._finished:
+            raise RuntimeError("add_tokens() after the sequence finished (stop string matched or flushed)")
+        new = "" if token_id in self._dropped else self._step(token_id)
+        if self._stops:
+            new = self._scan_stops(new, final=False)
+        if new:
+            self._pieces.append(new)
+        return new, self._stop_reason
+
     def flush(self) -> str:
         """The request finished for another reason (length, eos, stop token, abort): emit what is held back,
         including an unfinished character (as U+FFFD). A stop string completed by this text still truncates it:
         check `stop_reason` afterwards. Safe to call more than once."""
         if self._finished:
             return ""
-        new = self._advance(self._decode(self._ids)) if self._read < len(self._ids) else ""
+        new = _delta(self._prefix_text(), self._decode(self._context + self._unread)) if self._unread else ""
         out = self._scan_stops(new, final=True)
         self._finished = True
         return self._emit(out)
@@ -83,7 +99,7 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._finished
 
-    # ------------------------------------------------------------------ decoding window
+    # ------------------------------------------------------------------ decoding
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         tail = [t for t in prompt_token_ids[-8 * PROMPT_CONTEXT_TOKENS:] if t not in self._dropped]
         return tail[-PROMPT_CONTEXT_TOKENS:]
@@ -91,45 +107,61 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
+    def _restart(self, context: list[int]) -> None:
+        """Continue after the emitted ids `context`: through a DecodeStream, unless their text ends mid-character
+        (a DecodeStream would then re-emit it), in which case the Python path runs until the next emission."""
+        self._context, self._unread = context[-PROMPT_CONTEXT_TOKENS:], []
+        self._context_text = self._decode(self._context)
+        self._stream = (None if self._context_text.endswith(_REPLACEMENT) else
+                        DecodeStream(ids=list(self._context), skip_special_tokens=self._skip_special))
+
     def _step(self, token_id: int) -> str:
         """Add one id; return the text it completes ("" while a character is unfinished)."""
-        self._ids.append(token_id)
-        text = self._decode(self._ids)
+        self._unread.append(token_id)
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self._tokenizer.backend, token_id)
+            except Exception:  # its prefix does not prefix the new text: let the Python path sort it out
+                self._stream = None
+            else:
+                if text is not None:
+                    self._context, self._context_text, self._unread = self._unread, None, []
+                    return text
+                if len(self._unread) < MAX_UNREAD_TOKENS:
+                    return ""
+        return self._python_step()
+
+    def _python_step(self) -> str:
+        """The held tokens in Python: emit them once they decode to a complete character; past MAX_UNREAD_TOKENS,
+        emit up to the last token boundary that later tokens no longer change (invalid bytes as U+FFFD)."""
+        window = self._context + self._unread
+        prefix, text = self._prefix_text(), self._decode(window)
         unfinished = text.endswith(_REPLACEMENT)
-        if not unfinished and len(text) > len(self._prefix_text):
-            return self._advance(text)
-        if len(self._ids) - self._read < MAX_UNREAD_TOKENS:
+        if not unfinished and (len(text) > len(prefix) or len(self._unread) >= MAX_UNREAD_TOKENS):
+            self._restart(window)
+            return _delta(prefix, text)
+        if len(self._unread) < MAX_UNREAD_TOKENS:
             return ""
-        return self._advance_to_cut(text) if unfinished else self._advance(text)
+        cut = self._stable_cut(window, prefix, text)
+        if cut is None:
+            return ""
+        held = window[cut:]
+        self._restart(window[:cut])
+        return _delta(prefix, self._decode(window[:cut])) + "".join(self._step(t) for t in held)
 
-    def _advance_to_cut(self, text: str) -> str:
-        """Many unread tokens and still no complete character: the bytes are invalid (or stay split).
-        Emit up to the last token boundary whose text the later tokens no longer change: its decode is a
-        strict prefix of the window's (a cut inside the trailing unfinished character reads as long)."""
-        for cut in range(len(self._ids) - 1, self._read, -1):
-            head = self._decode(self._ids[:cut])
-            if len(self._prefix_text) < len(head) < len(text) and text.startswith(head):
-                return self._advance(head, cut)
-        return ""
+    def _prefix_text(self) -> str:
+        if self._context_text is None:
+            self._context_text = self._decode(self._context)
+        return self._context_text
 
-    def _advance(self, text: str, upto: Optional[int] = None) -> str:
-        """Emit `text` = decode(_ids[:upto]) past the prefix; _ids[_read:upto] become the next prefix."""
-        if text.startswith(self._prefix_text):
-            delta = text[len(self._prefix_text):]
-        else:  # only if the prompt context ended mid-character: emit what differs
-            common = 0
-            while common < min(len(text), len(self._prefix_text)) and text[common] == self._prefix_text[common]:
-                common += 1
-            delta = text[common:]
-        if upto is None and len(self._ids) <= MAX_PREFIX_TOKENS:
-            # The whole window is emitted: it becomes the prefix as it is, its text is `text` (no decode).
-            self._read, self._prefix_text = len(self._ids), text
-            return delta
-        upto = len(self._ids) if upto is None else upto
-        del self._ids[:self._read]
-        self._read = upto - self._read
-        self._prefix_text = self._decode(self._ids[:self._read])
-        return delta
+    def _stable_cut(self, window: list[int], prefix: str, text: str) -> Optional[int]:
+        """The last token boundary whose decode is a strict prefix of the window's text (a cut inside the trailing
+        unfinished character reads as long) and adds to the context's text."""
+        for cut in range(len(window) - 1, len(self._context), -1):
+            head = self._decode(window[:cut])
+            if len(prefix) < len(head) < len(text) and text.startswith(head):
+                return cut
+        return None
 
     # ------------------------------------------------------------------ stop strings
     def _scan_stops(self, new: str, final: bool) -> str:
@@ -172,3 +204,13 @@ class IncrementalDetokenizer:
         if out:
             self._pieces.append(out)
         return out
+
+
+def _delta(prefix: str, text: str) -> str:
+    """What `text` adds to `prefix`; if the prefix ended mid-character, what differs from it."""
+    if text.startswith(prefix):
+        return text[len(prefix):]
+    common = 0
+    while common < min(len(text), len(prefix)) and text[common] == prefix[common]:
+        common += 1
+    return text[common:]

@@ -1,7 +1,7 @@
 """The engine core: requests in, incremental outputs out, one `step()` at a time.
 
-`step()` = `scheduler.schedule()` -> `runner.execute()` -> `process()`. The async engine calls the three
-parts separately so that `execute` runs on the device thread while the event loop does everything else.
+`step()` = `scheduler.schedule()` -> `prepare()` -> `runner.execute()` -> `process()`. The async engine calls
+the parts separately so that `execute` runs on the device thread while the event loop does everything else.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence, Union
 
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
+from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.model_runner import ModelRunner, RunnerOutput
 from streamer.models.config import ModelConfig
@@ -46,10 +47,14 @@ class SeqState:
     req: Request
     detok: IncrementalDetokenizer
     prompt: Optional[str]
-    text: str = ""
     logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: float = 0.0
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far (kept by the detokenizer as pieces: no quadratic string growth)."""
+        return self.detok.text
 
 
 @dataclass
@@ -81,6 +86,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
+                                config.block_size, self.model_config.vocab_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         self.seqs: dict[str, SeqState] = {}
@@ -173,18 +180,23 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ one step
-    def block_tables(self, sched: SchedulerOutput) -> list[list[int]]:
-        return [list(self.kv.blocks_of(s.req.request_id)) for s in sched.scheduled]
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Bring the persistent batch up to date and gather this step's inputs (fresh arrays: the device thread
+        may read them while the loop goes on)."""
+        self.batch.sync(self.kv)
+        return self.batch.prepare(sched)
 
     def step(self) -> list[SeqUpdate]:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        result = self.runner.execute(sched, self.block_tables(sched))
+        result = self.runner.execute(self.prepare(sched))
         return self.process(sched, result)
 
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         self.num_steps += 1
+        if result.rows is not None:
+            self.batch.record(result.rows, result.positions, result.token_array)
         now = time.monotonic()
         updates = []
         for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
@@ -211,14 +223,13 @@ class LLMEngine:
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
         # As vLLM: the eos / stop token's own text is left out unless asked for.
         text, stop_str = ("", None) if stopped_by_token and not req.params.include_stop_str_in_output \
-            else detok.add_tokens([token])
+            else detok.add_token(token)
         if stop_str is not None:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         elif status is not None:
             text += detok.flush()
             if detok.stop_reason is not None:  # the held-back tail completed a stop string
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
-        state.text += text
         if status is not None:
             req.stop_reason = stop_reason
             self._finish(state, status)
@@ -227,12 +238,13 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> tuple[Optional[RequestStatus], int | str | None]:
         p = req.params
-        if req.num_output_tokens >= p.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= p.min_tokens:
             if token in req.eos_token_ids and not p.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED, None
-            if token in p.stop_token_ids:
+            if p.stop_token_ids and token in p.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 

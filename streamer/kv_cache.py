@@ -90,6 +90,9 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        # Block tables changed since the last `take_changes()`: request id -> (request, first changed index;
+        # 0 after a free). The persistent input batch mirrors the tables by replaying only these.
+        self.changes: dict[str, tuple[Request, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -150,6 +153,7 @@ class KVCacheManager:
             self._num_cached_blocks[req.request_id] = len(blocks)
         if need > 0:
             blocks = blocks + self.pool.allocate(need)
+        self._note_change(req, len(self.req_blocks.get(req.request_id, ())))
         self.req_blocks[req.request_id] = blocks
         # Register blocks that this step fills. Another request admitted in the same step may hit them:
         # the runner writes every token's K/V of a layer before any of that layer's attention reads.
@@ -165,8 +169,18 @@ class KVCacheManager:
         if full > done:
             self._num_cached_blocks[req.request_id] = full
 
+    def _note_change(self, req: Request, first: int) -> None:
+        prev = self.changes.get(req.request_id)
+        self.changes[req.request_id] = (req, first if prev is None else min(first, prev[1]))
+
+    def take_changes(self) -> dict[str, tuple[Request, int]]:
+        changes, self.changes = self.changes, {}
+        return changes
+
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, None)
+        if blocks is not None:
+            self._note_change(req, 0)
         self._num_cached_blocks.pop(req.request_id, None)
         if blocks:
             # Tail first: when evicting, the end of a prefix chain goes before its (more shareable) start.

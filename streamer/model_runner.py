@@ -1,8 +1,9 @@
 """The model runner: owns the model, the KV cache tensors and the sampler, and executes one step.
 
-`execute()` runs on the engine's device thread. It turns a SchedulerOutput into the flattened varlen
-batch (input_ids, positions, query_start_loc, seq_lens, block_table, slot_mapping), runs the model,
-projects logits only at each sampling request's last scheduled token, and samples.
+`execute()` runs on the engine's device thread. It takes one step's flattened varlen batch, prepared on the
+host by the persistent `InputBatch` (input_ids, positions, query_start_loc, seq_lens, block_table,
+slot_mapping, per-row sampling parameters), moves it to the device, runs the model, projects logits only at
+each sampling request's last scheduled token, and samples.
 """
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, cpu_packing_supported
 from streamer.models.loader import load_model
+from streamer.input_batch import SamplingRows, StepInputs
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
-from streamer.scheduler import SchedulerOutput
 
 logger = logging.getLogger("streamer")
 
@@ -68,6 +69,10 @@ class RunnerOutput:
     logprobs: Optional[list[list[float]]] = None  # [sampled, top-1, ..., top-N]
     logprob_token_ids: Optional[list[list[int]]] = None
     ranks: Optional[list[int]] = None
+    # Where the sampled tokens go in the persistent batch: row, position (= context length before the token).
+    rows: Optional[np.ndarray] = None
+    positions: Optional[np.ndarray] = None
+    token_array: Optional[np.ndarray] = None
 
 
 class ModelRunner:
@@ -200,74 +205,55 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                     AttentionMetadata]:
-        num_reqs = len(sched.scheduled)
-        q_lens = np.fromiter((s.num_tokens for s in sched.scheduled), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.start for s in sched.scheduled), dtype=np.int64, count=num_reqs)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        ids = [s.req.all_token_ids[s.start:s.start + s.num_tokens] for s in sched.scheduled]
-        input_ids = np.fromiter((t for chunk in ids for t in chunk), dtype=np.int64, count=num_tokens)
-        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
-        seq_lens = starts + q_lens
-        width = max(len(b) for b in block_tables)
-        table = np.zeros((num_reqs, width), dtype=np.int32)
-        for i, blocks in enumerate(block_tables):
-            table[i, :len(blocks)] = blocks
-        row = np.repeat(np.arange(num_reqs), q_lens)
-        bs = self.block_size
-        slots = table[row, positions // bs].astype(np.int64) * bs + positions % bs
+    def _metadata(self, step: StepInputs) -> AttentionMetadata:
         dev = self.device
-        meta = AttentionMetadata(
-            num_reqs=num_reqs, num_tokens=num_tokens,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+        return AttentionMetadata(
+            num_reqs=step.num_reqs, num_tokens=step.num_tokens,
+            query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(step.block_table).to(dev),
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
+            max_query_len=int(np.diff(step.query_start_loc).max()), max_seq_len=int(step.seq_lens.max()),
+            query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
-        n = len(reqs)
-        vocab = self.model_cfg.vocab_size
-        params = [r.params for r in reqs]
-        temps = [0.0 if p.greedy else float(p.temperature) for p in params]
-        all_greedy = all(t == 0.0 for t in temps)
+    def _sampling_batch(self, rows: SamplingRows) -> SamplingBatch:
+        n = len(rows.temperature)
         dev = self.device
+        temps = rows.temperature
         gens: list[Optional[torch.Generator]] = [None] * n
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None and not params[i].greedy:
-                gens[i] = self._generator(r)
-        top_k = top_p = min_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=dev)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([float(p.min_p) for p in params], device=dev)
-        restricted = None
+        for i, req in rows.seeded:
+            gens[i] = self._generator(req)
+        top_k = top_p = min_p = restricted = None
+        use_k, use_p = rows.top_k > 0, rows.top_p < 1.0
+        if use_k.any():
+            top_k = torch.from_numpy(np.where(use_k, rows.top_k, self.model_cfg.vocab_size)).to(dev)
+        if use_p.any():
+            top_p = torch.from_numpy(rows.top_p).to(dev)
+        if (rows.min_p > 0.0).any():
+            min_p = torch.from_numpy(rows.min_p).to(dev)
         if top_k is not None or top_p is not None:
-            restricted = torch.tensor([p.top_k > 0 or p.top_p < 1.0 for p in params], device=dev)
-        pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-        penalties = (build_penalties([reqs[i] for i in pen_rows], pen_rows, n, vocab, dev) if pen_rows else None)
-        banned_rows: list[int] = []
-        banned_ids: list[int] = []
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
-                stop_ids = {t for t in stop_ids if t < vocab}
-                banned_rows += [i] * len(stop_ids)
-                banned_ids += sorted(stop_ids)
-        banned = ((torch.tensor(banned_rows, device=dev), torch.tensor(banned_ids, device=dev))
-                  if banned_rows else None)
-        wants = [p.logprobs for p in params if p.logprobs is not None]
+            restricted = torch.from_numpy(use_k | use_p).to(dev)
+        penalties = None
+        if rows.penalized:
+            idx = [i for i, _ in rows.penalized]
+            penalties = build_penalties([r for _, r in rows.penalized], idx, n, self.model_cfg.vocab_size, dev)
         return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev), top_k=top_k, top_p=top_p,
-            min_p=min_p, generators=gens, all_greedy=all_greedy, any_seeded=any(g is not None for g in gens),
-            banned=banned, penalties=penalties, max_logprobs=max(wants) if wants else -1, restricted=restricted)
+            temperature=torch.from_numpy(temps).to(dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
+            all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
+            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted)
+
+    def _banned(self, banned: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """min_tokens: the stop tokens (eos unless ignored, stop_token_ids) of rows still short of it."""
+        rows: list[int] = []
+        ids: list[int] = []
+        for i, r in banned:
+            stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+            stop_ids = sorted(t for t in stop_ids if t < self.model_cfg.vocab_size)
+            rows += [i] * len(stop_ids)
+            ids += stop_ids
+        if not rows:
+            return None
+        return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = self.generators.get(req.request_id)
@@ -278,18 +264,21 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> RunnerOutput:
-        input_ids, positions, meta = self.prepare(sched, block_tables)
+    def execute(self, step: StepInputs) -> RunnerOutput:
+        dev = self.device
+        meta = self._metadata(step)
         with forward_context(meta):
-            hidden = self.forward(input_ids, positions, self.kv_caches)
-        sampling = [i for i, s in enumerate(sched.scheduled) if s.samples]
-        if not sampling:
+            hidden = self.forward(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
+                                  self.kv_caches)
+        idx = step.sample_idx
+        if len(idx) == 0:
             return RunnerOutput([], [])
-        reqs = [sched.scheduled[i].req for i in sampling]
-        last = torch.as_tensor(meta.query_start_loc_cpu[1:][sampling] - 1, device=self.device)
+        last = torch.from_numpy(step.query_start_loc[1:][idx] - 1).to(dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
-        out: SamplerOutput = self.sampler(logits, self._sampling_batch(reqs))
-        result = RunnerOutput([r.request_id for r in reqs], out.token_ids.tolist())
+        out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
+        tokens = out.token_ids.cpu().numpy()
+        result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
+                              positions=step.seq_lens[idx], token_array=tokens)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()
             result.logprob_token_ids = out.logprob_token_ids.tolist()

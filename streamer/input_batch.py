@@ -1,0 +1,237 @@
+"""The persistent input batch: host-side per-request state that outlives a step, updated by what changed.
+
+Each request that holds KV blocks owns a row: its block table, its tokens so far, and its sampling parameters
+as plain numbers. A step touches only what changed since the last one (new requests, finished or preempted
+ones, newly allocated blocks: replayed from `KVCacheManager.take_changes()`, and the tokens sampled last step),
+then gathers its rows with numpy fancy indexing into a `StepInputs`: fresh arrays that the device thread may
+read while the event loop goes on mutating the batch. There is no per-request Python loop over the running set
+except the one pass that maps the scheduler's output to rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from streamer.kv_cache import KVCacheManager
+from streamer.request import Request
+from streamer.scheduler import SchedulerOutput
+
+
+@dataclass
+class SamplingRows:
+    """Sampling parameters of the requests that sample this step, one entry per sampling request."""
+
+    temperature: np.ndarray  # float32 [S]; 0 = greedy
+    top_k: np.ndarray  # int64 [S]; 0 = off
+    top_p: np.ndarray  # float32 [S]; 1 = off
+    min_p: np.ndarray  # float32 [S]; 0 = off
+    max_logprobs: int  # top-N logprobs the batch needs (0 = sampled token only, -1 = none)
+    # The few rows whose sampling needs their Request (a seeded generator, penalties, min_tokens bans):
+    # (index among the sampling rows, request).
+    seeded: list[tuple[int, Request]]
+    penalized: list[tuple[int, Request]]
+    banned: list[tuple[int, Request]]
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened varlen batch, on the host."""
+
+    req_ids: list[str]  # scheduled order
+    rows: np.ndarray  # int64 [R]: each scheduled request's row in the persistent batch
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    query_start_loc: np.ndarray  # int64 [R + 1]
+    seq_lens: np.ndarray  # int64 [R]: context length after this step
+    block_table: np.ndarray  # int32 [R, W]; entries past a request's blocks are 0
+    slot_mapping: np.ndarray  # int64 [T]
+    sample_idx: np.ndarray  # int64 [S]: which scheduled requests sample a token this step
+    sampling: SamplingRows
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
+                 vocab_size: int) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.row_of: dict[str, int] = {}
+        self.reqs: list[Optional[Request]] = []
+        self._free_rows: list[int] = []
+        self.block_table = np.zeros((0, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        # Tokens per row (prompt + output so far); columns grow by doubling up to max_model_len.
+        self.tokens = np.zeros((0, min(max_model_len, 1024)), dtype=np.int64)
+        self.num_tokens = np.zeros(0, dtype=np.int64)
+        self.num_prompt = np.zeros(0, dtype=np.int64)
+        self.temperature = np.zeros(0, dtype=np.float32)
+        self.top_k = np.zeros(0, dtype=np.int64)
+        self.top_p = np.zeros(0, dtype=np.float32)
+        self.min_p = np.zeros(0, dtype=np.float32)
+        self.logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
+        self.min_tokens = np.zeros(0, dtype=np.int64)
+        self.seeded = np.zeros(0, dtype=bool)
+        self.penalized = np.zeros(0, dtype=bool)
+        self._grow_rows(max_num_seqs)
+
+    # ------------------------------------------------------------------ capacity
+    _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
+                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized")
+
+    def _grow_rows(self, n: int) -> None:
+        old = len(self.reqs)
+        for name in self._ROW_ARRAYS:
+            arr = getattr(self, name)
+            grown = np.zeros((old + n,) + arr.shape[1:], dtype=arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        self.reqs += [None] * n
+        self._free_rows += range(old + n - 1, old - 1, -1)  # pop() hands out low rows first
+
+    def _ensure_width(self, length: int) -> None:
+        width = self.tokens.shape[1]
+        if length <= width:
+            return
+        while width < length:
+            width *= 2
+        grown = np.zeros((self.tokens.shape[0], min(max(width, length), self.max_model_len + 1)), dtype=np.int64)
+        grown[:, :self.tokens.shape[1]] = self.tokens
+        self.tokens = grown
+
+    # ------------------------------------------------------------------ membership
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.row_of
+
+    def _add(self, req: Request) -> int:
+        if not self._free_rows:
+            self._grow_rows(max(len(self.reqs), 1))
+        row = self._free_rows.pop()
+        self.row_of[req.request_id] = row
+        self.reqs[row] = req
+        n = req.num_tokens
+        self._ensure_width(n + 1)
+        self.tokens[row, :n] = req.all_token_ids
+        self.num_tokens[row] = n
+        self.num_prompt[row] = req.num_prompt_tokens
+        p = req.params
+        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        self.top_k[row] = min(p.top_k, self.vocab_size) if p.top_k > 0 else 0
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.seeded[row] = p.seed is not None and not p.greedy
+        self.penalized[row] = p.needs_penalties
+        return row
+
+    def _remove(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id)
+        self.reqs[row] = None
+        self.block_table[row, :self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)
+
+    def sync(self, kv: KVCacheManager) -> None:
+        """Replay the block-table changes since the last step: rows for new requests, none for freed ones."""
+        for rid, (req, first) in kv.take_changes().items():
+            blocks = kv.req_blocks.get(rid)
+            row = self.row_of.get(rid)
+            if blocks is None:
+                if row is not None:
+                    self._remove(rid)
+                continue
+            if row is None:
+                row, first = self._add(req), 0
+            old = int(self.num_blocks[row])
+            self.block_table[row, first:len(blocks)] = blocks[first:]
+            if old > len(blocks):
+                self.block_table[row, len(blocks):old] = 0
+            self.num_blocks[row] = len(blocks)
+
+    def record(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """Tokens sampled last step (vectorised): token_ids[i] sits at positions[i] of row rows[i]."""
+        if len(rows) == 0:
+            return
+        self._ensure_width(int(positions.max()) + 2)
+        self.tokens[rows, positions] = token_ids
+        self.num_tokens[rows] = positions + 1
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        row_of = self.row_of
+        sch = sched.scheduled
+        n = len(sch)
+        # One pass over the scheduled requests; transposed so that each column is contiguous (tensors made from
+        # these must not change strides from step to step: a compiled graph would guard on them).
+        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start)],
+                        dtype=np.int64).reshape(n, 3).T.copy()
+        rows, q_lens, starts = flat
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = starts + q_lens
+        if num_tokens == n:  # decode-only step: one token per request
+            req_of_token = np.arange(n)
+            positions = starts
+        else:
+            req_of_token = np.repeat(np.arange(n), q_lens)
+            positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
+        token_rows = rows[req_of_token]
+        input_ids = self.tokens[token_rows, positions]
+        width = int(self.num_blocks[rows].max())
+        table = self.block_table[rows, :width]
+        bs = self.block_size
+        slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        sample_idx = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        return StepInputs(
+            req_ids=[s.req.request_id for s in sch], rows=rows, input_ids=input_ids, positions=positions,
+            query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+            sample_idx=sample_idx, sampling=self._sampling_rows(rows[sample_idx], seq_lens[sample_idx]))
+
+    def _sampling_rows(self, rows: np.ndarray, seq_lens: np.ndarray) -> SamplingRows:
+        logprobs = self.logprobs[rows]
+        reqs = self.reqs
+        seeded = np.flatnonzero(self.seeded[rows])
+        penalized = np.flatnonzero(self.penalized[rows])
+        banned = np.flatnonzero(seq_lens - self.num_prompt[rows] < self.min_tokens[rows])
+        return SamplingRows(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], max_logprobs=int(logprobs.max()) if len(rows) else -1,
+            seeded=[(int(i), reqs[rows[i]]) for i in seeded],  # type: ignore[misc]
+            penalized=[(int(i), reqs[rows[i]]) for i in penalized],  # type: ignore[misc]
+            banned=[(int(i), reqs[rows[i]]) for i in banned])  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ tests
+    def check_consistency(self, kv: KVCacheManager) -> None:
+        """Invariants, for tests (call after `sync`): one row per request holding blocks, mirroring its block
+        table, its tokens and its sampling parameters; free rows hold nothing."""
+        if set(self.row_of) != set(kv.req_blocks):
+            raise AssertionError(f"rows {sorted(self.row_of)} != requests holding blocks {sorted(kv.req_blocks)}")
+        if len(set(self.row_of.values())) != len(self.row_of):
+            raise AssertionError("two requests share a row")
+        for rid, row in self.row_of.items():
+            req, blocks = self.reqs[row], kv.req_blocks[rid]
+            if req is None or req.request_id != rid:
+                raise AssertionError(f"row {row} does not hold {rid}")
+            if self.block_table[row, :self.num_blocks[row]].tolist() != blocks or self.block_table[row, len(blocks):].any():
+                raise AssertionError(f"{rid}: block table row {self.block_table[row].tolist()} != {blocks}")
+            if self.num_tokens[row] != req.num_tokens or self.tokens[row, :req.num_tokens].tolist() != req.all_token_ids:
+                raise AssertionError(f"{rid}: tokens differ from the request's")
+            if self.temperature[row] != (0.0 if req.params.greedy else np.float32(req.params.temperature)):
+                raise AssertionError(f"{rid}: temperature differs")
+        for row in self._free_rows:
+            if self.reqs[row] is not None or self.num_blocks[row] or self.block_table[row].any():
+                raise AssertionError(f"free row {row} is not empty")
