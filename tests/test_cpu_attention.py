@@ -61,8 +61,9 @@ def test_matches_reference(case, dtype, compile) -> None:
     assert rel_err(out, expected) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 @pytest.mark.parametrize("threads", [1, 2, 4])
-def test_split_context_matches_unsplit(threads) -> None:
+def test_split_context_matches_unsplit(threads, compile) -> None:
     """Whatever the thread count (and so the number of parts), a lone request gets the same attention."""
     b = make_paged_batch([1], [200], 8, 2, 64, 16, torch.float32, "cpu", generator=torch.Generator().manual_seed(5))
     spec = AttentionSpec(8, 2, 64, 0.125)
@@ -70,7 +71,7 @@ def test_split_context_matches_unsplit(threads) -> None:
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = TorchAttentionBackend(spec).forward(b.q, b.new_k, b.new_v, kv.clone(), _meta(b, 1))
+        out = TorchAttentionBackend(spec, compile=compile).forward(b.q, b.new_k, b.new_v, kv.clone(), _meta(b, 1))
     finally:
         torch.set_num_threads(old)
     expected = torch.empty_like(b.q)

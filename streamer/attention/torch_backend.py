@@ -3,7 +3,8 @@
 Decode tokens (query length 1) of all requests go through one call that reads keys and values straight out of
 the paged cache: written as gather + multiply + reduce in torch and compiled by Inductor into fused C++ loops,
 it never materialises a gathered copy of any context (6x faster than gather-then-matmul at 64 x 320 tokens on
-this project's 2-core CPU box). Without a working compiler (or with `enforce_eager`) the same maths runs eagerly.
+this project's 2-core CPU box). Without a working compiler (or with `enforce_eager`) an eager loop runs instead:
+per request, gather exactly its slots and call SDPA.
 Prefill chunks go one request at a time through SDPA; a chunk that is its request's whole context attends to
 this step's k/v directly, the others to their gathered cached context with an offset causal mask.
 """
@@ -61,6 +62,29 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     return (num / denom.unsqueeze(-1)).to(q.dtype)
 
 
+def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, first_pos: torch.Tensor,
+                       splits: int) -> torch.Tensor:
+    """`paged_decode` for eager mode (no compiler, or enforce_eager), same arguments: request by request, gather
+    exactly the slots it attends (stale slots are never read) and call SDPA. Unfused, `paged_decode`'s elementwise
+    form materialises [B, L, Hkv, G, D] products, and padded gather + mask + SDPA makes four passes over every
+    context: 135 / 60 ms vs 16 ms for this at 64 requests x 320 tokens, bf16, on the 2-core box.
+    The split table is read back as one row per request (a request's parts are consecutive rows)."""
+    b, hkv, g, d = q.shape
+    bs = key_cache.shape[1]
+    table = block_table.reshape(b, -1).long()
+    keys, values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    out = torch.empty_like(q)
+    for i, (first, end) in enumerate(zip(first_pos.tolist(), seq_lens.tolist())):
+        pos = torch.arange(first, end, device=q.device)
+        slots = table[i, pos // bs] * bs + pos % bs
+        k = keys.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
+        v = values.index_select(0, slots).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[i].reshape(hkv * g, 1, d), k, v, scale=1.0, enable_gqa=g > 1)
+        out[i] = o.view(hkv, g, d)
+    return out
+
+
 _compiled_decode: Optional[Callable] = None
 _compile_failed = False
 
@@ -71,7 +95,7 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     If compiling fails (no C++ toolchain, an Inductor bug), it says so once and runs eagerly from then on."""
     global _compiled_decode, _compile_failed
     if not compile or _compile_failed:
-        return paged_decode(*args)
+        return paged_decode_eager(*args)
     if _compiled_decode is None:
         _compiled_decode = torch.compile(paged_decode, dynamic=False, fullgraph=True)
     q, key_cache, value_cache, block_table, seq_lens, first_pos, _ = args
@@ -93,7 +117,7 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
         _compile_failed = True
         logger.warning("compiled CPU decode attention unavailable (%s: %s); using the eager path",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return paged_decode(*args)
+        return paged_decode_eager(*args)
     finally:
         dyn.recompile_limit, fx.use_duck_shape = saved
 
