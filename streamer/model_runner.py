@@ -17,7 +17,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from streamer.attention.base import AttentionMetadata, forward_context
+from streamer.attention.base import AttentionMetadata, DecodeBatch, forward_context
+from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
@@ -96,12 +97,17 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.num_blocks = self._num_kv_blocks()
-        shape = (2, self.num_blocks, self.block_size, self.model.layers[0].self_attn.num_kv_heads, model_cfg.head_dim)
+        # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
+        self.scratch_block = self.num_blocks
+        shape = (2, self.num_blocks + 1, self.block_size, self.model.layers[0].self_attn.num_kv_heads,
+                 model_cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(model_cfg.num_layers)]
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.dtype).replace("torch.", ""),
                     self.device)
+        if self._cpu_packing():
+            self.model.pack_head_for_cpu()
         if self.compiled:
             self.forward = self._compile()
             try:
@@ -119,12 +125,15 @@ class ModelRunner:
         self.compiled, self.forward = False, self.model
         for layer in self.model.layers:
             layer.self_attn.use_op = False
-        if self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype):
+        if self._cpu_packing():
             for module in self.model.modules():
                 if isinstance(module, PackableLinear) and module.packed is None:
                     module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
+    def _cpu_packing(self) -> bool:
+        return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
+
     def _should_compile(self) -> bool:
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
@@ -133,8 +142,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Run every graph the engine will need before serving, so no request pays for compilation: the model's
-        (1 token, then a dynamic token dimension) and the CPU decode attention's (a lone request, a batch).
-        Writes nothing (slots -1)."""
+        (1 token, then a dynamic token dimension; decode-only steps) and the CPU decode attention's (a lone
+        request, a batch)."""
         import time
         import torch._inductor.config as inductor_config
         t = time.perf_counter()
@@ -147,32 +156,37 @@ class ModelRunner:
                     time.perf_counter() - t)
 
     def _warmup_steps(self) -> None:
-        bs, dev = self.block_size, self.device
-        # (query tokens per request, context length per request): a lone decode over a long context (the CPU
-        # decode kernel splits it across threads), a decode batch, and a prefill chunk.
-        steps = [([1], [min(4 * bs, self.max_model_len)]), ([1, 1], [1, 1]), ([16], [16])]
+        bs, cap = self.block_size, self.max_model_len
+        # (query tokens per request, context length per request): a lone request's decode (inline in the
+        # model's graph), a decode batch and prefill chunks (the general graph; decode rows go through the
+        # separately compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise distinct (3 requests, 5 blocks, ...): Dynamo would
+        # otherwise assume that sizes equal at tracing time stay equal, and recompile when they are not.
+        steps = [([1], [10 * bs]), ([1, 1, 1], [1, 5 * bs, 1]), ([16], [16]), ([16, 1], [16, 10 * bs])]
         for q_lens, seq_lens in steps:
-            q_lens = [min(n, self.max_model_len) for n in q_lens]
-            seq_lens = [max(s, q) for s, q in zip(seq_lens, q_lens)]
-            qsl = np.concatenate([[0], np.cumsum(q_lens)])
+            q_lens = [min(n, cap) for n in q_lens]
+            seq_lens = [min(max(s, q), cap) for s, q in zip(seq_lens, q_lens)]
+            qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+            lens = np.array(seq_lens, dtype=np.int64)
             n = int(qsl[-1])
-            width = cdiv(max(seq_lens), bs)
-            meta = AttentionMetadata(
-                num_reqs=len(q_lens), num_tokens=n,
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                block_table=torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev),
-                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-                max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl.astype(np.int64),
-                seq_lens_cpu=np.array(seq_lens, dtype=np.int64))
-            positions = torch.from_numpy(np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]))
-            with forward_context(meta):
-                self.forward(torch.zeros(n, dtype=torch.int64, device=dev), positions.to(dev), self.kv_caches)
+            positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).astype(np.int64)
+            # Everything on the scratch block (the general path writes nothing: slots -1).
+            scratch = self.scratch_block
+            slots = scratch * bs + positions % bs if n == len(q_lens) else np.full(n, -1, dtype=np.int64)
+            table = np.full((len(q_lens), cdiv(int(lens.max()), bs)), scratch, dtype=np.int32)
+            step = StepInputs(req_ids=[""] * len(q_lens), rows=np.zeros(len(q_lens), dtype=np.int64),
+                              input_ids=np.zeros(n, dtype=np.int64), positions=positions, query_start_loc=qsl,
+                              seq_lens=lens, block_table=table, slot_mapping=slots,
+                              sample_idx=np.zeros(0, dtype=np.int64), sampling=None)  # type: ignore[arg-type]
+            self._run_model(step)
 
     def _compile(self):
-        """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension."""
+        """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;
+        decode-only steps on the torch backend attend inside the graph instead (see `_decode_batch`)."""
         for layer in self.model.layers:
             layer.self_attn.use_op = True
+        # A few graphs per engine (one token, many, decode-only per split count), and the cache is per code
+        # object: a process that builds several engines (tests, benchmarks) outgrows the default limit of 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return torch.compile(self.model, dynamic=True, fullgraph=True)
 
     def kv_bytes_per_block(self) -> int:
@@ -263,13 +277,35 @@ class ModelRunner:
             self.generators[req.request_id] = gen
         return gen
 
+    def _decode_inputs(self, step: StepInputs) -> Optional[DecodeBatch]:
+        """A lone request's decode step, for a compiled model that attends inline (torch backend): the attention
+        metadata become graph inputs, so there is no per-layer op call, Python or guard check, and the decode maths
+        fuses with the model's (single stream: 63 -> ~88 tok/s on the 90M bench model). Its context is split
+        across the threads. Batches go through the general graph: its per-layer op call (~0.3 ms) is small next
+        to a batch's step, and one more decode graph would add a minute of compile time on the 2-core box."""
+        if not (self.compiled and self.attention_backend == "torch") or step.num_tokens != 1:
+            return None
+        splits = thread_splits()
+        table = decode_table(step.block_table, step.seq_lens, self.block_size, splits)
+        slots = step.slot_mapping
+        half = (self.num_blocks + 1) * self.block_size  # value slots follow the key slots in a flat view
+        dev = self.device
+        return DecodeBatch(torch.from_numpy(np.concatenate([slots, slots + half])).to(dev),
+                           torch.from_numpy(table).to(dev), torch.from_numpy(step.seq_lens).to(dev), splits)
+
+    def _run_model(self, step: StepInputs) -> torch.Tensor:
+        dev = self.device
+        input_ids, positions = torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev)
+        decode = self._decode_inputs(step)
+        if decode is not None:
+            return self.forward(input_ids, positions, self.kv_caches, decode)
+        with forward_context(self._metadata(step)):
+            return self.forward(input_ids, positions, self.kv_caches)
+
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> RunnerOutput:
         dev = self.device
-        meta = self._metadata(step)
-        with forward_context(meta):
-            hidden = self.forward(torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev),
-                                  self.kv_caches)
+        hidden = self._run_model(step)
         idx = step.sample_idx
         if len(idx) == 0:
             return RunnerOutput([], [])

@@ -19,10 +19,15 @@ def test_compiled_matches_eager_without_recompiling(llama_dir):
     assert compiled.engine.runner.compiled
     frames_after_warmup = dyn.counters["stats"]["unique_graphs"]
     assert frames_after_warmup >= 1, "the compile counter does not count: the recompile check would be vacuous"
+    runner = compiled.engine.runner
+    inline_steps = []
+    real_decode_inputs = runner._decode_inputs
+    runner._decode_inputs = lambda step: inline_steps.append(real_decode_inputs(step)) or inline_steps[-1]
     # Varied batch shapes: single decodes, chunked prefills, mixed steps.
     got = [o.outputs[0].token_ids for o in compiled.generate([{"prompt_token_ids": p} for p in prompts], params)]
     got1 = compiled.generate([{"prompt_token_ids": prompts[0]}], params)[0].outputs[0].token_ids
     assert got == ref and got1 == ref[0]
+    assert any(d is not None for d in inline_steps), "a lone request's decode never ran inline in the graph"
     assert dyn.counters["stats"]["unique_graphs"] == frames_after_warmup, "recompiled after warm-up"
     assert compiled.engine.runner.model.layers[0].self_attn.use_op
     assert torch.is_inference_mode_enabled() is False

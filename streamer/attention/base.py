@@ -11,7 +11,7 @@ KV cache layout, per layer: `kv_cache[2, num_blocks, block_size, num_kv_heads, h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     # What a backend derives from this step's metadata once and reuses in every layer (see torch_backend).
     backend_cache: dict = field(default_factory=dict)
+
+
+class DecodeBatch(NamedTuple):
+    """A decode-only step (one query token per request) as graph inputs, for a backend that attends inside the
+    compiled model (`forward_decode`): the per-layer opaque op call, its Python and its guard checks go away."""
+
+    write_slots: torch.Tensor  # int64 [2T]: each token's key slot, then its value slot (offset by the key half)
+    block_table: torch.Tensor  # int32 [T * splits, W >= 2]: row t * splits + s = part s of request t's blocks
+    seq_lens: torch.Tensor  # int64 [T]
+    splits: int  # parts a lone request's context is split into (static: one graph per value)
 
 
 class AttentionBackend(Protocol):

@@ -14,10 +14,11 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from streamer.attention.base import AttentionMetadata, AttentionSpec
+from streamer.attention.base import AttentionMetadata, AttentionSpec, DecodeBatch
 from streamer.kv_cache import cdiv
 
 logger = logging.getLogger("streamer")
@@ -122,6 +123,32 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
         dyn.recompile_limit, fx.use_duck_shape = saved
 
 
+def thread_splits() -> int:
+    """Parts to split one request's context into so that every thread has one (a power of two, at most 8); merged
+    through the parts' softmax statistics (a part past the context is empty and merges as nothing)."""
+    threads = torch.get_num_threads()
+    return min(8, 1 << (threads.bit_length() - 1))
+
+
+def decode_splits(num_reqs: int) -> int:
+    """A lone request would keep one thread busy: split its context across the threads. Batches parallelise over
+    requests. (Short contexts split too: one split count per batch-size class keeps the graphs few.)"""
+    return thread_splits() if num_reqs == 1 else 1
+
+
+def decode_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, splits: int) -> np.ndarray:
+    """The decode rows' block table as `paged_decode` reads it: `splits` rows per request (row b * splits + s =
+    part s of request b's blocks), each at least 2 blocks wide (Dynamo specialises sizes 0 and 1; this keeps one
+    graph for every batch). Padding entries are block 0; the kernel selects them away."""
+    b = len(seq_lens)
+    need = cdiv(int(seq_lens.max()), block_size)
+    width = max(2, cdiv(need, splits))
+    n = min(need, block_table.shape[1])
+    table = np.zeros((b * splits, width), dtype=np.int32)
+    table.reshape(b, splits * width)[:, :n] = block_table[:, :n]
+    return table
+
+
 @dataclass
 class _StepPlan:
     """What every layer of one step shares: derived once per step, not once per layer."""
@@ -160,10 +187,7 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
         lens_np = meta.seq_lens_cpu[rows]
         need = cdiv(int(lens_np.max()), block_size)
         table_rows = meta.block_table[torch.as_tensor(rows, device=dev)]
-        threads = torch.get_num_threads()
-        # A lone request would keep one thread busy: split its context across the threads instead (merged
-        # through the parts' softmax statistics). Batches parallelise over requests.
-        splits = min(8, 1 << (threads.bit_length() - 1)) if b == 1 and need >= 4 else 1
+        splits = decode_splits(b)
         # Dynamo specialises sizes 0 and 1: at least 2 table rows and 2 blocks per row keep one graph per
         # `splits` for every batch. Padding rows read block 0 over and over (cheap, cached); their output is
         # dropped.
@@ -214,6 +238,20 @@ class TorchAttentionBackend:
         k, v = (k[:n], v[:n]) if plan.write_rows is None else (k[plan.write_rows], v[plan.write_rows])
         kv_cache[0].flatten(0, 1).index_copy_(0, plan.write_slots, k)
         kv_cache[1].flatten(0, 1).index_copy_(0, plan.write_slots, v)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                       d: DecodeBatch) -> torch.Tensor:
+        """A decode-only step inside the compiled model: the KV write and `paged_decode` become part of the model's
+        graph. The write goes through a flat view of the whole cache: Inductor then updates it in place (through
+        a `kv_cache[0]` view it would copy the whole cache every step)."""
+        spec = self.spec
+        n = q.shape[0]
+        kv_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, d.write_slots, torch.cat([k, v]))
+        window = spec.sliding_window
+        first = (d.seq_lens - window).clamp(min=0) if window else torch.zeros_like(d.seq_lens)
+        qb = (q * spec.scale).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
+        out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits)
+        return out.view(n, spec.num_heads, spec.head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
         """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""

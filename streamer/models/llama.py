@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, current_metadata
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, current_metadata
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
 from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding,
@@ -38,7 +38,8 @@ class Attention(nn.Module):
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -47,7 +48,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        if self.use_op:
+        if decode is not None:
+            out = self.attn.forward_decode(q, k, v, kv_cache, decode)  # type: ignore[attr-defined]
+        elif self.use_op:
             out = paged_attention(q, k, v, kv_cache, self.layer_id)
         else:
             out = self.attn.forward(q, k, v, kv_cache, current_metadata())
@@ -74,13 +77,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
-                kv_cache: torch.Tensor):
+                kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, kv_cache)
+        h = self.self_attn(positions, h, kv_cache, decode)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -102,17 +105,32 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample.
-        The step's attention metadata comes from `streamer.attention.base.forward_context`."""
+        The step's attention metadata comes from `streamer.attention.base.forward_context`; a decode-only step
+        may instead carry its own (`decode`), so that a backend that can attends inside the compiled graph."""
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv)
+            x, residual = layer(positions, x, residual, kv, decode)
         x, _ = self.norm(x, residual)
         return x
 
+    packed_head: Optional[torch.Tensor] = None
+
+    def pack_head_for_cpu(self) -> None:
+        """Keep the LM head in oneDNN's prepacked layout (as PackableLinear does for the other linears): it runs
+        eagerly after the (possibly compiled) model, once per step. A tied head keeps its plain weight: the
+        embedding reads it."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self.packed_head = torch.ops.mkldnn._reorder_linear_weight(head.weight.detach(), 16)
+        if self.lm_head is not None:
+            self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_head is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_head, None, "none", [], "").float()
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return torch.nn.functional.linear(hidden, head.weight).float()
 
