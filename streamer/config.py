@@ -1,7 +1,7 @@
 """Engine configuration: one dataclass the user fills (EngineArgs), validated once at start-up."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")

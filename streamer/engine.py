@@ -18,7 +18,7 @@ from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.model_runner import ModelRunner, RunnerOutput
 from streamer.models.config import ModelConfig
-from streamer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from streamer.outputs import CompletionOutput, Logprob, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput

@@ -14,7 +14,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 from streamer.config import EngineConfig
 from streamer.kv_cache import KVCacheManager

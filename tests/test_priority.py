@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.scheduler import Scheduler
 
 P = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
