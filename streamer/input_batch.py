@@ -70,8 +70,9 @@ class InputBatch:
         self._free_rows: list[int] = []
         self.block_table = np.zeros((0, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(0, dtype=np.int64)
-        # Tokens per row (prompt + output so far); columns grow by doubling up to max_model_len.
-        self.tokens = np.zeros((0, min(max_model_len, 1024)), dtype=np.int64)
+        # Tokens per row (prompt + output so far); columns grow by doubling up to max_model_len, so the buffer
+        # follows the longest request seen so far, not the model's limit. int32: half the memory of int64.
+        self.tokens = np.zeros((0, min(max_model_len, 1024)), dtype=np.int32)
         self.num_tokens = np.zeros(0, dtype=np.int64)
         self.num_prompt = np.zeros(0, dtype=np.int64)
         self.temperature = np.zeros(0, dtype=np.float32)
@@ -104,7 +105,7 @@ class InputBatch:
             return
         while width < length:
             width *= 2
-        grown = np.zeros((self.tokens.shape[0], min(max(width, length), self.max_model_len + 1)), dtype=np.int64)
+        grown = np.zeros((self.tokens.shape[0], min(max(width, length), self.max_model_len + 1)), dtype=np.int32)
         grown[:, :self.tokens.shape[1]] = self.tokens
         self.tokens = grown
 
@@ -190,7 +191,7 @@ class InputBatch:
             req_of_token = np.repeat(np.arange(n), q_lens)
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         token_rows = rows[req_of_token]
-        input_ids = self.tokens[token_rows, positions]
+        input_ids = self.tokens[token_rows, positions].astype(np.int64)
         width = int(self.num_blocks[rows].max())
         table = self.block_table[rows, :width]
         bs = self.block_size
