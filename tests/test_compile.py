@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from streamer import LLM, SamplingParams
@@ -53,3 +54,20 @@ def test_failed_compilation_falls_back_to_eager(llama_dir, monkeypatch, caplog):
     ref = LLM(str(llama_dir), dtype="float32", enforce_eager=True)
     assert (llm.generate(prompts, params)[0].outputs[0].token_ids
             == ref.generate(prompts, params)[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("family,overrides", [("mistral", {"sliding_window": 8}), ("qwen3", {})],
+                         ids=["mistral-sliding-window", "qwen3-qk-norm"])
+def test_inline_lone_decode_matches_eager(make_ckpt, family, overrides):
+    """A lone request decodes inline in the compiled graph: same tokens as eager, past a sliding window too."""
+    path = make_ckpt(f"inline-{family}", family=family, **overrides)
+    prompt = [{"prompt_token_ids": [(7 * i) % 400 + 3 for i in range(20)]}]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = LLM(str(path), dtype="float32", enforce_eager=True).generate(prompt, params)[0].outputs[0].token_ids
+    compiled = LLM(str(path), dtype="float32", enforce_eager=False)
+    runner = compiled.engine.runner
+    inline = []
+    real = runner._decode_inputs
+    runner._decode_inputs = lambda step: inline.append(real(step)) or inline[-1]
+    assert compiled.generate(prompt, params)[0].outputs[0].token_ids == ref
+    assert sum(d is not None for d in inline) == 15  # every decode step after the prefill
