@@ -227,9 +227,11 @@ class InputBatch:
             req, blocks = self.reqs[row], kv.req_blocks[rid]
             if req is None or req.request_id != rid:
                 raise AssertionError(f"row {row} does not hold {rid}")
-            if self.block_table[row, :self.num_blocks[row]].tolist() != blocks or self.block_table[row, len(blocks):].any():
+            table = self.block_table[row]
+            if table[:self.num_blocks[row]].tolist() != blocks or table[len(blocks):].any():
                 raise AssertionError(f"{rid}: block table row {self.block_table[row].tolist()} != {blocks}")
-            if self.num_tokens[row] != req.num_tokens or self.tokens[row, :req.num_tokens].tolist() != req.all_token_ids:
+            tokens = self.tokens[row, :req.num_tokens].tolist()
+            if self.num_tokens[row] != req.num_tokens or tokens != req.all_token_ids:
                 raise AssertionError(f"{rid}: tokens differ from the request's")
             if self.temperature[row] != (0.0 if req.params.greedy else np.float32(req.params.temperature)):
                 raise AssertionError(f"{rid}: temperature differs")

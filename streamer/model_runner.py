@@ -159,8 +159,9 @@ class ModelRunner:
         bs, cap = self.block_size, self.max_model_len
         # (query tokens per request, context length per request): a lone request's decode (inline in the
         # model's graph), a decode batch and prefill chunks (the general graph; decode rows go through the
-        # separately compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise distinct (3 requests, 5 blocks, ...): Dynamo would
-        # otherwise assume that sizes equal at tracing time stay equal, and recompile when they are not.
+        # separately compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise
+        # distinct (3 requests, 5 blocks, ...): Dynamo would otherwise assume that sizes equal at tracing time
+        # stay equal, and recompile when they are not.
         steps = [([1], [10 * bs]), ([1, 1, 1], [1, 5 * bs, 1]), ([16], [16]), ([16, 1], [16, 10 * bs])]
         for q_lens, seq_lens in steps:
             q_lens = [min(n, cap) for n in q_lens]
@@ -169,9 +170,9 @@ class ModelRunner:
             lens = np.array(seq_lens, dtype=np.int64)
             n = int(qsl[-1])
             positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).astype(np.int64)
-            # Everything on the scratch block (the general path writes nothing: slots -1).
+            # Every write and read lands on the scratch block.
             scratch = self.scratch_block
-            slots = scratch * bs + positions % bs if n == len(q_lens) else np.full(n, -1, dtype=np.int64)
+            slots = scratch * bs + positions % bs
             table = np.full((len(q_lens), cdiv(int(lens.max()), bs)), scratch, dtype=np.int32)
             step = StepInputs(req_ids=[""] * len(q_lens), rows=np.zeros(len(q_lens), dtype=np.int64),
                               input_ids=np.zeros(n, dtype=np.int64), positions=positions, query_start_loc=qsl,
@@ -181,11 +182,11 @@ class ModelRunner:
 
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;
-        decode-only steps on the torch backend attend inside the graph instead (see `_decode_batch`)."""
+        a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
         for layer in self.model.layers:
             layer.self_attn.use_op = True
-        # A few graphs per engine (one token, many, decode-only per split count), and the cache is per code
-        # object: a process that builds several engines (tests, benchmarks) outgrows the default limit of 8.
+        # Two graphs per engine (a lone decode, everything else), and the cache is per code object: a process
+        # that builds several engines (tests, benchmarks) outgrows the default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return torch.compile(self.model, dynamic=True, fullgraph=True)
 
@@ -288,7 +289,7 @@ class ModelRunner:
         splits = thread_splits()
         table = decode_table(step.block_table, step.seq_lens, self.block_size, splits)
         slots = step.slot_mapping
-        half = (self.num_blocks + 1) * self.block_size  # value slots follow the key slots in a flat view
+        half = self.kv_caches[0].shape[1] * self.block_size  # key slots (scratch block included); values follow
         dev = self.device
         return DecodeBatch(torch.from_numpy(np.concatenate([slots, slots + half])).to(dev),
                            torch.from_numpy(table).to(dev), torch.from_numpy(step.seq_lens).to(dev), splits)

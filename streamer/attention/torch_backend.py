@@ -184,25 +184,14 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
     if b:
         dev = slots.device
         tok_np = qsl[rows]
-        lens_np = meta.seq_lens_cpu[rows]
-        need = cdiv(int(lens_np.max()), block_size)
-        table_rows = meta.block_table[torch.as_tensor(rows, device=dev)]
+        lens_np = meta.seq_lens_cpu[rows].astype(np.int64)
         splits = decode_splits(b)
-        # Dynamo specialises sizes 0 and 1: at least 2 table rows and 2 blocks per row keep one graph per
-        # `splits` for every batch. Padding rows read block 0 over and over (cheap, cached); their output is
-        # dropped.
-        width = max(2, cdiv(need, splits))
-        rows_out = max(b, 2) if splits == 1 else splits
-        table = torch.zeros(rows_out, width, dtype=meta.block_table.dtype, device=dev)
-        if splits == 1:
-            n = min(width, table_rows.shape[1])
-            table[:b, :n] = table_rows[:, :n]
-        else:
-            flat = table.view(-1)
-            n = min(need, table_rows.shape[1])
-            flat[:n] = table_rows[0, :n]
-        lens = torch.ones(max(b, 2) if splits == 1 else 1, dtype=torch.int64, device=dev)
-        lens[:b] = torch.as_tensor(lens_np, device=dev)
+        table_np = decode_table(meta.block_table[torch.as_tensor(rows, device=dev)].cpu().numpy(), lens_np,
+                                block_size, splits)
+        if len(table_np) < 2:  # a lone request on one thread: Dynamo specialises size 1, so pad a row (block 0,
+            table_np = np.concatenate([table_np, np.zeros_like(table_np)])  # length 1; its output is dropped)
+            lens_np = np.concatenate([lens_np, np.ones(1, dtype=np.int64)])
+        table, lens = torch.from_numpy(table_np).to(dev), torch.from_numpy(lens_np).to(dev)
         first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
         plan.decode_tok = torch.as_tensor(tok_np, device=dev)
         plan.decode_direct = b == meta.num_reqs and meta.num_tokens == b and len(slots) == b
