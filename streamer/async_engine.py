@@ -1,9 +1,10 @@
 """AsyncEngine: the engine on an asyncio event loop, with the model step on a dedicated device thread.
 
 The loop owns every piece of mutable engine state (scheduler, KV bookkeeping, detokenizers): it
-schedules step N, hands it to the device thread, and while the device computes, it accepts requests,
-serves HTTP and streams step N-1's tokens. Only `ModelRunner.execute` runs on the device thread, and it
-reads nothing the loop changes while it runs (block tables are copied for it).
+schedules step N+1 and queues it on the device thread while step N computes (async scheduling), then
+processes, detokenizes and streams step N's tokens while step N+1 computes, and meanwhile accepts requests and
+serves HTTP. Only `ModelRunner.execute` runs on the device thread, and it reads nothing the loop changes while
+it runs (its inputs are fresh arrays; tokens not yet known on the host are read on the device).
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from typing import AsyncIterator, Optional
 
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, PromptType, SeqUpdate
+from streamer.input_batch import StepInputs
 from streamer.metrics import EngineMetrics
 from streamer.outputs import CompletionOutput, RequestOutput, StreamOutput
 from streamer.sampling_params import SamplingParams
+from streamer.scheduler import SchedulerOutput
 
 logger = logging.getLogger("streamer")
 
@@ -160,6 +163,10 @@ class AsyncEngine:
         return self._core.max_model_len
 
     @property
+    def num_overlapped_steps(self) -> int:
+        return self._core.num_overlapped_steps
+
+    @property
     def _core(self) -> LLMEngine:
         if self.engine is None:
             raise RuntimeError("the engine is not started: use `async with AsyncEngine(...)` or `await start()`")
@@ -272,26 +279,38 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ the loop
     async def _run(self) -> None:
+        """The step pipeline. With async scheduling, step N+1 is scheduled, prepared and queued on the device
+        thread before step N's results are processed, so the device never waits for the host's bookkeeping,
+        detokenization or streaming of step N (those run while step N+1 computes)."""
         loop = asyncio.get_running_loop()
         core = self._core
+        inflight: Optional[tuple[SchedulerOutput, StepInputs, asyncio.Future]] = None
+        nxt = None
         try:
             while True:
-                if not core.has_unfinished():
-                    self._wakeup.clear()  # type: ignore[union-attr]
-                    await self._wakeup.wait()  # type: ignore[union-attr]
-                    continue
-                sched = core.scheduler.schedule()
-                if not sched.scheduled:
-                    await asyncio.sleep(0.001)
-                    continue
-                inputs = core.prepare(sched)
-                result = await loop.run_in_executor(self._device, core.runner.execute, inputs)
-                self._dispatch(core.process(sched, result))
+                nxt = None
+                if core.has_unfinished() and (inflight is None or core.can_overlap(inflight[1])):
+                    step = core.schedule()
+                    if step is not None:
+                        nxt = (*step, loop.run_in_executor(self._device, core.runner.execute, step[1]))
+                        core.num_overlapped_steps += inflight is not None
+                if inflight is not None:
+                    sched, _, future = inflight
+                    self._dispatch(core.process(sched, await future))
+                elif nxt is None:
+                    if core.has_unfinished():
+                        await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)
+                    else:
+                        self._wakeup.clear()  # type: ignore[union-attr]
+                        await self._wakeup.wait()  # type: ignore[union-attr]
+                inflight = nxt
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the device thread (or the step) failed: fail everyone, loudly
             logger.exception("engine step failed; the engine is now dead")
             self._dead = exc
+            if nxt is not None:  # the step queued behind the failed one: its outcome no longer matters
+                nxt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
             err = EngineDeadError(f"the engine has failed: {exc!r}")
             for rid, (_, queue) in list(self._streams.items()):
                 queue.put_nowait(err)

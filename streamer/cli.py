@@ -32,6 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compile", dest="enforce_eager", action="store_const", const=False,
                    help="torch.compile the model also on CPU (default: `serve` compiles on every device, "
                         "`generate` on CUDA only)")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="schedule each step only after the previous one finished (no overlap of host and device)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
 
@@ -39,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed", "enforce_eager",
-                "tokenizer")
+                "async_scheduling", "tokenizer")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,6 +29,9 @@ class EngineConfig:
     enforce_eager: Optional[bool] = None  # None: compile on CUDA, eager on CPU; True/False forces it
     cpu_weight_packing: bool = True  # eager CPU: linear weights in oneDNN's prepacked layout (20-40% faster)
     max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
+    # Schedule and prepare step N+1 while step N runs (its sampled tokens are read on the device), and detokenize
+    # and stream step N while step N+1 runs. Steps with penalties (which need step N's tokens on the host) wait.
+    async_scheduling: bool = True
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if self.tensor_parallel_size != 1:

@@ -94,6 +94,7 @@ class LLMEngine:
         self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -172,7 +173,6 @@ class LLMEngine:
             if state is None:
                 continue
             self.scheduler.finish(state.req, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(seq_id)
             aborted.append(state)
         return aborted
 
@@ -186,23 +186,35 @@ class LLMEngine:
         self.batch.sync(self.kv)
         return self.batch.prepare(sched)
 
-    def step(self) -> list[SeqUpdate]:
+    def schedule(self) -> Optional[tuple[SchedulerOutput, StepInputs]]:
+        """Schedule and prepare the next step; None when nothing can run now."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            return None
+        return sched, self.prepare(sched)
+
+    def can_overlap(self, running: StepInputs) -> bool:
+        """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties:
+        the next step's penalties need the token it samples, on the host."""
+        return self.config.async_scheduling and not running.sampling.penalized
+
+    def step(self) -> list[SeqUpdate]:
+        step = self.schedule()
+        if step is None:
             return []
-        result = self.runner.execute(self.prepare(sched))
-        return self.process(sched, result)
+        sched, inputs = step
+        return self.process(sched, self.runner.execute(inputs))
 
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         self.num_steps += 1
         if result.rows is not None:
-            self.batch.record(result.rows, result.positions, result.token_array)
+            self.batch.record(result.rows, result.epochs, result.positions, result.token_array)
         now = time.monotonic()
         updates = []
         for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
             state = self.seqs.get(seq_id)
             if state is None or state.req.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or (async scheduling) finished by the step before
             updates.append(self._append_token(state, token, result, i, now))
         return updates
 
@@ -251,7 +263,6 @@ class LLMEngine:
     def _finish(self, state: SeqState, status: RequestStatus) -> None:
         req = state.req
         self.scheduler.finish(req, status)
-        self.runner.release(req.request_id)
         self.seqs.pop(req.request_id, None)
         group = self.groups.get(req.parent_id or req.request_id)
         if group is not None and all(sid not in self.seqs for sid in group):
@@ -278,4 +289,5 @@ class LLMEngine:
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
             "kv_cache_usage": self.kv.usage, "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
+            "num_overlapped_steps": self.num_overlapped_steps,
         }

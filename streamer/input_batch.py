@@ -9,7 +9,7 @@ except the one pass that maps the scheduler's output to rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -41,6 +41,7 @@ class StepInputs:
 
     req_ids: list[str]  # scheduled order
     rows: np.ndarray  # int64 [R]: each scheduled request's row in the persistent batch
+    epochs: np.ndarray  # int64 [R]: which tenancy of the row (a row freed and handed out again gets a new one)
     input_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
     query_start_loc: np.ndarray  # int64 [R + 1]
@@ -49,6 +50,10 @@ class StepInputs:
     slot_mapping: np.ndarray  # int64 [T]
     sample_idx: np.ndarray  # int64 [S]: which scheduled requests sample a token this step
     sampling: SamplingRows
+    # Async scheduling: tokens the previous step samples, not known on the host yet. The runner fills
+    # input_ids[pending_idx] from its device-side copy of each row's last sampled token.
+    pending_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
+    pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
 
     @property
     def num_reqs(self) -> int:
@@ -83,11 +88,13 @@ class InputBatch:
         self.min_tokens = np.zeros(0, dtype=np.int64)
         self.seeded = np.zeros(0, dtype=bool)
         self.penalized = np.zeros(0, dtype=bool)
+        self.epoch = np.zeros(0, dtype=np.int64)
+        self._epochs = 0
         self._grow_rows(max_num_seqs)
 
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
-                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized")
+                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -120,6 +127,8 @@ class InputBatch:
         if not self._free_rows:
             self._grow_rows(max(len(self.reqs), 1))
         row = self._free_rows.pop()
+        self._epochs += 1
+        self.epoch[row] = self._epochs
         self.row_of[req.request_id] = row
         self.reqs[row] = req
         n = req.num_tokens
@@ -141,6 +150,7 @@ class InputBatch:
     def _remove(self, request_id: str) -> None:
         row = self.row_of.pop(request_id)
         self.reqs[row] = None
+        self.epoch[row] = 0
         self.block_table[row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
         self._free_rows.append(row)
@@ -162,8 +172,13 @@ class InputBatch:
                 self.block_table[row, len(blocks):old] = 0
             self.num_blocks[row] = len(blocks)
 
-    def record(self, rows: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
-        """Tokens sampled last step (vectorised): token_ids[i] sits at positions[i] of row rows[i]."""
+    def record(self, rows: np.ndarray, epochs: np.ndarray, positions: np.ndarray, token_ids: np.ndarray) -> None:
+        """Tokens sampled by a step (vectorised): token_ids[i] sits at positions[i] of row rows[i], if the row
+        is still in the tenancy `epochs[i]` (async scheduling: the request may have left since, and another
+        may hold the row now)."""
+        keep = self.epoch[rows] == epochs
+        if not keep.all():
+            rows, positions, token_ids = rows[keep], positions[keep], token_ids[keep]
         if len(rows) == 0:
             return
         self._ensure_width(int(positions.max()) + 2)
@@ -177,9 +192,9 @@ class InputBatch:
         n = len(sch)
         # One pass over the scheduled requests; transposed so that each column is contiguous (tensors made from
         # these must not change strides from step to step: a compiled graph would guard on them).
-        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start)],
-                        dtype=np.int64).reshape(n, 3).T.copy()
-        rows, q_lens, starts = flat
+        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start, s.samples)],
+                        dtype=np.int64).reshape(n, 4).T.copy()
+        rows, q_lens, starts, samples = flat
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
@@ -192,15 +207,18 @@ class InputBatch:
             positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)
         token_rows = rows[req_of_token]
         input_ids = self.tokens[token_rows, positions].astype(np.int64)
+        pending_idx = np.flatnonzero(positions >= self.num_tokens[token_rows])
         width = int(self.num_blocks[rows].max())
         table = self.block_table[rows, :width]
         bs = self.block_size
         slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_idx = np.flatnonzero(seq_lens == self.num_tokens[rows])
+        sample_idx = np.flatnonzero(samples)
         return StepInputs(
-            req_ids=[s.req.request_id for s in sch], rows=rows, input_ids=input_ids, positions=positions,
+            req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
+            positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
-            sample_idx=sample_idx, sampling=self._sampling_rows(rows[sample_idx], seq_lens[sample_idx]))
+            sample_idx=sample_idx, sampling=self._sampling_rows(rows[sample_idx], seq_lens[sample_idx]),
+            pending_idx=pending_idx, pending_rows=token_rows[pending_idx])
 
     def _sampling_rows(self, rows: np.ndarray, seq_lens: np.ndarray) -> SamplingRows:
         logprobs = self.logprobs[rows]

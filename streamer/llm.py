@@ -1,6 +1,7 @@
 """Offline batch generation: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence, Union
 
 from streamer.config import EngineConfig
@@ -45,9 +46,33 @@ class LLM:
             states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
                                              prompt_token_ids=token_ids)
             ids.append(rid)
-        while engine.has_unfinished():
-            engine.step()
+        self._run()
         return [self._output(rid, states[rid]) for rid in ids]
+
+    def _run(self) -> None:
+        """Step until every request has finished. With async scheduling the model runs on a worker thread, and
+        step N+1 is scheduled and queued while step N runs (as in `AsyncEngine`); otherwise step by step."""
+        engine = self.engine
+        if not engine.config.async_scheduling:
+            while engine.has_unfinished():
+                engine.step()
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="streamer-device") as device:
+            inflight = None
+            while True:
+                nxt = None
+                if engine.has_unfinished() and (inflight is None or engine.can_overlap(inflight[1])):
+                    step = engine.schedule()
+                    if step is not None:
+                        nxt = (*step, device.submit(engine.runner.execute, step[1]))
+                        engine.num_overlapped_steps += inflight is not None
+                if inflight is not None:
+                    engine.process(inflight[0], inflight[2].result())
+                elif nxt is None:
+                    if engine.has_unfinished():
+                        raise RuntimeError("requests are left that can never be scheduled")
+                    return
+                inflight = nxt
 
     def _output(self, rid: str, states: list[SeqState]) -> RequestOutput:
         first = states[0].req

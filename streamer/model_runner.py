@@ -72,6 +72,7 @@ class RunnerOutput:
     ranks: Optional[list[int]] = None
     # Where the sampled tokens go in the persistent batch: row, position (= context length before the token).
     rows: Optional[np.ndarray] = None
+    epochs: Optional[np.ndarray] = None
     positions: Optional[np.ndarray] = None
     token_array: Optional[np.ndarray] = None
 
@@ -94,7 +95,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.forward = self.model
         self.compiled = self._should_compile()
-        self.generators: dict[str, torch.Generator] = {}
+        # Each batch row's last sampled token, on the device: async scheduling's next step reads its inputs here.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
@@ -174,7 +176,8 @@ class ModelRunner:
             scratch = self.scratch_block
             slots = scratch * bs + positions % bs
             table = np.full((len(q_lens), cdiv(int(lens.max()), bs)), scratch, dtype=np.int32)
-            step = StepInputs(req_ids=[""] * len(q_lens), rows=np.zeros(len(q_lens), dtype=np.int64),
+            zeros = np.zeros(len(q_lens), dtype=np.int64)
+            step = StepInputs(req_ids=[""] * len(q_lens), rows=zeros, epochs=zeros,
                               input_ids=np.zeros(n, dtype=np.int64), positions=positions, query_start_loc=qsl,
                               seq_lens=lens, block_table=table, slot_mapping=slots,
                               sample_idx=np.zeros(0, dtype=np.int64), sampling=None)  # type: ignore[arg-type]
@@ -215,9 +218,6 @@ class ModelRunner:
         if n < self.max_blocks_per_req and n < 1:
             raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single block of {per_block} bytes")
         return max(int(n), 1)
-
-    def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
 
     # ------------------------------------------------------------------ one step
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
@@ -271,12 +271,12 @@ class ModelRunner:
         return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
 
     def _generator(self, req: Request) -> torch.Generator:
-        gen = self.generators.get(req.request_id)
+        gen = req.generator
         if gen is None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(req.params.seed)
-            self.generators[req.request_id] = gen
-        return gen
+            req.generator = gen
+        return gen  # type: ignore[return-value]
 
     def _decode_inputs(self, step: StepInputs) -> Optional[DecodeBatch]:
         """A lone request's decode step, for a compiled model that attends inline (torch backend): the attention
@@ -294,14 +294,30 @@ class ModelRunner:
         return DecodeBatch(torch.from_numpy(np.concatenate([slots, slots + half])).to(dev),
                            torch.from_numpy(table).to(dev), torch.from_numpy(step.seq_lens).to(dev), splits)
 
+    def _input_ids(self, step: StepInputs) -> torch.Tensor:
+        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        if len(step.pending_idx):  # tokens the previous step sampled: read on the device, no host round trip
+            idx = torch.from_numpy(step.pending_idx).to(self.device)
+            rows = torch.from_numpy(step.pending_rows).to(self.device)
+            input_ids[idx] = self.last_tokens[rows]
+        return input_ids
+
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
-        input_ids, positions = torch.from_numpy(step.input_ids).to(dev), torch.from_numpy(step.positions).to(dev)
+        input_ids, positions = self._input_ids(step), torch.from_numpy(step.positions).to(dev)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
         with forward_context(self._metadata(step)):
             return self.forward(input_ids, positions, self.kv_caches)
+
+    def _keep_last_tokens(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
+        top = int(rows.max()) + 1
+        if top > len(self.last_tokens):  # the batch grew past max_num_seqs rows (preempted requests' rows)
+            grown = torch.zeros(max(top, 2 * len(self.last_tokens)), dtype=torch.int64, device=self.device)
+            grown[:len(self.last_tokens)] = self.last_tokens
+            self.last_tokens = grown
+        self.last_tokens[torch.from_numpy(rows).to(self.device)] = tokens
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> RunnerOutput:
@@ -313,8 +329,10 @@ class ModelRunner:
         last = torch.from_numpy(step.query_start_loc[1:][idx] - 1).to(dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
+        rows = step.rows[idx]
+        self._keep_last_tokens(rows, out.token_ids)
         tokens = out.token_ids.cpu().numpy()
-        result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
+        result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=rows, epochs=step.epochs[idx],
                               positions=step.seq_lens[idx], token_array=tokens)
         if out.logprobs is not None:
             result.logprobs = out.logprobs.tolist()

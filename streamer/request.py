@@ -55,6 +55,9 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    # Tokens that a step in flight will sample (async scheduling): the next step may already compute them,
+    # reading them on the device. `append_token` (the token arriving) settles one.
+    num_pending: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1 until admitted)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -64,6 +67,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.block_hashes: list[bytes] = []
+        # Seeded sampling's generator: made by the runner on first use, dies with the request (nothing to free).
+        self.generator: Optional[object] = None
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state
@@ -87,7 +92,14 @@ class Request:
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.status.finished else None
 
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus those still in flight: what the scheduler may compute."""
+        return len(self.all_token_ids) + self.num_pending
+
     def append_token(self, token_id: int) -> None:
+        if self.num_pending:
+            self.num_pending -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if len(self.all_token_ids) % self.block_size == 0:

@@ -159,14 +159,15 @@ def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Genera
 
 class Sampler:
     @staticmethod
-    def _sample_full(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample_full(scaled: torch.Tensor, batch: SamplingBatch, generators: list[Optional[torch.Generator]],
+                     ) -> torch.Tensor:
         if batch.top_k is not None or batch.top_p is not None:
             scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
         probs = scaled.softmax(dim=-1)
         if batch.min_p is not None:
             keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs * keep
-        return exponential_race(probs, batch.generators, batch.any_seeded)
+        return exponential_race(probs, generators, batch.any_seeded)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
@@ -183,10 +184,12 @@ class Sampler:
             fast = sample_from_candidates(scaled, batch) if logits.device.type == "cpu" else None
             if fast is not None and bool((fast >= 0).all()):
                 sampled = fast
-            else:
-                sampled = self._sample_full(scaled, batch)
-                if fast is not None:
-                    sampled = torch.where(fast >= 0, fast, sampled)
+            elif fast is None:
+                sampled = self._sample_full(scaled, batch, batch.generators)
+            else:  # rows the fast path decided must not draw again: their generators would run ahead
+                decided = (fast >= 0).tolist()
+                gens = [None if d else g for g, d in zip(batch.generators, decided)]
+                sampled = torch.where(fast >= 0, fast, self._sample_full(scaled, batch, gens))
             tokens = torch.where(batch.temperature > 0, sampled, greedy)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:

@@ -5,6 +5,10 @@ tokens); each step gives requests tokens until computed catches up, under a toke
 (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). Chunked prefill, prefix-cache hits and
 decode all fall out of that rule. Running requests go first; when the KV pool runs dry the last
 running request (the most recently admitted one, or the lowest-priority one) is preempted by recompute.
+
+Async scheduling: a step may be scheduled while the previous one still runs. A request's token that the running
+step will sample counts as pending (`Request.num_pending`): the next step may compute it (the runner reads it on
+the device), unless it is certain to be the request's last (max_tokens, max_model_len).
 """
 from __future__ import annotations
 
@@ -27,10 +31,7 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step
     start: int  # num_computed_tokens before this step
 
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the request's last known token, so that a new one is sampled?"""
-        return self.start + self.num_tokens == self.req.num_tokens
+    samples: bool = False  # does this step reach the request's last token, so that a new one is sampled?
 
 
 @dataclass
@@ -167,9 +168,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # nothing to do until its last sampled token arrives
-                i += 1
+            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or (req.num_pending and self._pending_is_last(req)):
+                i += 1  # nothing to do until its last sampled token arrives
                 continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -185,16 +186,24 @@ class Scheduler:
         if not pool_dry:  # admitting now would only preempt again next step
             budget = self._admit(planned, budget)
         for req, n in planned:
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
+            samples = req.num_computed_tokens + n == req.num_scheduled_tokens
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples))
             req.num_computed_tokens += n
+            req.num_pending += samples
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
         return out
+
+    def _pending_is_last(self, req: Request) -> bool:
+        """Will the token in flight end the request by length? Then computing it would be wasted."""
+        return (req.num_output_tokens + req.num_pending >= req.max_tokens
+                or req.num_scheduled_tokens >= self.max_model_len)
 
     def _admit(self, planned: list[tuple[Request, int]], budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
+            # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break

@@ -146,7 +146,7 @@ def test_tokenizer_round_trips_and_adds_one_bos(model_dir):
 
 
 def test_tokenizer_config_and_chat_template(model_dir):
-    jinja2 = pytest.importorskip("jinja2")
+    pytest.importorskip("jinja2")
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     tc = json.loads((model_dir / "tokenizer_config.json").read_text())

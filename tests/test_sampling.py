@@ -185,3 +185,25 @@ def test_candidate_fast_path_matches_full_mask():
     assert tok[4] == -1 and tok[5] == -1  # unrestricted row, and a row whose head is not enough
     assert all(seen[b] for b in range(4))
     assert len(seen[1]) > 1 and CANDIDATES < V
+
+
+def test_seeded_row_draws_do_not_depend_on_batch_mates():
+    """A seeded row the candidate fast path decides must not draw again in the full path, which runs when some
+    other row of the batch needs it: its generator would run ahead and its later samples change."""
+    from streamer.sampler import Sampler, SamplingBatch
+    torch.manual_seed(0)
+    V = 2000
+    peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.01  # flat: top_p=0.9 needs the full path
+
+    def draws(with_flat_mate: bool) -> list[int]:
+        gen = torch.Generator().manual_seed(5)
+        rows = [peaked, flat] if with_flat_mate else [peaked]
+        B = len(rows)
+        batch = SamplingBatch(temperature=torch.ones(B), top_k=torch.tensor([20, V][:B]),
+                              top_p=torch.tensor([1.0, 0.9][:B]), min_p=None, generators=[gen, None][:B],
+                              all_greedy=False, any_seeded=True, banned=None, penalties=None, max_logprobs=-1,
+                              restricted=torch.ones(B, dtype=torch.bool))
+        return [int(Sampler()(torch.stack(rows), batch).token_ids[0]) for _ in range(20)]
+
+    alone = draws(False)
+    assert draws(True) == alone and len(set(alone)) > 1

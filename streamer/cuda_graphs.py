@@ -1,0 +1,149 @@
+"""CUDA graphs for decode-only steps: one captured graph per batch size of a ladder.
+
+A decode step of a small model is dominated by kernel launches (hundreds per step); replaying a captured graph
+launches them all at once. Graphs replay fixed device addresses and fixed launch sizes, so:
+- every input lives in a persistent device buffer (token ids, positions, KV slots, context lengths, block table),
+  and a step copies its values in (from pinned host buffers, asynchronously) before replaying;
+- a batch of B requests runs the graph of the smallest captured size >= B; the padding rows are dummy requests
+  of one token at position 0 that write their K/V into the runner's scratch block (never handed out) and
+  attend over it, so the real rows are untouched; their outputs are dropped;
+- the attention metadata is captured with the graph: only what the kernels read from device memory may change
+  between replays (the Triton backend reads lengths and tables from memory; its launch grid depends only on the
+  batch size, and the split-KV factor is fixed per graph, for the longest context the engine allows).
+Batches larger than the largest size, and steps that prefill, run without a graph.
+
+With `capture=False` nothing is captured and `run` calls the model on the same persistent buffers and the same
+metadata object each time: on a CPU (Triton interpreter) that checks everything but the capture itself.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from streamer.attention.base import AttentionMetadata, forward_context
+from streamer.input_batch import StepInputs
+
+logger = logging.getLogger("streamer")
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to `max_batch` (and `max_batch` itself): padding wastes at most 15 rows."""
+    if max_batch < 1:
+        return []
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_batch} | set(range(16, max_batch + 1, 16)) | {max_batch}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Callable, kv_caches: list[torch.Tensor], sizes: list[int], max_blocks_per_req: int,
+                 block_size: int, scratch_block: int, max_model_len: int, device: torch.device,
+                 capture: bool = True) -> None:
+        if not sizes:
+            raise ValueError("no batch sizes to capture")
+        self.forward = forward
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.max_batch = self.sizes[-1]
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_model_len = max_model_len
+        self.device = device
+        self.capture_graphs = capture
+        n, w = self.max_batch, max_blocks_per_req
+        pin = device.type == "cuda"
+        # Device buffers the graphs read; host twins to stage each step's values (pinned: copies are async).
+        # Staging is safe to reuse: each step ends by copying its sampled tokens to the host, which waits for
+        # every copy queued before it.
+        self.ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(n, w, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
+        self.host = {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t, device="cpu")
+                     for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
+                                     ("seq_lens", self.seq_lens), ("block_table", self.block_table))}
+        self._pad(self.host, 0, n)
+        for name, t in self.host.items():
+            getattr(self, name).copy_(t)
+        self.graphs: dict[int, Optional[torch.cuda.CUDAGraph]] = {}
+        self.metas: dict[int, AttentionMetadata] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _pad(self, host: dict[str, torch.Tensor], lo: int, hi: int) -> None:
+        """Rows [lo, hi) become dummy requests: token 0 at position 0, in the scratch block."""
+        host["ids"][lo:hi] = 0
+        host["positions"][lo:hi] = 0
+        host["slots"][lo:hi] = self.scratch_block * self.block_size
+        host["seq_lens"][lo:hi] = 1
+        host["block_table"][lo:hi, 0] = self.scratch_block
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            num_reqs=b, num_tokens=b, query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
+            block_table=self.block_table[:b], slot_mapping=self.slots[:b], max_query_len=1,
+            max_seq_len=self.max_model_len, query_start_loc_cpu=np.arange(b + 1, dtype=np.int64),
+            seq_lens_cpu=np.full(b, self.max_model_len, dtype=np.int64))
+
+    def _call(self, b: int) -> torch.Tensor:
+        with forward_context(self.metas[b]):
+            return self.forward(self.ids[:b], self.positions[:b], self.kv_caches)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Largest size first, all graphs in one memory pool (a smaller graph reuses the larger one's memory)."""
+        pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        for b in reversed(self.sizes):
+            self.metas[b] = self._meta(b)
+            out = self._call(b)  # compiles Triton kernels, picks cuBLAS algorithms: nothing of that may be captured
+            graph = None
+            if self.capture_graphs:
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._call(b)
+            self.graphs[b], self.outputs[b] = graph, out
+        if self.capture_graphs:
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ one step
+    def size_for(self, step: StepInputs) -> Optional[int]:
+        """The captured size a decode-only step runs at, or None (prefill, or too many requests)."""
+        n = step.num_reqs
+        if step.num_tokens != n or n > self.max_batch:
+            return None
+        return self.sizes[int(np.searchsorted(self.sizes, n))]
+
+    def run(self, step: StepInputs, last_tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """Hidden states of a decode-only step's tokens, or None if no graph fits it."""
+        b = self.size_for(step)
+        if b is None:
+            return None
+        n = step.num_reqs
+        host = self.host
+        host["ids"][:n] = torch.from_numpy(step.input_ids)
+        host["positions"][:n] = torch.from_numpy(step.positions)
+        host["slots"][:n] = torch.from_numpy(step.slot_mapping)
+        host["seq_lens"][:n] = torch.from_numpy(step.seq_lens)
+        w = step.block_table.shape[1]
+        host["block_table"][:n, :w] = torch.from_numpy(step.block_table)  # entries past w are never read
+        self._pad(host, n, b)
+        for name in ("ids", "positions", "slots", "seq_lens", "block_table"):
+            getattr(self, name)[:b].copy_(host[name][:b], non_blocking=True)
+        if len(step.pending_idx):  # tokens the previous step sampled, still only on the device
+            idx = torch.from_numpy(step.pending_idx).to(self.device, non_blocking=True)
+            rows = torch.from_numpy(step.pending_rows).to(self.device, non_blocking=True)
+            self.ids[idx] = last_tokens[rows]
+        graph = self.graphs[b]
+        if graph is not None:
+            graph.replay()
+            out = self.outputs[b]
+        else:
+            out = self._call(b)
+        self.num_replays += 1
+        return out[:n]
