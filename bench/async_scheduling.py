@@ -61,7 +61,7 @@ async def run(args) -> None:
         tokens: dict[bool, list[list[int]]] = {}
         for r in range(args.rounds):
             for mode in ((True, False) if r % 2 == 0 else (False, True)):
-                engine.config.async_scheduling = mode
+                engine.engine.async_scheduling = mode
                 before = engine.num_overlapped_steps
                 engine.engine.kv.pool.reset_prefix_cache()  # every round prefills the same way
                 rate, outs = await _timed(engine, prompts, params)
@@ -85,9 +85,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (as `streamer serve` does)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--stream-len", type=int, default=256)
     args = ap.parse_args()
     if not (args.model / "config.json").exists():

@@ -5,7 +5,8 @@
 #   bench/gpu_check.sh --cpu-dry-run   # CPU smoke test of the same script (tiny shapes, Triton interpreter)
 #
 # Steps, each under its own time limit so one hang cannot eat the budget (worst case ~7.6 min):
-#   1. kernel tests on CUDA (tests/test_kernels_*.py, compiled, no interpreter)           <= 160 s
+#   1. kernel tests on CUDA (tests/test_kernels_*.py, compiled, no interpreter) and the CUDA-graph
+#      decode test (tests/test_cuda_graphs.py: captured graphs vs plain steps, same tokens)  <= 160 s
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, sweep      <= 110 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256        <= 170 s
 #   4. bench/gpu_report.py: the summary table
@@ -48,12 +49,13 @@ stamp "kernel tests"
 if [ -z "$DRY" ]; then
     env -u TRITON_INTERPRET timeout -s INT -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
-        tests/test_kernels_backend.py >"$RES/tests.log" 2>&1
+        tests/test_kernels_backend.py tests/test_cuda_graphs.py >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
         -W ignore::DeprecationWarning tests/test_kernels_cache.py tests/test_kernels_fused.py \
         "tests/test_kernels_attention.py::test_unified_attention_random" \
-        "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" >"$RES/tests.log" 2>&1
+        "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" \
+        tests/test_cuda_graphs.py >"$RES/tests.log" 2>&1
 fi
 TESTS_RC=$?
 tail -n 15 "$RES/tests.log"

@@ -135,12 +135,18 @@ def main() -> int:
             return elapsed
 
         run(min(batches), 2)  # compile the kernels, warm the allocator
-        for batch in batches:
+        graphs = runner.graphs
+        # Every batch with the engine's CUDA graphs, then the small ones again without (same engine, same
+        # compiled model): the graphs' gain, side by side.
+        plan = [(b, graphs) for b in batches] + ([(b, None) for b in batches if b <= 32] if graphs else [])
+        for batch, use in plan:
+            runner.graphs = use
             run(batch, 2)  # shape-specific warm-up (the kernels specialise on a few integer arguments)
             t_first = run(batch, 1)
             t_all = run(batch, gen + 1)
             step_s = max(t_all - t_first, 1e-9) / gen
-            r: dict[str, Any] = {"section": "e2e", "name": f"decode batch {batch}", "ms": round(step_s * 1e3, 3),
+            name = f"decode batch {batch}" + ("" if use is not None or graphs is None else " (no CUDA graphs)")
+            r: dict[str, Any] = {"section": "e2e", "name": name, "ms": round(step_s * 1e3, 3),
                                  "tok_per_s": round(batch / step_s, 1), "prefill_s": round(t_first, 3)}
             if args.copy_gbps:
                 # Every step reads all weights plus the batch's KV (mean context ~ prompt + gen / 2).
@@ -151,6 +157,7 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
                 args.out.write_text(json.dumps({"rows": rows}))
+        runner.graphs = graphs
     return 0
 
 

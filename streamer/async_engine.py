@@ -235,10 +235,11 @@ class AsyncEngine:
         n = stream.num_seqs
         outs = [CompletionOutput(i, "", [], logprobs=[] if params and params.logprobs is not None else None)
                 for i in range(n)]
+        texts: list[list[str]] = [[] for _ in range(n)]  # joined at the end: `+=` on an attribute is quadratic
         try:
             async for item in stream:
                 o = outs[item.index]
-                o.text += item.text
+                texts[item.index].append(item.text)
                 o.token_ids += item.token_ids
                 if item.logprobs and o.logprobs is not None:
                     o.logprobs += item.logprobs
@@ -246,6 +247,8 @@ class AsyncEngine:
                     o.finish_reason, o.stop_reason = item.finish_reason, item.stop_reason
         finally:
             stream.close()
+        for o, pieces in zip(outs, texts):
+            o.text = "".join(pieces)
         return RequestOutput(stream.request_id, prompt if isinstance(prompt, str) else None,
                              list(stream.prompt_token_ids), outs, True, num_cached_tokens=stream.cached_tokens)
 

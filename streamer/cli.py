@@ -32,8 +32,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--compile", dest="enforce_eager", action="store_const", const=False,
                    help="torch.compile the model also on CPU (default: `serve` compiles on every device, "
                         "`generate` on CUDA only)")
-    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="schedule each step only after the previous one finished (no overlap of host and device)")
+    g.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                   help="capture CUDA graphs for decode batches of up to this many requests (0 = off)")
+    a = g.add_mutually_exclusive_group()
+    a.add_argument("--async-scheduling", dest="async_scheduling", action="store_const", const=True, default=None,
+                   help="schedule step N+1 while step N runs (default: on CUDA only)")
+    a.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
+                   help="schedule each step only after the previous one finished")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
 
@@ -41,7 +46,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed", "enforce_eager",
-                "async_scheduling", "tokenizer")
+                "async_scheduling", "cuda_graph_max_batch", "tokenizer")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

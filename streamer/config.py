@@ -31,7 +31,12 @@ class EngineConfig:
     max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
     # Schedule and prepare step N+1 while step N runs (its sampled tokens are read on the device), and detokenize
     # and stream step N while step N+1 runs. Steps with penalties (which need step N's tokens on the host) wait.
-    async_scheduling: bool = True
+    # None = on for CUDA; off on CPU, where host and model share the cores (measured: no gain compiled, a few
+    # percent lost eager; bench/RESULTS.md).
+    async_scheduling: Optional[bool] = None
+    # CUDA graphs for decode-only steps of up to this many requests (CUDA, Triton backend, not enforce_eager);
+    # 0 = off. Capped at max_num_seqs.
+    cuda_graph_max_batch: int = 256
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -55,8 +60,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if self.tensor_parallel_size != 1:

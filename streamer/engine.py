@@ -95,6 +95,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -196,7 +198,7 @@ class LLMEngine:
     def can_overlap(self, running: StepInputs) -> bool:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties:
         the next step's penalties need the token it samples, on the host."""
-        return self.config.async_scheduling and not running.sampling.penalized
+        return self.async_scheduling and not running.sampling.penalized
 
     def step(self) -> list[SeqUpdate]:
         step = self.schedule()

@@ -53,7 +53,7 @@ class LLM:
         """Step until every request has finished. With async scheduling the model runs on a worker thread, and
         step N+1 is scheduled and queued while step N runs (as in `AsyncEngine`); otherwise step by step."""
         engine = self.engine
-        if not engine.config.async_scheduling:
+        if not engine.async_scheduling:
             while engine.has_unfinished():
                 engine.step()
             return

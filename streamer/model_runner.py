@@ -20,6 +20,7 @@ import torch
 from streamer.attention.base import AttentionMetadata, DecodeBatch, forward_context
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
+from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, cpu_packing_supported
@@ -110,6 +111,12 @@ class ModelRunner:
                     self.device)
         if self._cpu_packing():
             self.model.pack_head_for_cpu()
+        self.graphs: Optional[DecodeGraphs] = None
+        self._set_up_forward()
+        if self._use_cuda_graphs():
+            self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
+
+    def _set_up_forward(self) -> None:
         if self.compiled:
             self.forward = self._compile()
             try:
@@ -133,6 +140,23 @@ class ModelRunner:
                     module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
+    def _use_cuda_graphs(self) -> bool:
+        # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
+        return (self.device.type == "cuda" and self.attention_backend == "triton"
+                and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
+
+    def enable_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
+        """Decode-only steps of up to max(sizes) requests replay captured graphs (`capture=False`: the same
+        persistent buffers and fixed metadata, called without a graph, to check the logic on a CPU)."""
+        import time
+        t = time.perf_counter()
+        self.graphs = DecodeGraphs(self.forward, self.kv_caches, sizes, self.max_blocks_per_req, self.block_size,
+                                   self.scratch_block, self.max_model_len, self.device, capture)
+        self.graphs.capture()
+        logger.info("%s decode steps of %d batch sizes (up to %d) in %.1f s",
+                    "captured CUDA graphs for" if capture else "set up graph buffers for", len(sizes), max(sizes),
+                    time.perf_counter() - t)
+
     def _cpu_packing(self) -> bool:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
 
@@ -303,6 +327,10 @@ class ModelRunner:
         return input_ids
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.run(step, self.last_tokens)
+            if hidden is not None:
+                return hidden
         dev = self.device
         input_ids, positions = self._input_ids(step), torch.from_numpy(step.positions).to(dev)
         decode = self._decode_inputs(step)

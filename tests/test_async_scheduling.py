@@ -75,7 +75,7 @@ def test_async_scheduling_matches_synchronous(llama_dir):
 def test_penalty_steps_do_not_overlap(llama_dir):
     """A running request with penalties makes the loop wait for each step's tokens before the next."""
     async def main():
-        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+        async with AsyncEngine(str(llama_dir), dtype="float32", async_scheduling=True) as engine:
             sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)
             out = await engine.generate(PROMPTS[0], sp)
             assert len(out.outputs[0].token_ids) == 8
@@ -102,3 +102,35 @@ def test_offline_generate_overlaps_and_matches(llama_dir):
         assert (llm.engine.num_overlapped_steps > 0) == mode
         assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks and not llm.engine.seqs
     assert outs[True] == outs[False]
+
+
+def test_aborts_with_steps_in_flight_leak_nothing(llama_dir):
+    """Requests that leave early (break, cancel) while their next step is already queued free everything, and
+    the others' outputs are unaffected."""
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32", async_scheduling=True) as engine:
+            async def leave_after(prompt, k):
+                got = 0
+                async for out in engine.stream(prompt, long):
+                    got += len(out.token_ids)
+                    if got >= k:
+                        break
+                return got
+
+            async def full(prompt):
+                return (await engine.generate(prompt, long)).outputs[0].token_ids
+
+            results = await asyncio.gather(*[leave_after(p, k) for p, k in zip(PROMPTS[:5], (1, 2, 3, 5, 8))],
+                                           *[full(p) for p in PROMPTS[5:8]])
+            core = engine.engine
+            await asyncio.sleep(0.05)
+            core.batch.sync(core.kv)
+            assert core.kv.pool.num_free == core.kv.num_blocks and len(core.batch) == 0 and not core.seqs
+            assert core.num_overlapped_steps > 0
+            return results[5:]
+
+    outs = run(main())
+    ref = LLM(str(llama_dir), dtype="float32").generate(PROMPTS[5:8], long)
+    assert outs == [r.outputs[0].token_ids for r in ref]

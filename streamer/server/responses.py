@@ -44,16 +44,20 @@ class Piece:
 
 @dataclass
 class Choice:
-    """A choice folded from its pieces, for a non-streamed response."""
+    """A choice folded from its pieces, for a non-streamed response (appended in place: linear in the length)."""
 
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: Any = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, piece: Piece) -> None:
-        self.text += piece.text
+        self.pieces.append(piece.text)
         self.token_ids += piece.token_ids
         lp = piece.logprobs
         if isinstance(lp, dict):
@@ -61,7 +65,9 @@ class Choice:
             for k, v in lp.items():
                 self.logprobs[k] += v
         elif isinstance(lp, list):
-            self.logprobs = (self.logprobs or []) + lp
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += lp
         if piece.finish_reason is not None:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
 

@@ -1,0 +1,58 @@
+"""Decode steps through `DecodeGraphs` (persistent buffers, padded batch sizes, metadata fixed at capture) give the
+same tokens as plain steps. On CPU the graphs are not captured (`capture=False`: the same buffers and the same
+metadata object every call, through the Triton backend under the interpreter); on CUDA they are, by the engine."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from streamer_kernels.testing import configure_for_tests
+
+DEVICE = configure_for_tests()
+triton = pytest.importorskip("triton")
+
+from streamer import LLM, SamplingParams  # noqa: E402
+from streamer.cuda_graphs import capture_sizes  # noqa: E402
+
+
+def test_capture_sizes_ladder():
+    assert capture_sizes(0) == []
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
+    assert all(b - a <= 16 for a, b in zip(sizes, sizes[1:]))
+
+
+def _run(llama_dir, backend: str, graphs: bool, async_scheduling: bool):
+    rng = random.Random(21)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(2, 30))]} for _ in range(6)]
+    # Different lengths: the decode batch shrinks 6 -> 1, through sizes with and without padding, and past the
+    # largest graph.
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (2, 3, 4, 6, 9, 9)]
+    llm = LLM(str(llama_dir), dtype="float32", device=DEVICE.type, attention_backend=backend,
+              async_scheduling=async_scheduling, cuda_graph_max_batch=4 if graphs else 0)
+    runner = llm.engine.runner
+    if graphs and DEVICE.type == "cpu":
+        runner.enable_decode_graphs(capture_sizes(4), capture=False)
+    assert (runner.graphs is not None) == graphs
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    return outs, runner
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_graphs_match_plain_steps(request, async_scheduling):
+    pytest.importorskip("transformers")  # the checkpoint fixtures are built with it
+    llama_dir = request.getfixturevalue("llama_dir")
+    ref, _ = _run(llama_dir, "torch", False, async_scheduling)
+    outs, runner = _run(llama_dir, "triton", True, async_scheduling)
+    assert outs == ref
+    assert runner.graphs.sizes == [1, 2, 4]
+    # Decode steps run 6, 5, 4, 3 (padded to 4), 2, 2, 2, 2 requests: the last six through graphs.
+    assert runner.graphs.num_replays == 6
+    assert all(g is None for g in runner.graphs.graphs.values()) == (DEVICE.type == "cpu")
+    # Padding rows wrote only the scratch block: the pool's blocks hold nothing but the requests' K/V, which
+    # the equal outputs vouch for; the scratch block was written.
+    assert runner.kv_caches[0][:, runner.scratch_block].abs().sum() > 0
