@@ -103,40 +103,60 @@ def _top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: Optional[torch.Tensor]
     return mask
 
 
-CANDIDATES = 256
+CANDIDATE_TIERS = (16, 64, 256)  # head sizes tried in turn; torch's CPU topk costs ~linear in k
+CANDIDATES = CANDIDATE_TIERS[-1]
 
 
 def sample_from_candidates(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[torch.Tensor]:
-    """CPU fast path for top-k/top-p rows: work on each row's `CANDIDATES` most likely tokens instead of
-    sorting and racing over the whole vocabulary. A row qualifies when its own parameters and logits
-    guarantee that nothing outside its head can survive (top_k <= CANDIDATES, or the head already holds
-    top_p of the mass), so the decision never depends on the rest of the batch. Returns None when no row
-    qualifies; otherwise tokens for the qualifying rows and -1 elsewhere."""
+    """CPU fast path for top-k/top-p rows: work on each row's most likely tokens instead of sorting and racing
+    over the whole vocabulary. A row qualifies for a head of k tokens when its own parameters and logits
+    guarantee that nothing outside it can survive (top_k <= k, or the head already holds top_p of the mass),
+    so the decision never depends on the rest of the batch. Heads of 16, 64, then 256 tokens are tried, each on
+    the rows still undecided (at 256 x 4,096, one thread: topk(16) 1.5 ms, topk(64) 5.7 ms, topk(256) 11.6 ms).
+    Returns None when no row qualifies; otherwise tokens for the qualifying rows and -1 elsewhere."""
     vocab = scaled.shape[-1]
-    k = min(CANDIDATES, vocab)
-    if batch.restricted is None or k == vocab:
+    if batch.restricted is None or CANDIDATE_TIERS[0] >= vocab:
         return None
-    vals, idx = scaled.topk(k, dim=-1)
     lse = scaled.logsumexp(dim=-1, keepdim=True)
-    covered = torch.zeros(scaled.shape[0], dtype=torch.bool, device=scaled.device)
-    if batch.top_k is not None:
-        covered |= batch.top_k <= k
-    if batch.top_p is not None:
-        covered |= (vals - lse).exp().sum(dim=-1) >= batch.top_p
-    covered &= batch.restricted
+    tokens = torch.full((scaled.shape[0],), -1, dtype=torch.int64, device=scaled.device)
+    todo = batch.restricted.clone()
+    for k in CANDIDATE_TIERS:
+        k = min(k, vocab)
+        rows = todo.nonzero().squeeze(1)
+        if len(rows) == 0 or k == vocab:
+            break
+        decided, picked = _sample_head(scaled[rows], lse[rows], rows, k, batch)
+        tokens[rows[decided]] = picked[decided]
+        todo[rows[decided]] = False
+    return tokens if bool((tokens >= 0).any()) else None
+
+
+def _sample_head(scaled: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, k: int, batch: "SamplingBatch",
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the given rows: which are decided by their k-token head, and the token each of those samples."""
+    top_k = batch.top_k[rows] if batch.top_k is not None else None
+    top_p = batch.top_p[rows] if batch.top_p is not None else None
+    vals, idx = scaled.topk(k, dim=-1)
+    covered = torch.zeros(len(rows), dtype=torch.bool, device=scaled.device)
+    if top_k is not None:
+        covered |= top_k <= k
+    if top_p is not None:
+        # Top-p alone: the head holds the nucleus once it holds top_p of the mass. (After a top-k wider than
+        # the head, top-p renormalises over top-k tokens the head does not have: such a row waits for a head
+        # that holds its top-k.)
+        alone = top_k >= scaled.shape[-1] if top_k is not None else True
+        covered |= ((vals - lse).exp().sum(dim=-1) >= top_p) & alone
     if not bool(covered.any()):
-        return None
-    mask = _top_k_top_p_mask(vals, batch.top_k, batch.top_p, lse)
+        return covered, idx[:, 0]
+    mask = _top_k_top_p_mask(vals, top_k, top_p, lse)
     probs = vals.masked_fill(mask, float("-inf")).softmax(dim=-1)
     if batch.min_p is not None:
-        probs = probs * (probs >= batch.min_p.unsqueeze(1) * probs[:, :1])
-    # Only rows this path decides draw from their generators, so a seeded row's draws never depend on
-    # which other rows share its batch.
-    flags = covered.tolist()
-    gens = [g if c else None for g, c in zip(batch.generators, flags)]
+        probs = probs * (probs >= batch.min_p[rows].unsqueeze(1) * probs[:, :1])
+    # Only rows this head decides draw from their generators, so a seeded row's draws never depend on which
+    # other rows share its batch.
+    gens = [batch.generators[r] if c else None for r, c in zip(rows.tolist(), covered.tolist())]
     choice = exponential_race(probs, gens, batch.any_seeded)
-    tokens = idx.gather(1, choice.unsqueeze(1)).squeeze(1)
-    return torch.where(covered, tokens, torch.full_like(tokens, -1))
+    return covered, idx.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

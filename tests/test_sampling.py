@@ -162,20 +162,24 @@ def test_frequency_penalty_changes_repetitive_output(llm):
 
 
 def test_candidate_fast_path_matches_full_mask():
-    from streamer.sampler import CANDIDATES, SamplingBatch, sample_from_candidates
+    from streamer.sampler import CANDIDATE_TIERS, SamplingBatch, sample_from_candidates
     torch.manual_seed(0)
-    B, V = 6, 2000
+    B, V = 8, 2000
     logits = torch.randn(B, V) * 4  # peaked enough that top-p heads fit in the candidate set
-    logits[5] = torch.randn(V) * 0.01  # nearly flat: top_p=0.9 needs far more than CANDIDATES tokens
-    top_k = torch.tensor([5, V, V, 40, V, V])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9])
-    restricted = torch.tensor([True, True, True, True, False, True])
+    logits[5] = torch.randn(V) * 0.01  # nearly flat: top_p=0.9 needs far more than the largest head
+    # top_k between the heads, then a top-p that cuts inside it: the 20 tokens hold ~60% of the mass, the first
+    # 16 of them more than top_p of it, yet top-p must renormalise over the 20 (and keep ~8 of them, not ~13).
+    logits[6] = torch.randn(V) * 0.01
+    logits[6, :20] = 5.0 + torch.linspace(1.0, 0.0, 20)
+    top_k = torch.tensor([5, V, V, 40, V, V, 20, V])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9, 0.5, 0.3])
+    restricted = torch.tensor([True, True, True, True, False, True, True, True])
     allowed = torch.isfinite(apply_top_k_top_p(logits, top_k, top_p))
     batch = SamplingBatch(temperature=torch.ones(B), top_k=top_k, top_p=top_p, min_p=None,
                           generators=[None] * B, all_greedy=False, any_seeded=False, banned=None,
                           penalties=None, max_logprobs=-1, restricted=restricted)
     seen = [set() for _ in range(B)]
-    for _ in range(200):
+    for _ in range(300):
         tok = sample_from_candidates(logits, batch)
         assert tok is not None
         for b in range(B):
@@ -183,8 +187,11 @@ def test_candidate_fast_path_matches_full_mask():
                 assert allowed[b, tok[b]], f"row {b} sampled a token the full mask drops"
                 seen[b].add(int(tok[b]))
     assert tok[4] == -1 and tok[5] == -1  # unrestricted row, and a row whose head is not enough
-    assert all(seen[b] for b in range(4))
-    assert len(seen[1]) > 1 and CANDIDATES < V
+    assert all(seen[b] for b in (0, 1, 2, 3, 6, 7))
+    assert len(seen[1]) > 1 and CANDIDATE_TIERS[-1] < V
+    # Rows decided by the smallest head cover their whole allowed set, as the full path would.
+    assert seen[0] == set(allowed[0].nonzero().flatten().tolist())
+    assert seen[6] == set(allowed[6].nonzero().flatten().tolist())
 
 
 def test_seeded_row_draws_do_not_depend_on_batch_mates():
