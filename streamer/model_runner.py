@@ -134,6 +134,9 @@ class ModelRunner:
         self.compiled, self.forward = False, self.model
         for layer in self.model.layers:
             layer.self_attn.use_op = False
+        for module in self.model.modules():
+            if isinstance(module, PackableLinear):
+                module.op_id = None  # a direct call: the op only exists for the compiler's sake
         if self._cpu_packing():
             for module in self.model.modules():
                 if isinstance(module, PackableLinear) and module.packed is None:
@@ -173,10 +176,9 @@ class ModelRunner:
         import time
         import torch._inductor.config as inductor_config
         t = time.perf_counter()
-        # Freezing (CPU): weights become constants, so Inductor prepacks them for oneDNN (as PackableLinear does
-        # in eager mode) and folds what depends only on them. Graphs are built here, so patching here suffices.
-        # (torch.compile(options={"freezing": True}) does not reach the CPU linears: checked in the output code.)
-        with inductor_config.patch(freezing=self.compiled and self.device.type == "cpu"):
+        # No freezing: on CPU the linears are opaque ops over oneDNN-prepacked weights (`_compile`), so no weight is
+        # a graph constant and Inductor's on-disk caches serve a second start (freezing made it skip them).
+        with inductor_config.patch(freezing=False):
             self._warmup_steps()
         logger.info("%s in %.1f s", "compiled and warmed up" if self.compiled else "warmed up",
                     time.perf_counter() - t)
@@ -212,6 +214,14 @@ class ModelRunner:
         a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
         for layer in self.model.layers:
             layer.self_attn.use_op = True
+        if self._cpu_packing():
+            # CPU: the linears run on oneDNN-prepacked weights through an opaque op. Inductor can only use packed
+            # weights by freezing the graph (weights as constants), and a frozen graph never goes in its on-disk
+            # cache: a second start took as long as the first (~50 s for the 90M model; now ~12 s), for the
+            # same decode speed (bench/RESULTS.md, 2026-11-30 session 4).
+            for module in self.model.modules():
+                if isinstance(module, PackableLinear):
+                    module.pack_for_cpu(as_op=True)
         # Two graphs per engine (a lone decode, everything else), and the cache is per code object: a process
         # that builds several engines (tests, benchmarks) outgrows the default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -71,3 +71,34 @@ def test_inline_lone_decode_matches_eager(make_ckpt, family, overrides):
     runner._decode_inputs = lambda step: inline.append(real(step)) or inline[-1]
     assert compiled.generate(prompt, params)[0].outputs[0].token_ids == ref
     assert sum(d is not None for d in inline) == 15  # every decode step after the prefill
+
+
+_START = """
+import json, sys
+from torch._dynamo.utils import counters
+from streamer import LLM, SamplingParams
+from streamer.models.layers import PackableLinear
+llm = LLM(sys.argv[1], dtype="float32", enforce_eager=False)
+linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+out = llm.generate([{"prompt_token_ids": [5, 9, 11, 3, 7]}], SamplingParams(max_tokens=6, temperature=0.0))
+print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "bypass": counters["inductor"]["fxgraph_cache_bypass"], "tokens": out[0].outputs[0].token_ids,
+                  "linear_ops": bool(linears) and all(m.op_id is not None for m in linears)}))
+"""
+
+
+def test_compiled_cpu_graphs_are_cacheable(llama_dir, tmp_path):
+    """On CPU the linears are opaque ops over prepacked weights (no freezing), so Inductor's on-disk FX-graph cache
+    takes the model's graphs: a second process starts from it instead of compiling again."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _START, str(llama_dir)], env=env, check=True,
+                                      capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
+    cold, warm = runs
+    assert cold["linear_ops"] and cold["bypass"] == 0 and cold["miss"] >= 2 and cold["hit"] == 0
+    assert warm["bypass"] == 0 and warm["miss"] == 0 and warm["hit"] >= 2
+    assert cold["tokens"] == warm["tokens"]
