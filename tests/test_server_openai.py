@@ -21,9 +21,10 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 300))
 
 
-@pytest.fixture(scope="module")
-def live(llama_dir):
-    with LiveServer(llama_dir) as server:
+@pytest.fixture(scope="module", params=[None, True], ids=["default", "async-scheduling"])
+def live(request, llama_dir):
+    """Every test against the default server (CPU: steps one after another) and one with async scheduling."""
+    with LiveServer(llama_dir, async_scheduling=request.param) as server:
         yield server
 
 
@@ -212,6 +213,8 @@ def test_concurrent_streams_match_offline_greedy(live, llama_dir):
         assert ids == ref.outputs[0].token_ids
         assert text == ref.outputs[0].text
     live.wait_idle()
+    # The async-scheduling server really overlapped steps (the default one, on CPU, never does).
+    assert (live.engine.num_overlapped_steps > 0) == bool(live.engine_kwargs.get("async_scheduling"))
 
 
 def test_prompt_forms_echo_and_tokenize(live):
