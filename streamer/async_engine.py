@@ -104,6 +104,7 @@ class AsyncEngine:
         self._dead: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
         self._device: Optional[ThreadPoolExecutor] = None
+        self._waiter: Optional[ThreadPoolExecutor] = None  # waits for a launched step's tokens (CUDA)
         self._wakeup: Optional[asyncio.Event] = None
         self._idle: Optional[asyncio.Event] = None
 
@@ -111,6 +112,7 @@ class AsyncEngine:
     async def start(self) -> "AsyncEngine":
         loop = asyncio.get_running_loop()
         self._device = ThreadPoolExecutor(1, thread_name_prefix="streamer-device")
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="streamer-wait")
         # Load on the device thread: it owns the device from now on, and the loop stays responsive.
         self.engine = await loop.run_in_executor(self._device, LLMEngine, self.config)
         self.metrics = EngineMetrics(self.stats, self.model_name)
@@ -138,6 +140,9 @@ class AsyncEngine:
         if self._device is not None:
             self._device.shutdown(wait=True, cancel_futures=True)
             self._device = None
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True, cancel_futures=True)
+            self._waiter = None
 
     async def __aenter__(self) -> "AsyncEngine":
         return await self.start()
@@ -295,11 +300,15 @@ class AsyncEngine:
                 if core.has_unfinished() and (inflight is None or core.can_overlap(inflight[1])):
                     step = core.schedule()
                     if step is not None:
-                        nxt = (*step, loop.run_in_executor(self._device, core.runner.execute, step[1]))
+                        nxt = (*step, loop.run_in_executor(self._device, core.runner.launch, step[1]))
                         core.num_overlapped_steps += inflight is not None
                 if inflight is not None:
                     sched, _, future = inflight
-                    self._dispatch(core.process(sched, await future))
+                    pending = await future
+                    # CUDA: wait for its tokens off the loop, and off the device thread (queuing the next step).
+                    result = (pending.result() if pending.ready
+                              else await loop.run_in_executor(self._waiter, pending.result))
+                    self._dispatch(core.process(sched, result))
                 elif nxt is None:
                     if core.has_unfinished():
                         await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)

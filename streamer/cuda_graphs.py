@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from streamer.attention.base import AttentionMetadata, forward_context
-from streamer.input_batch import StepInputs
+from streamer.input_batch import StepInputs, to_device
 
 logger = logging.getLogger("streamer")
 
@@ -54,20 +54,24 @@ class DecodeGraphs:
         self.capture_graphs = capture
         n, w = self.max_batch, max_blocks_per_req
         pin = device.type == "cuda"
-        # Device buffers the graphs read; host twins to stage each step's values (pinned: copies are async).
-        # Staging is safe to reuse: each step ends by copying its sampled tokens to the host, which waits for
-        # every copy queued before it.
+        # Device buffers the graphs read; host twins to stage each step's values (pinned: copies are async). Two
+        # sets of twins, used in turn: with async scheduling the next step is staged while this one's copies may
+        # still be queued; a set is refilled only once the copies from its previous use are done (`_done`).
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
-        self.host = {name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t, device="cpu")
-                     for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
-                                     ("seq_lens", self.seq_lens), ("block_table", self.block_table))}
-        self._pad(self.host, 0, n)
-        for name, t in self.host.items():
+        self.hosts = [{name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t, device="cpu")
+                       for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
+                                       ("seq_lens", self.seq_lens), ("block_table", self.block_table))}
+                      for _ in range(2)]
+        self._done: list[Optional[torch.cuda.Event]] = [None, None]
+        self._turn = 0
+        for host in self.hosts:
+            self._pad(host, 0, n)
+        for name, t in self.hosts[0].items():
             getattr(self, name).copy_(t)
         self.graphs: dict[int, Optional[torch.cuda.CUDAGraph]] = {}
         self.metas: dict[int, AttentionMetadata] = {}
@@ -125,7 +129,10 @@ class DecodeGraphs:
         if b is None:
             return None
         n = step.num_reqs
-        host = self.host
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._done[turn] is not None:
+            self._done[turn].synchronize()  # its last copies (two steps ago) have left the staging buffers
+        host = self.hosts[turn]
         host["ids"][:n] = torch.from_numpy(step.input_ids)
         host["positions"][:n] = torch.from_numpy(step.positions)
         host["slots"][:n] = torch.from_numpy(step.slot_mapping)
@@ -135,10 +142,11 @@ class DecodeGraphs:
         self._pad(host, n, b)
         for name in ("ids", "positions", "slots", "seq_lens", "block_table"):
             getattr(self, name)[:b].copy_(host[name][:b], non_blocking=True)
+        if self.device.type == "cuda":
+            self._done[turn] = torch.cuda.Event()
+            self._done[turn].record()
         if len(step.pending_idx):  # tokens the previous step sampled, still only on the device
-            idx = torch.from_numpy(step.pending_idx).to(self.device, non_blocking=True)
-            rows = torch.from_numpy(step.pending_rows).to(self.device, non_blocking=True)
-            self.ids[idx] = last_tokens[rows]
+            self.ids[to_device(step.pending_idx, self.device)] = last_tokens[to_device(step.pending_rows, self.device)]
         graph = self.graphs[b]
         if graph is not None:
             graph.replay()

@@ -1,7 +1,8 @@
 """The engine core: requests in, incremental outputs out, one `step()` at a time.
 
 `step()` = `scheduler.schedule()` -> `prepare()` -> `runner.execute()` -> `process()`. The async engine calls
-the parts separately so that `execute` runs on the device thread while the event loop does everything else.
+the parts separately (`runner.launch()` on the device thread, `PendingStep.result()` when its tokens are needed)
+so that the device works while the event loop does everything else.
 """
 from __future__ import annotations
 

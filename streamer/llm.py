@@ -64,10 +64,10 @@ class LLM:
                 if engine.has_unfinished() and (inflight is None or engine.can_overlap(inflight[1])):
                     step = engine.schedule()
                     if step is not None:
-                        nxt = (*step, device.submit(engine.runner.execute, step[1]))
+                        nxt = (*step, device.submit(engine.runner.launch, step[1]))
                         engine.num_overlapped_steps += inflight is not None
-                if inflight is not None:
-                    engine.process(inflight[0], inflight[2].result())
+                if inflight is not None:  # (the device thread may already be queuing the next step)
+                    engine.process(inflight[0], inflight[2].result().result())
                 elif nxt is None:
                     if engine.has_unfinished():
                         raise RuntimeError("requests are left that can never be scheduled")

@@ -25,7 +25,7 @@ from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, cpu_packing_supported
 from streamer.models.loader import load_model
-from streamer.input_batch import SamplingRows, StepInputs
+from streamer.input_batch import SamplingRows, StepInputs, to_device
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
 
@@ -258,10 +258,9 @@ class ModelRunner:
         dev = self.device
         return AttentionMetadata(
             num_reqs=step.num_reqs, num_tokens=step.num_tokens,
-            query_start_loc=torch.from_numpy(step.query_start_loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(step.seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(step.block_table).to(dev),
-            slot_mapping=torch.from_numpy(step.slot_mapping).to(dev),
+            query_start_loc=to_device(step.query_start_loc.astype(np.int32), dev),
+            seq_lens=to_device(step.seq_lens.astype(np.int32), dev),
+            block_table=to_device(step.block_table, dev), slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(np.diff(step.query_start_loc).max()), max_seq_len=int(step.seq_lens.max()),
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens)
 
@@ -275,19 +274,19 @@ class ModelRunner:
         top_k = top_p = min_p = restricted = None
         use_k, use_p = rows.top_k > 0, rows.top_p < 1.0
         if use_k.any():
-            top_k = torch.from_numpy(np.where(use_k, rows.top_k, self.model_cfg.vocab_size)).to(dev)
+            top_k = to_device(np.where(use_k, rows.top_k, self.model_cfg.vocab_size), dev)
         if use_p.any():
-            top_p = torch.from_numpy(rows.top_p).to(dev)
+            top_p = to_device(rows.top_p, dev)
         if (rows.min_p > 0.0).any():
-            min_p = torch.from_numpy(rows.min_p).to(dev)
+            min_p = to_device(rows.min_p, dev)
         if top_k is not None or top_p is not None:
-            restricted = torch.from_numpy(use_k | use_p).to(dev)
+            restricted = to_device(use_k | use_p, dev)
         penalties = None
         if rows.penalized:
             idx = [i for i, _ in rows.penalized]
             penalties = build_penalties([r for _, r in rows.penalized], idx, n, self.model_cfg.vocab_size, dev)
         return SamplingBatch(
-            temperature=torch.from_numpy(temps).to(dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
+            temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
             penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted)
 
@@ -302,7 +301,8 @@ class ModelRunner:
             ids += stop_ids
         if not rows:
             return None
-        return torch.tensor(rows, device=self.device), torch.tensor(ids, device=self.device)
+        return (to_device(np.array(rows, dtype=np.int64), self.device),
+                to_device(np.array(ids, dtype=np.int64), self.device))
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = req.generator
@@ -325,14 +325,14 @@ class ModelRunner:
         slots = step.slot_mapping
         half = self.kv_caches[0].shape[1] * self.block_size  # key slots (scratch block included); values follow
         dev = self.device
-        return DecodeBatch(torch.from_numpy(np.concatenate([slots, slots + half])).to(dev),
-                           torch.from_numpy(table).to(dev), torch.from_numpy(step.seq_lens).to(dev), splits)
+        return DecodeBatch(to_device(np.concatenate([slots, slots + half]), dev), to_device(table, dev),
+                           to_device(step.seq_lens, dev), splits)
 
     def _input_ids(self, step: StepInputs) -> torch.Tensor:
-        input_ids = torch.from_numpy(step.input_ids).to(self.device)
+        input_ids = to_device(step.input_ids, self.device)
         if len(step.pending_idx):  # tokens the previous step sampled: read on the device, no host round trip
-            idx = torch.from_numpy(step.pending_idx).to(self.device)
-            rows = torch.from_numpy(step.pending_rows).to(self.device)
+            idx = to_device(step.pending_idx, self.device)
+            rows = to_device(step.pending_rows, self.device)
             input_ids[idx] = self.last_tokens[rows]
         return input_ids
 
@@ -342,7 +342,7 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         dev = self.device
-        input_ids, positions = self._input_ids(step), torch.from_numpy(step.positions).to(dev)
+        input_ids, positions = self._input_ids(step), to_device(step.positions, dev)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
@@ -355,25 +355,58 @@ class ModelRunner:
             grown = torch.zeros(max(top, 2 * len(self.last_tokens)), dtype=torch.int64, device=self.device)
             grown[:len(self.last_tokens)] = self.last_tokens
             self.last_tokens = grown
-        self.last_tokens[torch.from_numpy(rows).to(self.device)] = tokens
+        self.last_tokens[to_device(rows, self.device)] = tokens
+
+    def execute(self, step: StepInputs) -> RunnerOutput:
+        return self.launch(step).result()
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> RunnerOutput:
+    def launch(self, step: StepInputs) -> "PendingStep":
+        """Queue the step's work on the device and start copying its sampled tokens back; `result()` waits for
+        them. On CPU the work is done when this returns; on CUDA the device thread can go on to queue the next
+        step (async scheduling) while this one runs."""
         dev = self.device
         hidden = self._run_model(step)
         idx = step.sample_idx
         if len(idx) == 0:
-            return RunnerOutput([], [])
-        last = torch.from_numpy(step.query_start_loc[1:][idx] - 1).to(dev)
+            return PendingStep(step, idx, [])
+        last = to_device(step.query_start_loc[1:][idx] - 1, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
-        rows = step.rows[idx]
-        self._keep_last_tokens(rows, out.token_ids)
-        tokens = out.token_ids.cpu().numpy()
-        result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=rows, epochs=step.epochs[idx],
-                              positions=step.seq_lens[idx], token_array=tokens)
-        if out.logprobs is not None:
-            result.logprobs = out.logprobs.tolist()
-            result.logprob_token_ids = out.logprob_token_ids.tolist()
-            result.ranks = out.ranks.tolist()
+        self._keep_last_tokens(step.rows[idx], out.token_ids)
+        tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
+                                     if out.logprobs is not None else [])
+        if dev.type != "cuda":
+            return PendingStep(step, idx, tensors)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(step, idx, host, event)
+
+
+class PendingStep:
+    """A launched step: its sampled tokens (and logprobs) on their way to host memory."""
+
+    def __init__(self, step: StepInputs, idx: np.ndarray, host: list[torch.Tensor],
+                 event: Optional["torch.cuda.Event"] = None) -> None:
+        self.step, self.idx, self.host, self.event = step, idx, host, event
+
+    @property
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> RunnerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        step, idx = self.step, self.idx
+        if len(idx) == 0:
+            return RunnerOutput([], [])
+        tokens = self.host[0].numpy()
+        result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
+                              epochs=step.epochs[idx], positions=step.seq_lens[idx], token_array=tokens)
+        if len(self.host) > 1:
+            logprobs, ids, ranks = self.host[1:]
+            result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()
         return result

@@ -119,13 +119,13 @@ def test_model_runs_on_device_thread(llama_dir):
         async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
             runner = engine.engine.runner
             names = set()
-            original = runner.execute
+            original = runner.launch
 
             def spy(*a, **kw):
                 names.add(threading.current_thread().name)
                 return original(*a, **kw)
 
-            runner.execute = spy
+            runner.launch = spy
             await _collect(engine, "hi")
             assert names and all(n.startswith("streamer-device") for n in names)
             assert threading.current_thread().name not in names
@@ -141,7 +141,7 @@ def test_device_failure_fails_every_caller(llama_dir):
             def boom(*a, **kw):
                 raise RuntimeError("device lost")
 
-            engine.engine.runner.execute = boom
+            engine.engine.runner.launch = boom
             results = await asyncio.gather(*[_collect(engine, p) for p in PROMPTS[:4]], return_exceptions=True)
             assert all(isinstance(r, EngineDeadError) for r in results)
             assert not engine.is_alive

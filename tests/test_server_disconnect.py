@@ -161,7 +161,7 @@ def test_engine_failure_mid_stream_and_after(llama_dir):
 
             def boom(*a, **k):
                 raise RuntimeError("device lost")
-            live.call(lambda: setattr(live.engine.engine.runner, "execute", boom))
+            live.call(lambda: setattr(live.engine.engine.runner, "launch", boom))
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]"
         err = json.loads(rest[-2])["error"]
