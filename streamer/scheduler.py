@@ -168,7 +168,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
+            n = min(len(req.all_token_ids) + req.num_pending - req.num_computed_tokens, budget)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
                 continue
@@ -186,7 +187,7 @@ class Scheduler:
         if not pool_dry:  # admitting now would only preempt again next step
             budget = self._admit(planned, budget)
         for req, n in planned:
-            samples = req.num_computed_tokens + n == req.num_scheduled_tokens
+            samples = req.num_computed_tokens + n == len(req.all_token_ids) + req.num_pending
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples))
             req.num_computed_tokens += n
             req.num_pending += samples
