@@ -132,6 +132,7 @@ class ModelRunner:
 
     def _use_eager(self) -> None:
         self.compiled, self.forward = False, self.model
+        self.model.use_kernels(self.attention_backend == "triton")
         for layer in self.model.layers:
             layer.self_attn.use_op = False
         for module in self.model.modules():

@@ -87,9 +87,15 @@ def _prompts(n: int, seed: int, vocab: int = 500, max_len: int = 40) -> list[lis
 
 def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     from streamer import LLM, SamplingParams
+    from streamer.models.layers import KernelSwitch
 
     llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type, **engine_args)
-    assert llm.engine.runner.attention_backend == engine_args["attention_backend"]
+    runner = llm.engine.runner
+    assert runner.attention_backend == engine_args["attention_backend"]
+    # Uncompiled on the Triton backend, norms, rotary and SiLU-and-mul run streamer_kernels' kernels too.
+    switches = [m for m in runner.model.modules() if isinstance(m, KernelSwitch)]
+    assert switches and all(m.use_kernel == (runner.attention_backend == "triton" and not runner.compiled)
+                            for m in switches)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import streamer_kernels as K
+
 
 class ParallelContext:
     """Which shard of each layer this process holds. Single-process for now: rank 0 of 1."""
@@ -171,13 +173,25 @@ class VocabEmbedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class KernelSwitch:
+    """Modules with a Triton kernel in `streamer_kernels` (RMSNorm, rotary, SiLU-and-mul) call it when
+    `use_kernel` is set: on the Triton attention backend when the model runs uncompiled. Compiled, Inductor fuses
+    the torch ops itself (and across them), which a kernel call would only get in the way of."""
+
+    use_kernel = False
+
+
+class RMSNorm(nn.Module, KernelSwitch):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.use_kernel:
+            if residual is None:
+                return K.rms_norm(x, self.weight, self.eps)
+            return K.fused_add_rms_norm(x, residual, self.weight, self.eps)
         # Normalise in fp32 as HF does, then cast back before scaling by the weight.
         if residual is not None:
             x = x + residual
@@ -233,7 +247,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(nn.Module, KernelSwitch):
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict[str, Any]]) -> None:
         super().__init__()
@@ -241,6 +255,8 @@ class RotaryEmbedding(nn.Module):
                              persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.use_kernel:
+            return K.rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

@@ -7,11 +7,26 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, current_metadata
+import streamer_kernels as K
+from streamer.attention.base import (
+    AttentionBackend,
+    AttentionSpec,
+    DecodeBatch,
+    current_metadata,
+)
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
-from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding,
-                                    RowParallelLinear, VocabEmbedding, default_weight_loader, silu_and_mul)
+from streamer.models.layers import (
+    ColumnParallelLinear,
+    KernelSwitch,
+    ParallelContext,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabEmbedding,
+    default_weight_loader,
+    silu_and_mul,
+)
 
 
 class Attention(nn.Module):
@@ -57,7 +72,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, KernelSwitch):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
@@ -65,6 +80,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            return self.down_proj(K.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
@@ -118,6 +135,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     packed_head: Optional[torch.Tensor] = None
+
+    def use_kernels(self, on: bool) -> None:
+        """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""
+        for module in self.modules():
+            if isinstance(module, KernelSwitch):
+                module.use_kernel = on
 
     def pack_head_for_cpu(self) -> None:
         """Keep the LM head in oneDNN's prepacked layout (as PackableLinear does for the other linears): it runs
