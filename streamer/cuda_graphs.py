@@ -63,16 +63,20 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
+        # The block table crosses as a dense [b, w] block (w = this step's widest table, usually far below the
+        # max_model_len-wide `block_table`), into a flat device buffer; one device-side copy then places it.
+        self.table_stage = torch.zeros(n * w, dtype=torch.int32, device=device)
+        self.block_table[:, 0] = scratch_block
         self.hosts = [{name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t, device="cpu")
                        for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
-                                       ("seq_lens", self.seq_lens), ("block_table", self.block_table))}
+                                       ("seq_lens", self.seq_lens), ("table", self.table_stage))}
                       for _ in range(2)]
         self._done: list[Optional[torch.cuda.Event]] = [None, None]
         self._turn = 0
         for host in self.hosts:
             self._pad(host, 0, n)
-        for name, t in self.hosts[0].items():
-            getattr(self, name).copy_(t)
+        for name in ("ids", "positions", "slots", "seq_lens"):
+            getattr(self, name).copy_(self.hosts[0][name])
         self.graphs: dict[int, Optional[torch.cuda.CUDAGraph]] = {}
         self.metas: dict[int, AttentionMetadata] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -85,7 +89,6 @@ class DecodeGraphs:
         host["positions"][lo:hi] = 0
         host["slots"][lo:hi] = self.scratch_block * self.block_size
         host["seq_lens"][lo:hi] = 1
-        host["block_table"][lo:hi, 0] = self.scratch_block
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -137,11 +140,15 @@ class DecodeGraphs:
         host["positions"][:n] = torch.from_numpy(step.positions)
         host["slots"][:n] = torch.from_numpy(step.slot_mapping)
         host["seq_lens"][:n] = torch.from_numpy(step.seq_lens)
-        w = step.block_table.shape[1]
-        host["block_table"][:n, :w] = torch.from_numpy(step.block_table)  # entries past w are never read
         self._pad(host, n, b)
-        for name in ("ids", "positions", "slots", "seq_lens", "block_table"):
+        w = step.block_table.shape[1]  # entries past w (and past a row's own blocks) are never read
+        table = host["table"][:b * w].view(b, w)
+        table[:n] = torch.from_numpy(step.block_table)
+        table[n:, 0] = self.scratch_block
+        for name in ("ids", "positions", "slots", "seq_lens"):
             getattr(self, name)[:b].copy_(host[name][:b], non_blocking=True)
+        self.table_stage[:b * w].copy_(host["table"][:b * w], non_blocking=True)
+        self.block_table[:b, :w].copy_(self.table_stage[:b * w].view(b, w))
         if self.device.type == "cuda":
             self._done[turn] = torch.cuda.Event()
             self._done[turn].record()
