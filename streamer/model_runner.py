@@ -218,7 +218,7 @@ class ModelRunner:
         if self._cpu_packing():
             # CPU: the linears run on oneDNN-prepacked weights through an opaque op. Inductor can only use packed
             # weights by freezing the graph (weights as constants), and a frozen graph never goes in its on-disk
-            # cache: a second start took as long as the first (~50 s for the 90M model; now ~12 s), for the
+            # cache: a second start took as long as the first (~50 s for the 90M model; now ~14 s), for the
             # same decode speed (bench/RESULTS.md, 2026-11-30 session 4).
             for module in self.model.modules():
                 if isinstance(module, PackableLinear):
