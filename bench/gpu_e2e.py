@@ -8,7 +8,8 @@ whose vocabulary covers every id the random weights can emit. Prompts are random
 and prefix caching is off, so every run pays the same prefill.
 
 Decode step time = (t(gen + 1 tokens) - t(1 token)) / gen for the same batch shape: the prefill and the first
-token cancel out. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
+token cancel out. After the default rows, batches <= 32 run again without CUDA graphs and without async
+scheduling (toggled on the same engine), so each one's gain shows side by side. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
 row also shows the memory roofline of a step: weights + the batch's KV cache read once.
 """
 from __future__ import annotations
@@ -111,7 +112,7 @@ def main() -> int:
         llm = LLM(str(model_dir), load_format="dummy", dtype="float32" if dry else "bfloat16",
                   device="cpu" if dry else "cuda", max_num_seqs=max(batches), max_model_len=prompt_len + gen + 16,
                   max_num_batched_tokens=max(2048, prompt_len), enable_prefix_caching=False,
-                  attention_backend=backend)
+                  attention_backend=backend, async_scheduling=True if dry else None)  # dry: as on the GPU
         runner = llm.engine.runner
         load_s = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -135,17 +136,20 @@ def main() -> int:
             return elapsed
 
         run(min(batches), 2)  # compile the kernels, warm the allocator
-        graphs = runner.graphs
-        # Every batch with the engine's CUDA graphs, then the small ones again without (same engine, same
-        # compiled model): the graphs' gain, side by side.
-        plan = [(b, graphs) for b in batches] + ([(b, None) for b in batches if b <= 32] if graphs else [])
-        for batch, use in plan:
-            runner.graphs = use
+        graphs, overlap = runner.graphs, llm.engine.async_scheduling
+        # Every batch with the engine's defaults (CUDA graphs, async scheduling), then the small ones again without
+        # graphs and without async scheduling (same engine, same compiled model): each one's gain, side by side.
+        small = [b for b in batches if b <= 32]
+        plan = ([(b, graphs, overlap) for b in batches] + ([(b, None, overlap) for b in small] if graphs else [])
+                + ([(b, graphs, False) for b in small] if overlap else []))
+        for batch, use, async_on in plan:
+            runner.graphs, llm.engine.async_scheduling = use, async_on
             run(batch, 2)  # shape-specific warm-up (the kernels specialise on a few integer arguments)
             t_first = run(batch, 1)
             t_all = run(batch, gen + 1)
             step_s = max(t_all - t_first, 1e-9) / gen
-            name = f"decode batch {batch}" + ("" if use is not None or graphs is None else " (no CUDA graphs)")
+            name = (f"decode batch {batch}" + ("" if use is not None or graphs is None else " (no CUDA graphs)")
+                    + ("" if async_on or not overlap else " (no async scheduling)"))
             r: dict[str, Any] = {"section": "e2e", "name": name, "ms": round(step_s * 1e3, 3),
                                  "tok_per_s": round(batch / step_s, 1), "prefill_s": round(t_first, 3)}
             if args.copy_gbps:
@@ -157,7 +161,7 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
                 args.out.write_text(json.dumps({"rows": rows}))
-        runner.graphs = graphs
+        runner.graphs, llm.engine.async_scheduling = graphs, overlap
     return 0
 
 
