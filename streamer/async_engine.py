@@ -3,7 +3,7 @@
 The loop owns every piece of mutable engine state (scheduler, KV bookkeeping, detokenizers): it
 schedules step N+1 and queues it on the device thread while step N computes (async scheduling), then
 processes, detokenizes and streams step N's tokens while step N+1 computes, and meanwhile accepts requests and
-serves HTTP. Only `ModelRunner.execute` runs on the device thread, and it reads nothing the loop changes while
+serves HTTP. Only `ModelRunner.launch` runs on the device thread, and it reads nothing the loop changes while
 it runs (its inputs are fresh arrays; tokens not yet known on the host are read on the device).
 """
 from __future__ import annotations
@@ -296,12 +296,8 @@ class AsyncEngine:
         nxt = None
         try:
             while True:
-                nxt = None
-                if core.has_unfinished() and (inflight is None or core.can_overlap(inflight[1])):
-                    step = core.schedule()
-                    if step is not None:
-                        nxt = (*step, loop.run_in_executor(self._device, core.runner.launch, step[1]))
-                        core.num_overlapped_steps += inflight is not None
+                step = core.schedule_next(inflight[1] if inflight is not None else None)
+                nxt = None if step is None else (*step, loop.run_in_executor(self._device, core.runner.launch, step[1]))
                 if inflight is not None:
                     sched, _, future = inflight
                     pending = await future

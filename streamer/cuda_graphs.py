@@ -67,7 +67,7 @@ class DecodeGraphs:
         # max_model_len-wide `block_table`), into a flat device buffer; one device-side copy then places it.
         self.table_stage = torch.zeros(n * w, dtype=torch.int32, device=device)
         self.block_table[:, 0] = scratch_block
-        self.hosts = [{name: torch.zeros_like(t, device="cpu").pin_memory() if pin else torch.zeros_like(t, device="cpu")
+        self.hosts = [{name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
                        for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
                                        ("seq_lens", self.seq_lens), ("table", self.table_stage))}
                       for _ in range(2)]

@@ -201,6 +201,16 @@ class LLMEngine:
         the next step's penalties need the token it samples, on the host."""
         return self.async_scheduling and not running.sampling.penalized
 
+    def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:
+        """The step pipeline's one decision (AsyncEngine and LLM share it): the next step to queue, given the one
+        still running (None: nothing runs), or None when none may or can be scheduled now."""
+        if not self.has_unfinished() or (running is not None and not self.can_overlap(running)):
+            return None
+        step = self.schedule()
+        if step is not None and running is not None:
+            self.num_overlapped_steps += 1
+        return step
+
     def step(self) -> list[SeqUpdate]:
         step = self.schedule()
         if step is None:

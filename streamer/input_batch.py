@@ -20,11 +20,11 @@ from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
 
 
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device without waiting for the device: on CUDA through pinned memory and an
-    asynchronous copy (a plain `.to("cuda")` from pageable memory waits for everything queued before it, which
-    would stall async scheduling's next step behind the running one). On CPU: a view, no copy."""
-    t = torch.from_numpy(a)
+def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array (or CPU tensor) on the device without waiting for the device: on CUDA through pinned memory
+    and an asynchronous copy (a plain `.to("cuda")` from pageable memory waits for everything queued before it,
+    which would stall async scheduling's next step behind the running one). On CPU: a view, no copy."""
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)

@@ -60,12 +60,8 @@ class LLM:
         with ThreadPoolExecutor(1, thread_name_prefix="streamer-device") as device:
             inflight = None
             while True:
-                nxt = None
-                if engine.has_unfinished() and (inflight is None or engine.can_overlap(inflight[1])):
-                    step = engine.schedule()
-                    if step is not None:
-                        nxt = (*step, device.submit(engine.runner.launch, step[1]))
-                        engine.num_overlapped_steps += inflight is not None
+                step = engine.schedule_next(inflight[1] if inflight is not None else None)
+                nxt = None if step is None else (*step, device.submit(engine.runner.launch, step[1]))
                 if inflight is not None:  # (the device thread may already be queuing the next step)
                     engine.process(inflight[0], inflight[2].result().result())
                 elif nxt is None:

@@ -135,12 +135,11 @@ class ModelRunner:
         self.model.use_kernels(self.attention_backend == "triton")
         for layer in self.model.layers:
             layer.self_attn.use_op = False
+        packing = self._cpu_packing()
         for module in self.model.modules():
             if isinstance(module, PackableLinear):
                 module.op_id = None  # a direct call: the op only exists for the compiler's sake
-        if self._cpu_packing():
-            for module in self.model.modules():
-                if isinstance(module, PackableLinear) and module.packed is None:
+                if packing and module.packed is None:
                     module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from streamer.input_batch import to_device
 from streamer.request import Request
 
 
@@ -62,10 +63,7 @@ def build_penalties(reqs: list[Request], rows: list[int], batch: int, vocab: int
         counts[row].index_add_(0, out, torch.ones(len(out)))
         seen[row, torch.as_tensor(req.prompt_token_ids, dtype=torch.int64)] = True
         seen[row, out] = True
-    def move(t: torch.Tensor) -> torch.Tensor:  # pinned + non-blocking on CUDA: no wait for queued work
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-    return PenaltyBatch(move(presence), move(frequency), move(repetition), move(counts), move(seen))
+    return PenaltyBatch(*(to_device(t, device) for t in (presence, frequency, repetition, counts, seen)))
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:

@@ -75,8 +75,7 @@ class Sim:
 
     def abort(self, k: int) -> None:
         if self.live:
-            req = self.live.pop(k % len(self.live))
-            self.sched.finish(req, RequestStatus.FINISHED_ABORTED)
+            self.sched.finish(self.live.pop(k % len(self.live)), RequestStatus.FINISHED_ABORTED)
 
     def preempt(self, k: int) -> None:
         if self.sched.running:

@@ -80,9 +80,8 @@ class MLP(nn.Module, KernelSwitch):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
-            return self.down_proj(K.silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = K.silu_and_mul if self.use_kernel else silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
