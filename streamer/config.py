@@ -60,7 +60,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
-        if not isinstance(self.cuda_graph_max_batch, int) or self.cuda_graph_max_batch < 0:
+        if (not isinstance(self.cuda_graph_max_batch, int) or isinstance(self.cuda_graph_max_batch, bool)
+                or self.cuda_graph_max_batch < 0):
             raise ValueError(f"cuda_graph_max_batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")

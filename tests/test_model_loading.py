@@ -92,6 +92,11 @@ def test_engine_config_errors(llama_dir):
         LLM(str(llama_dir), cpu_weight_packing="no")  # a string would be truthy: refuse it
     with pytest.raises(ValueError, match="enforce_eager"):
         LLM(str(llama_dir), enforce_eager="yes")
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(str(llama_dir), async_scheduling="on")
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+            LLM(str(llama_dir), cuda_graph_max_batch=bad)
 
 
 def test_cpu_weight_packing_gives_the_same_tokens(llama_dir):

@@ -151,3 +151,14 @@ def test_serve_without_model_uses_the_demo_model():
         assert "compiled and warmed up" in srv.stderr, "serve compiles the model by default, also on CPU"
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("flag,value,field", [("--cuda-graph-max-batch", "-1", "cuda_graph_max_batch"),
+                                              ("--block-size", "0", "block_size")])
+def test_bad_engine_argument_is_one_line_and_exit_2(flag, value, field):
+    """Invalid engine arguments stop `serve` before it loads anything: an error naming the field, no traceback."""
+    p = subprocess.run([sys.executable, "-m", "streamer", "serve", "--port", "0", flag, value], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 2
+    assert p.stderr.startswith("streamer serve: error:") and field in p.stderr
+    assert "Traceback" not in p.stderr

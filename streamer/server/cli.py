@@ -59,6 +59,7 @@ def _loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamer.cli import engine_kwargs
+    from streamer.config import EngineConfig
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     api_key = args.api_key or os.environ.get("STREAMER_API_KEY") or None
     kwargs = dict(engine_kwargs(args), max_waiting=args.max_waiting)
@@ -68,6 +69,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kwargs["enforce_eager"] = False
     if args.max_waiting is not None and args.max_waiting < 0:
         print("streamer serve: error: --max-waiting must be >= 0", file=sys.stderr)
+        return 2
+    try:  # bad engine arguments: one line and exit 2, before loading anything (not a traceback at start-up)
+        EngineConfig.from_kwargs(args.model, **kwargs)
+    except (TypeError, ValueError) as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
