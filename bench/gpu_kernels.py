@@ -10,7 +10,7 @@ Measures
 - unified_attention prefill (4,096-token prompts, causal): TFLOP/s, % of the matmul ceiling, vs SDPA;
 - a small launch-config sweep at the two target shapes (the defaults are untuned heuristics);
 - the fused elementwise kernels against their torch references;
-- the torch sampling path (top-k/top-p + exponential race), to size what a Triton sampler could save.
+- the sampler: torch path vs the Triton top-k/top-p/min-p kernel (sampling_backend), engine-level and bare.
 Every Triton result is also checked against SDPA / the reference (relative error printed).
 Targets (H200): decode >= 70% of copy bandwidth at 64 x 4,096; prefill >= 50% of bf16 matmul at 4,096.
 """
@@ -263,21 +263,32 @@ def bench_fused(timer: Timer, device: torch.device) -> None:
 
 
 def bench_sampling(timer: Timer, device: torch.device) -> None:
-    """What a Triton sampler could save at most: the torch top-k/top-p + exponential-race path over a batch of
-    Llama-3 vocab rows (full sort: the worst case; the engine's sampler sorts only a top-k head)."""
-    B, V = (256, 128256) if not DRY else (4, 512)
-    logits = torch.randn(B, V, device=device)
-    temperature = torch.full((B,), 0.8, device=device)
-    top_k = torch.full((B,), 50, device=device, dtype=torch.long)
-    top_p = torch.full((B,), 0.9, device=device)
-    noise = torch.empty(B, V, device=device).exponential_()
+    """The engine's sampler, torch path (full sort over the vocabulary on GPU) vs the Triton threshold-search
+    kernel, both including the exponential noise they draw, on Llama-3-vocab rows with top-k 50 / top-p 0.9 /
+    min-p 0.05, at a small and a large batch; and the bare kernel against the bare reference. Decides
+    `sampling_backend`'s default: the kernel earns it only where it wins here."""
+    from streamer.sampler import Sampler, SamplingBatch
+    from streamer_kernels.sampling import top_k_top_p_sample
 
-    def plain() -> torch.Tensor:
-        return ((logits / temperature[:, None]).softmax(-1) / torch.empty_like(logits).exponential_()).argmax(-1)
-
-    row("sampling", f"torch exponential race, no top-k/p [{B} x {V}]", timer(plain))
-    row("sampling", f"torch top-k/top-p (full sort) + race [{B} x {V}]",
-        timer(lambda: reference.top_k_top_p_sample(logits, temperature, top_k, top_p, noise)))
+    V = 128256 if not DRY else 512
+    for B in ((8, 256) if not DRY else (3,)):
+        logits = torch.randn(B, V, device=device) * 4
+        full = lambda t, dt=torch.float32: torch.full((B,), t, device=device, dtype=dt)  # noqa: E731
+        batch = SamplingBatch(temperature=full(0.8), top_k=full(50, torch.long), top_p=full(0.9),
+                              min_p=full(0.05), generators=[None] * B, all_greedy=False, any_seeded=False,
+                              banned=None, penalties=None, max_logprobs=-1, restricted=full(1, torch.bool))
+        torch_sampler, kernel_sampler = Sampler(use_kernel=False), Sampler(use_kernel=True)
+        ms_torch = timer(lambda: torch_sampler(logits, batch))
+        ms_kernel = timer(lambda: kernel_sampler(logits, batch))
+        row("sampling", f"engine sampler: triton vs torch, top-k/p + min-p [{B} x {V}]", ms_kernel,
+            torch_ms=round(ms_torch, 4), speedup=round(ms_torch / ms_kernel, 2))
+        noise = torch.empty(B, V, device=device).exponential_()
+        args = (logits, batch.temperature, batch.top_k, batch.top_p, noise, batch.min_p)
+        agree = (top_k_top_p_sample(*args) == reference.top_k_top_p_sample(*args)).float().mean().item()
+        ms = timer(lambda: top_k_top_p_sample(*args))
+        ms_ref = timer(lambda: reference.top_k_top_p_sample(*args))
+        row("sampling", f"kernel vs reference, same noise [{B} x {V}]", ms, torch_ms=round(ms_ref, 4),
+            speedup=round(ms_ref / ms, 2), agree=f"{agree:.3f}")
 
 
 def main() -> int:

@@ -37,6 +37,8 @@ def _detail(r: dict[str, Any]) -> str:
         parts.append(f"prefill+1st {r['prefill_s']:.2f} s")
     if "rel_err" in r:
         parts.append(f"err {r['rel_err']}")
+    if "agree" in r:
+        parts.append(f"same token {r['agree']}")
     if "error" in r:
         parts.append(f"ERROR {r['error']}")
     return ", ".join(parts)

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging", type=float, default=None,
                    help="seconds of waiting that count as one priority level")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
+                   help="triton: top-k/top-p/min-p without sorting the vocabulary (default: torch)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True, default=None,
                    help="never torch.compile the model")
@@ -45,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
-                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend", "seed", "enforce_eager",
-                "async_scheduling", "cuda_graph_max_batch", "tokenizer")
+                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
+                "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch", "tokenizer")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

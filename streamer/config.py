@@ -26,6 +26,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     priority_aging: Optional[float] = None  # seconds of waiting that count as one priority level
     attention_backend: Optional[str] = None  # "torch" | "triton"; None = triton on CUDA, torch on CPU
+    # "torch" | "triton": the Triton sampler filters top-k/top-p/min-p by threshold search instead of sorting the
+    # vocabulary (CUDA, or TRITON_INTERPRET=1). None = torch until the GPU check shows the kernel winning.
+    sampling_backend: Optional[str] = None
     enforce_eager: Optional[bool] = None  # None: compile on CUDA, eager on CPU; True/False forces it
     cpu_weight_packing: bool = True  # eager CPU: linear weights in oneDNN's prepacked layout (20-40% faster)
     max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
@@ -54,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.sampling_backend not in (None, "torch", "triton"):
+            raise ValueError(f"sampling_backend must be 'torch' or 'triton', got {self.sampling_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

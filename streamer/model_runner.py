@@ -62,6 +62,15 @@ def resolve_backend(name: Optional[str], device: torch.device) -> type:
     return TorchAttentionBackend
 
 
+def resolve_sampling_backend(name: Optional[str], device: torch.device) -> bool:
+    """Whether the sampler runs the Triton kernel."""
+    if name != "triton":
+        return False
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("sampling_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return True
+
+
 @dataclass
 class RunnerOutput:
     """Host-side results of one step, one entry per request that sampled (in scheduled order)."""
@@ -93,7 +102,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed)
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
         self.forward = self.model
         self.compiled = self._should_compile()
         # Each batch row's last sampled token, on the device: async scheduling's next step reads its inputs here.

@@ -99,7 +99,7 @@ def _top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: Optional[torch.Tensor]
             norm = lse
         probs = (masked - norm).exp()
         before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
-        mask |= before > top_p.unsqueeze(1)
+        mask |= (before > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)  # 1.0 = off, whatever the rounding
     return mask
 
 
@@ -167,17 +167,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(x.float().contiguous().numpy().argmax(axis=1))
 
 
-def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Generator]],
-                     any_seeded: bool) -> torch.Tensor:
-    q = torch.empty_like(probs).exponential_()
+def exponential_noise(like: torch.Tensor, generators: list[Optional[torch.Generator]],
+                      any_seeded: bool) -> torch.Tensor:
+    """E ~ Exp(1) shaped like `like`; a seeded row's from its own generator."""
+    q = torch.empty_like(like).exponential_()
     if any_seeded:
         for row, gen in enumerate(generators):
             if gen is not None:
                 q[row].exponential_(generator=gen)
-    return argmax_rows(probs / q)
+    return q
+
+
+def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Generator]],
+                     any_seeded: bool) -> torch.Tensor:
+    return argmax_rows(probs / exponential_noise(probs, generators, any_seeded))
 
 
 class Sampler:
+    def __init__(self, use_kernel: bool = False) -> None:
+        # The Triton sampler (streamer_kernels.top_k_top_p_sample): filters by threshold search, no sort. It
+        # draws the same noise as the torch path, so seeded rows sample the same tokens either way (barring
+        # ties at a top-k boundary, which it keeps, and rounding at a top-p one).
+        self.use_kernel = use_kernel
+
     @staticmethod
     def _sample_full(scaled: torch.Tensor, batch: SamplingBatch, generators: list[Optional[torch.Generator]],
                      ) -> torch.Tensor:
@@ -189,6 +201,26 @@ class Sampler:
             probs = probs * keep
         return exponential_race(probs, generators, batch.any_seeded)
 
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A token for every row as if it were random (greedy rows are replaced by the caller)."""
+        if self.use_kernel:
+            import streamer_kernels
+
+            noise = exponential_noise(logits, batch.generators, batch.any_seeded)
+            return streamer_kernels.top_k_top_p_sample(logits.contiguous(), batch.temperature, batch.top_k,
+                                                       batch.top_p, noise, batch.min_p)
+        temp = batch.temperature.unsqueeze(1)
+        scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
+        fast = sample_from_candidates(scaled, batch) if logits.device.type == "cpu" else None
+        if fast is not None and bool((fast >= 0).all()):
+            return fast
+        if fast is None:
+            return self._sample_full(scaled, batch, batch.generators)
+        # Rows the fast path decided must not draw again: their generators would run ahead.
+        decided = (fast >= 0).tolist()
+        gens = [None if d else g for g, d in zip(batch.generators, decided)]
+        return torch.where(fast >= 0, fast, self._sample_full(scaled, batch, gens))
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         if batch.penalties is not None:
@@ -199,17 +231,7 @@ class Sampler:
         if batch.all_greedy:
             tokens = greedy
         else:
-            temp = batch.temperature.unsqueeze(1)
-            scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
-            fast = sample_from_candidates(scaled, batch) if logits.device.type == "cpu" else None
-            if fast is not None and bool((fast >= 0).all()):
-                sampled = fast
-            elif fast is None:
-                sampled = self._sample_full(scaled, batch, batch.generators)
-            else:  # rows the fast path decided must not draw again: their generators would run ahead
-                decided = (fast >= 0).tolist()
-                gens = [None if d else g for g, d in zip(batch.generators, decided)]
-                sampled = torch.where(fast >= 0, fast, self._sample_full(scaled, batch, gens))
+            sampled = self._sample(logits, batch)
             tokens = torch.where(batch.temperature > 0, sampled, greedy)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:

@@ -25,7 +25,7 @@ from streamer_kernels.reference import build_cos_sin_cache
 __all__ = [
     "HAS_TRITON", "interpret_mode", "use_triton", "reference", "build_cos_sin_cache",
     "reshape_and_cache", "unified_attention", "choose_num_kv_splits",
-    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_sample",
 ]
 
 
@@ -110,3 +110,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     else:
         impl = reference.silu_and_mul
     return impl(x)
+
+
+def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
+                       top_p: Optional[torch.Tensor], exp_noise: torch.Tensor,
+                       min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row (int64 [B]) by the exponential race, argmax(p / exp_noise), over what top-k, then top-p
+    (renormalised over the top-k set), then min-p keep of softmax(logits / temperature). logits [B, V] (last dim
+    contiguous); temperature [B] (<= 0: greedy row, argmax of the logits); top_k int [B] (<= 0 or >= V: off);
+    top_p [B] (1.0: off); min_p [B] (0: off); exp_noise fp32 [B, V], E ~ Exp(1). Ties at a boundary are kept."""
+    if use_triton(logits):
+        from streamer_kernels.sampling import top_k_top_p_sample as impl
+    else:
+        impl = reference.top_k_top_p_sample
+    return impl(logits, temperature, top_k, top_p, exp_noise, min_p)

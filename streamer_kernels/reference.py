@@ -196,7 +196,8 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: Optional[torch.Tensor],
         probs = sorted_logits.softmax(dim=-1)
         # A token is dropped when the tokens strictly more likely than it already reach top_p.
         mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= top_p.float()[:, None]
+        # top_p = 1.0 is "off": the cumsum's rounding must not drop a row's least likely tokens.
+        drop_sorted = (mass_before >= top_p.float()[:, None]) & (top_p < 1.0)[:, None]
         drop_sorted[:, 0] = False  # always keep the most likely token
         threshold = sorted_logits.masked_fill(drop_sorted, float("inf")).min(dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < threshold, float("-inf"))
@@ -204,13 +205,20 @@ def top_k_top_p_mask(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 
 def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],
-                       top_p: Optional[torch.Tensor], exp_noise: torch.Tensor) -> torch.Tensor:
+                       top_p: Optional[torch.Tensor], exp_noise: torch.Tensor,
+                       min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sample one token per row by the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d.
 
     That argmax is distributed exactly as p, needs no normalisation or cumulative sum, and is a deterministic
-    function of `exp_noise` [B, V] (so per-request seeded generators can supply it). temperature [B] > 0.
+    function of `exp_noise` [B, V] (so per-request seeded generators can supply it). Rows with temperature
+    <= 0 take the argmax of the logits. min_p [B] (0 = off) then keeps tokens with p >= min_p * p_max.
     """
-    scaled = logits.float() / temperature.float()[:, None]
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    scaled = logits.float() / temp[:, None]
     masked = top_k_top_p_mask(scaled, top_k, top_p)
     probs = masked.softmax(dim=-1)
-    return (probs / exp_noise).argmax(dim=-1)
+    if min_p is not None:
+        probs = probs * (probs >= min_p.float()[:, None] * probs.max(dim=-1, keepdim=True).values)
+    sampled = (probs / exp_noise).argmax(dim=-1)
+    return torch.where(greedy.to(sampled.device), logits.float().argmax(dim=-1), sampled)

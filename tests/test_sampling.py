@@ -154,6 +154,16 @@ def test_top_k_top_p_mask():
     assert torch.isfinite(out[1, 3]) and torch.isinf(out[1, :3]).all()
 
 
+def test_top_p_one_keeps_every_token_beside_a_top_p_row():
+    # A row with top_p=1.0 shares the batch with one that uses top-p, so it goes through the mask too: the
+    # cumsum's rounding past 1.0 must not drop its tail (it dropped 98 tokens of row 0 here).
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 4096, generator=g) * 3
+    out = apply_top_k_top_p(logits, None, torch.tensor([1.0, 0.5, 1.0, 1.0]))
+    assert torch.isfinite(out[[0, 2, 3]]).all()
+    assert torch.isinf(out[1]).sum() > 4000
+
+
 def test_frequency_penalty_changes_repetitive_output(llm):
     p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     base = _ids(llm, [[9, 9, 9]], p)[0]
