@@ -9,7 +9,8 @@ and prefix caching is off, so every run pays the same prefill.
 
 Decode step time = (t(gen + 1 tokens) - t(1 token)) / gen for the same batch shape: the prefill and the first
 token cancel out. After the default rows, batches <= 32 run again without CUDA graphs and without async
-scheduling (toggled on the same engine), so each one's gain shows side by side. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
+scheduling (toggled on the same engine), so each one's gain shows side by side; last, the largest batch samples
+with top-k/top-p/min-p on the torch sampler and then on the Triton one (`sampling_backend`). Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
 row also shows the memory roofline of a step: weights + the batch's KV cache read once.
 """
 from __future__ import annotations
@@ -121,10 +122,11 @@ def main() -> int:
               f"{runner.attention_backend}, {runner.num_blocks} KV blocks", flush=True)
         rng = random.Random(0)
 
-        def run(batch: int, max_tokens: int) -> float:
+        def run(batch: int, max_tokens: int, sampled: bool = False) -> float:
             prompts = [{"prompt_token_ids": [rng.randrange(3, config["vocab_size"]) for _ in range(prompt_len)]}
                        for _ in range(batch)]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(
+                dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05) if sampled else dict(temperature=0.0)))
             if not dry:
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -140,16 +142,22 @@ def main() -> int:
         # Every batch with the engine's defaults (CUDA graphs, async scheduling), then the small ones again without
         # graphs and without async scheduling (same engine, same compiled model): each one's gain, side by side.
         small = [b for b in batches if b <= 32]
-        plan = ([(b, graphs, overlap) for b in batches] + ([(b, None, overlap) for b in small] if graphs else [])
-                + ([(b, graphs, False) for b in small] if overlap else []))
-        for batch, use, async_on in plan:
+        # Last, the largest batch sampling with top-k/top-p/min-p: the torch sampler, then the Triton one.
+        plan = ([(b, graphs, overlap, None) for b in batches]
+                + ([(b, None, overlap, None) for b in small] if graphs else [])
+                + ([(b, graphs, False, None) for b in small] if overlap else [])
+                + [(max(batches), graphs, overlap, kernel) for kernel in (False, True)])
+        for batch, use, async_on, kernel in plan:
             runner.graphs, llm.engine.async_scheduling = use, async_on
-            run(batch, 2)  # shape-specific warm-up (the kernels specialise on a few integer arguments)
-            t_first = run(batch, 1)
-            t_all = run(batch, gen + 1)
+            sampled = kernel is not None
+            runner.sampler.use_kernel = bool(kernel)
+            run(batch, 2, sampled)  # shape-specific warm-up (the kernels specialise on a few integer arguments)
+            t_first = run(batch, 1, sampled)
+            t_all = run(batch, gen + 1, sampled)
             step_s = max(t_all - t_first, 1e-9) / gen
             name = (f"decode batch {batch}" + ("" if use is not None or graphs is None else " (no CUDA graphs)")
-                    + ("" if async_on or not overlap else " (no async scheduling)"))
+                    + ("" if async_on or not overlap else " (no async scheduling)")
+                    + ("" if not sampled else f", top-k/p sampling, {'triton' if kernel else 'torch'} sampler"))
             r: dict[str, Any] = {"section": "e2e", "name": name, "ms": round(step_s * 1e3, 3),
                                  "tok_per_s": round(batch / step_s, 1), "prefill_s": round(t_first, 3)}
             if args.copy_gbps:
@@ -161,7 +169,7 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
                 args.out.write_text(json.dumps({"rows": rows}))
-        runner.graphs, llm.engine.async_scheduling = graphs, overlap
+        runner.graphs, llm.engine.async_scheduling, runner.sampler.use_kernel = graphs, overlap, False
     return 0
 
 
