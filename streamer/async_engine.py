@@ -140,6 +140,8 @@ class AsyncEngine:
         if self._device is not None:
             self._device.shutdown(wait=True, cancel_futures=True)
             self._device = None
+        if self.engine is not None:
+            self.engine.close()
         if self._waiter is not None:
             self._waiter.shutdown(wait=True, cancel_futures=True)
             self._waiter = None

@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (default: on CUDA only)")
     a.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
                    help="schedule each step only after the previous one finished")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
 
@@ -48,7 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
-                "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch", "tokenizer")
+                "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
+                "tensor_parallel_size", "tokenizer")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

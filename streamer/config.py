@@ -40,6 +40,8 @@ class EngineConfig:
     # CUDA graphs for decode-only steps of up to this many requests (CUDA, Triton backend, not enforce_eager);
     # 0 = off. Capped at max_num_seqs.
     cuda_graph_max_batch: int = 256
+    # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
+    # (streamer/parallel.py). For now such a model runs eagerly, without CUDA graphs or async scheduling.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -72,8 +74,11 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":

@@ -97,7 +97,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.runner.device.type == "cuda")
+                                 else self.runner.device.type == "cuda" and config.tensor_parallel_size == 1)
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -296,6 +296,10 @@ class LLMEngine:
             index=req.seq_index, text=state.text, token_ids=list(req.output_token_ids),
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
             logprobs=state.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
+
+    def close(self) -> None:
+        """Release what outlives the engine object's references: tensor-parallel worker processes."""
+        self.runner.close()
 
     def stats(self) -> dict[str, Any]:
         return {

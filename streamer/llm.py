@@ -21,6 +21,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop tensor-parallel worker processes now (they also stop when this object or the process goes)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:

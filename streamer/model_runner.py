@@ -23,8 +23,9 @@ from streamer.config import EngineConfig
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
 from streamer.models.config import ModelConfig
-from streamer.models.layers import PackableLinear, cpu_packing_supported
+from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
+from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import SamplingRows, StepInputs, to_device
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
@@ -39,6 +40,12 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """A tensor-parallel rank's device: on CUDA rank r takes GPU r; a CPU is shared."""
+    device = resolve_device(name)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -88,11 +95,30 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
+                 tp_rank: int = 0) -> None:
+        """tp_rank > 0: a tensor-parallel worker's shard (streamer/parallel.py), which only runs forwards."""
         self.config = config
         self.model_cfg = model_cfg
         self.max_model_len = max_model_len
-        self.device = resolve_device(config.device)
+        self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
+        self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
+        self.tp_workers: Optional[TensorParallelWorkers] = None
+        if self.tp_size > 1 and tp_rank == 0:
+            self._check_tp()
+            self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
+        try:
+            self._build(model_dir)
+        except BaseException as e:
+            failure = self.tp_workers.failure() if self.tp_workers else None
+            self.close()  # the workers and the process group go with the engine that failed to start
+            if failure:  # a worker's own error says more than the collective that lost it
+                raise RuntimeError(failure) from e
+            raise
+
+    def _build(self, model_dir: Path) -> None:
+        config, model_cfg, max_model_len = self.config, self.model_cfg, self.max_model_len
+        ParallelContext.rank, ParallelContext.size = self.tp_rank, self.tp_size  # read while the layers are built
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.block_size = config.block_size
         backend_cls = resolve_backend(config.attention_backend, self.device)
@@ -121,6 +147,11 @@ class ModelRunner:
         if self._cpu_packing():
             self.model.pack_head_for_cpu()
         self.graphs: Optional[DecodeGraphs] = None
+        if self.tp_rank > 0:  # a worker runs whatever rank 0 sends, warm-up steps included
+            self._use_eager()
+            return
+        if self.tp_workers is not None:
+            self.tp_workers.wait_ready()
         self._set_up_forward()
         if self._use_cuda_graphs():
             self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
@@ -152,9 +183,19 @@ class ModelRunner:
                     module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
+    def _check_tp(self) -> None:
+        tp = self.tp_size
+        if self.device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+        cfg = self.model_cfg
+        if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+            raise ValueError(f"tensor_parallel_size {tp} does not split the model's {cfg.num_heads} attention "
+                             f"heads / {cfg.num_kv_heads} kv heads evenly")
+
     def _use_cuda_graphs(self) -> bool:
         # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
-        return (self.device.type == "cuda" and self.attention_backend == "triton"
+        # (Tensor-parallel workers would have to replay the same graphs: not yet.)
+        return (self.device.type == "cuda" and self.attention_backend == "triton" and self.tp_size == 1
                 and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
@@ -173,6 +214,10 @@ class ModelRunner:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
 
     def _should_compile(self) -> bool:
+        if self.tp_size > 1:
+            if self.config.enforce_eager is False and self.tp_rank == 0:
+                logger.warning("tensor parallelism runs the model eagerly for now; not compiling")
+            return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
         return self.device.type == "cuda"
@@ -258,6 +303,10 @@ class ModelRunner:
         # More blocks than every sequence slot can fill would only waste memory.
         useful = self.config.max_num_seqs * self.max_blocks_per_req
         n = min(budget // per_block, useful)
+        if self.tp_size > 1:  # every rank must hold the same blocks: the smallest budget decides
+            t = torch.tensor([n], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            n = int(t.item())
         if n < self.max_blocks_per_req and n < 1:
             raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single block of {per_block} bytes")
         return max(int(n), 1)
@@ -346,6 +395,8 @@ class ModelRunner:
         return input_ids
 
     def _run_model(self, step: StepInputs) -> torch.Tensor:
+        if self.tp_workers is not None:  # the other ranks run the same forward, meeting ours at each all-reduce
+            self.tp_workers.send(step)
         if self.graphs is not None:
             hidden = self.graphs.run(step, self.last_tokens)
             if hidden is not None:
@@ -368,6 +419,17 @@ class ModelRunner:
 
     def execute(self, step: StepInputs) -> RunnerOutput:
         return self.launch(step).result()
+
+    @torch.inference_mode()
+    def run_worker_step(self, step: StepInputs) -> None:
+        """A tensor-parallel worker's part of a step: the forward (its collectives pair with rank 0's)."""
+        self._run_model(step)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+            self.tp_workers = None
 
     @torch.inference_mode()
     def launch(self, step: StepInputs) -> "PendingStep":

@@ -20,16 +20,11 @@ import streamer_kernels as K
 
 
 class ParallelContext:
-    """Which shard of each layer this process holds. Single-process for now: rank 0 of 1."""
+    """Which shard of each layer this process builds: rank `rank` of `size` (streamer/parallel.py runs one
+    process per rank). Read when layers are built and loaded; a layer keeps its own copy of `size`."""
 
     rank: int = 0
     size: int = 1
-
-    @classmethod
-    def all_reduce(cls, x: torch.Tensor) -> torch.Tensor:
-        if cls.size > 1:
-            torch.distributed.all_reduce(x)
-        return x
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -106,9 +101,10 @@ class ColumnParallelLinear(PackableLinear):
     """y = x W^T (+ b) with W's output rows split across ranks. `output_sizes` lists the packed sub-matrices."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False,
-                 shard_names: Optional[Sequence[Any]] = None) -> None:
+                 shard_names: Optional[Sequence[Any]] = None, replicable: bool = False) -> None:
         super().__init__()
         tp = ParallelContext.size
+        self.replicable = replicable  # checkpoint tensors may be narrower than tp shards (replicated kv heads)
         for s in output_sizes:
             if s % tp:
                 raise ValueError(f"output size {s} is not divisible by tensor_parallel_size {tp}")
@@ -127,12 +123,16 @@ class ColumnParallelLinear(PackableLinear):
         idx = 0 if shard is None else self.shard_names.index(shard)
         size = self.output_sizes[idx]
         offset = sum(self.output_sizes[:idx])
-        rank = ParallelContext.rank
-        full = size * ParallelContext.size
-        if loaded.shape[0] != full or loaded.shape[1:] != param.shape[1:]:
-            expected = (full, *param.shape[1:])
+        rank, tp = ParallelContext.rank, ParallelContext.size
+        # A sub-matrix may hold fewer chunks than ranks: k/v with fewer kv heads than ranks, replicated so that
+        # consecutive ranks share one (rank r takes chunk r // (tp / chunks)).
+        chunks = loaded.shape[0] // size if size else 0
+        if (chunks < 1 or loaded.shape[0] % size or tp % chunks or (chunks != tp and self.replicable is False)
+                or loaded.shape[1:] != param.shape[1:]):
+            expected = (size * tp, *param.shape[1:])
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
-        param.data[offset:offset + size].copy_(loaded[rank * size:(rank + 1) * size])
+        chunk = rank // (tp // chunks)
+        param.data[offset:offset + size].copy_(loaded[chunk * size:(chunk + 1) * size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -146,6 +146,7 @@ class RowParallelLinear(PackableLinear):
         tp = ParallelContext.size
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp}")
+        self.tp_size = tp
         self.input_size = input_size // tp
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
@@ -160,7 +161,9 @@ class RowParallelLinear(PackableLinear):
         param.data.copy_(loaded[:, rank * n:(rank + 1) * n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ParallelContext.all_reduce(self._matmul(x, None))
+        y = self._matmul(x, None)
+        if self.tp_size > 1:  # each rank multiplied its slice of the input features: sum the partial products
+            torch.distributed.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

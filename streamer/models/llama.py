@@ -42,7 +42,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         kv_total = self.kv_size * tp
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_total, kv_total],
-                                             bias=cfg.attention_bias, shard_names=["q", "k", "v"])
+                                             bias=cfg.attention_bias, shard_names=["q", "k", "v"],
+                                             replicable=True)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -1,0 +1,78 @@
+"""Tensor parallelism on CPU: two processes (gloo), each holding half of every layer, against transformers and
+against the single-process engine."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("transformers")  # the checkpoints and the oracle
+
+from streamer import LLM, AsyncEngine, SamplingParams  # noqa: E402
+from streamer.config import EngineConfig  # noqa: E402
+from tests.checkpoints import hf_greedy  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7], list(range(60, 100))]
+MAX_NEW = 10
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen2", {}),  # qkv bias (sharded with its rows), tied embeddings
+    ("qwen3", {"num_key_value_heads": 1}),  # one kv head for two ranks: replicated; per-head q/k norms
+], ids=["qwen2", "qwen3-mqa"])
+def test_tp2_matches_transformers(make_ckpt, family, overrides) -> None:
+    path = make_ckpt(f"{family}_tp", family=family, seed=3, **overrides)
+    # A small token budget: prompts are prefilled in chunks beside other requests' decodes.
+    with LLM(str(path), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16) as llm:
+        runner = llm.engine.runner
+        assert runner.tp_workers is not None and len(runner.tp_workers.procs) == 1
+        assert runner.model.layers[0].self_attn.num_heads == 2  # this rank's half
+        got = _greedy(llm, PROMPTS)
+    assert got == hf_greedy(path, PROMPTS, MAX_NEW)
+
+
+def test_tp2_sampling_matches_one_process_and_workers_stop(llama_dir) -> None:
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in range(3)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    with LLM(str(llama_dir), dtype="float32") as one:
+        want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
+    procs = llm.engine.runner.tp_workers.procs
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert all(p.poll() is None for p in procs)
+    llm.close()
+    assert all(p.poll() == 0 for p in procs), "workers exit cleanly when the engine closes"
+    llm.close()  # idempotent
+
+
+def test_tp2_async_engine_streams(llama_dir) -> None:
+    async def run() -> list[int]:
+        async with AsyncEngine(str(llama_dir), dtype="float32", tensor_parallel_size=2) as engine:
+            assert engine.engine.runner.tp_workers is not None
+            tokens: list[int] = []
+            async for out in engine.stream({"prompt_token_ids": PROMPTS[0]},
+                                           SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)):
+                tokens += out.token_ids
+            procs = engine.engine.runner.tp_workers.procs
+        assert all(p.poll() == 0 for p in procs), "stopping the engine stops its workers"
+        return tokens
+
+    with LLM(str(llama_dir), dtype="float32") as one:
+        assert asyncio.run(run()) == _greedy(one, PROMPTS[:1])[0]
+
+
+def test_tp_bad_arguments(llama_dir) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=True)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(tensor_parallel_size=2, async_scheduling=True)
+    # 4 attention heads do not split over 3 ranks: refused before any worker starts.
+    with pytest.raises(ValueError, match="tensor_parallel_size 3"):
+        LLM(str(llama_dir), dtype="float32", tensor_parallel_size=3)
