@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -134,6 +135,9 @@ def _worker_main(address: str, rank: int) -> None:
     from streamer.model_runner import ModelRunner, rank_device
 
     logging.basicConfig(level=logging.WARNING)
+    # Ctrl-C in a terminal reaches every process of the group: rank 0 decides when to stop, and a worker
+    # also stops when rank 0 goes away (its connection ends).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     host, port_str = address.rsplit(":", 1)
     conn = Client((host, int(port_str)), authkey=bytes.fromhex(os.environ.pop("STREAMER_TP_KEY")))
     conn.send(rank)
