@@ -104,8 +104,12 @@ class ModelRunner:
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
         self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
         self.tp_workers: Optional[TensorParallelWorkers] = None
+        self._threads_before = 0
         if self.tp_size > 1 and tp_rank == 0:
             self._check_tp()
+            if self.device.type == "cpu":  # the ranks share the cores (workers do the same); restored by close()
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
         try:
             self._build(model_dir)
@@ -430,6 +434,9 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = 0
 
     @torch.inference_mode()
     def launch(self, step: StepInputs) -> "PendingStep":

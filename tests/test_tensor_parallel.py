@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")  # the checkpoints and the oracle
 
@@ -41,12 +42,14 @@ def test_tp2_sampling_matches_one_process_and_workers_stop(llama_dir) -> None:
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     with LLM(str(llama_dir), dtype="float32") as one:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    threads = torch.get_num_threads()
     llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
     procs = llm.engine.runner.tp_workers.procs
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert all(p.poll() is None for p in procs)
     llm.close()
     assert all(p.poll() == 0 for p in procs), "workers exit cleanly when the engine closes"
+    assert torch.get_num_threads() == threads, "rank 0 gives back the threads it left to its workers"
     llm.close()  # idempotent
 
 
