@@ -124,6 +124,11 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(f"prompt is {n} tokens long, but max_model_len is {limit}: it must be shorter "
                              f"than {limit} tokens to leave room for at least one generated token")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token id {bad[0]}, outside the model's vocabulary "
+                                 f"[0, {self.vocab_size})")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "

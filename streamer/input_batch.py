@@ -39,11 +39,12 @@ class SamplingRows:
     top_p: np.ndarray  # float32 [S]; 1 = off
     min_p: np.ndarray  # float32 [S]; 0 = off
     max_logprobs: int  # top-N logprobs the batch needs (0 = sampled token only, -1 = none)
-    # The few rows whose sampling needs their Request (a seeded generator, penalties, min_tokens bans):
-    # (index among the sampling rows, request).
+    # The few rows whose sampling needs their Request (a seeded generator, penalties, min_tokens bans,
+    # logit_bias / allowed_token_ids): (index among the sampling rows, request).
     seeded: list[tuple[int, Request]]
     penalized: list[tuple[int, Request]]
     banned: list[tuple[int, Request]]
+    adjusted: list[tuple[int, Request]] = field(default_factory=list)
 
 
 @dataclass
@@ -99,13 +100,15 @@ class InputBatch:
         self.min_tokens = np.zeros(0, dtype=np.int64)
         self.seeded = np.zeros(0, dtype=bool)
         self.penalized = np.zeros(0, dtype=bool)
+        self.adjusted = np.zeros(0, dtype=bool)
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
 
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
-                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "epoch")
+                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
+                   "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -156,6 +159,7 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalized[row] = p.needs_penalties
+        self.adjusted[row] = p.adjusts_logits
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -236,13 +240,15 @@ class InputBatch:
         reqs = self.reqs
         seeded = np.flatnonzero(self.seeded[rows])
         penalized = np.flatnonzero(self.penalized[rows])
+        adjusted = np.flatnonzero(self.adjusted[rows])
         banned = np.flatnonzero(seq_lens - self.num_prompt[rows] < self.min_tokens[rows])
         return SamplingRows(
             temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
             min_p=self.min_p[rows], max_logprobs=int(logprobs.max()) if len(rows) else -1,
             seeded=[(int(i), reqs[rows[i]]) for i in seeded],  # type: ignore[misc]
             penalized=[(int(i), reqs[rows[i]]) for i in penalized],  # type: ignore[misc]
-            banned=[(int(i), reqs[rows[i]]) for i in banned])  # type: ignore[misc]
+            banned=[(int(i), reqs[rows[i]]) for i in banned],  # type: ignore[misc]
+            adjusted=[(int(i), reqs[rows[i]]) for i in adjusted])  # type: ignore[misc]
 
     # ------------------------------------------------------------------ tests
     def check_consistency(self, kv: KVCacheManager) -> None:

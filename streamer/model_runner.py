@@ -347,10 +347,28 @@ class ModelRunner:
         if rows.penalized:
             idx = [i for i, _ in rows.penalized]
             penalties = build_penalties([r for _, r in rows.penalized], idx, n, self.model_cfg.vocab_size, dev)
+        adjust = None
+        if rows.adjusted:
+            idx = to_device(np.array([i for i, _ in rows.adjusted], dtype=np.int64), dev)
+            adjust = (idx, torch.stack([self._logit_adjust(r) for _, r in rows.adjusted]))
         return SamplingBatch(
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
-            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted)
+            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted, adjust=adjust)
+
+    def _logit_adjust(self, req: Request) -> torch.Tensor:
+        """The request's logit_bias / allowed_token_ids as one row added to its logits (built once)."""
+        if req.logit_adjust is None:
+            p, vocab = req.params, self.model_cfg.vocab_size
+            row = torch.zeros(vocab)
+            if p.allowed_token_ids is not None:
+                row.fill_(float("-inf"))
+                row[torch.tensor(p.allowed_token_ids, dtype=torch.int64)] = 0.0
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.int64)
+                row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=torch.float32)
+            req.logit_adjust = to_device(row, self.device)
+        return req.logit_adjust  # type: ignore[return-value]
 
     def _banned(self, banned: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """min_tokens: the stop tokens (eos unless ignored, stop_token_ids) of rows still short of it."""

@@ -69,6 +69,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Seeded sampling's generator: made by the runner on first use, dies with the request (nothing to free).
         self.generator: Optional[object] = None
+        # logit_bias / allowed_token_ids as one [vocab] row added to the logits: built by the runner once.
+        self.logit_adjust: Optional[object] = None
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state

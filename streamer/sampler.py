@@ -30,6 +30,7 @@ class SamplingBatch:
     penalties: Optional["PenaltyBatch"]
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
     restricted: Optional[torch.Tensor] = None  # [B] bool: the row uses top-k or top-p
+    adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
 
 
 @dataclass
@@ -225,6 +226,8 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.adjust is not None:
+            logits = logits.index_add(0, *batch.adjust)
         if batch.banned is not None:
             logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
         greedy = argmax_rows(logits)

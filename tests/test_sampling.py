@@ -20,7 +20,9 @@ def llm(llama_dir) -> LLM:
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1),
     ("max_tokens", 0), ("n", 0), ("presence_penalty", 3.0), ("frequency_penalty", float("nan")),
     ("repetition_penalty", 0.0), ("logprobs", 21), ("seed", 1.5), ("min_tokens", -1), ("stop", [""]),
-    ("stop_token_ids", [-1]), ("max_tokens", True),
+    ("stop_token_ids", [-1]), ("max_tokens", True), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {-3: 1.0}), ("allowed_token_ids", []),
+    ("allowed_token_ids", [1, -2]),
     # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
     ("seed", 2 ** 64), ("seed", -1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])
@@ -144,6 +146,30 @@ def test_penalties_match_naive_reference():
         for t in set(output[b]):
             want[b, t] -= freq[b] * output[b].count(t) + pres[b]
     torch.testing.assert_close(got, want)
+
+
+def test_logit_bias_and_allowed_token_ids(llm):
+    prompts = [[9, 10, 11, 12], [30, 31]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    base = _ids(llm, prompts, greedy)
+    # +100 forces a token; -100 on everything the row produced makes it produce something else. The other
+    # request of the batch is untouched.
+    forced = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          [greedy.clone(logit_bias={77: 100.0}), greedy])
+    assert forced[0].outputs[0].token_ids == [77] * 6 and forced[1].outputs[0].token_ids == base[1]
+    banned = _ids(llm, prompts[:1], greedy.clone(logit_bias={t: -100.0 for t in base[0]}))[0]
+    assert not set(banned) & set(base[0])
+    # A small bias shifts the race without deciding it: sampled tokens keep varying.
+    allowed = [5, 6, 7]
+    outs = _ids(llm, [prompts[0]] * 4, SamplingParams(max_tokens=12, temperature=1.0, allowed_token_ids=allowed,
+                                                      logit_bias={5: 0.5}, ignore_eos=True, seed=3))
+    assert all(set(o) <= set(allowed) for o in outs) and len({t for o in outs for t in o}) > 1
+    # Token ids past the vocabulary are refused up front, naming the field.
+    vocab = llm.engine.vocab_size
+    with pytest.raises(ValueError, match="^logit_bias"):
+        llm.generate([prompts[0]], greedy.clone(logit_bias={vocab: 1.0}))
+    with pytest.raises(ValueError, match="^allowed_token_ids"):
+        llm.generate([prompts[0]], greedy.clone(allowed_token_ids=[1, vocab + 5]))
 
 
 def test_top_k_top_p_mask():

@@ -195,6 +195,13 @@ def test_oversized_bodies_get_413(http):
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
      "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),  # past the vocab
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": []}, 400,
+     "allowed_token_ids"),
     ("/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
 ])

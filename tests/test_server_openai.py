@@ -160,6 +160,28 @@ def test_stop_strings(live):
     run(main())
 
 
+def test_logit_bias_and_allowed_token_ids(live):
+    async def main():
+        async with client(live) as c, httpx.AsyncClient(base_url=live.base_url.removesuffix("/v1")) as http:
+            x = (await http.post("/tokenize", json={"prompt": "x", "add_special_tokens": False})).json()["tokens"]
+            assert len(x) == 1
+            forced = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=5,
+                                                logit_bias={str(x[0]): 100}, **GREEDY)
+            # Sampling at temperature 1, but only one token is allowed.
+            only = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, temperature=1.0,
+                                                   extra_body={"allowed_token_ids": x, "ignore_eos": True})
+            base = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, **GREEDY)
+            banned = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=5, **GREEDY,
+                                                logit_bias={str(t): -100 for t in (await http.post(
+                                                    "/tokenize", json={"prompt": base.choices[0].text,
+                                                                       "add_special_tokens": False})).json()["tokens"]})
+        assert forced.choices[0].text == "xxxxx"
+        assert only.choices[0].message.content == "xxxx"
+        assert banned.choices[0].text != base.choices[0].text
+    run(main())
+
+
 def test_logprobs(live):
     async def main():
         async with client(live) as c:

@@ -40,6 +40,7 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_STOP = 64
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024  # as OpenAI bounds it (300 there); the table is built once per request
 MAX_MESSAGES = 4096
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -193,6 +194,39 @@ def _stop_token_ids(body: dict) -> list[int]:
     return v
 
 
+def _logit_bias(body: dict) -> Optional[dict[int, float]]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]} (JSON object keys are strings)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise APIError(f"logit_bias must be an object mapping token ids to numbers, got {_show(v)}",
+                       param="logit_bias")
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise APIError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise APIError(f"logit_bias keys must be token ids (integers >= 0), got {_show(key)}",
+                           param="logit_bias")
+        out[token] = get_float({"logit_bias": bias}, "logit_bias", 0.0)
+    return out
+
+
+def _allowed_token_ids(body: dict) -> Optional[list[int]]:
+    v = body.get("allowed_token_ids")
+    if v is None:
+        return None
+    if not isinstance(v, list) or not v or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in v):
+        raise APIError(f"allowed_token_ids must be a non-empty array of token ids, got {_show(v)}",
+                       param="allowed_token_ids")
+    return v
+
+
 _LEADING_NAME = re.compile(r"[a-z_]+")
 
 
@@ -207,7 +241,8 @@ def _param_of(message: str, known: set[str]) -> Optional[str]:
 
 _SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
-                    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"}
+                    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
+                    "allowed_token_ids"}
 
 
 def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
@@ -227,8 +262,6 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
-    if body.get("logit_bias"):
-        raise APIError("logit_bias is not supported", param="logit_bias")
     try:
         return SamplingParams(
             n=n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
@@ -244,7 +277,8 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
             stop=_stop(body), stop_token_ids=_stop_token_ids(body),
             ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-            skip_special_tokens=get_bool(body, "skip_special_tokens", True))
+            skip_special_tokens=get_bool(body, "skip_special_tokens", True), logit_bias=_logit_bias(body),
+            allowed_token_ids=_allowed_token_ids(body))
     except ValueError as e:
         err = value_error(e)
         if err.param == "max_tokens" and max_tokens_field in body:
