@@ -1,11 +1,11 @@
 """Tensor parallelism: one process per rank, each holding a Megatron shard of every layer (models/layers.py).
 
 The engine's process is rank 0: it schedules, prepares each step, runs its shard and samples. Ranks 1..N-1 are
-worker processes spawned here. Each step's host inputs go to them through a pipe (pickled numpy arrays; the
-sampling parameters stay behind, since only rank 0 samples) and every rank runs the same forward, whose row
-layers all-reduce their partial sums over torch.distributed (gloo on CPU, NCCL on CUDA). A pipe, not a
-collective, carries the steps: an idle server leaves its workers blocked on it for hours, which a collective's
-timeout would not allow, and a worker sees the engine die as the end of its pipe.
+worker processes started here. Each step's host inputs go to them over a local connection (pickled numpy
+arrays; the sampling parameters stay behind, since only rank 0 samples) and every rank runs the same forward,
+whose row layers all-reduce their partial sums over torch.distributed (gloo on CPU, NCCL on CUDA). A
+connection, not a collective, carries the steps: an idle server leaves its workers blocked on it for hours,
+which a collective's timeout would not allow, and a worker sees the engine die as the end of its connection.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
@@ -62,7 +63,7 @@ class TensorParallelWorkers:
         port = _free_port()
         key = secrets.token_bytes(32)
         self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
+        self.conns: list[Connection] = []  # rank 1, 2, ...
         self._finalizer = weakref.finalize(self, _shutdown, self.conns, self.procs)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             env = dict(os.environ, STREAMER_TP_KEY=key.hex())
@@ -70,13 +71,11 @@ class TensorParallelWorkers:
             for rank in range(1, world):
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "streamer.parallel", address, str(rank)],
                                                    env=env))
-            for _ in range(1, world):
-                conn = listener.accept()
-                rank = conn.recv()
+            by_rank = {}
+            for conn in _accept(listener, self.procs):
+                by_rank[conn.recv()] = conn
                 conn.send((config, model_dir, model_cfg, max_model_len, port))
-                self.conns.append((rank, conn))
-        self.conns.sort(key=lambda rc: rc[0])
-        self.conns[:] = [c for _, c in self.conns]
+        self.conns.extend(by_rank[r] for r in sorted(by_rank))
         init_process_group(0, world, port, device)
 
     def wait_ready(self) -> None:
@@ -111,6 +110,19 @@ class TensorParallelWorkers:
         self._finalizer()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _accept(listener: Listener, procs: list[subprocess.Popen]) -> list[Connection]:
+    """One connection per worker; a worker that exits first (say, an import error) raises instead of hanging."""
+    conns: list[Connection] = []
+    accepting = threading.Thread(target=lambda: conns.extend(listener.accept() for _ in procs), daemon=True)
+    accepting.start()
+    while accepting.is_alive():
+        accepting.join(0.2)
+        dead = [p for p in procs if p.poll() is not None]
+        if dead and accepting.is_alive():
+            raise RuntimeError(f"a tensor-parallel worker exited (code {dead[0].returncode}) before connecting")
+    return conns
 
 
 def _shutdown(conns: list[Connection], procs: list[subprocess.Popen]) -> None:

@@ -69,6 +69,16 @@ def test_tp2_async_engine_streams(llama_dir) -> None:
         assert asyncio.run(run()) == _greedy(one, PROMPTS[:1])[0]
 
 
+def test_tp_worker_that_dies_early_is_reported(llama_dir, monkeypatch) -> None:
+    import streamer.parallel
+    import torch.distributed
+
+    monkeypatch.setattr(streamer.parallel.sys, "executable", "/bin/false")  # "workers" that exit at once
+    with pytest.raises(RuntimeError, match=r"worker exited \(code 1\) before connecting"):
+        LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
 def test_tp_bad_arguments(llama_dir) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(tensor_parallel_size=0)
