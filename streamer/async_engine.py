@@ -351,7 +351,9 @@ class AsyncEngine:
                 stream.cached_tokens = max(req.num_cached_tokens, 0)
                 queue.put_nowait(StreamOutput(rid, req.seq_index, u.new_token_ids, u.text, u.logprobs,
                                               req.finish_reason if u.finished else None,
-                                              req.stop_reason if u.finished else None))
+                                              req.stop_reason if u.finished else None,
+                                              prompt_logprobs=u.prompt_logprobs,
+                                              prompt_token_ids=req.prompt_token_ids if u.prompt_logprobs else None))
             if u.finished:
                 self._last_token_time.pop(req.request_id, None)
                 met = u.state.metrics

@@ -17,9 +17,9 @@ from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.model_runner import ModelRunner, RunnerOutput
+from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
-from streamer.outputs import CompletionOutput, Logprob, RequestMetrics, SampleLogprobs
+from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
@@ -50,6 +50,7 @@ class SeqState:
     prompt: Optional[str]
     logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: float = 0.0
+    prompt_logprobs: Optional[PromptLogprobs] = None  # [None] + one entry per scored prompt token, if asked
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
@@ -67,6 +68,7 @@ class SeqUpdate:
     text: str
     logprobs: Optional[SampleLogprobs]
     finished: bool
+    prompt_logprobs: Optional[PromptLogprobs] = None  # with a sequence's first token
 
     @property
     def req(self) -> Request:
@@ -166,6 +168,7 @@ class LLMEngine:
                           seq_index=i, parent_id=request_id)
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                              metrics=RequestMetrics(arrival_time=arrival))
             self.seqs[req.request_id] = state
             self.scheduler.add(req)
@@ -227,6 +230,8 @@ class LLMEngine:
         self.num_steps += 1
         if result.rows is not None:
             self.batch.record(result.rows, result.epochs, result.positions, result.token_array)
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()
         updates = []
         for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
@@ -264,7 +269,8 @@ class LLMEngine:
             req.stop_reason = stop_reason
             self._finish(state, status)
             m.finished_time = now
-        return SeqUpdate(state, [token], text, new_logprobs, status is not None)
+        first = state.prompt_logprobs if len(req.output_token_ids) == 1 else None
+        return SeqUpdate(state, [token], text, new_logprobs, status is not None, first)
 
     def _check_stop(self, req: Request, token: int) -> tuple[Optional[RequestStatus], int | str | None]:
         p = req.params
@@ -285,6 +291,25 @@ class LLMEngine:
         group = self.groups.get(req.parent_id or req.request_id)
         if group is not None and all(sid not in self.seqs for sid in group):
             del self.groups[req.parent_id or req.request_id]
+
+    def _record_prompt_logprobs(self, out: PromptLogprobsOut) -> None:
+        decode = self.tokenizer.decode_token
+        k = 0
+        for rid, first, count in out.owners:
+            state = self.seqs.get(rid)
+            entries = state.prompt_logprobs if state is not None else None
+            top_n = (state.req.params.prompt_logprobs or 0) if state is not None else 0
+            for j in range(k, k + count):
+                pos = first + j - k
+                if entries is None or pos < len(entries):
+                    continue  # aborted, or scored before a preemption made it recompute the prompt
+                tid = int(out.target_ids[j])
+                entry = {tid: Logprob(float(out.logprobs[j]), int(out.ranks[j]), decode(tid))}
+                for rank, (t, lp) in enumerate(zip(out.top_ids[j, :top_n].tolist(),
+                                                   out.top_logprobs[j, :top_n].tolist()), start=1):
+                    entry.setdefault(t, Logprob(lp, rank, decode(t)))
+                entries.append(entry)
+            k += count
 
     def _logprob_entry(self, result: RunnerOutput, row: int, top_n: int) -> dict[int, Logprob]:
         lps, ids = result.logprobs[row], result.logprob_token_ids[row]  # type: ignore[index]

@@ -48,6 +48,17 @@ class SamplingRows:
 
 
 @dataclass
+class PromptLogprobTokens:
+    """Prompt tokens of this step whose logprobs were asked for: the logit at prompt position p scores the
+    prompt token at p + 1."""
+
+    token_idx: np.ndarray  # int64 [K]: rows of the step's hidden states
+    target_ids: np.ndarray  # int64 [K]: the prompt token each one scores
+    owners: list[tuple[str, int, int]]  # (request id, position of its first target, how many)
+    top_n: int  # top logprobs to return beside each target (the widest request's)
+
+
+@dataclass
 class StepInputs:
     """One step's flattened varlen batch, on the host."""
 
@@ -66,6 +77,7 @@ class StepInputs:
     # input_ids[pending_idx] from its device-side copy of each row's last sampled token.
     pending_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
+    prompt_logprobs: Optional[PromptLogprobTokens] = None
 
     @property
     def num_reqs(self) -> int:
@@ -101,6 +113,7 @@ class InputBatch:
         self.seeded = np.zeros(0, dtype=bool)
         self.penalized = np.zeros(0, dtype=bool)
         self.adjusted = np.zeros(0, dtype=bool)
+        self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -108,7 +121,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "epoch")
+                   "prompt_logprobs", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -160,6 +173,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalized[row] = p.needs_penalties
         self.adjusted[row] = p.adjusts_logits
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -228,12 +242,31 @@ class InputBatch:
         bs = self.block_size
         slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         sample_idx = np.flatnonzero(samples)
+        wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
             sample_idx=sample_idx, sampling=self._sampling_rows(rows[sample_idx], seq_lens[sample_idx]),
-            pending_idx=pending_idx, pending_rows=token_rows[pending_idx])
+            pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
+            prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
+
+    def _prompt_logprob_tokens(self, wants: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,
+                               starts: np.ndarray, q_lens: np.ndarray) -> Optional[PromptLogprobTokens]:
+        """The prompt positions of this step's chunks (for the few requests that asked) that score a prompt token."""
+        idx, targets, owners = [], [], []
+        for i in wants:
+            row, start = rows[i], int(starts[i])
+            end = min(start + int(q_lens[i]), int(self.num_prompt[row]) - 1)
+            if end <= start:
+                continue  # a decode step, or the chunk holding only the prompt's last token
+            idx.append(np.arange(qsl[i], qsl[i] + end - start))
+            targets.append(self.tokens[row, start + 1:end + 1])
+            owners.append((sch[i].req.request_id, start + 1, end - start))
+        if not owners:
+            return None
+        return PromptLogprobTokens(np.concatenate(idx), np.concatenate(targets).astype(np.int64), owners,
+                                   int(self.prompt_logprobs[rows[wants]].max()))
 
     def _sampling_rows(self, rows: np.ndarray, seq_lens: np.ndarray) -> SamplingRows:
         logprobs = self.logprobs[rows]

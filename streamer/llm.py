@@ -84,4 +84,5 @@ class LLM:
         first = states[0].req
         return RequestOutput(request_id=rid, prompt=states[0].prompt, prompt_token_ids=list(first.prompt_token_ids),
                              outputs=[self.engine.completion(s) for s in states], finished=True,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=states[0].metrics)
+                             num_cached_tokens=max(first.num_cached_tokens, 0), metrics=states[0].metrics,
+                             prompt_logprobs=states[0].prompt_logprobs)

@@ -26,7 +26,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.parallel import TensorParallelWorkers
-from streamer.input_batch import SamplingRows, StepInputs, to_device
+from streamer.input_batch import PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
 
@@ -92,6 +92,19 @@ class RunnerOutput:
     epochs: Optional[np.ndarray] = None
     positions: Optional[np.ndarray] = None
     token_array: Optional[np.ndarray] = None
+    prompt_logprobs: Optional["PromptLogprobsOut"] = None
+
+
+@dataclass
+class PromptLogprobsOut:
+    """Logprobs of the prompt tokens a step scored (see PromptLogprobTokens), on the host."""
+
+    owners: list[tuple[str, int, int]]  # (request id, position of its first target, how many), in row order
+    target_ids: np.ndarray  # int64 [K]
+    logprobs: np.ndarray  # float32 [K]: each target's logprob
+    ranks: np.ndarray  # int64 [K]: its rank (1 = most likely)
+    top_ids: np.ndarray  # int64 [K, N]
+    top_logprobs: np.ndarray  # float32 [K, N]
 
 
 class ModelRunner:
@@ -463,9 +476,10 @@ class ModelRunner:
         step (async scheduling) while this one runs."""
         dev = self.device
         hidden = self._run_model(step)
+        prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
         idx = step.sample_idx
         if len(idx) == 0:
-            return PendingStep(step, idx, [])
+            return PendingStep(step, idx, [], prompt_logprobs=prompt_lp)
         last = to_device(step.query_start_loc[1:][idx] - 1, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
@@ -473,21 +487,40 @@ class ModelRunner:
         tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
                                      if out.logprobs is not None else [])
         if dev.type != "cuda":
-            return PendingStep(step, idx, tensors)
+            return PendingStep(step, idx, tensors, prompt_logprobs=prompt_lp)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for h, t in zip(host, tensors):
             h.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(step, idx, host, event)
+        return PendingStep(step, idx, host, event, prompt_lp)
+
+    # Rows of prompt logits made at once: a long prompt's [tokens, vocab] logits would not fit in memory.
+    PROMPT_LOGPROB_CHUNK = 512
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, want: PromptLogprobTokens) -> PromptLogprobsOut:
+        """Score prompt tokens (a rare request option: this waits for the device, unlike the sampled path)."""
+        dev, n = self.device, want.top_n
+        idx, targets = to_device(want.token_idx, dev), to_device(want.target_ids, dev)
+        parts: list[list[torch.Tensor]] = []
+        for lo in range(0, len(idx), self.PROMPT_LOGPROB_CHUNK):
+            sl = slice(lo, lo + self.PROMPT_LOGPROB_CHUNK)
+            lp = self.model.compute_logits(hidden.index_select(0, idx[sl])).log_softmax(dim=-1)
+            chosen = lp.gather(1, targets[sl].unsqueeze(1))
+            top = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+            parts.append([chosen.squeeze(1), (lp > chosen).sum(dim=-1) + 1, top[1], top[0]])
+        chosen, ranks, top_ids, top_lps = (torch.cat(p).cpu().numpy() for p in zip(*parts))
+        return PromptLogprobsOut(want.owners, want.target_ids, chosen, ranks, top_ids, top_lps)
 
 
 class PendingStep:
     """A launched step: its sampled tokens (and logprobs) on their way to host memory."""
 
     def __init__(self, step: StepInputs, idx: np.ndarray, host: list[torch.Tensor],
-                 event: Optional["torch.cuda.Event"] = None) -> None:
+                 event: Optional["torch.cuda.Event"] = None,
+                 prompt_logprobs: Optional[PromptLogprobsOut] = None) -> None:
         self.step, self.idx, self.host, self.event = step, idx, host, event
+        self.prompt_logprobs = prompt_logprobs
 
     @property
     def ready(self) -> bool:
@@ -498,10 +531,11 @@ class PendingStep:
             self.event.synchronize()
         step, idx = self.step, self.idx
         if len(idx) == 0:
-            return RunnerOutput([], [])
+            return RunnerOutput([], [], prompt_logprobs=self.prompt_logprobs)
         tokens = self.host[0].numpy()
         result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
-                              epochs=step.epochs[idx], positions=step.seq_lens[idx], token_array=tokens)
+                              epochs=step.epochs[idx], positions=step.seq_lens[idx], token_array=tokens,
+                              prompt_logprobs=self.prompt_logprobs)
         if len(self.host) > 1:
             logprobs, ids, ranks = self.host[1:]
             result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()

@@ -14,6 +14,9 @@ class Logprob:
 
 # One entry per generated token: {token_id: Logprob} holding the sampled token and the top-N.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, None for the first (nothing predicts it): {token_id: Logprob}, the prompt's token
+# first, then the top-N.
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
 
 
 @dataclass
@@ -48,6 +51,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 @dataclass
@@ -62,6 +66,8 @@ class StreamOutput:
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
     usage: Optional[dict] = field(default=None)
+    prompt_logprobs: Optional[PromptLogprobs] = None  # with the sequence's first item, when asked for
+    prompt_token_ids: Optional[list[int]] = None  # beside prompt_logprobs
 
     @property
     def finished(self) -> bool:

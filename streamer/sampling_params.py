@@ -49,6 +49,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # per prompt token: its logprob and the top-N (vLLM's field)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (OpenAI's logit_bias)
@@ -98,6 +99,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         for token, bias in (self.logit_bias or {}).items():
             if not _is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")

@@ -203,7 +203,9 @@ class Scheduler:
     def _admit(self, planned: list[tuple[Request, int]], budget: int) -> int:
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need a logit at every prompt position: a cache hit would skip them.
+            hits, num_hit = (([], 0) if req.params.prompt_logprobs is not None
+                             else self.kv.get_computed_blocks(req))
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):

@@ -106,3 +106,31 @@ def test_text_prompts_with_sentencepiece_tokenizer(make_ckpt):
         assert o.prompt_token_ids == p and o.outputs[0].token_ids == r
         full = llm.tokenizer.decode(p + r)
         assert o.outputs[0].text == full[len(llm.tokenizer.decode(p)):] or "\ufffd" in full
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=5),  # each prompt scored over several chunks
+    dict(num_kv_blocks=12, block_size=8),  # preempted requests recompute their prompts: scored once all the same
+], ids=["chunked", "preemption"])
+def test_prompt_logprobs_match_transformers(llama_dir, batch16, engine_args):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    llm = LLM(str(llama_dir), dtype="float32", **engine_args)
+    prompts = batch16[:8]
+    _greedy(llm, prompts)  # the prompts are in the prefix cache now: scoring must compute them anyway
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = model(torch.tensor([p])).logits[0].log_softmax(-1)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(p) and got[0] is None
+        for i in range(1, len(p)):
+            entry = got[i]
+            assert abs(entry[p[i]].logprob - want[i - 1, p[i]].item()) < 1e-4
+            assert entry[p[i]].rank == int((want[i - 1] > want[i - 1, p[i]]).sum()) + 1
+            assert {t for t, lp in entry.items() if lp.rank <= 3} == set(want[i - 1].topk(3).indices.tolist())
+    _assert_pool_whole(llm)

@@ -187,7 +187,7 @@ def test_oversized_bodies_get_413(http):
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),

@@ -182,6 +182,45 @@ def test_logit_bias_and_allowed_token_ids(live):
     run(main())
 
 
+def test_echo_with_logprobs_scores_the_prompt(live, llama_dir):
+    """lm-eval's loglikelihood request: echo + logprobs + max_tokens 1; the prompt's logprobs are transformers'."""
+    import torch
+    import transformers
+
+    ids = [5, 17, 33, 9, 100, 44, 45, 46, 47, 48]
+
+    async def main():
+        async with client(live) as c:
+            full = await c.completions.create(model="llama", prompt=ids, max_tokens=1, echo=True, logprobs=2,
+                                              **GREEDY)
+            texts, _, chunks = await _stream_completion(c, model="llama", prompt=ids, max_tokens=1, echo=True,
+                                                         logprobs=2, **GREEDY)
+            plain = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0,
+                                               **GREEDY)
+        return full, texts, chunks, plain
+
+    full, texts, chunks, plain = run(main())
+    lp = full.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - want[i - 1, ids[i]].item()) < 1e-4
+        assert len(lp.top_logprobs[i]) >= 2 and lp.tokens[i] in lp.top_logprobs[i]
+    assert "".join(lp.tokens) == full.choices[0].text and lp.text_offset[1] == len(lp.tokens[0])
+    # Streamed: the same text and the same logprobs, the prompt's in the first chunk.
+    assert texts[0] == full.choices[0].text
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs if ch.choices and
+                                             ch.choices[0].logprobs else [])]
+    assert streamed == lp.token_logprobs
+    # A text prompt: its tokens (the BOS the tokenizer added among them) come back, a logprob each but the first.
+    plp = plain.choices[0].logprobs
+    assert plain.choices[0].text.startswith(PROMPT) and "".join(plp.tokens).endswith(plain.choices[0].text)
+    assert plp.tokens[0] == "<|begin_of_text|>"
+    assert plp.token_logprobs[0] is None and all(x is not None for x in plp.token_logprobs[1:])
+
+
 def test_logprobs(live):
     async def main():
         async with client(live) as c:

@@ -333,11 +333,11 @@ def parse_completion(body: dict) -> CompletionRequest:
     prompts = parse_prompts(body.get("prompt"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise APIError("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
+    if echo and logprobs is not None:  # the echoed prompt comes with its tokens' logprobs (lm-eval's loglikelihood)
+        params = params.clone(prompt_logprobs=logprobs)
     common = _common(body, params)
     return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
 

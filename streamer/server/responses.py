@@ -7,7 +7,7 @@ non-streamed response.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
 
@@ -115,35 +115,60 @@ class CompletionFormat(Format):
     chunk_object = "text_completion"
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
-                 echo_texts: Optional[list[str]] = None, n: int = 1) -> None:
+                 echo_texts: Optional[list[str]] = None, n: int = 1,
+                 decode_token: Optional[Callable[[int], str]] = None) -> None:
         super().__init__(num_choices, top_logprobs, return_token_ids)
-        self.echo_texts, self.n = echo_texts, n
+        self.echo_texts, self.n, self.decode_token = echo_texts, n, decode_token
         self._echoed: set[int] = set()
         self._offsets = [0] * num_choices
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
+        echo = self.echo_texts is not None and index not in self._echoed
+        # Echo with logprobs: the prompt's tokens come first, the first one without a logprob (as OpenAI's).
+        prompt_lp = (self._prompt_logprobs(index, out) if echo and self.k is not None
+                     and out.prompt_logprobs is not None else None)
         p = super().piece(index, prompt_index, out)
-        if self.echo_texts is not None and index not in self._echoed:
+        if echo:
             self._echoed.add(index)
-            p.text = self.echo_texts[prompt_index] + p.text
+            p.text = self.echo_texts[prompt_index] + p.text  # type: ignore[index]
+            if prompt_lp is not None:
+                for key, values in p.logprobs.items():
+                    prompt_lp[key] += values
+                p.logprobs = prompt_lp
         return p
+
+    def _prompt_logprobs(self, index: int, out: StreamOutput) -> dict[str, list]:
+        d: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, entry in zip(out.prompt_token_ids or [], out.prompt_logprobs or []):
+            if entry is None:
+                text = self.decode_token(tid) if self.decode_token is not None else ""
+                self._add(d, index, text, None, None)
+            else:
+                self._add(d, index, *self._scored(entry, tid))
+        return d
 
     def _logprobs(self, index: int, out: StreamOutput) -> dict[str, list]:
         d: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, entry in zip(out.token_ids, out.logprobs or []):
-            chosen = _chosen(entry, tid)
-            text = _text(chosen)
-            # vLLM's shape: the sampled token is always listed. Tokens with the same text (partial UTF-8 bytes)
-            # share a key: the likelier one keeps it, so the dict stays best-first.
-            top: dict[str, float] = {}
-            for lp in sorted([*_top(entry, self.k or 0), chosen], key=lambda lp: -lp.logprob):
-                top.setdefault(_text(lp), _lp(lp.logprob))
-            d["tokens"].append(text)
-            d["token_logprobs"].append(_lp(chosen.logprob))
-            d["top_logprobs"].append(top)
-            d["text_offset"].append(self._offsets[index])
-            self._offsets[index] += len(text)
+            self._add(d, index, *self._scored(entry, tid))
         return d
+
+    def _scored(self, entry: dict[int, Logprob], tid: int) -> tuple[str, float, dict[str, float]]:
+        chosen = _chosen(entry, tid)
+        # vLLM's shape: the scored token is always listed. Tokens with the same text (partial UTF-8 bytes)
+        # share a key: the likelier one keeps it, so the dict stays best-first.
+        top: dict[str, float] = {}
+        for lp in sorted([*_top(entry, self.k or 0), chosen], key=lambda lp: -lp.logprob):
+            top.setdefault(_text(lp), _lp(lp.logprob))
+        return _text(chosen), _lp(chosen.logprob), top
+
+    def _add(self, d: dict[str, list], index: int, text: str, logprob: Optional[float],
+             top: Optional[dict[str, float]]) -> None:
+        d["tokens"].append(text)
+        d["token_logprobs"].append(logprob)
+        d["top_logprobs"].append(top)
+        d["text_offset"].append(self._offsets[index])
+        self._offsets[index] += len(text)
 
     def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
         if self._empty(p):
