@@ -1,7 +1,7 @@
 """Tensor parallelism side by side: the same model with tensor_parallel_size=1 and =N, one engine after the
-other in this process, greedy, eager (TP runs eagerly for now, so both sides do).
+other in this process, greedy, eager (or both compiled with --compile).
 
-    python bench/tensor_parallel.py [--model DIR] [--tp 2] [--dtype bfloat16] [--rounds 2]
+    python bench/tensor_parallel.py [--model DIR] [--tp 2] [--dtype bfloat16] [--rounds 2] [--compile]
 
 Prints tokens/s for one stream (1 x 128 new tokens) and a batch (16 x 64 new tokens, 128-token prompts), the
 ratio TP / single process, and whether both produced the same tokens. On a CPU the ranks share its cores
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compile", action="store_true", help="torch.compile both (default: eager)")
     args = ap.parse_args()
     from streamer import LLM
     rng = random.Random(0)
@@ -45,7 +46,7 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f}")
     results = {}
     for tp in (1, args.tp):
-        with LLM(args.model, dtype=args.dtype, tensor_parallel_size=tp, enforce_eager=True,
+        with LLM(args.model, dtype=args.dtype, tensor_parallel_size=tp, enforce_eager=not args.compile,
                  enable_prefix_caching=False) as llm:
             run(llm, stream, 4)  # warm-up
             s = [run(llm, stream, 128) for _ in range(args.rounds)]

@@ -41,7 +41,7 @@ class EngineConfig:
     # 0 = off. Capped at max_num_seqs.
     cuda_graph_max_batch: int = 256
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
-    # (streamer/parallel.py). For now such a model runs eagerly, without CUDA graphs or async scheduling.
+    # (streamer/parallel.py). Compiled as usual; for now without CUDA graphs or async scheduling.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

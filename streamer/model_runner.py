@@ -118,6 +118,7 @@ class ModelRunner:
         self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
         self.tp_workers: Optional[TensorParallelWorkers] = None
         self._threads_before = 0
+        self._warming_up = False
         if self.tp_size > 1 and tp_rank == 0:
             self._check_tp()
             if self.device.type == "cpu":  # the ranks share the cores (workers do the same); restored by close()
@@ -164,9 +165,6 @@ class ModelRunner:
         if self._cpu_packing():
             self.model.pack_head_for_cpu()
         self.graphs: Optional[DecodeGraphs] = None
-        if self.tp_rank > 0:  # a worker runs whatever rank 0 sends, warm-up steps included
-            self._use_eager()
-            return
         if self.tp_workers is not None:
             self.tp_workers.wait_ready()
         self._set_up_forward()
@@ -174,18 +172,19 @@ class ModelRunner:
             self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
 
     def _set_up_forward(self) -> None:
+        """Compile (or not), then warm up: warm-up steps compile every graph, and a compilation that fails
+        there turns the model eager (`_run_model`). A tensor-parallel worker compiles as rank 0 does and runs
+        the warm-up steps rank 0 sends it."""
         if self.compiled:
             self.forward = self._compile()
+        else:
+            self._use_eager()
+        if self.tp_rank == 0:
+            self._warming_up = True
             try:
                 self.warmup()
-            except Exception as e:  # no C++ toolchain, or an Inductor bug: serve eagerly rather than not at all
-                logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
-                               str(e).splitlines()[0] if str(e) else "")
-                self._use_eager()
-                self.warmup()
-            return
-        self._use_eager()
-        self.warmup()
+            finally:
+                self._warming_up = False
 
     def _use_eager(self) -> None:
         self.compiled, self.forward = False, self.model
@@ -231,10 +230,6 @@ class ModelRunner:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
 
     def _should_compile(self) -> bool:
-        if self.tp_size > 1:
-            if self.config.enforce_eager is False and self.tp_rank == 0:
-                logger.warning("tensor parallelism runs the model eagerly for now; not compiling")
-            return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
         return self.device.type == "cuda"
@@ -436,6 +431,20 @@ class ModelRunner:
             hidden = self.graphs.run(step, self.last_tokens)
             if hidden is not None:
                 return hidden
+        try:
+            return self._forward(step)
+        except Exception as e:
+            # No C++ toolchain, or an Inductor bug: serve eagerly rather than not at all. Compilation fails before
+            # the graph runs, so running the same step eagerly keeps every rank's collectives in step. (A worker
+            # only meets rank 0's warm-up shapes first, so it fails, if at all, at the same step.)
+            if not self.compiled or not (self._warming_up or self.tp_rank > 0):
+                raise
+            logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            self._use_eager()
+            return self._forward(step)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
         input_ids, positions = self._input_ids(step), to_device(step.positions, dev)
         decode = self._decode_inputs(step)

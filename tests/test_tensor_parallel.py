@@ -53,6 +53,15 @@ def test_tp2_sampling_matches_one_process_and_workers_stop(llama_dir) -> None:
     llm.close()  # idempotent
 
 
+def test_tp2_compiled_matches_one_process(llama_dir) -> None:
+    """Both ranks compile (their all-reduces inside the graphs); rank 0's warm-up steps compile the workers' too."""
+    with LLM(str(llama_dir), dtype="float32") as one:
+        want = _greedy(one, PROMPTS)
+    with LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2, enforce_eager=False) as llm:
+        assert llm.engine.runner.compiled
+        assert _greedy(llm, PROMPTS) == want
+
+
 def test_tp2_async_engine_streams(llama_dir) -> None:
     async def run() -> list[int]:
         async with AsyncEngine(str(llama_dir), dtype="float32", tensor_parallel_size=2) as engine:
