@@ -101,6 +101,9 @@ class TensorParallelWorkers:
         return None
 
     def send(self, step: "StepInputs") -> None:
+        for rank, proc in enumerate(self.procs, start=1):  # say which rank is gone, not "connection closed"
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {proc.returncode})")
         # Sampling rows hold requests (and their generators): workers only run the forward.
         payload = pickle.dumps(dataclasses.replace(step, sampling=None), pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:

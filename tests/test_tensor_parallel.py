@@ -78,6 +78,16 @@ def test_tp2_async_engine_streams(llama_dir) -> None:
         assert asyncio.run(run()) == _greedy(one, PROMPTS[:1])[0]
 
 
+def test_tp_worker_lost_while_serving_fails_the_step(llama_dir) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
+    worker = llm.engine.runner.tp_workers.procs[0]
+    worker.kill()
+    worker.wait()
+    with pytest.raises(RuntimeError, match="rank 1 has exited"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=3, temperature=0.0))
+    llm.close()
+
+
 def test_tp_worker_that_dies_early_is_reported(llama_dir, monkeypatch) -> None:
     import streamer.parallel
     import torch.distributed
