@@ -197,9 +197,20 @@ def test_echo_with_logprobs_scores_the_prompt(live, llama_dir):
                                                          logprobs=2, **GREEDY)
             plain = await c.completions.create(model="llama", prompt=PROMPT, max_tokens=3, echo=True, logprobs=0,
                                                **GREEDY)
-        return full, texts, chunks, plain
+            # vLLM's field, without echo: a list beside the choice, streamed with the first chunk.
+            vllm_style = await c.completions.create(model="llama", prompt=ids, max_tokens=2, temperature=0.0,
+                                                    extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+            _, _, vllm_chunks = await _stream_completion(c, model="llama", prompt=ids, max_tokens=2, temperature=0.0,
+                                                         extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+        return full, texts, chunks, plain, vllm_style, vllm_chunks
 
-    full, texts, chunks, plain = run(main())
+    full, texts, chunks, plain, vllm_style, vllm_chunks = run(main())
+    pl = vllm_style.choices[0].model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    scores = [pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]
+    assert scores == full.choices[0].logprobs.token_logprobs[1:len(ids)]
+    streamed_pl = [ch.choices[0].model_extra.get("prompt_logprobs") for ch in vllm_chunks if ch.choices]
+    assert [x for x in streamed_pl if x is not None] == [pl]
     lp = full.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)

@@ -73,7 +73,7 @@ class OpenAIServer:
         gen = await self._start("cmpl", req.prompts, req)
         echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
         fmt = CompletionFormat(len(req.prompts) * req.params.n, req.params.logprobs, req.return_token_ids, echo,
-                               req.params.n, self.engine.tokenizer.decode_token)
+                               req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs)
         return await self._respond(request, gen, fmt, req)
 
     async def chat(self, request: Request) -> Response:

@@ -317,6 +317,7 @@ def _common(body: dict, params: SamplingParams) -> _Common:
 class CompletionRequest(_Common):
     prompts: list[PromptInput] = field(default_factory=list)
     echo: bool = False
+    prompt_logprobs: bool = False  # vLLM's field: return them beside each choice
 
 
 @dataclass
@@ -336,10 +337,14 @@ def parse_completion(body: dict) -> CompletionRequest:
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
-    if echo and logprobs is not None:  # the echoed prompt comes with its tokens' logprobs (lm-eval's loglikelihood)
-        params = params.clone(prompt_logprobs=logprobs)
+    # vLLM's prompt_logprobs field; and echo + logprobs, whose echoed prompt comes with its tokens' logprobs
+    # (lm-eval's loglikelihood requests).
+    asked = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    scored = [n for n in (asked, logprobs if echo else None) if n is not None]
+    if scored:
+        params = params.clone(prompt_logprobs=max(scored))
     common = _common(body, params)
-    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo, prompt_logprobs=asked is not None)
 
 
 def parse_prompts(v: Any) -> list[PromptInput]:

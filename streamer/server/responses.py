@@ -26,6 +26,13 @@ def _chosen(entry: dict[int, Logprob], token_id: int) -> Logprob:
     return entry.get(token_id) or next(iter(entry.values()))
 
 
+def prompt_logprobs_json(entries: list) -> list[Optional[dict[str, dict[str, Any]]]]:
+    """vLLM's shape: per prompt token None (the first) or {"token id": {logprob, rank, decoded_token}}."""
+    return [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in e.items()}
+            for e in entries]
+
+
 def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
     """The top-k alternatives of one position, best first (the sampled token is among them if ranked <= k)."""
     ranked = [lp for lp in entry.values() if lp.rank is not None and 1 <= lp.rank <= k]
@@ -40,6 +47,7 @@ class Piece:
     logprobs: Any  # completions: the legacy dict of lists; chat: a list of content entries; None: not asked
     finish_reason: Optional[str]
     stop_reason: int | str | None
+    prompt_logprobs: Any = None  # vLLM's `prompt_logprobs` field, on a choice's first piece
 
 
 @dataclass
@@ -51,6 +59,7 @@ class Choice:
     logprobs: Any = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
+    prompt_logprobs: Any = None
 
     @property
     def text(self) -> str:
@@ -70,6 +79,8 @@ class Choice:
             self.logprobs += lp
         if piece.finish_reason is not None:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
+        if piece.prompt_logprobs is not None:
+            self.prompt_logprobs = piece.prompt_logprobs
 
 
 class Format:
@@ -116,9 +127,10 @@ class CompletionFormat(Format):
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
                  echo_texts: Optional[list[str]] = None, n: int = 1,
-                 decode_token: Optional[Callable[[int], str]] = None) -> None:
+                 decode_token: Optional[Callable[[int], str]] = None, prompt_logprobs: bool = False) -> None:
         super().__init__(num_choices, top_logprobs, return_token_ids)
         self.echo_texts, self.n, self.decode_token = echo_texts, n, decode_token
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's field asked for
         self._echoed: set[int] = set()
         self._offsets = [0] * num_choices
 
@@ -128,6 +140,8 @@ class CompletionFormat(Format):
         prompt_lp = (self._prompt_logprobs(index, out) if echo and self.k is not None
                      and out.prompt_logprobs is not None else None)
         p = super().piece(index, prompt_index, out)
+        if self.want_prompt_logprobs and out.prompt_logprobs is not None:
+            p.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         if echo:
             self._echoed.add(index)
             p.text = self.echo_texts[prompt_index] + p.text  # type: ignore[index]
@@ -171,13 +185,17 @@ class CompletionFormat(Format):
         self._offsets[index] += len(text)
 
     def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
-        if self._empty(p):
+        if self._empty(p) and p.prompt_logprobs is None:
             return None
         d = {"index": p.index, "text": p.text, "logprobs": p.logprobs, "finish_reason": p.finish_reason}
+        if p.prompt_logprobs is not None:
+            d["prompt_logprobs"] = p.prompt_logprobs
         return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
         d = {"index": index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        if self.want_prompt_logprobs:
+            d["prompt_logprobs"] = c.prompt_logprobs
         return self._extras(d, c.finish_reason, c.stop_reason, c.token_ids)
 
 
