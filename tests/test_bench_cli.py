@@ -198,3 +198,18 @@ def test_progress_render() -> None:
     p.add(False)
     line = p.render()
     assert line.startswith("\r[###############               ] 2/4 requests, 1 failed")
+
+
+def test_demo_model_server_needs_no_tokenizer(tmp_path: Path) -> None:
+    """`streamer serve` with no model serves the embedded demo model: its tokenizer ships with streamer, so a
+    random-dataset run against it needs no --tokenizer (found through GET /v1/models)."""
+    from streamer.demo_model import DEFAULT_MODEL_NAME
+
+    res = tmp_path / "r.json"
+    with FakeServer(model=DEFAULT_MODEL_NAME) as srv:
+        assert main(["--base-url", srv.base_url, "--num-prompts", "3", "--input-len", "12", "--output-len", "2",
+                     "--save-result", str(res), "--progress", "off"]) == 0
+        prompts = [b["prompt"] for b in srv.received]
+    doc = json.loads(res.read_text())
+    assert doc["summary"]["completed"] == 3
+    assert len(prompts) >= 3 and all(isinstance(p, str) and p for p in prompts)

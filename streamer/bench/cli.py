@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from streamer.bench import report
 from streamer.bench.datasets import SampleRequest, file_requests, load_tokenizer, synthetic_requests
 from streamer.bench.metrics import summarize
-from streamer.bench.runner import BenchError, RunConfig, RunOutput, run
+from streamer.bench.client import HttpClient
+from streamer.bench.runner import BenchError, RunConfig, RunOutput, discover_model, run
 
 T = TypeVar("T")
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
@@ -157,16 +158,38 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[Tokenizer]:
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
-    if path is None:
-        if args.dataset in ("random", "prefix"):
+    if path is None and args.dataset in ("random", "prefix"):
+        path = _demo_tokenizer_if_served(args)
+        if path is None:
             p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
                     "PATH (a folder with tokenizer.json) or --model as a local model folder")
+    if path is None:
         return None
     try:
         return load_tokenizer(path)
     except Exception as e:  # any load failure is the user's path, not a crash
         p.error(f"cannot load a tokenizer from {path!r}: {e}")
     return None  # unreachable (p.error exits)
+
+
+def _demo_tokenizer_if_served(args: argparse.Namespace) -> Optional[str]:
+    """`streamer serve` with no model serves the embedded demo model, whose tokenizer ships with this package:
+    against such a server (asked or found through GET /v1/models) the bench needs no --tokenizer."""
+    from streamer.demo_model import DEFAULT_MODEL_NAME, default_model_path
+
+    name = args.served_model_name or args.model
+    if name is None:
+        async def first_model() -> Optional[str]:
+            client = HttpClient(args.base_url, timeout=min(args.timeout, 10.0),
+                                api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
+            try:
+                return await discover_model(client)
+            except BenchError:
+                return None
+            finally:
+                await client.close()
+        name = run_loop(first_model())
+    return str(default_model_path()) if name == DEFAULT_MODEL_NAME else None
 
 
 def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
