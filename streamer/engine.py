@@ -131,6 +131,11 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} names token id {bad[0]}, outside the model's vocabulary "
                                  f"[0, {self.vocab_size})")
+        if params.allowed_token_ids and params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= stops:
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens bans: nothing could be "
+                                 "generated")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
         if n + max_tokens > limit:
             raise ValueError(f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "

@@ -170,6 +170,9 @@ def test_logit_bias_and_allowed_token_ids(llm):
         llm.generate([prompts[0]], greedy.clone(logit_bias={vocab: 1.0}))
     with pytest.raises(ValueError, match="^allowed_token_ids"):
         llm.generate([prompts[0]], greedy.clone(allowed_token_ids=[1, vocab + 5]))
+    # Only stop tokens allowed, and min_tokens bans them: every logit would be -inf.
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only stop tokens"):
+        llm.generate([prompts[0]], greedy.clone(allowed_token_ids=[50], stop_token_ids=[50], min_tokens=2))
 
 
 def test_top_k_top_p_mask():
