@@ -202,9 +202,15 @@ def test_echo_with_logprobs_scores_the_prompt(live, llama_dir):
                                                     extra_body={"prompt_logprobs": 1, "ignore_eos": True})
             _, _, vllm_chunks = await _stream_completion(c, model="llama", prompt=ids, max_tokens=2, temperature=0.0,
                                                          extra_body={"prompt_logprobs": 1, "ignore_eos": True})
-        return full, texts, chunks, plain, vllm_style, vllm_chunks
+            chat = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2, extra_body={"prompt_logprobs": 0})
+        return full, texts, chunks, plain, vllm_style, vllm_chunks, chat
 
-    full, texts, chunks, plain, vllm_style, vllm_chunks = run(main())
+    full, texts, chunks, plain, vllm_style, vllm_chunks, chat = run(main())
+    # Chat: vLLM's top-level list, one entry per token of the rendered prompt.
+    chat_pl = chat.model_extra["prompt_logprobs"]
+    assert chat_pl[0] is None and len(chat_pl) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat_pl[1:])
     pl = vllm_style.choices[0].model_extra["prompt_logprobs"]
     assert len(pl) == len(ids) and pl[0] is None
     scores = [pl[i][str(ids[i])]["logprob"] for i in range(1, len(ids))]

@@ -83,8 +83,8 @@ class OpenAIServer:
                                          req.tools, req.template_kwargs)
         ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
         gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True)
-        return await self._respond(request, gen, ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids),
-                                   req)
+        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs)
+        return await self._respond(request, gen, fmt, req)
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
                      chat: bool = False) -> Generation:
@@ -122,7 +122,8 @@ class OpenAIServer:
             raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
         return JSONResponse({**head, "object": fmt.object,
                              "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
-                             "usage": gen.usage()}, headers={"X-Request-Id": gen.request_id})
+                             "usage": gen.usage(), **fmt.response_extras(choices)},
+                            headers={"X-Request-Id": gen.request_id})
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:

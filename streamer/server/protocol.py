@@ -296,6 +296,7 @@ class _Common:
     priority: int
     cache_salt: Optional[str]
     return_token_ids: bool
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: return them
 
 
 def _common(body: dict, params: SamplingParams) -> _Common:
@@ -310,14 +311,22 @@ def _common(body: dict, params: SamplingParams) -> _Common:
     return _Common(model=get_str(body, "model", None, 1024), params=params, stream=stream,
                    include_usage=get_bool(options, "include_usage", False),
                    priority=get_int(body, "priority", 0, -(2 ** 31), 2 ** 31 - 1),  # type: ignore[arg-type]
-                   cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False))
+                   cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False),
+                   prompt_logprobs=body.get("prompt_logprobs") is not None)
+
+
+def _with_prompt_logprobs(body: dict, params: SamplingParams, echo_logprobs: Optional[int] = None) -> SamplingParams:
+    """vLLM's prompt_logprobs field; and, on completions, echo + logprobs, whose echoed prompt comes with its
+    tokens' logprobs (lm-eval's loglikelihood requests)."""
+    asked = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    scored = [n for n in (asked, echo_logprobs) if n is not None]
+    return params.clone(prompt_logprobs=max(scored)) if scored else params
 
 
 @dataclass
 class CompletionRequest(_Common):
     prompts: list[PromptInput] = field(default_factory=list)
     echo: bool = False
-    prompt_logprobs: bool = False  # vLLM's field: return them beside each choice
 
 
 @dataclass
@@ -337,14 +346,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
-    # vLLM's prompt_logprobs field; and echo + logprobs, whose echoed prompt comes with its tokens' logprobs
-    # (lm-eval's loglikelihood requests).
-    asked = get_int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
-    scored = [n for n in (asked, logprobs if echo else None) if n is not None]
-    if scored:
-        params = params.clone(prompt_logprobs=max(scored))
+    params = _with_prompt_logprobs(body, params, logprobs if echo else None)
     common = _common(body, params)
-    return CompletionRequest(**vars(common), prompts=prompts, echo=echo, prompt_logprobs=asked is not None)
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
 
 
 def parse_prompts(v: Any) -> list[PromptInput]:
@@ -379,6 +383,7 @@ def parse_chat(body: dict) -> ChatRequest:
     top_logprobs = (top or 0) if want_logprobs else None
     params = sampling_params(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
                              logprobs=top_logprobs)
+    params = _with_prompt_logprobs(body, params)
     add_gen = get_bool(body, "add_generation_prompt", True)
     cont = get_bool(body, "continue_final_message", False)
     if add_gen and cont and "add_generation_prompt" in body:

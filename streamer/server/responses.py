@@ -87,14 +87,23 @@ class Format:
     object = ""
     chunk_object = ""
 
-    def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool) -> None:
+    def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
+                 prompt_logprobs: bool = False) -> None:
         self.num_choices = num_choices
         self.k = top_logprobs  # None: no logprobs
         self.return_token_ids = return_token_ids
+        self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field asked for
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         lp = self._logprobs(index, out) if self.k is not None else None
-        return Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason)
+        p = Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason)
+        if self.want_prompt_logprobs and out.prompt_logprobs is not None:
+            p.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
+        return p
+
+    def response_extras(self, choices: list["Choice"]) -> dict[str, Any]:
+        """Top-level fields of a non-streamed response beside `choices`."""
+        return {}
 
     def _logprobs(self, index: int, out: StreamOutput) -> Any:
         raise NotImplementedError
@@ -128,9 +137,8 @@ class CompletionFormat(Format):
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
                  echo_texts: Optional[list[str]] = None, n: int = 1,
                  decode_token: Optional[Callable[[int], str]] = None, prompt_logprobs: bool = False) -> None:
-        super().__init__(num_choices, top_logprobs, return_token_ids)
+        super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
         self.echo_texts, self.n, self.decode_token = echo_texts, n, decode_token
-        self.want_prompt_logprobs = prompt_logprobs  # vLLM's field asked for
         self._echoed: set[int] = set()
         self._offsets = [0] * num_choices
 
@@ -140,8 +148,6 @@ class CompletionFormat(Format):
         prompt_lp = (self._prompt_logprobs(index, out) if echo and self.k is not None
                      and out.prompt_logprobs is not None else None)
         p = super().piece(index, prompt_index, out)
-        if self.want_prompt_logprobs and out.prompt_logprobs is not None:
-            p.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         if echo:
             self._echoed.add(index)
             p.text = self.echo_texts[prompt_index] + p.text  # type: ignore[index]
@@ -225,6 +231,10 @@ class ChatFormat(Format):
              "logprobs": {"content": p.logprobs} if p.logprobs is not None else None,
              "finish_reason": p.finish_reason}
         return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
+
+    def response_extras(self, choices: list[Choice]) -> dict[str, Any]:
+        # vLLM's place for them in a chat response: beside the choices, once (every choice has the same prompt).
+        return {"prompt_logprobs": choices[0].prompt_logprobs if choices else None} if self.want_prompt_logprobs else {}
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
         d = {"index": index, "message": {"role": "assistant", "content": c.text},
