@@ -124,6 +124,8 @@ class ModelRunner:
             if self.device.type == "cpu":  # the ranks share the cores (workers do the same); restored by close()
                 self._threads_before = torch.get_num_threads()
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+            else:  # NCCL binds each rank to the current device
+                torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
         try:
             self._build(model_dir)
