@@ -202,6 +202,8 @@ def test_oversized_bodies_get_413(http):
     ("/v1/completions", {"prompt": "hi", "logit_bias": [5]}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "allowed_token_ids": []}, 400,
      "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "tool_choice"),
     ("/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
 ])

@@ -238,6 +238,31 @@ def test_echo_with_logprobs_scores_the_prompt(live, llama_dir):
     assert plp.token_logprobs[0] is None and all(x is not None for x in plp.token_logprobs[1:])
 
 
+def test_tools_with_the_parser_on(live):
+    """With --tool-call-parser hermes and `tools` in the request, output without tags is still plain content
+    (this random model writes none; tests/test_server_tool_calls.py feeds the parser real calls)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    server = live.app.state.server
+    server.tool_call_parser = "hermes"
+
+    async def main():
+        async with client(live) as c:
+            with_tools = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
+                                                         tools=tools, max_tokens=8, **GREEDY)
+            without = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=8, **GREEDY)
+        return with_tools, without
+
+    try:
+        with_tools, without = run(main())
+    finally:
+        server.tool_call_parser = None
+    msg = with_tools.choices[0].message
+    assert isinstance(msg.content, str) and not msg.tool_calls
+    assert with_tools.choices[0].finish_reason in ("stop", "length")
+    assert without.choices[0].message.content  # the plain path is untouched
+
+
 def test_logprobs(live):
     async def main():
         async with client(live) as c:

@@ -25,6 +25,7 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
+from streamer.server.tool_calls import PARSERS
 
 logger = logging.getLogger("streamer.server")
 
@@ -56,13 +57,17 @@ def default_served_name(engine: AsyncEngine) -> str:
 class OpenAIServer:
     """The endpoints. Every client mistake is an APIError, answered as a 4xx before any SSE byte."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str], max_body_bytes: int) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str], max_body_bytes: int,
+                 tool_call_parser: Optional[str] = None) -> None:
         self.engine = engine
         self.model_name = served_model_name or default_served_name(engine)
         self.model_aliases = {self.model_name, engine.model_name}
         if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
         self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer)
         self.created = int(time.time())
 
@@ -83,7 +88,8 @@ class OpenAIServer:
                                          req.tools, req.template_kwargs)
         ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
         gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True)
-        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs)
+        parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
+        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs, parse_tools)
         return await self._respond(request, gen, fmt, req)
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
@@ -264,9 +270,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine)."""
-    s = OpenAIServer(engine, served_model_name, max_body_bytes)
+    s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from streamer.server.tool_calls import PARSERS
 
 if TYPE_CHECKING:
     from streamer.async_engine import AsyncEngine
@@ -33,6 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
                         "(default: $STREAMER_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
+    g.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                   help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="bound on queued requests; past it the server answers 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -96,7 +99,7 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
         if shutdown.requested:
             return 0
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,

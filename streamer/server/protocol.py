@@ -336,6 +336,7 @@ class ChatRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: Optional[list[dict]] = None
+    tool_choice: str = "auto"  # "none" | "auto" (forcing a call needs constrained decoding: not supported)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -396,9 +397,13 @@ def parse_chat(body: dict) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
+    tool_choice = body.get("tool_choice", "auto")
+    if tool_choice not in ("none", "auto"):
+        raise APIError(f"tool_choice must be 'none' or 'auto' (forcing a call is not supported), got "
+                       f"{_show(tool_choice)}", param="tool_choice")
     common = _common(body, params)
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
-                       continue_final_message=cont, tools=tools or None,
+                       continue_final_message=cont, tools=tools or None, tool_choice=tool_choice,
                        template_kwargs=get_object(body, "chat_template_kwargs"))
 
 

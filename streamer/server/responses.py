@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
+from streamer.server.tool_calls import HermesToolCalls
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
@@ -48,6 +49,7 @@ class Piece:
     finish_reason: Optional[str]
     stop_reason: int | str | None
     prompt_logprobs: Any = None  # vLLM's `prompt_logprobs` field, on a choice's first piece
+    tool_calls: Optional[list[dict[str, Any]]] = None  # chat, with a tool-call parser: calls completed in this piece
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Choice:
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
     prompt_logprobs: Any = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -81,6 +84,8 @@ class Choice:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
         if piece.prompt_logprobs is not None:
             self.prompt_logprobs = piece.prompt_logprobs
+        if piece.tool_calls:
+            self.tool_calls += piece.tool_calls
 
 
 class Format:
@@ -209,6 +214,22 @@ class ChatFormat(Format):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
+                 prompt_logprobs: bool = False, tool_calls: bool = False) -> None:
+        super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
+        # With a tool-call parser: each choice's text is read for tool calls as it streams.
+        self._tools = [HermesToolCalls() for _ in range(num_choices)] if tool_calls else None
+
+    def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
+        p = super().piece(index, prompt_index, out)
+        if self._tools is not None:
+            parser = self._tools[index]
+            p.text, calls = parser.feed(p.text, final=p.finish_reason is not None)
+            p.tool_calls = calls or None
+            if p.finish_reason == "stop" and parser.num_calls:
+                p.finish_reason = "tool_calls"
+        return p
+
     def _logprobs(self, index: int, out: StreamOutput) -> list[dict[str, Any]]:
         content = []
         for tid, entry in zip(out.token_ids, out.logprobs or []):
@@ -225,9 +246,12 @@ class ChatFormat(Format):
                 for i in range(self.num_choices)]
 
     def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
-        if self._empty(p):
+        if self._empty(p) and not p.tool_calls:
             return None
-        d = {"index": p.index, "delta": {"content": p.text} if p.text else {},
+        delta: dict[str, Any] = {"content": p.text} if p.text else {}
+        if p.tool_calls:
+            delta["tool_calls"] = p.tool_calls
+        d = {"index": p.index, "delta": delta,
              "logprobs": {"content": p.logprobs} if p.logprobs is not None else None,
              "finish_reason": p.finish_reason}
         return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
@@ -237,7 +261,11 @@ class ChatFormat(Format):
         return {"prompt_logprobs": choices[0].prompt_logprobs if choices else None} if self.want_prompt_logprobs else {}
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
-        d = {"index": index, "message": {"role": "assistant", "content": c.text},
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if c.tool_calls:  # OpenAI: the calls without their stream index; no content when only whitespace is left
+            message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in c.tool_calls]
+            message["content"] = c.text if c.text.strip() else None
+        d = {"index": index, "message": message,
              "logprobs": {"content": c.logprobs or []} if self.k is not None else None,
              "finish_reason": c.finish_reason}
         return self._extras(d, c.finish_reason, c.stop_reason, c.token_ids)
