@@ -126,7 +126,8 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(f"prompt is {n} tokens long, but max_model_len is {limit}: it must be shorter "
                              f"than {limit} tokens to leave room for at least one generated token")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} names token id {bad[0]}, outside the model's vocabulary "

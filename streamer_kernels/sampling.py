@@ -124,7 +124,8 @@ def _sample_kernel(logits_ptr, noise_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
         mask = cols < vocab
         x = _scaled(row_ptr, cols, mask, temp)
         kept = mask & (_keys(x) >= floor) & (x >= cut)
-        e = tl.load(noise_ptr + row * stride_n + cols, mask=mask & (tl.zeros([BLOCK], tl.int32) < sample.to(tl.int32)), other=1.0)
+        reads_noise = mask & (tl.zeros([BLOCK], tl.int32) < sample.to(tl.int32))  # greedy rows read none
+        e = tl.load(noise_ptr + row * stride_n + cols, mask=reads_noise, other=1.0)
         val = tl.where(sample, tl.where(kept, tl.exp(x - row_max) / e, -1.0), x)
         tile_best = tl.max(val, axis=0)
         tile_idx = tl.min(tl.where(val == tile_best, cols, vocab), axis=0).to(tl.int64)
