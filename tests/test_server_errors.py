@@ -204,6 +204,8 @@ def test_oversized_bodies_get_413(http):
      "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
      "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21}, 400,
+     "prompt_logprobs"),
     ("/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
 ])
@@ -286,3 +288,9 @@ def test_auth_accepts_the_key(secured, scheme):
             out = await c.completions.create(model="llama", prompt="hi", max_tokens=2)
             assert out.usage.completion_tokens <= 2
     asyncio.run(main())
+
+
+def test_streamed_chat_refuses_prompt_logprobs(http):
+    body = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400)
+    assert err["param"] == "prompt_logprobs" and "streamed chat" in err["message"]

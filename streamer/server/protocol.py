@@ -402,6 +402,9 @@ def parse_chat(body: dict) -> ChatRequest:
         raise APIError(f"tool_choice must be 'none' or 'auto' (forcing a call is not supported), got "
                        f"{_show(tool_choice)}", param="tool_choice")
     common = _common(body, params)
+    if common.stream and common.prompt_logprobs:
+        raise APIError("prompt_logprobs is not supported on a streamed chat response (use a non-streamed one, or "
+                       "completions)", param="prompt_logprobs")
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
                        continue_final_message=cont, tools=tools or None, tool_choice=tool_choice,
                        template_kwargs=get_object(body, "chat_template_kwargs"))
