@@ -41,7 +41,7 @@ class EngineConfig:
     # 0 = off. Capped at max_num_seqs.
     cuda_graph_max_batch: int = 256
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
-    # (streamer/parallel.py). Compiled as usual; for now without CUDA graphs or async scheduling.
+    # (streamer/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -77,8 +77,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and self.async_scheduling:
-            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":

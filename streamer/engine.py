@@ -99,7 +99,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.runner.device.type == "cuda" and config.tensor_parallel_size == 1)
+                                 else self.runner.device.type == "cuda")
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -468,8 +468,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInputs) -> None:
-        """A tensor-parallel worker's part of a step: the forward (its collectives pair with rank 0's)."""
+        """A tensor-parallel worker's part of a step: the forward (its collectives pair with rank 0's), then the
+        tokens rank 0 sampled, kept per row as rank 0 keeps them (a pending token of the next step reads them)."""
         self._run_model(step)
+        idx = step.sample_idx
+        if len(idx):
+            tokens = torch.empty(len(idx), dtype=torch.int64, device=self.device)
+            torch.distributed.broadcast(tokens, src=0)
+            self._keep_last_tokens(step.rows[idx], tokens)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -494,6 +500,8 @@ class ModelRunner:
         last = to_device(step.query_start_loc[1:][idx] - 1, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
+        if self.tp_workers is not None:  # workers keep the sampled tokens too: async scheduling's next step reads them
+            torch.distributed.broadcast(out.token_ids, src=0)
         self._keep_last_tokens(step.rows[idx], out.token_ids)
         tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
                                      if out.logprobs is not None else [])
