@@ -89,7 +89,10 @@ def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     from streamer import LLM, SamplingParams
     from streamer.models.layers import KernelSwitch
 
-    llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type, **engine_args)
+    # Eager on a GPU (as on CPU): the backends are under test, and on a GPU compiling each engine would eat the GPU
+    # check's time budget (tests/test_cuda_graphs.py runs the compiled, captured path).
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type,
+              enforce_eager=True if DEVICE.type == "cuda" else None, **engine_args)
     runner = llm.engine.runner
     assert runner.attention_backend == engine_args["attention_backend"]
     # Uncompiled on the Triton backend, norms, rotary and SiLU-and-mul run streamer_kernels' kernels too.

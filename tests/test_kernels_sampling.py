@@ -149,7 +149,9 @@ def test_sampler_draws_from_the_distribution() -> None:
 def _seeded_outputs(model_dir, monkeypatch, **engine_args) -> list[list[int]]:
     from streamer import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type, **engine_args)
+    # Eager on a GPU: the sampler is under test, and compiling twice there would eat the check's time budget.
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type,
+              enforce_eager=True if DEVICE.type == "cuda" else None, **engine_args)
     assert llm.engine.runner.sampler.use_kernel == (engine_args.get("sampling_backend") == "triton")
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=1.2, top_k=20, min_p=0.05, seed=2, ignore_eos=True),
