@@ -299,30 +299,29 @@ class LLMEngine:
             del self.groups[req.parent_id or req.request_id]
 
     def _record_prompt_logprobs(self, out: PromptLogprobsOut) -> None:
-        decode = self.tokenizer.decode_token
-        k = 0
+        start = 0
         for rid, first, count in out.owners:
             state = self.seqs.get(rid)
             entries = state.prompt_logprobs if state is not None else None
-            top_n = (state.req.params.prompt_logprobs or 0) if state is not None else 0
-            for j in range(k, k + count):
-                pos = first + j - k
-                if entries is None or pos < len(entries):
-                    continue  # aborted, or scored before a preemption made it recompute the prompt
-                tid = int(out.target_ids[j])
-                entry = {tid: Logprob(float(out.logprobs[j]), int(out.ranks[j]), decode(tid))}
-                for rank, (t, lp) in enumerate(zip(out.top_ids[j, :top_n].tolist(),
-                                                   out.top_logprobs[j, :top_n].tolist()), start=1):
-                    entry.setdefault(t, Logprob(lp, rank, decode(t)))
-                entries.append(entry)
-            k += count
+            if entries is not None:
+                top_n = state.req.params.prompt_logprobs or 0  # type: ignore[union-attr]
+                # Positions scored before a preemption made the request recompute its prompt are kept as they were.
+                for j in range(start + max(len(entries) - first, 0), start + count):
+                    entries.append(self._entry(int(out.target_ids[j]), float(out.logprobs[j]), int(out.ranks[j]),
+                                               out.top_ids[j, :top_n].tolist(), out.top_logprobs[j, :top_n].tolist()))
+            start += count
 
     def _logprob_entry(self, result: RunnerOutput, row: int, top_n: int) -> dict[int, Logprob]:
         lps, ids = result.logprobs[row], result.logprob_token_ids[row]  # type: ignore[index]
+        return self._entry(ids[0], lps[0], result.ranks[row], ids[1:1 + top_n], lps[1:1 + top_n])  # type: ignore[index]
+
+    def _entry(self, token: int, logprob: float, rank: int, top_ids: list[int], top_lps: list[float],
+               ) -> dict[int, Logprob]:
+        """{token: its Logprob, then the top-N best first} (the token keeps its own entry if also among them)."""
         decode = self.tokenizer.decode_token
-        entry = {ids[0]: Logprob(lps[0], result.ranks[row], decode(ids[0]))}  # type: ignore[index]
-        for rank, (tid, lp) in enumerate(zip(ids[1:1 + top_n], lps[1:1 + top_n]), start=1):
-            entry.setdefault(tid, Logprob(lp, rank, decode(tid)))
+        entry = {token: Logprob(logprob, rank, decode(token))}
+        for r, (tid, lp) in enumerate(zip(top_ids, top_lps), start=1):
+            entry.setdefault(tid, Logprob(lp, r, decode(tid)))
         return entry
 
     # ------------------------------------------------------------------ results

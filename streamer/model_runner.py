@@ -28,7 +28,7 @@ from streamer.models.loader import load_model
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
-from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties
+from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties, score_tokens
 
 logger = logging.getLogger("streamer")
 
@@ -519,16 +519,15 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, want: PromptLogprobTokens) -> PromptLogprobsOut:
         """Score prompt tokens (a rare request option: this waits for the device, unlike the sampled path)."""
-        dev, n = self.device, want.top_n
+        dev = self.device
         idx, targets = to_device(want.token_idx, dev), to_device(want.target_ids, dev)
-        parts: list[list[torch.Tensor]] = []
+        parts = []
         for lo in range(0, len(idx), self.PROMPT_LOGPROB_CHUNK):
             sl = slice(lo, lo + self.PROMPT_LOGPROB_CHUNK)
             lp = self.model.compute_logits(hidden.index_select(0, idx[sl])).log_softmax(dim=-1)
-            chosen = lp.gather(1, targets[sl].unsqueeze(1))
-            top = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
-            parts.append([chosen.squeeze(1), (lp > chosen).sum(dim=-1) + 1, top[1], top[0]])
-        chosen, ranks, top_ids, top_lps = (torch.cat(p).cpu().numpy() for p in zip(*parts))
+            parts.append(score_tokens(lp, targets[sl], want.top_n))
+        chosen, ranks, top_lps, top_ids = (torch.cat(p).cpu().numpy() for p in zip(*parts))
+        chosen = chosen[:, 0]
         return PromptLogprobsOut(want.owners, want.target_ids, chosen, ranks, top_ids, top_lps)
 
 

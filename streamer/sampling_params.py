@@ -122,10 +122,6 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         return bool(self.logit_bias) or self.allowed_token_ids is not None
 
-    def token_ids_used(self) -> list[int]:
-        """Every token id the parameters name (checked against the model's vocabulary)."""
-        return [*self.stop_token_ids, *(self.logit_bias or {}), *(self.allowed_token_ids or [])]
-
     @property
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

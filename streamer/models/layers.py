@@ -127,7 +127,7 @@ class ColumnParallelLinear(PackableLinear):
         # A sub-matrix may hold fewer chunks than ranks: k/v with fewer kv heads than ranks, replicated so that
         # consecutive ranks share one (rank r takes chunk r // (tp / chunks)).
         chunks = loaded.shape[0] // size if size else 0
-        if (chunks < 1 or loaded.shape[0] % size or tp % chunks or (chunks != tp and self.replicable is False)
+        if (chunks < 1 or loaded.shape[0] % size or tp % chunks or (chunks != tp and not self.replicable)
                 or loaded.shape[1:] != param.shape[1:]):
             expected = (size * tp, *param.shape[1:])
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
