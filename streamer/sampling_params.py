@@ -64,8 +64,13 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes, dict)) or not hasattr(self.allowed_token_ids,
+                                                                                     "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 

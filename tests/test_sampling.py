@@ -22,7 +22,8 @@ def llm(llama_dir) -> LLM:
     ("repetition_penalty", 0.0), ("logprobs", 21), ("seed", 1.5), ("min_tokens", -1), ("stop", [""]),
     ("stop_token_ids", [-1]), ("max_tokens", True), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: 100.5}),
     ("logit_bias", {5: float("nan")}), ("logit_bias", {-3: 1.0}), ("allowed_token_ids", []),
-    ("allowed_token_ids", [1, -2]),
+    ("allowed_token_ids", [1, -2]), ("logit_bias", [1, 2]), ("logit_bias", "x"), ("allowed_token_ids", 5),
+    ("allowed_token_ids", "12"),
     # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
     ("seed", 2 ** 64), ("seed", -1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])

@@ -251,6 +251,11 @@ def test_tools_with_the_parser_on(live):
                                                          tools=tools, max_tokens=8, **GREEDY)
             without = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
                                                       max_tokens=8, **GREEDY)
+            # tool_choice null is the default ("auto"), not an error.
+            null_choice = await c.chat.completions.create(model="llama", messages=[{"role": "user", "content": "x"}],
+                                                          tools=tools, max_tokens=2, temperature=0.0,
+                                                          extra_body={"tool_choice": None})
+            assert null_choice.choices[0].finish_reason in ("stop", "length")
         return with_tools, without
 
     try:

@@ -397,7 +397,7 @@ def parse_chat(body: dict) -> ChatRequest:
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
-    tool_choice = body.get("tool_choice", "auto")
+    tool_choice = body.get("tool_choice") or "auto"  # absent or null: the default
     if tool_choice not in ("none", "auto"):
         raise APIError(f"tool_choice must be 'none' or 'auto' (forcing a call is not supported), got "
                        f"{_show(tool_choice)}", param="tool_choice")
