@@ -214,8 +214,13 @@ class AsyncEngine:
                                  f"(max_waiting={limit})")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = None
+        if params.structured_outputs is not None:  # compiling can take a while for a big schema: off the loop
+            core.validate(ids, params)
+            grammar = await asyncio.to_thread(core.grammars.compile, params.structured_outputs)
+            self._check_alive()
         states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
-                                  cache_salt=cache_salt, prompt_token_ids=ids)
+                                  cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, len(states), ids, queue)

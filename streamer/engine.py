@@ -23,6 +23,7 @@ from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestM
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
+from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.tokenizer import Tokenizer
 
 logger = logging.getLogger("streamer")
@@ -93,6 +94,7 @@ class LLMEngine:
                                 config.block_size, self.model_config.vocab_size)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self.seqs: dict[str, SeqState] = {}
         self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
         self._ids = itertools.count()
@@ -150,7 +152,8 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
                     priority: int = 0, cache_salt: Optional[str] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
-                    ) -> list[SeqState]:
+                    grammar: Optional[Grammar] = None) -> list[SeqState]:
+        """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -162,6 +165,8 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         states = []
         for i in range(params.n):
@@ -172,6 +177,8 @@ class LLMEngine:
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.config.enable_prefix_caching,
                           seq_index=i, parent_id=request_id)
+            if grammar is not None:
+                req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -211,9 +218,9 @@ class LLMEngine:
         return sched, self.prepare(sched)
 
     def can_overlap(self, running: StepInputs) -> bool:
-        """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties:
-        the next step's penalties need the token it samples, on the host."""
-        return self.async_scheduling and not running.sampling.penalized
+        """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties or
+        follows a grammar: the next step's penalties or token mask need the token it samples, on the host."""
+        return self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
 
     def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:
         """The step pipeline's one decision (AsyncEngine and LLM share it): the next step to queue, given the one
@@ -260,14 +267,16 @@ class LLMEngine:
             state.logprobs.extend(new_logprobs)
             state.cumulative_logprob += result.logprobs[row][0]
         status, stop_reason = self._check_stop(req, token)
-        detok = state.detok
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
+        grammar_done = status is None and req.matcher is not None and self._advance_grammar(req, token)
+        detok = state.detok
         # As vLLM: the eos / stop token's own text is left out unless asked for.
         text, stop_str = ("", None) if stopped_by_token and not req.params.include_stop_str_in_output \
             else detok.add_token(token)
         if stop_str is not None:
             status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        elif status is not None:
+        elif status is not None or grammar_done:
+            status = status or RequestStatus.FINISHED_STOPPED
             text += detok.flush()
             if detok.stop_reason is not None:  # the held-back tail completed a stop string
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
@@ -289,6 +298,18 @@ class LLMEngine:
         if num_output >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> bool:
+        """Feed the sampled token to the request's grammar; True when the output is complete (only EOS could
+        follow), so the request stops without spending a step on EOS."""
+        matcher = req.matcher
+        if not matcher.consume_token(token):  # type: ignore[union-attr]
+            # Only possible if every allowed token was at -inf (e.g. allowed_token_ids outside the grammar).
+            logger.warning("request %s: token %d does not fit its structured-output grammar (%s); stopping it",
+                           req.request_id, token, matcher.get_error())  # type: ignore[union-attr]
+            return True
+        return bool(matcher.is_stopped())  # type: ignore[union-attr]
 
     def _finish(self, state: SeqState, status: RequestStatus) -> None:
         req = state.req

@@ -18,6 +18,7 @@ import torch
 from streamer.kv_cache import KVCacheManager
 from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
+from streamer.structured_output import fill_bitmasks
 
 
 def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -45,6 +46,9 @@ class SamplingRows:
     penalized: list[tuple[int, Request]]
     banned: list[tuple[int, Request]]
     adjusted: list[tuple[int, Request]] = field(default_factory=list)
+    # Structured outputs: (indices among the sampling rows, their allowed-token bitmasks int32 [R, ceil(V/32)]),
+    # computed here on the host from each request's grammar state; None if no row follows a grammar.
+    grammar: Optional[tuple[np.ndarray, np.ndarray]] = None
 
 
 @dataclass
@@ -113,6 +117,7 @@ class InputBatch:
         self.seeded = np.zeros(0, dtype=bool)
         self.penalized = np.zeros(0, dtype=bool)
         self.adjusted = np.zeros(0, dtype=bool)
+        self.constrained = np.zeros(0, dtype=bool)  # follows a structured-output grammar
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
@@ -121,7 +126,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "prompt_logprobs", "epoch")
+                   "constrained", "prompt_logprobs", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -173,6 +178,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalized[row] = p.needs_penalties
         self.adjusted[row] = p.adjusts_logits
+        self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         return row
 
@@ -275,13 +281,19 @@ class InputBatch:
         penalized = np.flatnonzero(self.penalized[rows])
         adjusted = np.flatnonzero(self.adjusted[rows])
         banned = np.flatnonzero(seq_lens - self.num_prompt[rows] < self.min_tokens[rows])
+        constrained = np.flatnonzero(self.constrained[rows])
+        grammar = None
+        if len(constrained):
+            matchers = [reqs[rows[i]].matcher for i in constrained]  # type: ignore[union-attr]
+            grammar = (constrained.astype(np.int64), fill_bitmasks(matchers, self.vocab_size))
         return SamplingRows(
             temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
             min_p=self.min_p[rows], max_logprobs=int(logprobs.max()) if len(rows) else -1,
             seeded=[(int(i), reqs[rows[i]]) for i in seeded],  # type: ignore[misc]
             penalized=[(int(i), reqs[rows[i]]) for i in penalized],  # type: ignore[misc]
             banned=[(int(i), reqs[rows[i]]) for i in banned],  # type: ignore[misc]
-            adjusted=[(int(i), reqs[rows[i]]) for i in adjusted])  # type: ignore[misc]
+            adjusted=[(int(i), reqs[rows[i]]) for i in adjusted],  # type: ignore[misc]
+            grammar=grammar)
 
     # ------------------------------------------------------------------ tests
     def check_consistency(self, kv: KVCacheManager) -> None:

@@ -361,10 +361,14 @@ class ModelRunner:
         if rows.adjusted:
             idx = to_device(np.array([i for i, _ in rows.adjusted], dtype=np.int64), dev)
             adjust = (idx, torch.stack([self._logit_adjust(r) for _, r in rows.adjusted]))
+        grammar = None
+        if rows.grammar is not None:
+            grammar = (to_device(rows.grammar[0], dev), to_device(rows.grammar[1], dev))
         return SamplingBatch(
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
-            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted, adjust=adjust)
+            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted, adjust=adjust,
+            grammar=grammar)
 
     def _logit_adjust(self, req: Request) -> torch.Tensor:
         """The request's logit_bias / allowed_token_ids as one row added to its logits (built once)."""

@@ -71,6 +71,8 @@ class Request:
         self.generator: Optional[object] = None
         # logit_bias / allowed_token_ids as one [vocab] row added to the logits: built by the runner once.
         self.logit_adjust: Optional[object] = None
+        # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.
+        self.matcher: Optional[object] = None
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state

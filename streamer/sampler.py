@@ -13,6 +13,7 @@ import torch
 
 from streamer.input_batch import to_device
 from streamer.request import Request
+from streamer.structured_output import apply_bitmask
 
 
 @dataclass
@@ -31,6 +32,7 @@ class SamplingBatch:
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
     restricted: Optional[torch.Tensor] = None  # [B] bool: the row uses top-k or top-p
     adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
+    grammar: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, int32 [rows, V/32] allowed-token bits)
 
 
 @dataclass
@@ -243,6 +245,8 @@ class Sampler:
             logits = logits.index_add(0, *batch.adjust)
         if batch.banned is not None:
             logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        if batch.grammar is not None:
+            logits = apply_bitmask(logits, *batch.grammar)
         greedy = argmax_rows(logits)
         if batch.all_greedy:
             tokens = greedy

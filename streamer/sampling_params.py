@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from streamer.structured_output import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token
 MAX_SEED = 2 ** 63 - 1
@@ -54,6 +56,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (OpenAI's logit_bias)
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled (vLLM's extension)
+    # The output must match a JSON schema, regex, choice list or grammar (vLLM's field; a dict is converted).
+    structured_outputs: Optional[StructuredOutputsParams] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +76,14 @@ class SamplingParams:
                                                                                      "__iter__"):
                 raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields: {', '.join(sorted(unknown))}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         self.validate()
 
     # ------------------------------------------------------------------ validation

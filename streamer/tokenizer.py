@@ -145,6 +145,10 @@ class Tokenizer:
             return [prefix + e.ids + suffix for e in self._tok.encode_batch(texts, add_special_tokens=False)]
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def to_json(self) -> str:
+        """The whole tokenizer (added tokens included) as tokenizer.json text, for llguidance."""
+        return self._tok.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids outside the vocabulary (a model's padded embedding rows) decode to nothing."""
         if skip_special_tokens:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 from pathlib import Path
@@ -89,7 +90,8 @@ class OpenAIServer:
         ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
         gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
-        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs, parse_tools)
+        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs, parse_tools,
+                         req.forced_tool)
         return await self._respond(request, gen, fmt, req)
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
@@ -105,7 +107,12 @@ class OpenAIServer:
             for s in streams:
                 s.close()
             if isinstance(e, Exception):
-                raise engine_error(e, chat) from None
+                err = engine_error(e, chat)
+                if err.param == "structured_outputs" and req.structured_field is not None:
+                    # e.g. an invalid schema in response_format: name the field the client wrote
+                    err.param = req.structured_field
+                    err.message = re.sub(r"^structured_outputs\.\w+", req.structured_field, err.message)
+                raise err from None
             raise
         return Generation(rid, streams, req.params.n)
 

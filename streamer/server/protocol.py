@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from streamer.sampling_params import MAX_LOGPROBS, SamplingParams
+from streamer.server import structured
 
 try:
     import orjson
@@ -242,7 +243,7 @@ def _param_of(message: str, known: set[str]) -> Optional[str]:
 _SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
-                    "allowed_token_ids"}
+                    "allowed_token_ids", "structured_outputs"}
 
 
 def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
@@ -297,6 +298,7 @@ class _Common:
     cache_salt: Optional[str]
     return_token_ids: bool
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: return them
+    structured_field: Optional[str] = None  # the field that constrains the output (errors found later name it)
 
 
 def _common(body: dict, params: SamplingParams) -> _Common:
@@ -313,6 +315,22 @@ def _common(body: dict, params: SamplingParams) -> _Common:
                    priority=get_int(body, "priority", 0, -(2 ** 31), 2 ** 31 - 1),  # type: ignore[arg-type]
                    cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False),
                    prompt_logprobs=body.get("prompt_logprobs") is not None)
+
+
+def _constrain(body: dict, params: SamplingParams, forced: Optional[structured.ForcedTool] = None,
+               tools: Optional[list[dict]] = None) -> tuple[SamplingParams, Optional[str]]:
+    """The structured-output fields (or a forced tool call) as params.structured_outputs, and its field."""
+    try:
+        c = structured.parse(body)
+    except structured.StructuredError as e:
+        raise APIError(str(e), param=e.param) from None
+    if forced is not None:
+        if c is not None:
+            raise APIError(f"tool_choice forcing a call cannot be combined with {c.field}", param=c.field)
+        c = structured.Constraint(structured.tool_constraint(forced, tools or []), "tool_choice")
+    if c is None:
+        return params, None
+    return params.clone(structured_outputs=c.params), c.field
 
 
 def _with_prompt_logprobs(body: dict, params: SamplingParams, echo_logprobs: Optional[int] = None) -> SamplingParams:
@@ -336,7 +354,8 @@ class ChatRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: Optional[list[dict]] = None
-    tool_choice: str = "auto"  # "none" | "auto" (forcing a call needs constrained decoding: not supported)
+    tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (a named one: forced_tool.name)
+    forced_tool: Optional[structured.ForcedTool] = None  # the output is held to that call's JSON
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -348,7 +367,9 @@ def parse_completion(body: dict) -> CompletionRequest:
         raise APIError("suffix is not supported", param="suffix")
     params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
     params = _with_prompt_logprobs(body, params, logprobs if echo else None)
+    params, field_name = _constrain(body, params)
     common = _common(body, params)
+    common.structured_field = field_name
     return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
 
 
@@ -398,15 +419,19 @@ def parse_chat(body: dict) -> ChatRequest:
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
     tool_choice = body.get("tool_choice") or "auto"  # absent or null: the default
-    if tool_choice not in ("none", "auto"):
-        raise APIError(f"tool_choice must be 'none' or 'auto' (forcing a call is not supported), got "
-                       f"{_show(tool_choice)}", param="tool_choice")
+    try:
+        forced = structured.forced_tool(tool_choice, tools)
+    except structured.StructuredError as e:
+        raise APIError(str(e), param=e.param) from None
+    params, field_name = _constrain(body, params, forced, tools)
     common = _common(body, params)
+    common.structured_field = field_name
     if common.stream and common.prompt_logprobs:
         raise APIError("prompt_logprobs is not supported on a streamed chat response (use a non-streamed one, or "
                        "completions)", param="prompt_logprobs")
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
-                       continue_final_message=cont, tools=tools or None, tool_choice=tool_choice,
+                       continue_final_message=cont, tools=tools or None,
+                       tool_choice=tool_choice if isinstance(tool_choice, str) else "function", forced_tool=forced,
                        template_kwargs=get_object(body, "chat_template_kwargs"))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
-from streamer.server.tool_calls import HermesToolCalls
+from streamer.server.tool_calls import ForcedToolCalls, HermesToolCalls
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
@@ -215,10 +215,16 @@ class ChatFormat(Format):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
-                 prompt_logprobs: bool = False, tool_calls: bool = False) -> None:
+                 prompt_logprobs: bool = False, tool_calls: bool = False,
+                 forced_tool: Optional[Any] = None) -> None:
         super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
-        # With a tool-call parser: each choice's text is read for tool calls as it streams.
-        self._tools = [HermesToolCalls() for _ in range(num_choices)] if tool_calls else None
+        # With a tool-call parser: each choice's text is read for tool calls as it streams. A forced tool call
+        # (server/structured.ForcedTool) was generated as JSON and is read whole at the end.
+        self._tools: Optional[list[Any]] = None
+        if forced_tool is not None:
+            self._tools = [ForcedToolCalls(forced_tool.name) for _ in range(num_choices)]
+        elif tool_calls:
+            self._tools = [HermesToolCalls() for _ in range(num_choices)]
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         p = super().piece(index, prompt_index, out)
@@ -227,7 +233,7 @@ class ChatFormat(Format):
             p.text, calls = parser.feed(p.text, final=p.finish_reason is not None)
             p.tool_calls = calls or None
             if p.finish_reason == "stop" and parser.num_calls:
-                p.finish_reason = "tool_calls"
+                p.finish_reason = parser.finish_reason
         return p
 
     def _logprobs(self, index: int, out: StreamOutput) -> list[dict[str, Any]]:

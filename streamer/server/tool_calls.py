@@ -43,6 +43,8 @@ def _call(body: str) -> Optional[dict[str, Any]]:
 class HermesToolCalls:
     """One choice's stream: feed() its text pieces, get back (content, completed tool calls)."""
 
+    finish_reason = "tool_calls"  # a choice that called tools finishes so, not "stop"
+
     def __init__(self) -> None:
         self._buf = ""
         self.num_calls = 0
@@ -74,6 +76,43 @@ class HermesToolCalls:
             calls.append({"index": self.num_calls, "id": f"call_{uuid.uuid4().hex[:24]}", **call})
             self.num_calls += 1
         return "".join(out), calls
+
+
+class ForcedToolCalls:
+    """A chat whose tool_choice forced a call, so that its output was held to JSON by a grammar (see
+    server/structured.py): for a named function the whole output is the call's arguments; for "required" it is
+    a list of {"name", "arguments"}. The calls come out whole, with the choice's last piece. An output cut short
+    (finish_reason "length") keeps a named call's partial arguments, as OpenAI does; a cut list stays content."""
+
+    def __init__(self, name: Optional[str]) -> None:
+        self.name = name
+        # OpenAI: a call forced by name finishes with "stop"; "required" with "tool_calls".
+        self.finish_reason = "stop" if name is not None else "tool_calls"
+        self._buf: list[str] = []
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buf.append(text)
+        if not final:
+            return "", []
+        body = "".join(self._buf)
+        if self.name is not None:
+            found = [{"type": "function", "function": {"name": self.name, "arguments": body}}]
+        else:
+            try:
+                items = json.loads(body)
+            except ValueError:
+                return body, []
+            found = [c for c in map(_call_object, items if isinstance(items, list) else []) if c is not None]
+            if not found:
+                return body, []
+        calls = [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", **c} for i, c in enumerate(found)]
+        self.num_calls = len(calls)
+        return "", calls
+
+
+def _call_object(obj: Any) -> Optional[dict[str, Any]]:
+    return _call(json.dumps(obj)) if isinstance(obj, dict) else None
 
 
 def parse_all(text: str) -> tuple[str, list[dict[str, Any]]]:

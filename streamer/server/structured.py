@@ -1,0 +1,132 @@
+"""The request fields that constrain the output, read into one `StructuredOutputsParams`:
+
+- OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}};
+- vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...};
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
+- a forced `tool_choice` ("required", or {"type": "function", "function": {"name": ...}}) on chat: the output is
+  held to the JSON of the call's arguments (named), or of a list of {"name", "arguments"} calls (required).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from streamer.structured_output import StructuredOutputsParams
+
+FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+class StructuredError(ValueError):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Constraint:
+    params: StructuredOutputsParams
+    field: str  # the request field it came from: errors found later (compiling the grammar) name it
+
+
+@dataclass
+class ForcedTool:
+    """tool_choice forcing a call: `name` for one named function, None for "required" (any, one or more)."""
+
+    name: Optional[str]
+
+
+def parse(body: dict) -> Optional[Constraint]:
+    given = [f for f in FIELDS if body.get(f) is not None and not _is_text_format(f, body.get(f))]
+    if len(given) > 1:
+        raise StructuredError(f"only one of {', '.join(given)} may be given", given[1])
+    if not given:
+        if body.get("response_format") is not None:  # {"type": "text"}: checked, unconstrained
+            _response_format(body["response_format"])
+        return None
+    name = given[0]
+    value = body[name]
+    try:
+        if name == "response_format":
+            params = _response_format(value)
+        elif name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+            unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"structured_outputs has unsupported fields: {', '.join(unknown)}")
+            params = StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None})
+        else:
+            params = StructuredOutputsParams(**{_LEGACY[name]: value})
+    except ValueError as e:
+        raise StructuredError(str(e).replace("structured_outputs.", f"{name}: "), name) from None
+    return Constraint(params, name)
+
+
+def _is_text_format(name: str, value: Any) -> bool:
+    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+
+
+def _response_format(v: Any) -> Optional[StructuredOutputsParams]:
+    if not isinstance(v, dict):
+        raise ValueError(f"response_format must be an object, got {type(v).__name__}")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema must be an object holding the schema")
+        schema = spec.get("schema")
+        if schema is None:  # OpenAI allows a named format without a schema: any JSON object
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def forced_tool(tool_choice: Any, tools: Optional[list[dict]]) -> Optional[ForcedTool]:
+    """None for "auto" / "none" / absent; a ForcedTool otherwise. Raises StructuredError(param="tool_choice")."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise StructuredError("tool_choice forces a tool call, but no tools were given", "tool_choice")
+    names = [_tool_name(t, i) for i, t in enumerate(tools)]
+    if tool_choice == "required":
+        return ForcedTool(None)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise StructuredError("tool_choice.function.name must be a string", "tool_choice")
+        if name not in names:
+            raise StructuredError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
+        return ForcedTool(name)
+    raise StructuredError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
+                          f"{{\"name\": ...}}}}, got {tool_choice!r}", "tool_choice")
+
+
+def _tool_name(tool: dict, i: int) -> str:
+    fn = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise StructuredError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                              "tools")
+    return fn["name"]
+
+
+def _parameters(tool: dict) -> dict:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def tool_constraint(forced: ForcedTool, tools: list[dict]) -> StructuredOutputsParams:
+    """Named: the output is the function's arguments object. Required: a non-empty JSON list of calls."""
+    if forced.name is not None:
+        tool = next(t for t in tools if t["function"]["name"] == forced.name)
+        return StructuredOutputsParams(json=_parameters(tool))
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})

@@ -1,0 +1,317 @@
+"""Structured outputs: JSON schema, regex, choice and grammar constraints, in the engine and through the server.
+
+The strongest check is against an oracle: with greedy decoding, each constrained token must be transformers'
+argmax over exactly the tokens llguidance allows at that point (so the mask is applied to the right row, in the
+right place, and nothing else is masked). The rest checks that outputs match their constraint under sampling,
+n > 1, preemption and chunked prefill, that the pool comes back whole, and the server's fields and errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import llguidance
+import numpy as np
+import openai
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from streamer.structured_output import StructuredOutputsParams as SO
+from streamer.structured_output import apply_bitmask, fill_bitmasks
+from tests.server_utils import LiveServer
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", None]},
+                         "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}}
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+LARK = 'start: "def " NAME "(" ARGS? "):"\nNAME: /[a-z_]{1,8}/\nARGS: /[a-z]( ?, ?[a-z]){0,2}/'
+LARK_RE = r"def [a-z_]{1,8}\(([a-z]( ?, ?[a-z]){0,2})?\):"
+
+
+def check_person(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) <= {"name", "age", "pet", "tags"} and {"name", "age", "pet"} <= set(obj)
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert type(obj["age"]) is int and 0 <= obj["age"] <= 120
+    assert obj["pet"] in ("cat", "dog", None)
+    assert all(type(t) is bool for t in obj.get("tags", [])) and len(obj.get("tags", [])) <= 2
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256)
+
+
+def _pool_whole(llm: LLM) -> None:
+    e = llm.engine
+    e.scheduler.check_invariants()
+    assert e.kv.pool.num_free == e.kv.num_blocks and not e.kv.req_blocks
+    assert not e.seqs and not e.groups
+
+
+# ---------------------------------------------------------------------------------------------- params
+@pytest.mark.parametrize("kw, field", [
+    ({}, "structured_outputs"), ({"json": PERSON, "regex": "a"}, "structured_outputs"),
+    ({"json": 5}, "structured_outputs.json"), ({"regex": ""}, "structured_outputs.regex"),
+    ({"choice": []}, "structured_outputs.choice"), ({"choice": "yes"}, "structured_outputs.choice"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice"), ({"grammar": 3}, "structured_outputs.grammar"),
+    ({"json_object": "yes"}, "structured_outputs"),
+])
+def test_params_refuse_bad_values(kw, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        SO(**kw)
+
+
+def test_sampling_params_takes_a_dict():
+    p = SamplingParams(structured_outputs={"regex": "a+"})
+    assert p.structured_outputs == SO(regex="a+")
+    with pytest.raises(ValueError, match="structured_outputs has unknown fields: schema"):
+        SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs="a+")
+
+
+def test_bitmask_round_trip():
+    """The sampler's unpacking reads bit t % 32 of word t // 32, as llguidance writes it."""
+    vocab = 70
+    allowed = [0, 5, 31, 32, 63, 64, 69]
+    words = np.zeros((1, 3), dtype=np.uint32)
+    for t in allowed:
+        words[0, t // 32] |= np.uint32(1 << (t % 32))
+    logits = torch.randn(3, vocab)
+    out = apply_bitmask(logits, torch.tensor([1]), torch.from_numpy(words.view(np.int32)))
+    assert torch.isfinite(out[1]).nonzero().squeeze(1).tolist() == allowed
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int) -> list[int]:
+    """transformers' logits, masked by a fresh llguidance matcher at each step: the oracle."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    matcher = engine.grammars.compile(spec).matcher()
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        mask = fill_bitmasks([matcher], engine.vocab_size)
+        logits = apply_bitmask(logits.unsqueeze(0), torch.tensor([0]), torch.from_numpy(mask))[0]
+        token = int(logits.argmax())
+        out.append(token)
+        ids.append(token)
+        assert matcher.consume_token(token)
+        if matcher.is_stopped():
+            break
+    return out
+
+
+@pytest.mark.parametrize("spec", [SO(json=PERSON), SO(regex=PHONE), SO(grammar=LARK)], ids=["json", "regex", "lark"])
+def test_greedy_equals_transformers_argmax_over_allowed_tokens(llm, llama_dir, spec):
+    prompt = [1, 45, 368, 173, 170, 299, 43]
+    got = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec))[0].outputs[0]
+    want = _hf_constrained_greedy(llama_dir, llm.engine, prompt, spec, 60)
+    assert got.token_ids == want
+    assert got.finish_reason == "stop"  # the grammar completed: no step spent on EOS
+    _pool_whole(llm)
+
+
+def test_sampled_outputs_match_their_constraint_under_preemption(llama_dir):
+    """Sampling at temperature 1 with n=2, a pool small enough to preempt and chunked prefill; unconstrained
+    requests share the batch."""
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=24, block_size=16, max_num_batched_tokens=64)
+    specs = [SO(json=PERSON), SO(regex=PHONE), SO(choice=["yes", "no", "maybe (so)"]), SO(grammar=LARK),
+             SO(grammar='root ::= "x" [0-9]+ "y"'), SO(json_object=True), None]
+    prompts = [list(range(3 + 7 * i, 40 + 11 * i)) for i in range(len(specs))]
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, n=2, structured_outputs=s)
+              for i, s in enumerate(specs)]
+    outs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for spec, out in zip(specs, outs):
+        for o in out.outputs:
+            text = o.text
+            if spec is None:
+                assert o.finish_reason == "length"
+                continue
+            if o.finish_reason == "length":  # json_object on a random model may run long: a valid prefix
+                assert spec.json_object
+                continue
+            assert o.finish_reason == "stop", (spec, text)
+            if spec.json is not None:
+                check_person(text)
+            elif spec.regex is not None:
+                assert re.fullmatch(PHONE, text)
+            elif spec.choice is not None:
+                assert text in spec.choice
+            elif spec.grammar == LARK:
+                assert re.fullmatch(LARK_RE, text)
+            elif spec.grammar is not None:
+                assert re.fullmatch(r"x[0-9]+y", text)
+            else:
+                assert isinstance(json.loads(text), dict)
+            # llguidance agrees the tokens form a complete match.
+            m = llm.engine.grammars.compile(spec).matcher()
+            assert m.consume_tokens(o.token_ids) and m.is_accepting()
+    _pool_whole(llm)
+
+
+def test_async_scheduling_gives_the_same_tokens(llama_dir, llm):
+    """The overlapped pipeline waits for a constrained row's token before masking its next one."""
+    fast = LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, async_scheduling=True)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [40, 41]]
+    params = [SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=SO(json=PERSON)),
+              SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=SO(regex=PHONE))]
+    outs = fast.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "length", "stop"]
+    # Once the constrained requests are done, the unconstrained one runs overlapped again.
+    assert fast.engine.num_overlapped_steps > 0
+
+
+def test_length_limit_and_bad_grammars(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0,
+                                                   structured_outputs=SO(json=PERSON)))[0].outputs[0]
+    assert out.finish_reason == "length" and out.text.startswith('{"')
+    for spec, field in [(SO(regex="a(b"), "structured_outputs.regex"), (SO(json='{"type": '), "structured_outputs.json"),
+                        (SO(json={"type": "objectx"}), "structured_outputs.json"),
+                        (SO(grammar="start: undefined_rule"), "structured_outputs.grammar")]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, structured_outputs=spec))
+    # The engine still serves, and nothing leaked.
+    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
+    _pool_whole(llm)
+
+
+def test_compiled_grammars_are_cached_per_source(llm):
+    g = llm.engine.grammars
+    a, b = g.compile(SO(regex="[ab]+")), g.compile(SO(regex="[ab]+"))
+    assert a is b and a.matcher() is not b.matcher()
+    assert g.compile(SO(regex="[ab]*")) is not a
+
+
+# ---------------------------------------------------------------------------------------------- server
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["city"],
+             "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def live(llama_dir):
+    with LiveServer(llama_dir) as server:
+        yield server
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+def _client(live):
+    return openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+MSG = [{"role": "user", "content": "Who are you?"}]
+
+
+def test_server_response_format_and_vllm_fields(live):
+    async def main():
+        async with _client(live) as c:
+            fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+            plain = await c.chat.completions.create(model="llama", messages=MSG, max_tokens=100, temperature=0.0,
+                                                    response_format=fmt)
+            streamed = ""
+            async for chunk in await c.chat.completions.create(model="llama", messages=MSG, max_tokens=100,
+                                                               temperature=0.0, response_format=fmt, stream=True):
+                if chunk.choices:
+                    streamed += chunk.choices[0].delta.content or ""
+            obj = await c.chat.completions.create(model="llama", messages=MSG, max_tokens=200, temperature=0.0,
+                                                  response_format={"type": "json_object"})
+            choice = await c.completions.create(model="llama", prompt="The answer:", max_tokens=10, n=3,
+                                                temperature=1.0, extra_body={"guided_choice": ["yes", "no"]})
+            regex = await c.completions.create(model="llama", prompt="Call", max_tokens=30, temperature=1.0,
+                                               extra_body={"structured_outputs": {"regex": PHONE}})
+            text = await c.completions.create(model="llama", prompt="Call", max_tokens=3, temperature=0.0,
+                                              extra_body={"response_format": {"type": "text"}})
+            return plain, streamed, obj, choice, regex, text
+
+    plain, streamed, obj, choice, regex, text = _run(main())
+    check_person(plain.choices[0].message.content)
+    assert plain.choices[0].finish_reason == "stop" and streamed == plain.choices[0].message.content
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert obj.choices[0].message.content.startswith("{")
+    assert len(choice.choices) == 3 and all(ch.text in ("yes", "no") for ch in choice.choices)
+    assert re.fullmatch(PHONE, regex.choices[0].text)
+    assert text.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_server_forced_tool_calls(live, stream):
+    async def call(c, tool_choice):
+        # Seeded sampling: greedy decoding of this random model repeats one call until max_tokens.
+        kw = dict(model="llama", messages=MSG, tools=TOOLS, tool_choice=tool_choice, max_tokens=300,
+                  temperature=1.0, seed=0)
+        if not stream:
+            r = await c.chat.completions.create(**kw)
+            return r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
+        calls, content, finish = [], "", None
+        async for chunk in await c.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                calls += ch.delta.tool_calls or []
+                content += ch.delta.content or ""
+                finish = ch.finish_reason or finish
+        return calls, content or None, finish
+
+    async def main():
+        async with _client(live) as c:
+            named = await call(c, {"type": "function", "function": {"name": "get_weather"}})
+            required = await call(c, "required")
+            return named, required
+
+    (named_calls, named_content, named_finish), (req_calls, req_content, req_finish) = _run(main())
+    assert named_finish == "stop" and not named_content and len(named_calls) == 1
+    assert named_calls[0].function.name == "get_weather" and named_calls[0].id.startswith("call_")
+    args = json.loads(named_calls[0].function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and set(args) <= {"city", "days"}
+    assert req_finish == "tool_calls" and not req_content and req_calls
+    for tc in req_calls:
+        args = json.loads(tc.function.arguments)
+        if tc.function.name == "get_weather":
+            assert args["city"] in ("Paris", "Oslo")
+        else:
+            assert tc.function.name == "get_time" and re.fullmatch("[A-Z]{3}", args["zone"])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_choice": "yes"}, "guided_choice"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "a", "whitespace": True}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+])
+def test_server_errors_name_the_field(live, body, param):
+    import httpx
+    for stream in (False, True):
+        r = httpx.post(live.base_url + "/chat/completions", timeout=60,
+                       json={"model": "llama", "messages": MSG, "max_tokens": 4, "stream": stream, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", err
+        assert "structured_outputs." not in err["message"] or param == "structured_outputs"
+    # Still serving.
+    assert httpx.post(live.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2},
+                      timeout=60).status_code == 200
