@@ -256,6 +256,8 @@ class LLMEngine:
 
     def _append_token(self, state: SeqState, token: int, result: RunnerOutput, row: int, now: float) -> SeqUpdate:
         req = state.req
+        if req.matcher is not None and (token < 0 or not req.matcher.consume_token(token)):  # type: ignore
+            return self._reject(state, now)
         req.append_token(token)
         m = state.metrics
         if m.first_token_time is None:
@@ -268,7 +270,8 @@ class LLMEngine:
             state.cumulative_logprob += result.logprobs[row][0]
         status, stop_reason = self._check_stop(req, token)
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
-        grammar_done = status is None and req.matcher is not None and self._advance_grammar(req, token)
+        # A complete grammar admits only EOS next: stop now rather than spend a step on it.
+        grammar_done = status is None and req.matcher is not None and req.matcher.is_stopped()  # type: ignore
         detok = state.detok
         # As vLLM: the eos / stop token's own text is left out unless asked for.
         text, stop_str = ("", None) if stopped_by_token and not req.params.include_stop_str_in_output \
@@ -299,17 +302,18 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
 
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> bool:
-        """Feed the sampled token to the request's grammar; True when the output is complete (only EOS could
-        follow), so the request stops without spending a step on EOS."""
-        matcher = req.matcher
-        if not matcher.consume_token(token):  # type: ignore[union-attr]
-            # Only possible if every allowed token was at -inf (e.g. allowed_token_ids outside the grammar).
-            logger.warning("request %s: token %d does not fit its structured-output grammar (%s); stopping it",
-                           req.request_id, token, matcher.get_error())  # type: ignore[union-attr]
-            return True
-        return bool(matcher.is_stopped())  # type: ignore[union-attr]
+    def _reject(self, state: SeqState, now: float) -> SeqUpdate:
+        """No token fits both the request's grammar and its other rules (allowed_token_ids, min_tokens' bans):
+        the sampler gave -1. The output ends there, as a stop."""
+        req = state.req
+        logger.warning("request %s: no token fits both its structured-output grammar and its other sampling "
+                       "parameters; stopping it", req.request_id)
+        text = state.detok.flush()
+        req.stop_reason = None
+        self._finish(state, RequestStatus.FINISHED_STOPPED)
+        state.metrics.finished_time = now
+        first = state.prompt_logprobs if not req.output_token_ids else None
+        return SeqUpdate(state, [], text, [] if state.logprobs is not None else None, True, first)
 
     def _finish(self, state: SeqState, status: RequestStatus) -> None:
         req = state.req

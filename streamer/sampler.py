@@ -245,17 +245,25 @@ class Sampler:
             logits = logits.index_add(0, *batch.adjust)
         if batch.banned is not None:
             logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        dead = None
         if batch.grammar is not None:
+            # In place: the runner's logits are fresh each step, and copying [256, 128k] would cost more than masking.
             logits = apply_bitmask(logits, *batch.grammar)
+            # A grammar row left with no token (its allowed_token_ids or bans exclude all the grammar allows)
+            # gets token -1: the engine ends it rather than emit a token that breaks its rules.
+            dead = torch.isneginf(logits.amax(dim=-1))
         greedy = argmax_rows(logits)
         if batch.all_greedy:
             tokens = greedy
         else:
             sampled = self._sample(logits, batch)
             tokens = torch.where(batch.temperature > 0, sampled, greedy)
+        if dead is not None:
+            tokens = tokens.masked_fill(dead, -1)
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
-            chosen, out.ranks, top_lps, top_ids = score_tokens(raw_logprobs, tokens, batch.max_logprobs)
+            scored = tokens.clamp(min=0)
+            chosen, out.ranks, top_lps, top_ids = score_tokens(raw_logprobs, scored, batch.max_logprobs)
             out.logprobs = torch.cat([chosen, top_lps], dim=1)
-            out.logprob_token_ids = torch.cat([tokens.unsqueeze(1), top_ids], dim=1)
+            out.logprob_token_ids = torch.cat([scored.unsqueeze(1), top_ids], dim=1)
         return out

@@ -183,11 +183,17 @@ def fill_bitmasks(matchers: list[Any], vocab_size: int) -> np.ndarray:
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` with each listed row's disallowed tokens (bit 0 in its [W] int32 mask) set to -inf."""
-    # Bit t % 32 of word t // 32 is bit t % 8 of byte t // 8 (little-endian, as on every CPU and GPU we run on):
-    # unpacking bytes keeps the intermediate at one byte per token.
-    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :logits.shape[-1]]
-    allowed = allowed.bool()
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((rows,), masked)
+    """Set each listed row's disallowed tokens (bit 0 in its [W] int32 mask) to -inf, in place; returns `logits`.
+    `rows` ascending (as `np.flatnonzero` gives them)."""
+    vocab = logits.shape[-1]
+    if bitmask.device.type == "cpu":  # numpy's unpackbits: ~2 ms for 256 x 128k tokens, 100x torch's shifts
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+        allowed = torch.from_numpy(bits.view(np.bool_))
+    else:
+        # Bit t % 32 of word t // 32 is bit t % 8 of byte t // 8 (little-endian), so unpack bytes: one byte per
+        # token in the intermediate rather than four.
+        shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+        allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
+    if len(rows) == logits.shape[0]:  # every row follows a grammar (rows are then 0..B-1)
+        return logits.masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))

@@ -9,8 +9,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
+from streamer.structured_output import StructuredOutputsParams as SO
 
 VOCAB_LIMIT = 400  # token ids drawn below this (the test model's vocabulary is larger)
+GRAMMARS = [SO(regex="[a-e]{2,6}!"), SO(choice=["alpha", "beta gamma"]),
+            SO(json={"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,7 @@ params_st = st.builds(
     allowed_token_ids=st.one_of(st.none(), st.lists(token, min_size=1, max_size=6)),
     ignore_eos=st.booleans(),
     n=st.integers(1, 2),
+    structured_outputs=st.one_of(st.none(), st.none(), st.sampled_from(GRAMMARS)),
 )
 
 
@@ -55,7 +59,8 @@ def test_any_mix_of_sampling_options(llm, reqs) -> None:
             assert out.prompt_logprobs[0] is None and all(prompt[i] in out.prompt_logprobs[i]
                                                           for i in range(1, len(prompt)))
         for c in out.outputs:
-            assert 1 <= len(c.token_ids) <= sp.max_tokens
+            # A grammar with no token left that the other options allow ends the output early, possibly empty.
+            assert (0 if sp.structured_outputs else 1) <= len(c.token_ids) <= sp.max_tokens
             assert c.finish_reason in ("stop", "length")
             if sp.logprobs is not None:
                 assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
@@ -63,6 +68,9 @@ def test_any_mix_of_sampling_options(llm, reqs) -> None:
                 assert set(c.token_ids) <= set(sp.allowed_token_ids)
             if c.finish_reason == "length":  # a stop token either ends the sequence or is banned (min_tokens)
                 assert not set(c.token_ids) & set(sp.stop_token_ids)
+            if sp.structured_outputs is not None:  # every emitted token fits the grammar
+                matcher = llm.engine.grammars.compile(sp.structured_outputs).matcher()
+                assert matcher.try_consume_tokens(c.token_ids) == len(c.token_ids)
     e = llm.engine
     e.scheduler.check_invariants()
     assert e.kv.pool.num_free == e.kv.num_blocks and not e.seqs and not e.groups

@@ -82,9 +82,13 @@ def test_bitmask_round_trip():
     for t in allowed:
         words[0, t // 32] |= np.uint32(1 << (t % 32))
     logits = torch.randn(3, vocab)
-    out = apply_bitmask(logits, torch.tensor([1]), torch.from_numpy(words.view(np.int32)))
+    out = apply_bitmask(logits.clone(), torch.tensor([1]), torch.from_numpy(words.view(np.int32)))
     assert torch.isfinite(out[1]).nonzero().squeeze(1).tolist() == allowed
+    assert torch.equal(out[1, allowed], logits[1, allowed])
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    # Every row masked (the in-place path for a batch that is all constrained).
+    full = apply_bitmask(logits.clone(), torch.arange(3), torch.from_numpy(np.repeat(words, 3, 0).view(np.int32)))
+    assert all(torch.isfinite(full[r]).nonzero().squeeze(1).tolist() == allowed for r in range(3))
 
 
 # ---------------------------------------------------------------------------------------------- engine
@@ -99,7 +103,7 @@ def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         mask = fill_bitmasks([matcher], engine.vocab_size)
-        logits = apply_bitmask(logits.unsqueeze(0), torch.tensor([0]), torch.from_numpy(mask))[0]
+        logits = apply_bitmask(logits.unsqueeze(0).clone(), torch.tensor([0]), torch.from_numpy(mask))[0]
         token = int(logits.argmax())
         out.append(token)
         ids.append(token)
@@ -183,6 +187,26 @@ def test_length_limit_and_bad_grammars(llm):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, structured_outputs=spec))
     # The engine still serves, and nothing leaked.
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
+    _pool_whole(llm)
+
+
+def test_no_token_fits_grammar_and_allowed_ids(llm):
+    """allowed_token_ids outside the grammar leave a row no token: it ends, empty, without breaking either rule,
+    and its batch-mate is untouched."""
+    z = llm.engine.tokenizer.encode("z", add_special_tokens=False)
+    alone = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    outs = llm.generate([[1, 2, 3], [4, 5]], [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.7, logprobs=2, allowed_token_ids=z,
+                       structured_outputs=SO(regex="[a-e]+!"))])
+    assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    dead = outs[1].outputs[0]
+    assert dead.token_ids == [] and dead.text == "" and dead.finish_reason == "stop" and dead.logprobs == []
+    # Found by the property test: here the grammar takes token 3 first, then nothing allowed fits, and the
+    # sampler's pick from a row of -inf happened to fit the grammar (but not allowed_token_ids).
+    out = llm.generate([[3]], SamplingParams(max_tokens=3, temperature=0.7, top_k=1, allowed_token_ids=[3],
+                                             structured_outputs=SO(regex="[a-e]{2,6}!")))[0].outputs[0]
+    assert set(out.token_ids) <= {3} and out.finish_reason == "stop"
     _pool_whole(llm)
 
 

@@ -39,13 +39,17 @@ def test_tp2_matches_transformers(make_ckpt, family, overrides) -> None:
 
 def test_tp2_sampling_matches_one_process_and_workers_stop(llama_dir) -> None:
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=s, ignore_eos=True) for s in range(3)]
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    # Rank 0 alone masks a grammar's tokens: the workers never see it.
+    params.append(SamplingParams(max_tokens=40, temperature=0.9, seed=3, structured_outputs={"regex": "[a-z]{3,9}!"}))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     with LLM(str(llama_dir), dtype="float32") as one:
         want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
     threads = torch.get_num_threads()
     llm = LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
     procs = llm.engine.runner.tp_workers.procs
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert got[3].outputs[0].finish_reason == "stop" and got[3].outputs[0].text.endswith("!")
     assert all(p.poll() is None for p in procs)
     llm.close()
     assert all(p.poll() == 0 for p in procs), "workers exit cleanly when the engine closes"
