@@ -5,9 +5,10 @@ from typing import TYPE_CHECKING
 
 from streamer.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from streamer.sampling_params import SamplingParams
+from streamer.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "StreamOutput", "EngineConfig"]
 
 if TYPE_CHECKING:

@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-aging", type=float, default=None,
                    help="seconds of waiting that count as one priority level")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    g.add_argument("--no-jump-forward", dest="jump_forward", action="store_false",
+                   help="structured outputs: sample every token, even those the grammar forces")
     g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
                    help="triton: top-k/top-p/min-p without sorting the vocabulary (default: torch)")
     c = g.add_mutually_exclusive_group()

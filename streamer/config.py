@@ -43,6 +43,10 @@ class EngineConfig:
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
     # (streamer/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
     tensor_parallel_size: int = 1
+    # Structured outputs: when the grammar admits only one continuation (a JSON key, `":"`, the rest of an enum
+    # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
+    # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

@@ -258,7 +258,6 @@ class LLMEngine:
         req = state.req
         if req.matcher is not None and (token < 0 or not req.matcher.consume_token(token)):  # type: ignore
             return self._reject(state, now)
-        req.append_token(token)
         m = state.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -268,27 +267,59 @@ class LLMEngine:
             new_logprobs = [self._logprob_entry(result, row, req.params.logprobs or 0)]
             state.logprobs.extend(new_logprobs)
             state.cumulative_logprob += result.logprobs[row][0]
+        new_tokens = [token]
+        text, status, stop_reason = self._emit(state, token)
+        if status is None and req.matcher is not None and self.config.jump_forward and state.logprobs is None:
+            text, status, stop_reason = self._jump_forward(state, new_tokens, text)
+        if status is not None:
+            req.stop_reason = stop_reason
+            self._finish(state, status)
+            m.finished_time = now
+        first = state.prompt_logprobs if len(req.output_token_ids) == len(new_tokens) else None
+        return SeqUpdate(state, new_tokens, text, new_logprobs, status is not None, first)
+
+    def _emit(self, state: SeqState, token: int) -> tuple[str, Optional[RequestStatus], int | str | None]:
+        """Append one token: (its text, the finish status if it ends the sequence, the stop reason)."""
+        req = state.req
+        req.append_token(token)
         status, stop_reason = self._check_stop(req, token)
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
         # A complete grammar admits only EOS next: stop now rather than spend a step on it.
-        grammar_done = status is None and req.matcher is not None and req.matcher.is_stopped()  # type: ignore
+        if status is None and req.matcher is not None and req.matcher.is_stopped():  # type: ignore[attr-defined]
+            status = RequestStatus.FINISHED_STOPPED
         detok = state.detok
         # As vLLM: the eos / stop token's own text is left out unless asked for.
         text, stop_str = ("", None) if stopped_by_token and not req.params.include_stop_str_in_output \
             else detok.add_token(token)
         if stop_str is not None:
-            status, stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-        elif status is not None or grammar_done:
-            status = status or RequestStatus.FINISHED_STOPPED
+            return text, RequestStatus.FINISHED_STOPPED, stop_str
+        if status is not None:
             text += detok.flush()
             if detok.stop_reason is not None:  # the held-back tail completed a stop string
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
-        if status is not None:
-            req.stop_reason = stop_reason
-            self._finish(state, status)
-            m.finished_time = now
-        first = state.prompt_logprobs if len(req.output_token_ids) == 1 else None
-        return SeqUpdate(state, [token], text, new_logprobs, status is not None, first)
+        return text, status, stop_reason
+
+    def _jump_forward(self, state: SeqState, new_tokens: list[int], text: str,
+                      ) -> tuple[str, Optional[RequestStatus], int | str | None]:
+        """Append the tokens the grammar forces next (llguidance's fast-forward tokens: its canonical tokenization
+        of the only bytes that can follow), each checked like a sampled one (max_tokens ends the run). The
+        scheduler then computes them with the next step, as it computes a prompt, and samples after them."""
+        req = state.req
+        matcher = req.matcher
+        start = len(req.all_token_ids)
+        status: Optional[RequestStatus] = None
+        stop_reason: int | str | None = None
+        for t in matcher.compute_ff_tokens():  # type: ignore[union-attr]
+            if not matcher.consume_token(t):  # type: ignore[union-attr]
+                break
+            new_tokens.append(t)
+            piece, status, stop_reason = self._emit(state, t)
+            text += piece
+            if status is not None:
+                break
+        if status is None:
+            self.batch.append(req.request_id, start, req.all_token_ids[start:])
+        return text, status, stop_reason
 
     def _check_stop(self, req: Request, token: int) -> tuple[Optional[RequestStatus], int | str | None]:
         p = req.params

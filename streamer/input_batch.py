@@ -220,6 +220,17 @@ class InputBatch:
         self.tokens[rows, positions] = token_ids
         self.num_tokens[rows] = positions + 1
 
+    def append(self, request_id: str, start: int, token_ids: list[int]) -> None:
+        """Tokens the engine appended to a request without sampling them (structured outputs' jump-forward), at
+        positions start.. of its row; a request without a row gets them with its row."""
+        row = self.row_of.get(request_id)
+        if row is None or not token_ids:
+            return
+        assert self.num_tokens[row] == start, "appended tokens must follow the row's last token"
+        self._ensure_width(start + len(token_ids) + 1)
+        self.tokens[row, start:start + len(token_ids)] = token_ids
+        self.num_tokens[row] = start + len(token_ids)
+
     # ------------------------------------------------------------------ one step
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         row_of = self.row_of

@@ -20,10 +20,11 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # imported where used: SamplingParams (and so `import streamer`) must not pull in torch
+    import numpy as np
+    import torch
 
 assert sys.byteorder == "little", "the token bitmask is unpacked as little-endian bytes"
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -172,6 +173,7 @@ def fill_bitmasks(matchers: list[Any], vocab_size: int) -> np.ndarray:
     computed by llguidance's thread pool with the GIL released."""
     global _EXECUTOR
     import llguidance
+    import numpy as np
 
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
@@ -185,6 +187,9 @@ def fill_bitmasks(matchers: list[Any], vocab_size: int) -> np.ndarray:
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set each listed row's disallowed tokens (bit 0 in its [W] int32 mask) to -inf, in place; returns `logits`.
     `rows` ascending (as `np.flatnonzero` gives them)."""
+    import numpy as np
+    import torch
+
     vocab = logits.shape[-1]
     if bitmask.device.type == "cpu":  # numpy's unpackbits: ~2 ms for 256 x 128k tokens, 100x torch's shifts
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")

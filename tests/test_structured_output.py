@@ -65,6 +65,17 @@ def test_params_refuse_bad_values(kw, field):
         SO(**kw)
 
 
+def test_importing_streamer_stays_light():
+    """SamplingParams holds StructuredOutputsParams, and `import streamer` (the CLI, the bench client) must not
+    import torch or llguidance for it."""
+    import subprocess
+    import sys
+    code = ("import sys, streamer; from streamer import SamplingParams; SamplingParams(structured_outputs="
+            "{'regex': 'a'}); print(sorted(m for m in ('torch', 'numpy', 'llguidance') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_sampling_params_takes_a_dict():
     p = SamplingParams(structured_outputs={"regex": "a+"})
     assert p.structured_outputs == SO(regex="a+")
@@ -92,14 +103,24 @@ def test_bitmask_round_trip():
 
 
 # ---------------------------------------------------------------------------------------------- engine
-def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int) -> list[int]:
-    """transformers' logits, masked by a fresh llguidance matcher at each step: the oracle."""
+def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int, jump_forward: bool) -> list[int]:
+    """transformers' logits, masked by a fresh llguidance matcher at each step: the oracle. With jump-forward,
+    the tokens the grammar forces are taken as they are, without the model."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     matcher = engine.grammars.compile(spec).matcher()
     ids = list(prompt_ids)
     out: list[int] = []
-    for _ in range(max_new):
+    while len(out) < max_new:
+        forced = matcher.compute_ff_tokens() if jump_forward and out else []
+        if forced:
+            forced = forced[:max_new - len(out)]
+            assert matcher.consume_tokens(forced)
+            out += forced
+            ids += forced
+            if matcher.is_stopped():
+                break
+            continue
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         mask = fill_bitmasks([matcher], engine.vocab_size)
@@ -113,13 +134,40 @@ def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int
     return out
 
 
+@pytest.fixture(scope="module")
+def llm_no_jump(llama_dir):
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=256, jump_forward=False)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False], ids=["jump-forward", "every-token-sampled"])
 @pytest.mark.parametrize("spec", [SO(json=PERSON), SO(regex=PHONE), SO(grammar=LARK)], ids=["json", "regex", "lark"])
-def test_greedy_equals_transformers_argmax_over_allowed_tokens(llm, llama_dir, spec):
+def test_greedy_equals_transformers_argmax_over_allowed_tokens(request, llama_dir, spec, jump_forward):
+    engine = request.getfixturevalue("llm" if jump_forward else "llm_no_jump")
     prompt = [1, 45, 368, 173, 170, 299, 43]
-    got = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec))[0].outputs[0]
-    want = _hf_constrained_greedy(llama_dir, llm.engine, prompt, spec, 60)
+    steps = engine.engine.num_steps
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec)
+    got = engine.generate([prompt], params)[0].outputs[0]
+    want = _hf_constrained_greedy(llama_dir, engine.engine, prompt, spec, 60, jump_forward)
     assert got.token_ids == want
     assert got.finish_reason == "stop"  # the grammar completed: no step spent on EOS
+    steps = engine.engine.num_steps - steps
+    if jump_forward and spec.json is not None:  # forced keys and punctuation skip their steps
+        assert steps < 0.75 * len(got.token_ids)
+    elif not jump_forward:
+        assert steps == len(got.token_ids)
+    _pool_whole(engine)
+
+
+def test_jump_forward_stops_at_max_tokens(llm):
+    """Forced tokens count against max_tokens: an output cut inside a forced run ends exactly at the limit."""
+    spec = SO(regex="abcdefghijklmnopqrstuvwxyz")  # after the first token, the rest is forced
+    grammar = llm.engine.grammars.compile(spec)
+    assert len(llm.engine.tokenizer.encode("abcdefghijklmnopqrstuvwxyz", add_special_tokens=False)) > 9
+    for max_tokens in range(1, 9):
+        out = llm.generate([[1, 2]], SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=max_tokens,
+                                                    structured_outputs=spec))[0].outputs[0]
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+        assert grammar.matcher().try_consume_tokens(out.token_ids) == max_tokens
     _pool_whole(llm)
 
 
