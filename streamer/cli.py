@@ -28,6 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     g.add_argument("--no-jump-forward", dest="jump_forward", action="store_false",
                    help="structured outputs: sample every token, even those the grammar forces")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: draft up to this many tokens per step by n-gram lookup in the "
+                        "request's own tokens (0 = off)")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the drafts match")
+    g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the drafts match")
+    g.add_argument("--speculative-max-batch", type=int, default=8,
+                   help="draft only while at most this many requests run")
     g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
                    help="triton: top-k/top-p/min-p without sorting the vocabulary (default: torch)")
     c = g.add_mutually_exclusive_group()
@@ -53,7 +60,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "block_size", "kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
-                "tensor_parallel_size", "tokenizer")
+                "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "prompt_lookup_min", "speculative_max_batch")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -47,6 +47,14 @@ class EngineConfig:
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
     jump_forward: bool = True
+    # Speculative decoding with n-gram drafts (streamer/speculative.py): up to this many tokens proposed per step
+    # from the request's own earlier tokens, verified in one forward pass; 0 = off. Needs steps one at a time
+    # (no async scheduling). Only while at most `speculative_max_batch` requests run: in a big batch the device
+    # is busy anyway, and rejected drafts would only cost compute.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4  # longest n-gram to match
+    prompt_lookup_min: int = 2  # shortest n-gram to match
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -80,6 +88,13 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min must be in [1, prompt_lookup_max], got {self.prompt_lookup_min} "
+                             f"and {self.prompt_lookup_max}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

@@ -23,6 +23,7 @@ from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestM
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
+from streamer.speculative import propose_ngram
 from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.tokenizer import Tokenizer
 
@@ -100,6 +101,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were accepted
+        self.num_accepted_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
 
@@ -212,6 +215,8 @@ class LLMEngine:
 
     def schedule(self) -> Optional[tuple[SchedulerOutput, StepInputs]]:
         """Schedule and prepare the next step; None when nothing can run now."""
+        if self.config.num_speculative_tokens:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
@@ -220,7 +225,8 @@ class LLMEngine:
     def can_overlap(self, running: StepInputs) -> bool:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties or
         follows a grammar: the next step's penalties or token mask need the token it samples, on the host."""
-        return self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
+        return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
+                and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known
 
     def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:
         """The step pipeline's one decision (AsyncEngine and LLM share it): the next step to queue, given the one
@@ -247,12 +253,72 @@ class LLMEngine:
             self._record_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()
         updates = []
-        for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
-            state = self.seqs.get(seq_id)
+        ids, tokens = result.req_ids, result.token_ids
+        i = 0
+        while i < len(ids):
+            state = self.seqs.get(ids[i])
             if state is None or state.req.is_finished:
+                i += 1
+                while i < len(ids) and ids[i] == ids[i - 1]:  # and the rest of its draft rows
+                    i += 1
                 continue  # aborted while the step ran, or (async scheduling) finished by the step before
-            updates.append(self._append_token(state, token, result, i, now))
+            drafts = state.req.draft_token_ids
+            if drafts:
+                updates.append(self._verify(state, tokens[i:i + len(drafts) + 1], result, i, now))
+                i += len(drafts) + 1
+            else:
+                updates.append(self._append_token(state, tokens[i], result, i, now))
+                i += 1
         return updates
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _propose_drafts(self) -> None:
+        """N-gram drafts for the requests about to decode (streamer/speculative.py), while the batch is small."""
+        cfg = self.config
+        running = self.scheduler.running
+        if len(running) > cfg.speculative_max_batch:
+            return
+        for req in running:
+            if (req.num_pending or req.matcher is not None or req.params.needs_penalties
+                    or req.num_computed_tokens != len(req.all_token_ids) - 1):
+                continue  # not decoding, or its next token depends on host state the drafts would skip
+            room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
+            k = min(cfg.num_speculative_tokens, room)
+            row = self.batch.row_of.get(req.request_id)
+            if k <= 0 or row is None:
+                continue
+            tokens = self.batch.tokens[row, :self.batch.num_tokens[row]]
+            req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def _verify(self, state: SeqState, sampled: list[int], result: RunnerOutput, row: int, now: float,
+                ) -> SeqUpdate:
+        """A request's speculative step: `sampled` holds the token drawn after its last known token and after
+        each draft. Drafts are accepted while they equal what was drawn at their position; the first draw that
+        differs (or the one after the last draft) comes with them. One update for all of them."""
+        req = state.req
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        update = self._append_token(state, sampled[0], result, row, now)
+        for j in range(1, accepted + 1):
+            if update.finished:
+                break
+            more = self._append_token(state, sampled[j], result, row + j, now)
+            update.new_token_ids += more.new_token_ids
+            update.text += more.text
+            if update.logprobs is not None and more.logprobs is not None:
+                update.logprobs += more.logprobs
+            update.finished = more.finished
+        if not update.finished:
+            # The drafts past the accepted ones were computed but are not the sequence: recompute from the
+            # last token on (their KV slots are simply overwritten).
+            req.num_computed_tokens = len(req.all_token_ids) - 1
+            req.num_pending = 0
+            self.batch.truncate(req.request_id, len(req.all_token_ids))
+        return update
 
     def _append_token(self, state: SeqState, token: int, result: RunnerOutput, row: int, now: float) -> SeqUpdate:
         req = state.req
@@ -398,4 +464,5 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage, "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
         }

@@ -75,13 +75,21 @@ class StepInputs:
     seq_lens: np.ndarray  # int64 [R]: context length after this step
     block_table: np.ndarray  # int32 [R, W]; entries past a request's blocks are 0
     slot_mapping: np.ndarray  # int64 [T]
-    sample_idx: np.ndarray  # int64 [S]: which scheduled requests sample a token this step
+    sample_idx: np.ndarray  # int64 [S]: the scheduled request of each sampled token (repeats with drafts)
     sampling: SamplingRows
     # Async scheduling: tokens the previous step samples, not known on the host yet. The runner fills
     # input_ids[pending_idx] from its device-side copy of each row's last sampled token.
     pending_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
     pending_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # int64 [P]
     prompt_logprobs: Optional[PromptLogprobTokens] = None
+    # Which of the step's tokens are sampled, int64 [S] (default: each sampling request's last token). With
+    # speculative drafts a request samples at its last known token and at every draft.
+    sample_tokens: Optional[np.ndarray] = None
+    has_drafts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sample_tokens is None:
+            self.sample_tokens = self.query_start_loc[1:][self.sample_idx] - 1
 
     @property
     def num_reqs(self) -> int:
@@ -220,6 +228,19 @@ class InputBatch:
         self.tokens[rows, positions] = token_ids
         self.num_tokens[rows] = positions + 1
 
+    def _write_drafts(self, sch: list) -> None:
+        """Speculative drafts go after each request's known tokens (counted as known until `truncate`)."""
+        for s in sch:
+            if s.num_drafts:
+                req = s.req
+                self.append(req.request_id, req.num_tokens, req.draft_token_ids[:s.num_drafts])
+
+    def truncate(self, request_id: str, length: int) -> None:
+        """Keep a row's first `length` tokens (after a speculative step: the drafts that were not accepted go)."""
+        row = self.row_of.get(request_id)
+        if row is not None:
+            self.num_tokens[row] = min(int(self.num_tokens[row]), length)
+
     def append(self, request_id: str, start: int, token_ids: list[int]) -> None:
         """Tokens the engine appended to a request without sampling them (structured outputs' jump-forward), at
         positions start.. of its row; a request without a row gets them with its row."""
@@ -238,9 +259,13 @@ class InputBatch:
         n = len(sch)
         # One pass over the scheduled requests; transposed so that each column is contiguous (tensors made from
         # these must not change strides from step to step: a compiled graph would guard on them).
-        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start, s.samples)],
+        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start,
+                                                  s.samples + s.num_drafts)],
                         dtype=np.int64).reshape(n, 4).T.copy()
-        rows, q_lens, starts, samples = flat
+        rows, q_lens, starts, samples = flat  # samples: tokens sampled (0, 1, or 1 + drafts)
+        has_drafts = bool((samples > 1).any())
+        if has_drafts:
+            self._write_drafts(sch)
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
@@ -258,13 +283,20 @@ class InputBatch:
         table = self.block_table[rows, :width]
         bs = self.block_size
         slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        sample_idx = np.flatnonzero(samples)
+        if has_drafts:  # every sampled position: the last `samples` tokens of each request
+            sample_idx = np.repeat(np.arange(n), samples)
+            before = np.repeat(np.cumsum(samples) - samples, samples)
+            sample_tokens = qsl[1:][sample_idx] - samples[sample_idx] + np.arange(len(sample_idx)) - before
+        else:
+            sample_idx = np.flatnonzero(samples)
+            sample_tokens = qsl[1:][sample_idx] - 1
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
-            sample_idx=sample_idx, sampling=self._sampling_rows(rows[sample_idx], seq_lens[sample_idx]),
+            sample_idx=sample_idx, sample_tokens=sample_tokens, has_drafts=has_drafts,
+            sampling=self._sampling_rows(rows[sample_idx], positions[sample_tokens] + 1),
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
 

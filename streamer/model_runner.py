@@ -80,7 +80,8 @@ def resolve_sampling_backend(name: Optional[str], device: torch.device) -> bool:
 
 @dataclass
 class RunnerOutput:
-    """Host-side results of one step, one entry per request that sampled (in scheduled order)."""
+    """Host-side results of one step, one entry per sampled token (in scheduled order; a request with
+    speculative drafts has one per draft and one more, consecutive)."""
 
     req_ids: list[str]
     token_ids: list[int]
@@ -501,7 +502,7 @@ class ModelRunner:
         idx = step.sample_idx
         if len(idx) == 0:
             return PendingStep(step, idx, [], prompt_logprobs=prompt_lp)
-        last = to_device(step.query_start_loc[1:][idx] - 1, dev)
+        last = to_device(step.sample_tokens, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
         if self.tp_workers is not None:  # workers keep the sampled tokens too: async scheduling's next step reads them
@@ -556,7 +557,8 @@ class PendingStep:
             return RunnerOutput([], [], prompt_logprobs=self.prompt_logprobs)
         tokens = self.host[0].numpy()
         result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
-                              epochs=step.epochs[idx], positions=step.seq_lens[idx], token_array=tokens,
+                              epochs=step.epochs[idx], positions=step.positions[step.sample_tokens] + 1,
+                              token_array=tokens,
                               prompt_logprobs=self.prompt_logprobs)
         if len(self.host) > 1:
             logprobs, ids, ranks = self.host[1:]

@@ -73,6 +73,8 @@ class Request:
         self.logit_adjust: Optional[object] = None
         # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.
         self.matcher: Optional[object] = None
+        # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.
+        self.draft_token_ids: list[int] = []
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state

@@ -32,6 +32,7 @@ class ScheduledRequest:
     start: int  # num_computed_tokens before this step
 
     samples: bool = False  # does this step reach the request's last token, so that a new one is sampled?
+    num_drafts: int = 0  # speculative decoding: draft tokens computed (and sampled at) after the last known one
 
 
 @dataclass
@@ -153,6 +154,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(req, front=True)
@@ -169,10 +171,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
-            n = min(len(req.all_token_ids) + req.num_pending - req.num_computed_tokens, budget)
+            want = len(req.all_token_ids) + len(req.draft_token_ids) + req.num_pending - req.num_computed_tokens
+            n = min(want, budget)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
                 continue
+            if n < want and req.draft_token_ids:  # the budget cuts into the drafts: keep what fits
+                del req.draft_token_ids[max(n - (want - len(req.draft_token_ids)), 0):]
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -187,8 +192,9 @@ class Scheduler:
         if not pool_dry:  # admitting now would only preempt again next step
             budget = self._admit(planned, budget)
         for req, n in planned:
-            samples = req.num_computed_tokens + n == len(req.all_token_ids) + req.num_pending
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples))
+            drafts = len(req.draft_token_ids)
+            samples = req.num_computed_tokens + n == len(req.all_token_ids) + drafts + req.num_pending
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples, drafts if samples else 0))
             req.num_computed_tokens += n
             req.num_pending += samples
             if req.first_scheduled_time is None:

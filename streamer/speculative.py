@@ -1,0 +1,32 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): no draft model, just the request's own tokens.
+
+When the last few tokens of a sequence occurred before (in its prompt or its output), the tokens that followed
+them then are a good guess for what follows now: code edits, extraction, summaries and repetitive text echo
+their context. The engine proposes up to `num_speculative_tokens` such drafts for a request in decode; the next
+step computes the request's last token and its drafts together (one forward pass over 1 + k tokens costs about
+what one token costs when decoding is memory-bound) and samples at every one of those positions. Draft i is
+accepted while the token sampled at its position equals it; the first token that differs (or the one after the
+last draft) is kept as well, so a step yields 1 to k + 1 tokens.
+
+With a draft that is one token for sure (q = one-hot), sampling from p and comparing is exactly the rejection
+rule of speculative sampling (accept with probability p(draft); else draw from p without the draft, which is
+what a draw from p that differs is), so outputs keep the model's distribution; greedy outputs are identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest
+    n in [min_n, max_n] that occurred before). `tokens`: the sequence so far, 1-D."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = tokens[length - n:]
+        # Windows that start early enough to be followed by at least one token.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
