@@ -18,8 +18,11 @@ import numpy as np
 
 
 def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest
-    n in [min_n, max_n] that occurred before). `tokens`: the sequence so far, 1-D."""
+    """k tokens that followed the latest earlier occurrence of the sequence's last n tokens (the longest n in
+    [min_n, max_n] that occurred before), or [] if none did. `tokens`: the sequence so far, 1-D.
+
+    A copy that runs into the present continues from its own start, as LZ77 copies do: in a loop of period p
+    the latest match is p tokens back, and the draft goes on around the loop instead of stopping after p."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         pattern = tokens[length - n:]
@@ -28,5 +31,7 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            ahead = tokens[start:start + k].tolist()
+            period = length - start
+            return [ahead[i % period] for i in range(k)]
     return []

@@ -16,9 +16,11 @@ GRAMMARS = [SO(regex="[a-e]{2,6}!"), SO(choice=["alpha", "beta gamma"]),
             SO(json={"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]})]
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir) -> LLM:
-    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=14, block_size=8, max_num_batched_tokens=24)
+@pytest.fixture(scope="module", params=[{}, {"num_speculative_tokens": 3, "prompt_lookup_min": 1}],
+                ids=["plain", "speculative"])
+def llm(llama_dir, request) -> LLM:
+    return LLM(str(llama_dir), dtype="float32", num_kv_blocks=14, block_size=8, max_num_batched_tokens=24,
+               **request.param)
 
 
 token = st.integers(3, VOCAB_LIMIT)
@@ -84,4 +86,6 @@ def test_the_pool_is_small_enough_to_preempt(llm) -> None:
     outs = llm.generate([{"prompt_token_ids": list(range(10 + i, 40 + i))} for i in range(5)], params)
     assert llm.engine.scheduler.num_preemptions > before
     assert all(len(o.prompt_logprobs) == 30 for o in outs)
+    if llm.engine.config.num_speculative_tokens:  # the property test above really verified drafts
+        assert llm.engine.num_accepted_tokens > 0 and llm.engine.num_draft_tokens > llm.engine.num_accepted_tokens
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks

@@ -31,17 +31,20 @@ def test_propose_ngram():
     t = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 2, 3])
     # The longest n that occurred before wins (n=2: "2 3" -> last occurrence at 6, followed by 5 6 2 ...).
     assert propose_ngram(t, 3, 2, 4) == [5, 6, 2]
-    assert propose_ngram(np.array([1, 2, 3, 1, 2, 3, 1, 2]), 2, 2, 3) == [3, 1]  # "3 1 2" -> the latest one
+    assert propose_ngram(np.array([1, 2, 3, 9, 1, 2, 3, 7, 1, 2]), 2, 2, 3) == [3, 7]  # the latest occurrence
     assert propose_ngram(np.array([4, 5, 6, 7]), 3, 1, 3) == []  # nothing repeats
     assert propose_ngram(np.array([8]), 3, 1, 3) == []
-    assert propose_ngram(np.array([1, 2, 1, 2]), 5, 1, 2) == [1, 2]  # no more than what followed
+    # A loop: the copy runs into the present and goes on around the loop.
+    assert propose_ngram(np.array([1, 2, 1, 2]), 5, 1, 2) == [1, 2, 1, 2, 1]
+    assert propose_ngram(np.array([5, 7, 7, 7]), 4, 1, 3) == [7, 7, 7, 7]
 
 
 @pytest.mark.parametrize("engine_args", [
     {},
     {"max_num_batched_tokens": 8},  # chunked prefill, and budgets that cut drafts short
     {"num_kv_blocks": 20, "block_size": 8},  # preemption
-], ids=["plain", "chunked", "preempting"])
+    {"enforce_eager": False},  # compiled: verification steps run the general graph, decode the lone one
+], ids=["plain", "chunked", "preempting", "compiled"])
 def test_greedy_matches_transformers(llama_dir, engine_args):
     llm = LLM(str(llama_dir), dtype="float32", num_speculative_tokens=3, prompt_lookup_min=1, **engine_args)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
