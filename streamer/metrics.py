@@ -129,6 +129,10 @@ class EngineMetrics:
                     gauge("prefix_cache_queries"), kind="counter"))
         r.add(Gauge("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                     gauge("prefix_cache_hits"), kind="counter"))
+        r.add(Gauge("vllm:spec_decode_num_draft_tokens_total", "Speculative draft tokens verified.",
+                    gauge("spec_num_draft_tokens"), kind="counter"))
+        r.add(Gauge("vllm:spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted.",
+                    gauge("spec_num_accepted_tokens"), kind="counter"))
         self.prompt_tokens = r.add(Counter("vllm:prompt_tokens_total", "Prompt tokens processed."))
         self.generation_tokens = r.add(Counter("vllm:generation_tokens_total", "Tokens generated."))
         self.request_success = r.add(Counter("vllm:request_success_total", "Finished requests by finish reason."))

@@ -12,7 +12,7 @@ import pytest
 from streamer import LLM, SamplingParams
 from streamer.speculative import propose_ngram
 from tests.checkpoints import hf_greedy
-from tests.server_utils import LiveServer
+from tests.server_utils import LiveServer, metric
 
 # Prompts that repeat themselves, so that n-gram drafts exist (and a few that do not).
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(20, 40)) * 3, [7, 7, 7, 7, 7, 7],
@@ -138,10 +138,14 @@ def test_server_streams_the_same_text(llama_dir):
 
         plain, text, chunks = asyncio.run(asyncio.wait_for(main(), 300))
         stats = live.engine.stats()
+        import httpx
+        prom = httpx.get(live.url + "/metrics", timeout=30).text
     base = LLM(str(llama_dir), dtype="float32").generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(
         max_tokens=40, temperature=0.0, ignore_eos=True))[0].outputs[0].text
     assert plain.choices[0].text == text == base
     assert stats["spec_num_accepted_tokens"] > 0 and chunks < 40
+    assert metric(prom, "vllm:spec_decode_num_accepted_tokens_total") == stats["spec_num_accepted_tokens"]
+    assert metric(prom, "vllm:spec_decode_num_draft_tokens_total") == stats["spec_num_draft_tokens"]
 
 
 def test_bad_arguments():

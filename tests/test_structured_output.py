@@ -102,6 +102,19 @@ def test_bitmask_round_trip():
     assert all(torch.isfinite(full[r]).nonzero().squeeze(1).tolist() == allowed for r in range(3))
 
 
+def test_bitmask_unpacking_paths_agree():
+    """The host path (numpy, CPU) and the device path (torch shifts, GPU) read the same bits; on a machine
+    without a GPU the device path runs on CPU tensors."""
+    from streamer.structured_output import unpack_bitmask
+    rng = np.random.default_rng(0)
+    words = torch.from_numpy(rng.integers(-2 ** 31, 2 ** 31, size=(5, 9), dtype=np.int64).astype(np.int32))
+    host = unpack_bitmask(words, 270, on_host=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    assert torch.equal(unpack_bitmask(words.to(dev), 270, on_host=False).cpu(), host)
+    bits = [[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(270)] for r in range(5)]
+    assert host.tolist() == bits
+
+
 # ---------------------------------------------------------------------------------------------- engine
 def _hf_constrained_greedy(llama_dir, engine, prompt_ids, spec: SO, max_new: int, jump_forward: bool) -> list[int]:
     """transformers' logits, masked by a fresh llguidance matcher at each step: the oracle. With jump-forward,
