@@ -253,6 +253,13 @@ class LLMEngine:
             self._record_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()
         updates = []
+        if not result.has_drafts:  # one token per request (this loop runs for every request every step)
+            for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
+                state = self.seqs.get(seq_id)
+                if state is None or state.req.is_finished:
+                    continue  # aborted while the step ran, or (async scheduling) finished by the step before
+                updates.append(self._append_token(state, token, result, i, now))
+            return updates
         ids, tokens = result.req_ids, result.token_ids
         i = 0
         while i < len(ids):

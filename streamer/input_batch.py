@@ -259,12 +259,12 @@ class InputBatch:
         n = len(sch)
         # One pass over the scheduled requests; transposed so that each column is contiguous (tensors made from
         # these must not change strides from step to step: a compiled graph would guard on them).
-        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start,
-                                                  s.samples + s.num_drafts)],
+        flat = np.array([x for s in sch for x in (row_of[s.req.request_id], s.num_tokens, s.start, s.samples)],
                         dtype=np.int64).reshape(n, 4).T.copy()
-        rows, q_lens, starts, samples = flat  # samples: tokens sampled (0, 1, or 1 + drafts)
-        has_drafts = bool((samples > 1).any())
+        rows, q_lens, starts, samples = flat  # samples: tokens sampled (0 or 1; 1 + drafts with drafts)
+        has_drafts = sched.has_drafts
         if has_drafts:
+            samples = samples + np.array([s.num_drafts for s in sch], dtype=np.int64)
             self._write_drafts(sch)
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
@@ -287,16 +287,18 @@ class InputBatch:
             sample_idx = np.repeat(np.arange(n), samples)
             before = np.repeat(np.cumsum(samples) - samples, samples)
             sample_tokens = qsl[1:][sample_idx] - samples[sample_idx] + np.arange(len(sample_idx)) - before
+            sample_lens = positions[sample_tokens] + 1
         else:
             sample_idx = np.flatnonzero(samples)
             sample_tokens = qsl[1:][sample_idx] - 1
+            sample_lens = seq_lens[sample_idx]
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
             sample_idx=sample_idx, sample_tokens=sample_tokens, has_drafts=has_drafts,
-            sampling=self._sampling_rows(rows[sample_idx], positions[sample_tokens] + 1),
+            sampling=self._sampling_rows(rows[sample_idx], sample_lens),
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
 

@@ -94,6 +94,7 @@ class RunnerOutput:
     positions: Optional[np.ndarray] = None
     token_array: Optional[np.ndarray] = None
     prompt_logprobs: Optional["PromptLogprobsOut"] = None
+    has_drafts: bool = False  # speculative: some request has several consecutive entries
 
 
 @dataclass
@@ -558,8 +559,8 @@ class PendingStep:
         tokens = self.host[0].numpy()
         result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
                               epochs=step.epochs[idx], positions=step.positions[step.sample_tokens] + 1,
-                              token_array=tokens,
-                              prompt_logprobs=self.prompt_logprobs)
+                              token_array=tokens, prompt_logprobs=self.prompt_logprobs,
+                              has_drafts=step.has_drafts)
         if len(self.host) > 1:
             logprobs, ids, ranks = self.host[1:]
             result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()

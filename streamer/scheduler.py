@@ -39,6 +39,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    has_drafts: bool = False  # some request computes speculative drafts this step
 
     @property
     def num_tokens(self) -> int:
@@ -165,18 +166,21 @@ class Scheduler:
         if self.config.scheduling_policy == "priority":
             self._preempt_for_priority(out)
         budget = self.config.max_num_batched_tokens
+        spec = self.config.num_speculative_tokens > 0
         planned: list[tuple[Request, int]] = []
         pool_dry = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
-            want = len(req.all_token_ids) + len(req.draft_token_ids) + req.num_pending - req.num_computed_tokens
+            want = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
+            if spec and req.draft_token_ids:
+                want += len(req.draft_token_ids)
             n = min(want, budget)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
                 continue
-            if n < want and req.draft_token_ids:  # the budget cuts into the drafts: keep what fits
+            if n < want and spec and req.draft_token_ids:  # the budget cuts into the drafts: keep what fits
                 del req.draft_token_ids[max(n - (want - len(req.draft_token_ids)), 0):]
             while not self.kv.allocate_slots(req, n):
                 victim = self.running[-1]
@@ -192,8 +196,10 @@ class Scheduler:
         if not pool_dry:  # admitting now would only preempt again next step
             budget = self._admit(planned, budget)
         for req, n in planned:
-            drafts = len(req.draft_token_ids)
+            drafts = len(req.draft_token_ids) if spec else 0
             samples = req.num_computed_tokens + n == len(req.all_token_ids) + drafts + req.num_pending
+            if drafts and samples:
+                out.has_drafts = True
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples, drafts if samples else 0))
             req.num_computed_tokens += n
             req.num_pending += samples
