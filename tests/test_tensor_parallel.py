@@ -57,6 +57,15 @@ def test_tp2_sampling_matches_one_process_and_workers_stop(llama_dir) -> None:
     llm.close()  # idempotent
 
 
+def test_tp2_speculative_matches_transformers(llama_dir) -> None:
+    """Drafts verified across two ranks: every sampled position is broadcast to the workers."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5], list(range(20, 30)) * 3]
+    with LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2, num_speculative_tokens=3,
+             prompt_lookup_min=1) as llm:
+        assert _greedy(llm, prompts) == hf_greedy(llama_dir, prompts, MAX_NEW)
+        assert llm.engine.num_accepted_tokens > 0
+
+
 def test_tp2_compiled_matches_one_process(llama_dir) -> None:
     """Both ranks compile (their all-reduces inside the graphs); rank 0's warm-up steps compile the workers' too."""
     with LLM(str(llama_dir), dtype="float32") as one:
