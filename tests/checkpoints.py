@@ -13,7 +13,7 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -36,6 +36,10 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "qwen3":
         kw.setdefault("head_dim", 32)
         return tf.Qwen3Config(**kw)
+    if family == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; a sliding window, as Phi-3-mini's
+        kw.setdefault("sliding_window", 24)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Phi3Config(**kw)
     raise ValueError(family)
 
 

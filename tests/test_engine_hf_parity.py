@@ -18,7 +18,9 @@ def _prompts(n: int, seed: int, vocab: int = 500, max_len: int = 60) -> list[lis
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_NEW) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # min_tokens = max_tokens bans EOS at every position, as hf_greedy's min_new_tokens does (ignore_eos alone
+    # would let EOS be the argmax, where transformers picks the next best token).
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.outputs[0].token_ids for o in outs]
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 
 
 @dataclass
@@ -59,6 +60,8 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
+        if arch == "Phi3ForCausalLM" and c.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
         eos = c.get("eos_token_id")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding = c.get("sliding_window")

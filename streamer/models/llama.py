@@ -180,12 +180,34 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint for {self.cfg.architecture}")
             loader = getattr(param, "weight_loader", None)
+            parts = self._fused_parts(name, tensor) if shard is None else None
+            if parts is not None:  # already fused in the checkpoint (Phi-3): each part goes to its shard
+                for part_shard, part in parts:
+                    loader(param, part, ckpt_name, part_shard)  # type: ignore[misc]
+                    loaded.add(f"{name}:{part_shard}")
+                continue
             if loader is not None:
                 loader(param, tensor, ckpt_name, shard)
             else:
                 default_weight_loader(param, tensor, ckpt_name)
             loaded.add(name if shard is None else f"{name}:{shard}")
         return loaded
+
+    def _fused_parts(self, name: str, tensor: torch.Tensor) -> Optional[list[tuple[str, torch.Tensor]]]:
+        """A checkpoint tensor that already packs q/k/v or gate/up (Phi-3's qkv_proj, gate_up_proj), split into
+        its sub-matrices at the checkpoint's (unsharded) sizes; None for any other tensor."""
+        c = self.cfg
+        fused = {"qkv_proj": (("q", "k", "v"), (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                                 c.num_kv_heads * c.head_dim)),
+                 "gate_up_proj": (("gate", "up"), (c.intermediate_size, c.intermediate_size))}
+        frag = name.split(".")[-2]
+        if frag not in fused:
+            return None
+        shards, sizes = fused[frag]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"fused tensor {name!r} has {tensor.shape[0]} rows, expected {sum(sizes)} "
+                             f"({' + '.join(map(str, sizes))})")
+        return list(zip(shards, tensor.split(list(sizes), dim=0)))
 
     def expected_weights(self) -> set[str]:
         names: set[str] = set()

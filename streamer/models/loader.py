@@ -9,13 +9,13 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from streamer.models.config import ModelConfig
+from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("streamer")
 
-_MODEL_CLASSES = {arch: LlamaForCausalLM for arch in
-                  ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+# Every supported family is a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors).
+_MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 
 
 def safetensors_files(folder: Path) -> list[Path]:
