@@ -4,9 +4,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from streamer.sampling_params import SamplingParams
+from streamer.structured_output import StructuredOutputsParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -81,13 +83,34 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    o = g.add_mutually_exclusive_group()  # structured outputs
+    o.add_argument("--json-schema", default=None, help="the output follows this JSON schema (a file or inline JSON)")
+    o.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    o.add_argument("--regex", default=None, help="the output matches this regex")
+    o.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    o.add_argument("--grammar", default=None, help="the output follows this Lark or GBNF grammar (a file or text)")
+
+
+def _text_or_file(value: str) -> str:
+    path = Path(value)
+    try:
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+    except OSError:
+        return value
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    structured = None
+    if args.json_schema or args.json_object or args.regex or args.choice or args.grammar:
+        structured = StructuredOutputsParams(
+            json=_text_or_file(args.json_schema) if args.json_schema else None, json_object=args.json_object,
+            regex=args.regex, choice=args.choice,
+            grammar=_text_or_file(args.grammar) if args.grammar else None)
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                          structured_outputs=structured)
 
 
 def _describe_model(model: Optional[str]) -> str:

@@ -157,8 +157,12 @@ class GrammarCompiler:
 
 
 def _first_line(msg: str) -> str:
+    """llguidance's error in one line: its first line and any "error: ..." detail (not the source excerpt)."""
     lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
-    return "; ".join(lines[:3]) if lines else "error"
+    if not lines:
+        return "error"
+    details = [ln[len("error:"):].strip() for ln in lines[1:] if ln.startswith("error:")]
+    return lines[0].rstrip(":") + (": " + "; ".join(details) if details else "")
 
 
 _EXECUTOR: Any = None

@@ -400,3 +400,17 @@ def test_server_errors_name_the_field(live, body, param):
     # Still serving.
     assert httpx.post(live.base_url + "/completions", json={"prompt": "hi", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+def test_cli_generate_flags(llama_dir, capsys, tmp_path):
+    """`streamer generate --choice/--regex/--json-schema FILE`, and a bad regex is a clean error (exit 1)."""
+    from streamer.cli import main
+    common = ["generate", "--model", str(llama_dir), "--dtype", "float32", "--num-kv-blocks", "64"]
+    assert main([*common, "--prompt", "Q:", "--choice", "yes", "--choice", "no", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip() in ("Q:yes", "Q:no")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(PERSON))
+    assert main([*common, "--prompt", "Q:", "--json-schema", str(schema), "--max-tokens", "100"]) == 0
+    check_person(capsys.readouterr().out.strip().removeprefix("Q:"))
+    assert main([*common, "--prompt", "Q:", "--regex", "a("]) == 1
+    assert "structured_outputs.regex is invalid" in capsys.readouterr().err
