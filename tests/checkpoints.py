@@ -13,7 +13,7 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -36,6 +36,14 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "qwen3":
         kw.setdefault("head_dim", 32)
         return tf.Qwen3Config(**kw)
+    if family == "gemma3":  # sliding layers (window 16, local rope base) and a global one; four norms a layer
+        kw.setdefault("head_dim", 32)
+        kw.setdefault("sliding_window", 16)
+        kw.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        kw.setdefault("query_pre_attn_scalar", 24)
+        kw.setdefault("final_logit_softcapping", 30.0)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Gemma3TextConfig(**kw)
     if family == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; a sliding window, as Phi-3-mini's
         kw.setdefault("sliding_window", 24)
         kw.setdefault("pad_token_id", 0)
@@ -61,6 +69,11 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
     cfg.eos_token_id = ids.get(eos if isinstance(eos, str) else (eos or {}).get("content"))
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    if family == "gemma3":  # Gemma's norms start at zero (a scale of 1 + w): random ones show each is loaded
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir

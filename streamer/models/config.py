@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass
@@ -81,7 +81,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             attention_bias=bool(c.get("attention_bias", is_qwen2)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=sliding,

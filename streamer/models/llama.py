@@ -1,8 +1,9 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
-embeddings) and Qwen3 (per-head q/k RMSNorm). The differences are config switches, not subclasses."""
+embeddings), Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused checkpoint tensors). The differences are config
+switches, not subclasses; Gemma 3 (models/gemma3.py) reuses its attention and weight loading."""
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -29,8 +30,15 @@ from streamer.models.layers import (
 )
 
 
+_FROM_CONFIG: Any = object()
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
+                 qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None) -> None:
+        """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's) and `qk_norm_cls`
+        (per-head q/k norms of another kind) are for models whose layers differ (Gemma 3)."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -46,10 +54,12 @@ class Attention(nn.Module):
                                              replicable=True)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
         self.rotary = rotary
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                             cfg.sliding_window)
+        norm_cls = qk_norm_cls or (RMSNorm if cfg.qk_norm else None)
+        self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
+        self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
+        window = cfg.sliding_window if sliding_window is _FROM_CONFIG else sliding_window
+        spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.head_dim ** -0.5 if scale is None else scale, window)
         self.attn: AttentionBackend = backend_cls(spec)
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op

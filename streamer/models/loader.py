@@ -10,12 +10,14 @@ import torch
 from safetensors import safe_open
 
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from streamer.models.gemma3 import Gemma3ForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("streamer")
 
 # Every supported family is a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors).
-_MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+_MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+_MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,150 @@
+"""Gemma 3 (text: Gemma3ForCausalLM, e.g. gemma-3-1b-it). The Llama decoder's parts, with Gemma's differences:
+
+- RMSNorm scales by (1 + w), computed in fp32 before the cast, and there are four per layer: the attention and
+  MLP outputs are normalised again before they join the residual stream;
+- q and k are RMS-normalised per head; scores are scaled by query_pre_attn_scalar ** -0.5;
+- layers alternate: most attend within a sliding window with rotary base `rope_local_base_freq`, every sixth
+  (`layer_types`) attends globally with `rope_theta` (and the rope scaling, if any);
+- embeddings are multiplied by sqrt(hidden_size) (rounded to the weights' dtype, as transformers does); the MLP
+  gates with tanh-approximated GELU; the LM head is tied; final logits may be soft-capped.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
+from streamer.models.config import ModelConfig
+from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear, VocabEmbedding
+from streamer.models.llama import Attention, LlamaForCausalLM
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), in fp32, then cast (Llama's norm casts before scaling). With `residual`, adds it
+    first and returns (normed, sum), as the Llama decoder's fused add-and-norm does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def gemma3_layer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
+    types = raw.get("layer_types")
+    if types:
+        return list(types)
+    pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+def _rope_params(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]], float]:
+    """(global theta, global scaling, local theta), from transformers-5 `rope_parameters` or the older keys."""
+    params = raw.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    local = params.get("sliding_attention") or {}
+    theta = float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
+    local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
+    scaling = raw.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.get("type", "default"))
+        scaling.pop("rope_theta", None)
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling, local_theta
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        act = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma 3 with hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                 shard_names=["gate", "up"])
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, sliding_window: Optional[int]) -> None:
+        super().__init__()
+        scale = float(cfg.raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
+        self.self_attn = Attention(cfg, backend_cls, rotary, scale=scale, sliding_window=sliding_window,
+                                   qk_norm_cls=GemmaRMSNorm)
+        self.mlp = GemmaMLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
+        # `x` (+ `residual`, not yet added) is the residual stream; the return value is (branch, stream) so
+        # that the next norm adds them.
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, decode))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        raw = cfg.raw
+        if raw.get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not supported")
+        if raw.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with bidirectional attention is not supported")
+        theta, scaling, local_theta = _rope_params(raw)
+        full = RotaryEmbedding(cfg.head_dim, max_positions, theta, scaling)
+        local = RotaryEmbedding(cfg.head_dim, max_positions, local_theta, None)
+        window = raw.get("sliding_window")
+        types = gemma3_layer_types(raw, cfg.num_layers)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, backend_cls, local if t == "sliding_attention" else full,
+                              window if t == "sliding_attention" else None) for t in types)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = float(cfg.hidden_size) ** 0.5
+        self.softcap = raw.get("final_logit_softcapping")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, as transformers
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, decode)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
