@@ -126,8 +126,10 @@ class DecodeGraphs:
             return None
         return self.sizes[int(np.searchsorted(self.sizes, n))]
 
-    def run(self, step: StepInputs, last_tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Hidden states of a decode-only step's tokens, or None if no graph fits it."""
+    def run(self, step: StepInputs, last_tokens: torch.Tensor,
+            positions: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+        """Hidden states of a decode-only step's tokens, or None if no graph fits it. `positions`: what the
+        rotary embedding reads (LongRoPE shifts some), default the step's."""
         b = self.size_for(step)
         if b is None:
             return None
@@ -137,7 +139,7 @@ class DecodeGraphs:
             self._done[turn].synchronize()  # its last copies (two steps ago) have left the staging buffers
         host = self.hosts[turn]
         host["ids"][:n] = torch.from_numpy(step.input_ids)
-        host["positions"][:n] = torch.from_numpy(step.positions)
+        host["positions"][:n] = torch.from_numpy(step.positions if positions is None else positions)
         host["slots"][:n] = torch.from_numpy(step.slot_mapping)
         host["seq_lens"][:n] = torch.from_numpy(step.seq_lens)
         self._pad(host, n, b)

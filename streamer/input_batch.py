@@ -86,6 +86,8 @@ class StepInputs:
     # speculative drafts a request samples at its last known token and at every draft.
     sample_tokens: Optional[np.ndarray] = None
     has_drafts: bool = False
+    # Tokens each request has (at least its context after this step): LongRoPE picks its table by this length.
+    num_known: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -298,6 +300,7 @@ class InputBatch:
             positions=positions,
             query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
             sample_idx=sample_idx, sample_tokens=sample_tokens, has_drafts=has_drafts,
+            num_known=np.maximum(self.num_tokens[rows], seq_lens),
             sampling=self._sampling_rows(rows[sample_idx], sample_lens),
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)

@@ -436,7 +436,7 @@ class ModelRunner:
         if self.tp_workers is not None:  # the other ranks run the same forward, meeting ours at each all-reduce
             self.tp_workers.send(step)
         if self.graphs is not None:
-            hidden = self.graphs.run(step, self.last_tokens)
+            hidden = self.graphs.run(step, self.last_tokens, self._rope_positions(step))
             if hidden is not None:
                 return hidden
         try:
@@ -452,9 +452,21 @@ class ModelRunner:
             self._use_eager()
             return self._forward(step)
 
+    def _rope_positions(self, step: StepInputs) -> np.ndarray:
+        """The positions the rotary embedding reads: LongRoPE moves those of sequences longer than the
+        pretraining length to its long table (RotaryEmbedding); for everything else, the positions."""
+        long = self.model.long_rope
+        if long is None or step.num_known is None:
+            return step.positions
+        threshold, offset = long
+        shift = (step.num_known > threshold).astype(np.int64) * offset
+        if not shift.any():
+            return step.positions
+        return step.positions + np.repeat(shift, np.diff(step.query_start_loc))
+
     def _forward(self, step: StepInputs) -> torch.Tensor:
         dev = self.device
-        input_ids, positions = self._input_ids(step), to_device(step.positions, dev)
+        input_ids, positions = self._input_ids(step), to_device(self._rope_positions(step), dev)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)

@@ -75,6 +75,8 @@ class Request:
         self.matcher: Optional[object] = None
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.
         self.draft_token_ids: list[int] = []
+        # LongRoPE models: the sequence's KV was computed with the long factors (see Scheduler).
+        self.long_rope = False
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state

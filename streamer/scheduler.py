@@ -105,8 +105,12 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 long_rope_threshold: Optional[int] = None) -> None:
         self.config = config
+        # LongRoPE: a sequence longer than this rotates with the long factors, all of it (as transformers does:
+        # its KV is recomputed when the sequence outgrows the pretraining length).
+        self.long_rope_threshold = long_rope_threshold
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting = WaitingQueue(config.scheduling_policy, config.priority_aging)
@@ -170,8 +174,12 @@ class Scheduler:
         planned: list[tuple[Request, int]] = []
         pool_dry = False
         i = 0
+        long_rope = self.long_rope_threshold
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if long_rope is not None and not req.long_rope and len(req.all_token_ids) > long_rope:
+                req.long_rope = True  # outgrew the short factors: recompute everything with the long ones
+                req.num_computed_tokens = 0
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
             want = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
             if spec and req.draft_token_ids:
@@ -223,6 +231,8 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 break
             self.waiting.pop()
+            if self.long_rope_threshold is not None and req.num_tokens > self.long_rope_threshold:
+                req.long_rope = True  # computed with the long factors from the start
             self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

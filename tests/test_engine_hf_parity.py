@@ -136,3 +136,22 @@ def test_prompt_logprobs_match_transformers(llama_dir, batch16, engine_args):
             assert entry[p[i]].rank == int((want[i - 1] > want[i - 1, p[i]]).sum()) + 1
             assert {t for t, lp in entry.items() if lp.rank <= 3} == set(want[i - 1].topk(3).indices.tolist())
     _assert_pool_whole(llm)
+
+
+def test_phi3_longrope(make_ckpt):
+    """LongRoPE (Phi-3 128k, Phi-3.5): sequences past original_max_position_embeddings rotate with the long
+    factors, decided as transformers decides, by the sequence's length when a token is computed. Prompts below,
+    across and past the 16-token threshold; decoding crosses it too; and one batch mixes them."""
+    half = 8  # head_dim 16
+    path = make_ckpt("phi3_longrope", family="phi3", max_position_embeddings=64, sliding_window=None,
+                     original_max_position_embeddings=16,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                   "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+    prompts = [list(range(3, 3 + n)) for n in (4, 12, 17, 30)]
+    ref = hf_greedy(path, prompts, 20)
+    llm = LLM(str(path), dtype="float32")
+    assert _greedy(llm, prompts, 20) == ref
+    assert [_greedy(llm, [p], 20)[0] for p in prompts] == ref
+    # The long table matters here: the same model with the short factors everywhere differs.
+    assert llm.engine.runner.model.long_rope == (16, 64)
+    _assert_pool_whole(llm)

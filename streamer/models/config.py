@@ -60,6 +60,9 @@ class ModelConfig:
             scaling.setdefault("rope_type", scaling.get("type", "default"))
             if scaling["rope_type"] == "default":
                 scaling = None
+            elif scaling["rope_type"] in ("longrope", "su"):  # needs the lengths kept at the config's top level
+                scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+                scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
         if arch == "Phi3ForCausalLM" and c.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
         eos = c.get("eos_token_id")

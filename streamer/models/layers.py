@@ -227,16 +227,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                         scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32. LongRoPE: two tables
+    stacked, [2 * max_positions, head_dim]: the short factors' rows, then the long factors' (see RotaryEmbedding)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     kind = (scaling or {}).get("rope_type", "default")
     pos = torch.arange(max_positions, dtype=torch.float32)
+    if kind in ("longrope", "su"):
+        s = scaling or {}
+        original = s["original_max_position_embeddings"]
+        factor = s.get("factor") or s["max_position_embeddings"] / original
+        attn = s.get("attention_factor") or (1.0 if factor <= 1.0 else
+                                             math.sqrt(1 + math.log(factor) / math.log(original)))
+        tables = []
+        for ext in (s["short_factor"], s["long_factor"]):
+            freqs = torch.outer(pos, 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** exponents))
+            tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn)
+        return torch.cat(tables)
     if kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
     elif kind == "linear":
         pos = pos / scaling["factor"]  # type: ignore[index]
     elif kind != "default":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
     freqs = torch.outer(pos, inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
@@ -256,6 +269,13 @@ class RotaryEmbedding(nn.Module, KernelSwitch):
         super().__init__()
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, theta, scaling),
                              persistent=False)
+        # LongRoPE (Phi-3 long-context): a sequence longer than the pretraining length rotates with the long
+        # factors, found `long_offset` rows further down the table: the runner adds the offset to the positions
+        # of such sequences' tokens (as transformers decides: by the sequence's length when the token is computed).
+        kind = (scaling or {}).get("rope_type")
+        self.long_threshold: Optional[int] = (scaling or {}).get("original_max_position_embeddings") \
+            if kind in ("longrope", "su") else None
+        self.long_offset = max_positions
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.use_kernel:

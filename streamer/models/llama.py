@@ -127,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # (sequence length past which positions take the long LongRoPE table, that table's row offset)
+        self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend_cls, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -145,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     packed_head: Optional[torch.Tensor] = None
+    long_rope: Optional[tuple[int, int]] = None
 
     def use_kernels(self, on: bool) -> None:
         """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""
