@@ -269,20 +269,18 @@ class LLMEngine:
             return updates
         ids, tokens = result.req_ids, result.token_ids
         i = 0
-        while i < len(ids):
+        while i < len(ids):  # a request's entries are consecutive: its last known token's, then one per draft
+            end = i + 1
+            while end < len(ids) and ids[end] == ids[i]:
+                end += 1
             state = self.seqs.get(ids[i])
             if state is None or state.req.is_finished:
-                i += 1
-                while i < len(ids) and ids[i] == ids[i - 1]:  # and the rest of its draft rows
-                    i += 1
-                continue  # aborted while the step ran, or (async scheduling) finished by the step before
-            drafts = state.req.draft_token_ids
-            if drafts:
-                updates.append(self._verify(state, tokens[i:i + len(drafts) + 1], result, i, now))
-                i += len(drafts) + 1
+                pass  # aborted while the step ran
+            elif end - i > 1:
+                updates.append(self._verify(state, tokens[i:end], result, i, now))
             else:
                 updates.append(self._append_token(state, tokens[i], result, i, now))
-                i += 1
+            i = end
         return updates
 
     # ------------------------------------------------------------------ speculative decoding
@@ -310,7 +308,7 @@ class LLMEngine:
         each draft. Drafts are accepted while they equal what was drawn at their position; the first draw that
         differs (or the one after the last draft) comes with them. One update for all of them."""
         req = state.req
-        drafts, req.draft_token_ids = req.draft_token_ids, []
+        drafts, req.draft_token_ids = req.draft_token_ids[:len(sampled) - 1], []
         accepted = 0
         while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
             accepted += 1

@@ -19,7 +19,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear, VocabEmbedding
-from streamer.models.llama import Attention, LlamaForCausalLM
+from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 
 
 class GemmaRMSNorm(nn.Module):
@@ -97,13 +97,8 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
-        # `x` (+ `residual`, not yet added) is the residual stream; the return value is (branch, stream) so
-        # that the next norm adds them.
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        # Returns (branch, stream), not yet added: the next norm adds them.
+        h, residual = add_and_norm(self.input_layernorm, x, residual)
         h = self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, decode))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

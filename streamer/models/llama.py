@@ -95,6 +95,15 @@ class MLP(nn.Module, KernelSwitch):
         return self.down_proj(act(self.gate_up_proj(x)))
 
 
+def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's entry: the residual stream is x + residual (not yet added: the norm fuses the addition), or x
+    alone in the first layer. Returns (normed, stream)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -105,11 +114,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = add_and_norm(self.input_layernorm, x, residual)
         h = self.self_attn(positions, h, kv_cache, decode)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
