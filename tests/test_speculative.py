@@ -153,3 +153,67 @@ def test_bad_arguments():
                {"num_speculative_tokens": 1.5}]:
         with pytest.raises(ValueError):
             LLM(**kw)
+
+
+def test_server_mixed_load_with_disconnects_leaks_nothing(llama_dir):
+    """40 concurrent requests on a server with drafts on and a small pool: grammars, n > 1, stop strings,
+    logprobs, plain ones; a third of the streams are dropped after their first chunk. Every request that stays
+    gets a complete, well-formed answer, and afterwards the pool is whole and nothing is left running."""
+    import httpx
+    import json as _json
+    import re
+
+    from tests.server_utils import sse_events
+    bodies = []
+    for i in range(40):
+        b: dict = {"model": "llama", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 30, "stream": True,
+                   "temperature": [0.0, 0.8][i % 2], "seed": i}
+        kind = i % 5
+        if kind == 0:
+            b["structured_outputs"] = {"regex": "[a-c]{3,8}!"}
+        elif kind == 1:
+            b.update(n=2, stop=["e"])
+        elif kind == 2:
+            b.update(logprobs=2, ignore_eos=True)
+        elif kind == 3:
+            b["guided_choice"] = ["alpha", "beta"]
+        bodies.append(b)
+
+    with LiveServer(llama_dir, num_speculative_tokens=3, prompt_lookup_min=1, num_kv_blocks=40,
+                    block_size=8) as live:
+        async def one(c: httpx.AsyncClient, i: int, body: dict):
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                if i % 3 == 2:  # drop the connection after the first chunk
+                    async for _ in r.aiter_lines():
+                        return None
+                raw = "".join([line + "\n" async for line in r.aiter_lines()])
+            events = sse_events(raw)
+            assert events[-1] == "[DONE]"
+            texts: dict[int, str] = {}
+            finish: dict[int, str] = {}
+            for e in events[:-1]:
+                for ch in _json.loads(e)["choices"]:
+                    texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                    if ch["finish_reason"]:
+                        finish[ch["index"]] = ch["finish_reason"]
+            assert sorted(finish) == list(range(body.get("n", 1)))
+            return texts, finish
+
+        async def main():
+            async with httpx.AsyncClient(base_url=live.url, timeout=120) as c:
+                return await asyncio.gather(*(one(c, i, b) for i, b in enumerate(bodies)))
+
+        results = asyncio.run(asyncio.wait_for(main(), 300))
+        for i, (body, res) in enumerate(zip(bodies, results)):
+            if res is None:
+                continue
+            texts, finish = res
+            if "structured_outputs" in body and finish[0] == "stop":
+                assert re.fullmatch("[a-c]{3,8}!", texts[0]), texts
+            if "guided_choice" in body:
+                assert texts[0] in ("alpha", "beta") and finish[0] == "stop"
+        idle = live.wait_idle()
+        stats = live.engine.stats()
+    assert idle["free"] == idle["blocks"]
+    assert stats["spec_num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
