@@ -115,3 +115,19 @@ def test_cpu_weight_packing_gives_the_same_tokens(llama_dir):
         assert linears and all((m.packed is not None) == packing for m in linears)
         outs[packing] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]
+
+
+def test_moe_expert_tensors_named(make_ckpt, tmp_path):
+    """A sparse MLP's experts load one by one into stacked weights: a missing or misshapen one is named."""
+    src = make_ckpt("qwen3_moe", family="qwen3_moe")
+    d = _copy(src, tmp_path / "m")
+    w = load_file(d / "model.safetensors")
+    good = dict(w)
+    del w["model.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(w, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight"):
+        LLM(str(d))
+    good["model.layers.0.mlp.experts.1.down_proj.weight"] = torch.zeros(64, 3)
+    save_file(good, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight.*\(64, 3\)"):
+        LLM(str(d))

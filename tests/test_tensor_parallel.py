@@ -27,7 +27,8 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     ("qwen3", {"num_key_value_heads": 1}),  # one kv head for two ranks: replicated; per-head q/k norms
     ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint: split, then sharded
     ("gemma3", {}),  # per-layer windows and rotary bases, four norms a layer
-], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3"])
+    ("qwen3_moe", {}),  # every expert split along its intermediate size, like a dense MLP
+], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3", "qwen3-moe"])
 def test_tp2_matches_transformers(make_ckpt, family, overrides) -> None:
     path = make_ckpt(f"{family}_tp", family=family, seed=3, **overrides)
     # A small token budget: prompts are prefilled in chunks beside other requests' decodes.

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass
@@ -68,7 +68,7 @@ class ModelConfig:
         eos = c.get("eos_token_id")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding = c.get("sliding_window")
-        if is_qwen2 or arch == "Qwen3ForCausalLM":
+        if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen configs carry a sliding_window value that only applies when use_sliding_window is set.
             sliding = sliding if c.get("use_sliding_window", False) else None
         return cls(
@@ -86,7 +86,7 @@ class ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
             attention_bias=bool(c.get("attention_bias", is_qwen2)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             bos_token_id=c.get("bos_token_id"),

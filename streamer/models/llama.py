@@ -1,6 +1,7 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
-embeddings), Qwen3 (per-head q/k RMSNorm) and Phi-3 (fused checkpoint tensors). The differences are config
-switches, not subclasses; Gemma 3 (models/gemma3.py) reuses its attention and weight loading."""
+embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
+tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 3 (models/gemma3.py) reuses its
+attention and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -17,6 +18,7 @@ from streamer.attention.base import (
 )
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
+from streamer.models.moe import EXPERT_WEIGHT, SparseMoE
 from streamer.models.layers import (
     ColumnParallelLinear,
     KernelSwitch,
@@ -104,11 +106,25 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tens
     return norm(x, residual)
 
 
+def moe_layer(cfg: ModelConfig, index: int) -> Optional[SparseMoE]:
+    """Qwen3-MoE: the sparse MLP of layer `index`, or None where the layer keeps a dense one."""
+    raw = cfg.raw
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if cfg.architecture != "Qwen3MoeForCausalLM" or not experts:
+        return None
+    step = raw.get("decoder_sparse_step") or 1
+    if index in (raw.get("mlp_only_layers") or []) or (index + 1) % step:
+        return None
+    return SparseMoE(cfg.hidden_size, raw["moe_intermediate_size"], experts, raw.get("num_experts_per_tok", 8),
+                     bool(raw.get("norm_topk_prob", False)))
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend_cls, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = moe_layer(cfg, index) or MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -135,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend_cls, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend_cls, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -193,6 +209,16 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if ckpt_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy of the embedding
+            expert = EXPERT_WEIGHT.match(ckpt_name.removeprefix("model."))
+            if expert is not None:  # one expert's matrix of a sparse MLP: into its slot of the stacked weights
+                prefix, e, proj = expert.groups()
+                name = f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}"
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint for {self.cfg.architecture}")
+                param.weight_loader(param, tensor, ckpt_name, f"{e}.{proj}")  # type: ignore[attr-defined]
+                loaded.add(f"{name}:{e}.{proj}")
+                continue
             name, shard = self.param_name(ckpt_name)
             param = params.get(name)
             if param is None:
@@ -230,8 +256,11 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         names: set[str] = set()
         for name, param in self.named_parameters():
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(owner, ColumnParallelLinear):
+            owner_name, attr = name.rsplit(".", 1)
+            owner = self.get_submodule(owner_name)
+            if isinstance(owner, SparseMoE) and attr in ("w13", "w2"):
+                names.update(f"{name}:{piece}" for piece in owner.expected_shards()[attr])
+            elif isinstance(owner, ColumnParallelLinear):
                 names.update(f"{name}:{s}" if len(owner.shard_names) > 1 else name for s in owner.shard_names)
             else:
                 names.add(name)
@@ -240,6 +269,9 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, internal: str) -> str:
         """Inverse of param_name, for error messages."""
         name, _, shard = internal.partition(":")
+        if shard and name.endswith((".w13", ".w2")):
+            e, proj = shard.split(".")
+            return f"model.{name.rsplit('.', 1)[0]}.experts.{e}.{proj}.weight"
         if shard:
             fused = {v: k for k, v in self.packed.items()}
             frag = fused[(name.split(".")[-2], shard)]
