@@ -155,3 +155,17 @@ def test_phi3_longrope(make_ckpt):
     # The long table matters here: the same model with the short factors everywhere differs.
     assert llm.engine.runner.model.long_rope == (16, 64)
     _assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_compiled_with_drafts_matches_transformers(make_ckpt, family, batch16):
+    """The families whose layers differ most from Llama's (Gemma 3: per-layer windows and rotary tables;
+    Qwen3-MoE: the experts' custom op), compiled and with speculative drafts at once."""
+    path = make_ckpt(family, family=family)
+    prompts = batch16[:6]
+    llm = LLM(str(path), dtype="float32", enforce_eager=False, num_speculative_tokens=3, prompt_lookup_min=1)
+    assert llm.engine.runner.compiled
+    assert _greedy(llm, prompts) == hf_greedy(path, prompts, MAX_NEW)
+    assert _greedy(llm, prompts[:1]) == hf_greedy(path, prompts[:1], MAX_NEW)
+    assert llm.engine.num_draft_tokens > 0 and llm.engine.runner.compiled  # no eager fallback on the way
+    _assert_pool_whole(llm)
