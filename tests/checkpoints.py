@@ -13,7 +13,7 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -49,6 +49,10 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         kw.setdefault("mlp_only_layers", [1])
         return tf.Qwen3MoeConfig(**kw)
+    if family == "mixtral":  # 4 experts, top 2, every layer sparse; Hub names (block_sparse_moe, w1/w2/w3)
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+        kw.setdefault("sliding_window", None)
+        return tf.MixtralConfig(**kw)
     if family == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; a sliding window, as Phi-3-mini's
         kw.setdefault("sliding_window", 24)
         kw.setdefault("pad_token_id", 0)

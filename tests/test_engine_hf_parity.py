@@ -157,7 +157,7 @@ def test_phi3_longrope(make_ckpt):
     _assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral"])
 def test_compiled_with_drafts_matches_transformers(make_ckpt, family, batch16):
     """The families whose layers differ most from Llama's (Gemma 3: per-layer windows and rotary tables;
     Qwen3-MoE: the experts' custom op), compiled and with speculative drafts at once."""

@@ -131,3 +131,10 @@ def test_moe_expert_tensors_named(make_ckpt, tmp_path):
     save_file(good, d / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.weight.*\(64, 3\)"):
         LLM(str(d))
+    # Mixtral's Hub names come back in the message as they are in the checkpoint.
+    d2 = _copy(make_ckpt("mixtral", family="mixtral"), tmp_path / "x")
+    w = load_file(d2 / "model.safetensors")
+    del w["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(w, d2 / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.1\.block_sparse_moe\.experts\.3\.w3"):
+        LLM(str(d2))

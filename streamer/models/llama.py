@@ -1,5 +1,5 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
-embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
+embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
 tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 3 (models/gemma3.py) reuses its
 attention and weight loading."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from streamer.attention.base import (
 )
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
-from streamer.models.moe import EXPERT_WEIGHT, SparseMoE
+from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.layers import (
     ColumnParallelLinear,
     KernelSwitch,
@@ -107,9 +107,12 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tens
 
 
 def moe_layer(cfg: ModelConfig, index: int) -> Optional[SparseMoE]:
-    """Qwen3-MoE: the sparse MLP of layer `index`, or None where the layer keeps a dense one."""
+    """The sparse MLP of layer `index` (Qwen3-MoE, Mixtral), or None where the layer keeps a dense one."""
     raw = cfg.raw
     experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if cfg.architecture == "MixtralForCausalLM":
+        return SparseMoE(cfg.hidden_size, cfg.intermediate_size, experts, raw.get("num_experts_per_tok", 2),
+                         norm_topk_prob=True, fp32_weights=True)
     if cfg.architecture != "Qwen3MoeForCausalLM" or not experts:
         return None
     step = raw.get("decoder_sparse_step") or 1
@@ -194,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ weights
     def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
         """Map a checkpoint tensor name to (our parameter name, shard id within a packed parameter)."""
-        name = ckpt_name.removeprefix("model.")
+        name = ckpt_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
         for frag, (ours, shard) in self.packed.items():
             if f".{frag}." in name:
                 return name.replace(f".{frag}.", f".{ours}."), shard
@@ -212,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
             expert = EXPERT_WEIGHT.match(ckpt_name.removeprefix("model."))
             if expert is not None:  # one expert's matrix of a sparse MLP: into its slot of the stacked weights
                 prefix, e, proj = expert.groups()
-                name = f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}"
+                proj = EXPERT_PROJ.get(proj, proj)
+                name = f"{prefix}.mlp.{'w2' if proj == 'down_proj' else 'w13'}"
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint for {self.cfg.architecture}")
@@ -271,7 +275,11 @@ class LlamaForCausalLM(nn.Module):
         name, _, shard = internal.partition(":")
         if shard and name.endswith((".w13", ".w2")):
             e, proj = shard.split(".")
-            return f"model.{name.rsplit('.', 1)[0]}.experts.{e}.{proj}.weight"
+            layer = name.rsplit(".", 2)[0]
+            if self.cfg.architecture == "MixtralForCausalLM":
+                w = {v: k for k, v in EXPERT_PROJ.items()}[proj]
+                return f"model.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+            return f"model.{layer}.mlp.experts.{e}.{proj}.weight"
         if shard:
             fused = {v: k for k, v in self.packed.items()}
             frag = fused[(name.split(".")[-2], shard)]

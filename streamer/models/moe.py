@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE): a router picks each token's top-k experts; their SwiGLU outputs,
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k experts; their SwiGLU outputs,
 weighted by the router's probabilities, are summed.
 
 The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
@@ -19,7 +19,11 @@ from torch import nn
 
 from streamer.models.layers import ParallelContext
 
-EXPERT_WEIGHT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# One expert's matrix in a checkpoint: Qwen3-MoE's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
+# `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
+EXPERT_WEIGHT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+                           r"\.weight$")
+EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 @torch.library.custom_op("streamer::moe_experts", mutates_args=())
@@ -59,8 +63,11 @@ def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool) -> None:
+                 norm_topk_prob: bool, fp32_weights: bool = False) -> None:
+        """`fp32_weights`: scale the experts' outputs by the router's fp32 weights (Mixtral) rather than by weights
+        cast to the model's dtype first (Qwen3-MoE), as each model's reference does."""
         super().__init__()
+        self.fp32_weights = fp32_weights
         tp = ParallelContext.size
         if intermediate_size % tp:
             raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by {tp} ranks")
@@ -99,7 +106,7 @@ class SparseMoE(nn.Module):
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = moe_experts(x, self.w13, self.w2, weights.to(x.dtype), ids)
+        out = moe_experts(x, self.w13, self.w2, weights if self.fp32_weights else weights.to(x.dtype), ids)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out
