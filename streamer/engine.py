@@ -347,7 +347,7 @@ class LLMEngine:
             state.cumulative_logprob += result.logprobs[row][0]
         new_tokens = [token]
         text, status, stop_reason = self._emit(state, token)
-        if status is None and req.matcher is not None and self.config.jump_forward and state.logprobs is None:
+        if status is None and req.matcher is not None and self._may_jump(state):
             text, status, stop_reason = self._jump_forward(state, new_tokens, text)
         if status is not None:
             req.stop_reason = stop_reason
@@ -376,6 +376,15 @@ class LLMEngine:
             if detok.stop_reason is not None:  # the held-back tail completed a stop string
                 status, stop_reason = RequestStatus.FINISHED_STOPPED, detok.stop_reason
         return text, status, stop_reason
+
+    def _may_jump(self, state: SeqState) -> bool:
+        """Jump-forward appends the grammar's forced tokens unsampled, so only where nothing but the grammar
+        decides the next token: not with allowed_token_ids or logit_bias (a forced token might be banned), not while
+        min_tokens bans stop tokens, and not when logprobs are asked for (forced tokens have none)."""
+        req = state.req
+        p = req.params
+        return (self.config.jump_forward and state.logprobs is None and not p.adjusts_logits
+                and len(req.output_token_ids) >= p.min_tokens)
 
     def _jump_forward(self, state: SeqState, new_tokens: list[int], text: str,
                       ) -> tuple[str, Optional[RequestStatus], int | str | None]:

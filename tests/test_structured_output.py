@@ -414,3 +414,17 @@ def test_cli_generate_flags(llama_dir, capsys, tmp_path):
     check_person(capsys.readouterr().out.strip().removeprefix("Q:"))
     assert main([*common, "--prompt", "Q:", "--regex", "a("]) == 1
     assert "structured_outputs.regex is invalid" in capsys.readouterr().err
+
+
+def test_jump_forward_respects_allowed_token_ids(llm):
+    """Found by the property test: a token the grammar forced was appended though allowed_token_ids excluded it.
+    Jump-forward now stands aside when other options restrict the tokens: the output stops before it instead."""
+    spec = SO(regex="[a-e]{2,6}!")
+    letters = [t for t in range(llm.engine.vocab_size)
+               if re.fullmatch("[a-e]+", llm.engine.tokenizer.decode([t]) or "-")]
+    for allowed in ([letters[0]], letters):
+        out = llm.generate([[3]], SamplingParams(max_tokens=7, temperature=0.0, allowed_token_ids=allowed,
+                                                 structured_outputs=spec))[0].outputs[0]
+        assert set(out.token_ids) <= set(allowed) and out.finish_reason in ("stop", "length")
+        assert not out.text.endswith("!")
+    _pool_whole(llm)
