@@ -191,9 +191,6 @@ def fill_bitmasks(matchers: list[Any], vocab_size: int) -> np.ndarray:
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set each listed row's disallowed tokens (bit 0 in its [W] int32 mask) to -inf, in place; returns `logits`.
     `rows` ascending (as `np.flatnonzero` gives them)."""
-    import numpy as np
-    import torch
-
     vocab = logits.shape[-1]
     allowed = unpack_bitmask(bitmask, vocab, on_host=bitmask.device.type == "cpu")
     if len(rows) == logits.shape[0]:  # every row follows a grammar (rows are then 0..B-1)

@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 
-import llguidance
 import numpy as np
 import openai
 import pytest
