@@ -427,3 +427,19 @@ def test_jump_forward_respects_allowed_token_ids(llm):
         assert set(out.token_ids) <= set(allowed) and out.finish_reason in ("stop", "length")
         assert not out.text.endswith("!")
     _pool_whole(llm)
+
+
+def test_sentencepiece_tokenizer(make_ckpt):
+    """A sentencepiece-style tokenizer (metaspace, byte fallback: Llama-2, Mistral) works with llguidance too,
+    non-ASCII choices included."""
+    path = make_ckpt("mistral_sp", family="mistral", tokenizer="sentencepiece")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    choices = ["héllo wörld", "日本", "plain"]
+    for seed in range(4):
+        params = SamplingParams(max_tokens=40, temperature=1.0, seed=seed, structured_outputs=SO(choice=choices))
+        out = llm.generate("Hello", params)[0].outputs[0]
+        assert out.text in choices and out.finish_reason == "stop"
+        out = llm.generate("Hello", SamplingParams(max_tokens=60, temperature=1.0, seed=seed,
+                                                   structured_outputs=SO(regex="[a-z]{1,8} [0-9]{2}!")))[0].outputs[0]
+        assert re.fullmatch("[a-z]{1,8} [0-9]{2}!", out.text), out.text
+    _pool_whole(llm)
