@@ -338,10 +338,10 @@ def test_server_response_format_and_vllm_fields(live):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_server_forced_tool_calls(live, stream):
-    async def call(c, tool_choice):
+    async def call(c, tool_choice, **extra):
         # Seeded sampling: greedy decoding of this random model repeats one call until max_tokens.
         kw = dict(model="llama", messages=MSG, tools=TOOLS, tool_choice=tool_choice, max_tokens=300,
-                  temperature=1.0, seed=0)
+                  temperature=1.0, **{"seed": 0, **extra})
         if not stream:
             r = await c.chat.completions.create(**kw)
             return r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
@@ -357,6 +357,9 @@ def test_server_forced_tool_calls(live, stream):
         async with _client(live) as c:
             named = await call(c, {"type": "function", "function": {"name": "get_weather"}})
             required = await call(c, "required")
+            for seed in range(3):  # parallel_tool_calls: false holds "required" to a single call
+                single = await call(c, "required", parallel_tool_calls=False, seed=seed)
+                assert len(single[0]) == 1 and single[2] == "tool_calls", single
             return named, required
 
     (named_calls, named_content, named_finish), (req_calls, req_content, req_finish) = _run(main())

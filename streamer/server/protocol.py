@@ -327,7 +327,8 @@ def _constrain(body: dict, params: SamplingParams, forced: Optional[structured.F
     if forced is not None:
         if c is not None:
             raise APIError(f"tool_choice forcing a call cannot be combined with {c.field}", param=c.field)
-        c = structured.Constraint(structured.tool_constraint(forced, tools or []), "tool_choice")
+        parallel = get_bool(body, "parallel_tool_calls", True)  # OpenAI's: false allows one call at most
+        c = structured.Constraint(structured.tool_constraint(forced, tools or [], parallel), "tool_choice")
     if c is None:
         return params, None
     return params.clone(structured_outputs=c.params), c.field

@@ -122,11 +122,15 @@ def _parameters(tool: dict) -> dict:
     return params if isinstance(params, dict) else {"type": "object"}
 
 
-def tool_constraint(forced: ForcedTool, tools: list[dict]) -> StructuredOutputsParams:
-    """Named: the output is the function's arguments object. Required: a non-empty JSON list of calls."""
+def tool_constraint(forced: ForcedTool, tools: list[dict], parallel: bool = True) -> StructuredOutputsParams:
+    """Named: the output is the function's arguments object. Required: a non-empty JSON list of calls (of one
+    call when `parallel_tool_calls` is false)."""
     if forced.name is not None:
         tool = next(t for t in tools if t["function"]["name"] == forced.name)
         return StructuredOutputsParams(json=_parameters(tool))
     calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputsParams(json=schema)
