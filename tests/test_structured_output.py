@@ -345,13 +345,24 @@ def test_server_forced_tool_calls(live, stream):
         if not stream:
             r = await c.chat.completions.create(**kw)
             return r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
-        calls, content, finish = [], "", None
+        # Streamed: join the deltas of each call index as an OpenAI client does (the first has id and name).
+        calls: dict = {}
+        content, finish, deltas = "", None, 0
         async for chunk in await c.chat.completions.create(stream=True, **kw):
             for ch in chunk.choices:
-                calls += ch.delta.tool_calls or []
+                for d in ch.delta.tool_calls or []:
+                    deltas += 1
+                    if d.index not in calls:
+                        assert d.id.startswith("call_") and d.function.name and d.type == "function"
+                        calls[d.index] = d
+                    else:
+                        assert d.id is None and not d.function.name
+                        calls[d.index].function.arguments += d.function.arguments or ""
                 content += ch.delta.content or ""
                 finish = ch.finish_reason or finish
-        return calls, content or None, finish
+        if isinstance(tool_choice, dict):  # a named call streams its arguments piece by piece
+            assert deltas > 3
+        return list(calls.values()), content or None, finish
 
     async def main():
         async with _client(live) as c:

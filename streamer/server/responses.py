@@ -84,8 +84,13 @@ class Choice:
             self.finish_reason, self.stop_reason = piece.finish_reason, piece.stop_reason
         if piece.prompt_logprobs is not None:
             self.prompt_logprobs = piece.prompt_logprobs
-        if piece.tool_calls:
-            self.tool_calls += piece.tool_calls
+        for call in piece.tool_calls or ():
+            # A streamed call's later deltas carry more of its arguments (same index): join them.
+            known = next((c for c in self.tool_calls if c.get("index") == call.get("index")), None)
+            if known is None:
+                self.tool_calls.append({**call, "function": dict(call["function"])})
+            else:
+                known["function"]["arguments"] += call["function"].get("arguments", "")
 
 
 class Format:

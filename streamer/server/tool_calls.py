@@ -80,9 +80,11 @@ class HermesToolCalls:
 
 class ForcedToolCalls:
     """A chat whose tool_choice forced a call, so that its output was held to JSON by a grammar (see
-    server/structured.py): for a named function the whole output is the call's arguments; for "required" it is
-    a list of {"name", "arguments"}. The calls come out whole, with the choice's last piece. An output cut short
-    (finish_reason "length") keeps a named call's partial arguments, as OpenAI does; a cut list stays content."""
+    server/structured.py). For a named function the whole output is the call's arguments, and it streams as
+    OpenAI streams arguments: a first delta with the call's id and name, then pieces of `arguments` (a
+    non-streamed response joins them). For "required" the output is a list of {"name", "arguments"}: the calls
+    come out whole with the last piece. An output cut short (finish_reason "length") keeps a named call's partial
+    arguments, as OpenAI does; a cut list stays content."""
 
     def __init__(self, name: Optional[str]) -> None:
         self.name = name
@@ -92,20 +94,23 @@ class ForcedToolCalls:
         self.num_calls = 0
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        if self.name is not None:
+            if self.num_calls == 0:
+                self.num_calls = 1
+                return "", [{"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                             "function": {"name": self.name, "arguments": text}}]
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self._buf.append(text)
         if not final:
             return "", []
         body = "".join(self._buf)
-        if self.name is not None:
-            found = [{"type": "function", "function": {"name": self.name, "arguments": body}}]
-        else:
-            try:
-                items = json.loads(body)
-            except ValueError:
-                return body, []
-            found = [c for c in map(_call_object, items if isinstance(items, list) else []) if c is not None]
-            if not found:
-                return body, []
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return body, []
+        found = [c for c in map(_call_object, items if isinstance(items, list) else []) if c is not None]
+        if not found:
+            return body, []
         calls = [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", **c} for i, c in enumerate(found)]
         self.num_calls = len(calls)
         return "", calls
