@@ -147,7 +147,7 @@ class GrammarCompiler:
             tokenizer = self._llg_tokenizer()
         template = llguidance.LLMatcher(tokenizer, source, log_level=0)  # drops the GIL while compiling
         if template.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} is invalid: {_first_line(template.get_error())}")
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {_one_line(template.get_error())}")
         grammar = Grammar(template)
         with self._lock:
             self._cache[source] = grammar
@@ -156,7 +156,7 @@ class GrammarCompiler:
         return grammar
 
 
-def _first_line(msg: str) -> str:
+def _one_line(msg: str) -> str:
     """llguidance's error in one line: its first line and any "error: ..." detail (not the source excerpt)."""
     lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
     if not lines:

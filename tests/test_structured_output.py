@@ -446,7 +446,7 @@ def test_jump_forward_respects_allowed_token_ids(llm):
 def test_sentencepiece_tokenizer(make_ckpt):
     """A sentencepiece-style tokenizer (metaspace, byte fallback: Llama-2, Mistral) works with llguidance too,
     non-ASCII choices included."""
-    path = make_ckpt("mistral_sp", family="mistral", tokenizer="sentencepiece")
+    path = make_ckpt("mistral_sp_structured", family="mistral", tokenizer="sentencepiece")
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     choices = ["héllo wörld", "日本", "plain"]
     for seed in range(4):

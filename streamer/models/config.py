@@ -10,6 +10,17 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
+def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The rope scaling to apply, from the older `rope_scaling` or transformers-5 `rope_parameters`, with its kind
+    under "rope_type"; None for plain rotary."""
+    scaling = legacy or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return None
+    scaling = dict(scaling)
+    scaling.setdefault("rope_type", scaling.get("type", "default"))
+    return None if scaling["rope_type"] == "default" else scaling
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -54,15 +65,11 @@ class ModelConfig:
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}
-        scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type", "default"))
-            if scaling["rope_type"] == "default":
-                scaling = None
-            elif scaling["rope_type"] in ("longrope", "su"):  # needs the lengths kept at the config's top level
-                scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
-                scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
+        scaling = rope_scaling(c.get("rope_scaling"), rope)
+        if scaling is not None and scaling["rope_type"] in ("longrope", "su"):
+            # LongRoPE needs the lengths kept at the config's top level.
+            scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
+            scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
         if arch == "Phi3ForCausalLM" and c.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
         eos = c.get("eos_token_id")

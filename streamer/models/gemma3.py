@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
-from streamer.models.config import ModelConfig
+from streamer.models.config import ModelConfig, rope_scaling
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 
@@ -56,13 +56,9 @@ def _rope_params(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]], 
     local = params.get("sliding_attention") or {}
     theta = float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0)))
     local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0)))
-    scaling = raw.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    scaling = rope_scaling(raw.get("rope_scaling"), full)
     if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.get("type", "default"))
         scaling.pop("rope_theta", None)
-        if scaling["rope_type"] == "default":
-            scaling = None
     return theta, scaling, local_theta
 
 

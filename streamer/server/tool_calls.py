@@ -30,9 +30,13 @@ def _held(text: str, tag: str) -> int:
 
 def _call(body: str) -> Optional[dict[str, Any]]:
     try:
-        obj = json.loads(body)
+        return _call_object(json.loads(body))
     except ValueError:
         return None
+
+
+def _call_object(obj: Any) -> Optional[dict[str, Any]]:
+    """{"name", "arguments" (or "parameters")} as OpenAI's function call, or None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
@@ -114,10 +118,6 @@ class ForcedToolCalls:
         calls = [{"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", **c} for i, c in enumerate(found)]
         self.num_calls = len(calls)
         return "", calls
-
-
-def _call_object(obj: Any) -> Optional[dict[str, Any]]:
-    return _call(json.dumps(obj)) if isinstance(obj, dict) else None
 
 
 def parse_all(text: str) -> tuple[str, list[dict[str, Any]]]:
