@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, PromptType, SeqUpdate
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate
 from streamer.input_batch import StepInputs
+from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics
 from streamer.outputs import CompletionOutput, RequestOutput, StreamOutput
 from streamer.sampling_params import SamplingParams
@@ -187,6 +188,21 @@ class AsyncEngine:
         s["num_requests"] = len(self._streams)
         return s
 
+    # ------------------------------------------------------------------ LoRA adapters
+    async def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT LoRA adapter folder under `name`; it is read and checked on a worker thread."""
+        core = self._core
+        if name in core.loras:  # (checked again on registering: another call may have raced this one)
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        core.register_lora(await asyncio.to_thread(core.load_lora, name, path))
+
+    def remove_lora(self, name: str) -> None:
+        self._core.remove_lora(name)
+
+    @property
+    def loras(self) -> dict:
+        return dict(self._core.loras)
+
     # ------------------------------------------------------------------ requests
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tok = self.tokenizer
@@ -196,9 +212,10 @@ class AsyncEngine:
 
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
-                          cache_salt: Optional[str] = None) -> RequestStream:
+                          cache_salt: Optional[str] = None, lora_request: LoRAType = None) -> RequestStream:
         """Validate and enqueue a request; errors (ValueError, QueueFullError, EngineDeadError) raise here,
-        before any output. Returns the stream of its outputs."""
+        before any output. Returns the stream of its outputs. `lora_request`: a registered adapter's name, or a
+        LoRARequest (read on a worker thread and registered on first use)."""
         core = self._core
         self._check_alive()
         params = params if params is not None else SamplingParams()
@@ -214,13 +231,18 @@ class AsyncEngine:
                                  f"(max_waiting={limit})")
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(lora_request, LoRARequest) and lora_request.name not in core.loras:
+            core.validate(ids, params)
+            await self.add_lora(lora_request.name, lora_request.path)
+        adapter = core.resolve_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:  # compiling can take a while for a big schema: off the loop
             core.validate(ids, params)
             grammar = await asyncio.to_thread(core.grammars.compile, params.structured_outputs)
             self._check_alive()
         states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
-                                  cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar)
+                                  cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar,
+                                  lora_request=adapter)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, len(states), ids, queue)
@@ -231,9 +253,10 @@ class AsyncEngine:
 
     async def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, priority: int = 0,
-                     cache_salt: Optional[str] = None) -> AsyncIterator[StreamOutput]:
+                     cache_salt: Optional[str] = None, lora_request: LoRAType = None,
+                     ) -> AsyncIterator[StreamOutput]:
         """`async for out in engine.stream(prompt, params)`: incremental outputs; usage on the last one."""
-        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt, lora_request)
         try:
             async for item in stream:
                 yield item
@@ -242,8 +265,8 @@ class AsyncEngine:
 
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None) -> RequestOutput:
-        stream = await self.add_request(prompt, params, request_id, priority, cache_salt)
+                       cache_salt: Optional[str] = None, lora_request: LoRAType = None) -> RequestOutput:
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt, lora_request)
         n = stream.num_seqs
         outs = [CompletionOutput(i, "", [], logprobs=[] if params and params.logprobs is not None else None)
                 for i in range(n)]

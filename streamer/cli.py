@@ -56,6 +56,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", help="let requests run with LoRA adapters")
+    lo.add_argument("--max-loras", type=int, default=4, help="adapters the model holds at once")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
 
 
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
@@ -63,7 +67,7 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
-                "prompt_lookup_min", "speculative_max_batch")
+                "prompt_lookup_min", "speculative_max_batch", "enable_lora", "max_loras", "max_lora_rank")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -130,11 +134,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     print(f"model: {_describe_model(args.model)}", file=sys.stderr)
 
+    kwargs = engine_kwargs(args)
+    lora = None
+    if args.lora:
+        from streamer.lora import LoRARequest
+        lora, kwargs["enable_lora"] = LoRARequest(Path(args.lora).name or "adapter", args.lora), True
+
     async def run() -> None:
-        async with AsyncEngine(args.model, **engine_kwargs(args)) as engine:
+        async with AsyncEngine(args.model, **kwargs) as engine:
             sys.stdout.write(args.prompt)
             sys.stdout.flush()
-            async for out in engine.stream(args.prompt, params):
+            async for out in engine.stream(args.prompt, params, lora_request=lora):
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -153,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
     gen.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded demo model)")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--lora", default=None, metavar="PATH", help="run with this PEFT LoRA adapter folder")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -55,6 +55,11 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram to match
     prompt_lookup_min: int = 2  # shortest n-gram to match
     speculative_max_batch: int = 8
+    # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
+    # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -88,6 +93,12 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -25,6 +25,7 @@ import torch
 
 from streamer.attention.base import AttentionMetadata, forward_context
 from streamer.input_batch import StepInputs, to_device
+from streamer.models.lora import LoRAStep, lora_context
 
 logger = logging.getLogger("streamer")
 
@@ -40,7 +41,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Callable, kv_caches: list[torch.Tensor], sizes: list[int], max_blocks_per_req: int,
                  block_size: int, scratch_block: int, max_model_len: int, device: torch.device,
-                 capture: bool = True) -> None:
+                 capture: bool = True, lora: bool = False) -> None:
+        """lora: the model has adapter slots; each row's slot is a graph input too (the graphs gather each
+        token's adapter weights, whatever the mix)."""
         if not sizes:
             raise ValueError("no batch sizes to capture")
         self.forward = forward
@@ -63,13 +66,15 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
+        self.lora_slots = torch.zeros(n, dtype=torch.int64, device=device) if lora else None
         # The block table crosses as a dense [b, w] block (w = this step's widest table, usually far below the
         # max_model_len-wide `block_table`), into a flat device buffer; one device-side copy then places it.
         self.table_stage = torch.zeros(n * w, dtype=torch.int32, device=device)
         self.block_table[:, 0] = scratch_block
         self.hosts = [{name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
                        for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
-                                       ("seq_lens", self.seq_lens), ("table", self.table_stage))}
+                                       ("seq_lens", self.seq_lens), ("table", self.table_stage))
+                       + ((("lora", self.lora_slots),) if lora else ())}
                       for _ in range(2)]
         self._done: list[Optional[torch.cuda.Event]] = [None, None]
         self._turn = 0
@@ -89,6 +94,8 @@ class DecodeGraphs:
         host["positions"][lo:hi] = 0
         host["slots"][lo:hi] = self.scratch_block * self.block_size
         host["seq_lens"][lo:hi] = 1
+        if "lora" in host:
+            host["lora"][lo:hi] = 0
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -98,7 +105,8 @@ class DecodeGraphs:
             seq_lens_cpu=np.full(b, self.max_model_len, dtype=np.int64))
 
     def _call(self, b: int) -> torch.Tensor:
-        with forward_context(self.metas[b]):
+        adapters = None if self.lora_slots is None else LoRAStep(self.lora_slots[:b], gather=True)
+        with forward_context(self.metas[b]), lora_context(adapters):
             return self.forward(self.ids[:b], self.positions[:b], self.kv_caches)
 
     @torch.inference_mode()
@@ -142,6 +150,8 @@ class DecodeGraphs:
         host["positions"][:n] = torch.from_numpy(step.positions if positions is None else positions)
         host["slots"][:n] = torch.from_numpy(step.slot_mapping)
         host["seq_lens"][:n] = torch.from_numpy(step.seq_lens)
+        if self.lora_slots is not None:
+            host["lora"][:n] = 0 if step.lora_slots is None else torch.from_numpy(step.lora_slots)
         self._pad(host, n, b)
         w = step.block_table.shape[1]  # entries past w (and past a row's own blocks) are never read
         table = host["table"][:b * w].view(b, w)
@@ -149,6 +159,8 @@ class DecodeGraphs:
         table[n:, 0] = self.scratch_block
         for name in ("ids", "positions", "slots", "seq_lens"):
             getattr(self, name)[:b].copy_(host[name][:b], non_blocking=True)
+        if self.lora_slots is not None:
+            self.lora_slots[:b].copy_(host["lora"][:b], non_blocking=True)
         self.table_stage[:b * w].copy_(host["table"][:b * w], non_blocking=True)
         self.block_table[:b, :w].copy_(self.table_stage[:b * w].view(b, w))
         if self.device.type == "cuda":

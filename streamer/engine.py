@@ -17,6 +17,7 @@ from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
+from streamer.lora import LoRAAdapter, LoRARequest, load_adapter
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
@@ -30,6 +31,8 @@ from streamer.tokenizer import Tokenizer
 logger = logging.getLogger("streamer")
 
 PromptType = Union[str, Sequence[int], dict]
+# A request's adapter: a registered adapter's name, or a LoRARequest (registered on first use).
+LoRAType = Union[str, LoRARequest, LoRAAdapter, None]
 
 
 def resolve_model_dir(model: Optional[str]) -> Path:
@@ -112,6 +115,54 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        self.loras: dict[str, LoRAAdapter] = {}  # registered adapters, by name
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read an adapter folder and check it against the model (ValueError); does not register it (the async
+        engine reads on a worker thread, then registers on its loop)."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        if name in self.loras:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.config.max_lora_rank)
+        self.runner.place_lora(None, adapter)
+        return adapter
+
+    def register_lora(self, adapter: LoRAAdapter) -> None:
+        if adapter.name in self.loras:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
+        self.loras[adapter.name] = adapter
+
+    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        adapter = self.load_lora(name, path)
+        self.register_lora(adapter)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unregister an adapter: new requests can no longer name it; requests already using it finish with it."""
+        adapter = self.loras.pop(name, None)
+        if adapter is None:
+            raise KeyError(f"no LoRA adapter named {name!r}")
+        self.scheduler.lora_slots.forget(adapter)  # type: ignore[union-attr]
+
+    def resolve_lora(self, lora: LoRAType) -> Optional[LoRAAdapter]:
+        """The adapter a request names (a LoRARequest not yet registered is loaded and registered now)."""
+        if lora is None or isinstance(lora, LoRAAdapter):
+            return lora
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+        name = lora if isinstance(lora, str) else lora.name
+        adapter = self.loras.get(name)
+        if isinstance(lora, str):
+            if adapter is None:
+                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {sorted(self.loras) or 'none'})")
+            return adapter
+        if adapter is None:
+            return self.add_lora(lora.name, lora.path)
+        if Path(lora.path).expanduser() != adapter.path:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded from {adapter.path}, not {lora.path}")
+        return adapter
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -162,8 +213,9 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
                     priority: int = 0, cache_salt: Optional[str] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
-                    grammar: Optional[Grammar] = None) -> list[SeqState]:
-        """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop)."""
+                    grammar: Optional[Grammar] = None, lora_request: LoRAType = None) -> list[SeqState]:
+        """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop).
+        `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -175,6 +227,7 @@ class LLMEngine:
         else:
             text = prompt if isinstance(prompt, str) else None
         max_tokens = self.validate(prompt_token_ids, params)
+        adapter = self.resolve_lora(lora_request)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
@@ -186,7 +239,7 @@ class LLMEngine:
             req = Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids, seq_params,
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
-                          seq_index=i, parent_id=request_id)
+                          seq_index=i, parent_id=request_id, lora=adapter)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
@@ -218,7 +271,10 @@ class LLMEngine:
         """Bring the persistent batch up to date and gather this step's inputs (fresh arrays: the device thread
         may read them while the loop goes on)."""
         self.batch.sync(self.kv)
-        return self.batch.prepare(sched)
+        inputs = self.batch.prepare(sched)
+        if self.scheduler.lora_slots is not None:
+            inputs.lora_loads = self.scheduler.lora_slots.take_loads()
+        return inputs
 
     def schedule(self) -> Optional[tuple[SchedulerOutput, StepInputs]]:
         """Schedule and prepare the next step; None when nothing can run now."""
@@ -486,4 +542,13 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
             "num_overlapped_steps": self.num_overlapped_steps,
             "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict[str, Any]:
+        slots = self.scheduler.lora_slots
+        if slots is None:
+            return {}
+        waiting = {r.lora.name for r in self.scheduler.waiting if r.lora is not None}
+        return {"max_lora": slots.n, "running_lora_adapters": sorted({a.name for a in slots.active}),
+                "waiting_lora_adapters": sorted(waiting)}

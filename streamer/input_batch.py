@@ -88,6 +88,10 @@ class StepInputs:
     has_drafts: bool = False
     # Tokens each request has (at least its context after this step): LongRoPE picks its table by this length.
     num_known: Optional[np.ndarray] = None
+    # LoRA: each token's adapter slot, int64 [T] (None: no token of the step uses an adapter), and the adapters
+    # to copy into their slots before the step runs: [(slot, LoRAAdapter)].
+    lora_slots: Optional[np.ndarray] = None
+    lora_loads: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -129,6 +133,7 @@ class InputBatch:
         self.adjusted = np.zeros(0, dtype=bool)
         self.constrained = np.zeros(0, dtype=bool)  # follows a structured-output grammar
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
+        self.lora_slot = np.zeros(0, dtype=np.int64)  # 0 = no adapter
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -136,7 +141,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "constrained", "prompt_logprobs", "epoch")
+                   "constrained", "prompt_logprobs", "lora_slot", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -211,6 +216,7 @@ class InputBatch:
                 continue
             if row is None:
                 row, first = self._add(req), 0
+            self.lora_slot[row] = req.lora_slot  # (a request preempted and readmitted in one step may move)
             old = int(self.num_blocks[row])
             self.block_table[row, first:len(blocks)] = blocks[first:]
             if old > len(blocks):
@@ -295,6 +301,7 @@ class InputBatch:
             sample_tokens = qsl[1:][sample_idx] - 1
             sample_lens = seq_lens[sample_idx]
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
+        lora = self.lora_slot[rows]
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
@@ -303,6 +310,7 @@ class InputBatch:
             num_known=np.maximum(self.num_tokens[rows], seq_lens),
             sampling=self._sampling_rows(rows[sample_idx], sample_lens),
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
+            lora_slots=lora[req_of_token] if lora.any() else None,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
 
     def _prompt_logprob_tokens(self, wants: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,

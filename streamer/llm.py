@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence, Union
 
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, PromptType, SeqState
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.outputs import RequestOutput
 from streamer.sampling_params import SamplingParams
 
@@ -31,9 +31,19 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Register a PEFT LoRA adapter folder under `name` (needs enable_lora=True)."""
+        self.engine.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
+        """`lora_request`: one LoRA adapter for every prompt, or one per prompt (None: the base model); a
+        `LoRARequest(name, path)` or the name of an adapter registered with `add_lora`."""
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         prompts = list(prompts)
@@ -44,17 +54,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) and not isinstance(lora_request, str)
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
         for (_, ids), sp in zip(tokenized, params):
             engine.validate(ids, sp)
+        adapters = [engine.resolve_lora(x) for x in loras]
         ids = []
         states: dict[str, list[SeqState]] = {}
-        for (text, token_ids), sp, prio in zip(tokenized, params, prios):
+        for (text, token_ids), sp, prio, adapter in zip(tokenized, params, prios, adapters):
             rid = f"offline-{next(engine._ids)}"
             states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
-                                             prompt_token_ids=token_ids)
+                                             prompt_token_ids=token_ids, lora_request=adapter)
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]

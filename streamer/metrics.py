@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from typing import Callable, Optional
 
 Labels = tuple[tuple[str, str], ...]
@@ -133,6 +134,17 @@ class EngineMetrics:
                     gauge("spec_num_draft_tokens"), kind="counter"))
         r.add(Gauge("vllm:spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted.",
                     gauge("spec_num_accepted_tokens"), kind="counter"))
+
+        def lora_info() -> dict[Labels, float]:
+            st = stats()
+            if "max_lora" not in st:
+                return {}
+            return {(("max_lora", str(st["max_lora"])),
+                     ("running_lora_adapters", ",".join(st["running_lora_adapters"])),
+                     ("waiting_lora_adapters", ",".join(st["waiting_lora_adapters"]))): time.time()}
+
+        r.add(Gauge("vllm:lora_requests_info", "LoRA adapters in use by running and waiting requests (value: time).",
+                    lora_info))
         self.prompt_tokens = r.add(Counter("vllm:prompt_tokens_total", "Prompt tokens processed."))
         self.generation_tokens = r.add(Counter("vllm:generation_tokens_total", "Tokens generated."))
         self.request_success = r.add(Counter("vllm:request_success_total", "Finished requests by finish reason."))

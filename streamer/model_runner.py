@@ -22,6 +22,8 @@ from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
+from streamer.lora import LoRAAdapter
+from streamer.models import lora
 from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
@@ -150,6 +152,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed)
+        # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
+        self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
+                            if config.enable_lora else {})
         self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
         self.forward = self.model
         self.compiled = self._should_compile()
@@ -199,6 +204,7 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, PackableLinear):
                 module.op_id = None  # a direct call: the op only exists for the compiler's sake
+                module.lora_op = False
                 if packing and module.packed is None:
                     module.pack_for_cpu()
 
@@ -224,7 +230,8 @@ class ModelRunner:
         import time
         t = time.perf_counter()
         self.graphs = DecodeGraphs(self.forward, self.kv_caches, sizes, self.max_blocks_per_req, self.block_size,
-                                   self.scratch_block, self.max_model_len, self.device, capture)
+                                   self.scratch_block, self.max_model_len, self.device, capture,
+                                   lora=bool(self.lora_layers))
         self.graphs.capture()
         logger.info("%s decode steps of %d batch sizes (up to %d) in %.1f s",
                     "captured CUDA graphs for" if capture else "set up graph buffers for", len(sizes), max(sizes),
@@ -292,6 +299,9 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, PackableLinear):
                     module.pack_for_cpu(as_op=True)
+        for module in self.model.modules():  # (a packed layer's op adds its LoRA output itself)
+            if isinstance(module, PackableLinear) and module.op_id is None:
+                module.lora_op = True
         # Two graphs per engine (a lone decode, everything else), and the cache is per code object: a process
         # that builds several engines (tests, benchmarks) outgrows the default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -435,12 +445,15 @@ class ModelRunner:
     def _run_model(self, step: StepInputs) -> torch.Tensor:
         if self.tp_workers is not None:  # the other ranks run the same forward, meeting ours at each all-reduce
             self.tp_workers.send(step)
+        for slot, adapter in step.lora_loads:  # queued in order behind the steps that still use the slot
+            self.place_lora(slot, adapter)
         if self.graphs is not None:
             hidden = self.graphs.run(step, self.last_tokens, self._rope_positions(step))
             if hidden is not None:
                 return hidden
         try:
-            return self._forward(step)
+            with lora.lora_context(self._lora_step(step)):
+                return self._forward(step)
         except Exception as e:
             # No C++ toolchain, or an Inductor bug: serve eagerly rather than not at all. Compilation fails before
             # the graph runs, so running the same step eagerly keeps every rank's collectives in step. (A worker
@@ -450,7 +463,25 @@ class ModelRunner:
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
                            str(e).splitlines()[0] if str(e) else "")
             self._use_eager()
-            return self._forward(step)
+            with lora.lora_context(self._lora_step(step)):
+                return self._forward(step)
+
+    def place_lora(self, slot: Optional[int], adapter: LoRAAdapter) -> None:
+        """Copy an adapter into `slot` of every layer (None: only check that it fits the model; ValueError)."""
+        lora.place_adapter(self.model, self.lora_layers, slot, adapter.modules())
+
+    def _lora_step(self, step: StepInputs) -> Optional[lora.LoRAStep]:
+        """The step's token -> adapter map, with each adapter's tokens (None: all of them)."""
+        slots = step.lora_slots
+        if slots is None:
+            return None
+        dev = self.device
+        groups = []
+        for s in np.unique(slots):
+            if s > 0:
+                mine = slots == s
+                groups.append((int(s), None if mine.all() else to_device(np.flatnonzero(mine), dev)))
+        return lora.LoRAStep(to_device(slots, dev), groups)
 
     def _rope_positions(self, step: StepInputs) -> np.ndarray:
         """The positions the rotary embedding reads: LongRoPE moves those of sequences longer than the

@@ -8,7 +8,7 @@ import enum
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -52,6 +52,7 @@ class Request:
     hash_blocks: bool = True
     seq_index: int = 0  # which of the parent's n sequences this is
     parent_id: Optional[str] = None
+    lora: Optional[Any] = None  # the LoRAAdapter it runs with (streamer/lora.py)
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -77,6 +78,7 @@ class Request:
         self.draft_token_ids: list[int] = []
         # LongRoPE models: the sequence's KV was computed with the long factors (see Scheduler).
         self.long_rope = False
+        self.lora_slot = 0  # the model's slot holding its adapter while it runs (0: none)
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state
@@ -119,5 +121,13 @@ class Request:
         bs = self.block_size
         for i in range(len(self.block_hashes), len(self.all_token_ids) // bs):
             parent = self.block_hashes[-1] if self.block_hashes else b""
-            extra = self.cache_salt.encode() if (i == 0 and self.cache_salt) else b""
+            extra = self._first_block_extra() if i == 0 else b""
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def _first_block_extra(self) -> bytes:
+        """What else the KV depends on, mixed into the first block's hash (so into every later one): the tenant's
+        salt and the LoRA adapter."""
+        extra = self.cache_salt.encode() if self.cache_salt else b""
+        if self.lora is not None:
+            extra += b"\x00lora:%d" % self.lora.uid
+        return extra

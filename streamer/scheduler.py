@@ -22,6 +22,7 @@ from typing import Optional
 
 from streamer.config import EngineConfig
 from streamer.kv_cache import KVCacheManager
+from streamer.lora import LoRASlots
 from streamer.request import Request, RequestStatus
 
 
@@ -108,6 +109,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
                  long_rope_threshold: Optional[int] = None) -> None:
         self.config = config
+        # LoRA: the model's adapter slots, held by running requests (a request runs only once its adapter has one)
+        self.lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
         # LongRoPE: a sequence longer than this rotates with the long factors, all of it (as transformers does:
         # its KV is recomputed when the sequence outgrows the pretraining length).
         self.long_rope_threshold = long_rope_threshold
@@ -140,6 +143,7 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._release_lora(req)
         else:
             self.waiting.remove(req)
         req.status = status
@@ -154,8 +158,14 @@ class Scheduler:
         else:
             self.running.append(req)
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot:
+            self.lora_slots.release(req.lora_slot)  # type: ignore[union-attr]
+            req.lora_slot = 0
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._release_lora(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -221,14 +231,22 @@ class Scheduler:
                 or req.num_scheduled_tokens >= self.max_model_len)
 
     def _admit(self, planned: list[tuple[Request, int]], budget: int) -> int:
+        no_lora_slot: list[Request] = []  # passed over: their adapter finds no free slot this step
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.lora is not None:
+                slot = self.lora_slots.acquire(req.lora)  # type: ignore[union-attr]
+                if slot is None:
+                    no_lora_slot.append(self.waiting.pop())
+                    continue
+                req.lora_slot = slot
             # Prompt logprobs need a logit at every prompt position: a cache hit would skip them.
             hits, num_hit = (([], 0) if req.params.prompt_logprobs is not None
                              else self.kv.get_computed_blocks(req))
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
+                self._release_lora(req)
                 break
             self.waiting.pop()
             if self.long_rope_threshold is not None and req.num_tokens > self.long_rope_threshold:
@@ -240,6 +258,8 @@ class Scheduler:
             self._add_running(req)
             planned.append((req, n))
             budget -= n
+        for req in reversed(no_lora_slot):  # back in their places (FCFS: at the front, in order)
+            self.waiting.push(req, front=True)
         return budget
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -248,6 +268,8 @@ class Scheduler:
             head, worst = self.waiting.peek(), self.running[-1]
             if self.waiting.key(head) >= self.waiting.key(worst):
                 return
+            if head.lora is not None and not self.lora_slots.available(head.lora):  # type: ignore[union-attr]
+                return  # it could not run anyway: preempting for it would only churn
             hits, num_hit = self.kv.get_computed_blocks(head)
             first_chunk = min(head.num_tokens, num_hit + self.config.max_num_batched_tokens)
             seats = len(self.running) < self.config.max_num_seqs

@@ -18,9 +18,13 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 
 class LiveServer:
     def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, **engine_kwargs: Any) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: Optional[dict[str, str]] = None,
+                 allow_lora_updates: bool = False, **engine_kwargs: Any) -> None:
+        """loras: {name: PEFT folder} registered before serving (as `--lora-modules`)."""
         self.model_dir = model_dir
-        self.app_kwargs = dict(api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes)
+        self.app_kwargs = dict(api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes,
+                               allow_lora_updates=allow_lora_updates)
+        self.loras = loras or {}
         self.engine_kwargs = {**ENGINE_KWARGS, **engine_kwargs}
         self.engine: Optional[AsyncEngine] = None
         self.server: Optional[uvicorn.Server] = None
@@ -64,6 +68,8 @@ class LiveServer:
         self.engine = AsyncEngine(str(self.model_dir), **self.engine_kwargs)
         try:
             await self.engine.start()
+            for name, path in self.loras.items():
+                await self.engine.add_lora(name, path)
             self.app = app = build_app(self.engine, **self.app_kwargs)  # type: ignore[arg-type]
             self.model_name = app.state.server.model_name
             config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning",

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamer_kernels as K
+from streamer.models.lora import add_lora, lora_add_
 
 
 class ParallelContext:
@@ -44,6 +45,9 @@ class PackableLinear(nn.Module):
     weight: nn.Parameter
     packed: Optional[torch.Tensor] = None
     op_id: Optional[int] = None  # set by `pack_for_cpu(as_op=True)`: the matmul is the opaque `packed_linear` op
+    lora: Any = None  # LoRAWeights (streamer/models/lora.py) when adapters are enabled
+    lora_id: Optional[int] = None
+    lora_op = False  # a compiled model adds the LoRA output through the opaque `lora_add_` op
 
     def pack_for_cpu(self, as_op: bool = False) -> None:
         """as_op: a compiled model calls the packed matmul through a custom op, so that no weight is part of its
@@ -59,10 +63,17 @@ class PackableLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:
-            return packed_linear(x, self.op_id, bias is not None)
+            return packed_linear(x, self.op_id, bias is not None)  # adds the LoRA output itself
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            if self.lora_op:
+                lora_add_(y, x, self.lora_id)
+            else:
+                add_lora(y, x, self.lora)
+        return y
 
 
 _packed_layers: list[weakref.ref[PackableLinear]] = []
@@ -77,7 +88,10 @@ _lib.define("packed_linear(Tensor x, int layer, bool with_bias) -> Tensor")
 def _packed_linear(x: torch.Tensor, layer: int, with_bias: bool) -> torch.Tensor:
     m = _packed_layers[layer]()
     assert m is not None, "packed_linear called for a layer whose model is gone"
-    return torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias if with_bias else None, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias if with_bias else None, "none", [], "")
+    if m.lora is not None:
+        add_lora(y, x, m.lora)
+    return y
 
 
 _lib.impl("packed_linear", _packed_linear, "CPU")
@@ -104,6 +118,7 @@ class ColumnParallelLinear(PackableLinear):
                  shard_names: Optional[Sequence[Any]] = None, replicable: bool = False) -> None:
         super().__init__()
         tp = ParallelContext.size
+        self.tp_rank, self.tp_size = ParallelContext.rank, tp  # (LoRA slots are filled after the build)
         self.replicable = replicable  # checkpoint tensors may be narrower than tp shards (replicated kv heads)
         for s in output_sizes:
             if s % tp:
@@ -121,18 +136,25 @@ class ColumnParallelLinear(PackableLinear):
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
         idx = 0 if shard is None else self.shard_names.index(shard)
+        offset, size, rows = self.shard_rows(idx, loaded, name, param.shape[1:])
+        param.data[offset:offset + size].copy_(rows)
+
+    def shard_rows(self, idx: int, loaded: torch.Tensor, name: str, cols: Optional[torch.Size] = None,
+                   ) -> tuple[int, int, torch.Tensor]:
+        """Sub-matrix `idx` of a checkpoint tensor (all ranks' rows): (its offset in this rank's rows, how many,
+        this rank's rows). `cols`: the trailing shape it must have (None: any; LoRA's B has its own)."""
         size = self.output_sizes[idx]
         offset = sum(self.output_sizes[:idx])
-        rank, tp = ParallelContext.rank, ParallelContext.size
+        rank, tp = self.tp_rank, self.tp_size
         # A sub-matrix may hold fewer chunks than ranks: k/v with fewer kv heads than ranks, replicated so that
         # consecutive ranks share one (rank r takes chunk r // (tp / chunks)).
         chunks = loaded.shape[0] // size if size else 0
         if (chunks < 1 or loaded.shape[0] % size or tp % chunks or (chunks != tp and not self.replicable)
-                or loaded.shape[1:] != param.shape[1:]):
-            expected = (size * tp, *param.shape[1:])
+                or (cols is not None and loaded.shape[1:] != cols)):
+            expected = (size * tp, *(loaded.shape[1:] if cols is None else cols))
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
         chunk = rank // (tp // chunks)
-        param.data[offset:offset + size].copy_(loaded[chunk * size:(chunk + 1) * size])
+        return offset, size, loaded[chunk * size:(chunk + 1) * size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -146,7 +168,7 @@ class RowParallelLinear(PackableLinear):
         tp = ParallelContext.size
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp}")
-        self.tp_size = tp
+        self.tp_rank, self.tp_size = ParallelContext.rank, tp
         self.input_size = input_size // tp
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size), requires_grad=False)
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]

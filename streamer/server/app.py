@@ -75,8 +75,8 @@ class OpenAIServer:
     # ------------------------------------------------------------------ generation endpoints
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await self._json(request))
-        self._check_model(req.model)
-        gen = await self._start("cmpl", req.prompts, req)
+        lora = self._check_model(req.model)
+        gen = await self._start("cmpl", req.prompts, req, lora=lora)
         echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
         fmt = CompletionFormat(len(req.prompts) * req.params.n, req.params.logprobs, req.return_token_ids, echo,
                                req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs)
@@ -84,25 +84,26 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await self._json(request))
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
         ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
-        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True)
+        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True, lora=lora)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs, parse_tools,
                          req.forced_tool)
         return await self._respond(request, gen, fmt, req)
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
-                     chat: bool = False) -> Generation:
+                     chat: bool = False, lora: Optional[str] = None) -> Generation:
+        """lora: the LoRA adapter the client named as its `model` (None: the base model)."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(
                     prompt, req.params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                    priority=req.priority, cache_salt=req.cache_salt))
+                    priority=req.priority, cache_salt=req.cache_salt, lora_request=lora))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -114,12 +115,12 @@ class OpenAIServer:
                     err.message = re.sub(r"^structured_outputs\.\w+", req.structured_field, err.message)
                 raise err from None
             raise
-        return Generation(rid, streams, req.params.n)
+        return Generation(rid, streams, req.params.n, model=lora or self.model_name)
 
     async def _respond(self, request: Request, gen: Generation, fmt: Format,
                        req: CompletionRequest | ChatRequest) -> Response:
         head = {"id": gen.request_id, "object": fmt.chunk_object, "created": int(time.time()),
-                "model": self.model_name}
+                "model": gen.model}
         if req.stream:
             # The background task also runs when the client left before the body started streaming.
             return sse_response(stream_events(gen, fmt, head, req.include_usage),
@@ -143,7 +144,34 @@ class OpenAIServer:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "streamer",
                 "root": str(self.engine.engine.model_dir if self.engine.engine else self.engine.model_name),
                 "parent": None, "max_model_len": self.engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "streamer",
+                     "root": str(a.path), "parent": self.model_name, "max_model_len": self.engine.max_model_len}
+                    for name, a in self._loras().items()]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's `{"lora_name", "lora_path"}`: read and register an adapter (400 when it cannot be)."""
+        body = await self._json(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        for field_name, value in (("lora_name", name), ("lora_path", path)):
+            if not isinstance(value, str) or not value:
+                raise APIError(f"{field_name} must be a non-empty string", param=field_name)
+        if name in self.model_aliases:
+            raise APIError(f"{name!r} is the base model's name", param="lora_name")
+        try:
+            await self.engine.add_lora(name, path)
+        except ValueError as e:
+            raise APIError(str(e), param="lora_path" if name not in self._loras() else "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = await self._json(request)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in self._loras():
+            raise APIError(f"The LoRA adapter {name!r} is not loaded.", 404, param="lora_name",
+                           code="model_not_found")
+        self.engine.remove_lora(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.engine.is_alive else 503)
@@ -185,10 +213,18 @@ class OpenAIServer:
             chunks.append(chunk)
         return parse_body(b"".join(chunks))
 
-    def _check_model(self, model: Optional[str]) -> None:
-        if model is not None and model not in self.model_aliases:
-            raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`.", 404,
-                           param="model", code="model_not_found")
+    def _loras(self) -> dict:
+        return self.engine.loras if self.engine.config.enable_lora else {}
+
+    def _check_model(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter `model` names, or None for the base model; 404 for anything else."""
+        if model is None or model in self.model_aliases:
+            return None
+        if model in self._loras():
+            return model
+        raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`"
+                       + "".join(f", `{n}`" for n in self._loras()) + ".", 404, param="model",
+                       code="model_not_found")
 
     def _prompt_text(self, prompt: PromptInput) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
@@ -277,8 +313,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None) -> Starlette:
-    """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine)."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
+              allow_lora_updates: bool = False) -> Starlette:
+    """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine).
+    allow_lora_updates: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),
@@ -289,6 +327,9 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/tokenize", s.tokenize, methods=["POST"]),
         Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
+    if allow_lora_updates:
+        routes += [Route("/v1/load_lora_adapter", s.load_lora_adapter, methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", s.unload_lora_adapter, methods=["POST"])]
     middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -42,6 +43,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) clients can ask for by name in `model` (implies --enable-lora);"
+                        " also '{\"name\": ..., \"path\": ...}'")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (loads folders of this machine)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
 
@@ -73,6 +79,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_waiting is not None and args.max_waiting < 0:
         print("streamer serve: error: --max-waiting must be >= 0", file=sys.stderr)
         return 2
+    try:
+        args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
+    except ValueError as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 2
+    if args.lora_modules or args.allow_runtime_lora_updating:
+        kwargs["enable_lora"] = True
     try:  # bad engine arguments: one line and exit 2, before loading anything (not a traceback at start-up)
         EngineConfig.from_kwargs(args.model, **kwargs)
     except (TypeError, ValueError) as e:
@@ -80,6 +93,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`."""
+    if spec.lstrip().startswith("{"):
+        try:
+            d = json.loads(spec)
+            name, path = d["name"], d["path"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--lora-modules: {spec!r} is not a JSON object with 'name' and 'path'") from None
+    else:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+    if not name or not path:
+        raise ValueError(f"--lora-modules: {spec!r} needs a name and a path")
+    return name, path
 
 
 async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict) -> int:
@@ -93,13 +123,16 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     try:
         try:
             await engine.start()
-        except Exception as e:  # a missing folder, a bad checkpoint, bad engine arguments
+            for name, path in args.lora_modules:
+                await engine.add_lora(name, path)
+        except Exception as e:  # a missing folder, a bad checkpoint or adapter, bad engine arguments
             print(f"streamer serve: error: {e}", file=sys.stderr)
             return 1
         if shutdown.requested:
             return 0
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
-                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
+                        max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                        allow_lora_updates=args.allow_runtime_lora_updating)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,

@@ -35,8 +35,9 @@ def engine_error(e: Exception, chat: bool = False) -> APIError:
 
 
 class Generation:
-    def __init__(self, request_id: str, streams: list[RequestStream], n: int) -> None:
+    def __init__(self, request_id: str, streams: list[RequestStream], n: int, model: str = "") -> None:
         self.request_id = request_id
+        self.model = model  # the name responses carry: the base model's or the LoRA adapter's
         self.streams = streams
         self.n = n
         self.start = time.monotonic()

@@ -1,0 +1,184 @@
+"""LoRA adapters inside the model: per-layer slot-stacked low-rank weights, and the step's token -> slot map.
+
+Every linear layer that adapters may target (q/k/v, o, gate/up, down) gets two stacked tensors,
+`a` [slots, subs * R, in] and `b` [slots, out, subs * R], where `slots` = max_loras + 1 (slot 0 is all zeros:
+no adapter), R = max_lora_rank and `subs` = the sub-matrices a packed layer holds (3 for qkv: q, k and v each
+have their own A and B; B is block-diagonal over them). An adapter of a smaller rank fills its first rows with
+zeros after them, which changes nothing; its scale (alpha / r) is folded into B. Under tensor parallelism a
+column layer's B is split along its output rows as the weight is, a row layer's A along its input columns;
+a row layer's LoRA output is added to its partial sum before the all-reduce (it is linear in the input too).
+
+The layer adds `x A_s^T B_s^T` for each token's slot s. Which adapters a step uses is data, so in a compiled
+model the addition is an opaque custom op (`lora_add_`) that reads the step's `LoRAStep` (set by the runner
+around the forward, as the attention metadata is): one pair of matmuls per adapter in use over its tokens,
+or, inside a CUDA graph, a per-token gather of the weights (fixed shapes, any mix of slots).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from streamer.models.layers import PackableLinear
+
+# The layers adapters may target, by our parameter's name, and the checkpoint modules each one holds.
+LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass
+class LoRAStep:
+    """Which adapter slot each of the step's tokens uses."""
+
+    token_slots: torch.Tensor  # int64 [T] on the device; 0 = no adapter
+    # (slot, indices of its tokens, or None for all of them), for every slot > 0 in use
+    groups: list[tuple[int, Optional[torch.Tensor]]] = field(default_factory=list)
+    gather: bool = False  # per-token weight gather (graph-safe) instead of the groups
+
+
+_current: Optional[LoRAStep] = None
+
+
+class lora_context:
+    """`with lora_context(step):` the forward inside sees `step` (None: no adapter in use)."""
+
+    def __init__(self, step: Optional[LoRAStep]) -> None:
+        self.step = step
+
+    def __enter__(self) -> None:
+        global _current
+        self.prev, _current = _current, self.step
+
+    def __exit__(self, *exc: Any) -> None:
+        global _current
+        _current = self.prev
+
+
+class LoRAWeights:
+    """One layer's adapter slots (see the module docstring)."""
+
+    def __init__(self, layer: "PackableLinear", slots: int, rank: int) -> None:
+        from streamer.models.layers import RowParallelLinear
+        w = layer.weight
+        self.row = isinstance(layer, RowParallelLinear)
+        self.sub_sizes = [w.shape[0]] if self.row else list(layer.output_sizes)  # type: ignore[attr-defined]
+        self.rank = rank
+        n = len(self.sub_sizes)
+        self.a = torch.zeros(slots, n * rank, w.shape[1], dtype=w.dtype, device=w.device)
+        self.b = torch.zeros(slots, w.shape[0], n * rank, dtype=w.dtype, device=w.device)
+        self.layer = weakref.ref(layer)
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def place(self, slot: Optional[int], sub: int, a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+        """Copy one sub-matrix's A [r, in] and B [out, r] (full, unsharded checkpoint shapes; B already scaled)
+        into `slot`, this rank's shard of them; `slot=None` only checks the shapes (raises ValueError)."""
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != r:
+            raise ValueError(f"{name}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not pair up")
+        if r > self.rank:
+            raise ValueError(f"{name}: rank {r} exceeds max_lora_rank {self.rank}")
+        layer = self.layer()
+        assert layer is not None
+        tp, rank = layer.tp_size, layer.tp_rank  # type: ignore[attr-defined]
+        if self.row:
+            n = self.a.shape[2]
+            if a.shape[1] != n * tp or b.shape[0] != self.b.shape[1]:
+                raise ValueError(f"{name}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit a layer of "
+                                 f"{n * tp} inputs and {self.b.shape[1]} outputs")
+            a_local, b_rows, offset = a[:, rank * n:(rank + 1) * n], b, 0
+        else:
+            if a.shape[1] != self.a.shape[2]:
+                raise ValueError(f"{name}: lora_A has {a.shape[1]} inputs, the layer {self.a.shape[2]}")
+            offset, _, b_rows = layer.shard_rows(sub, b, name)  # type: ignore[attr-defined]
+            a_local = a
+        if slot is None:
+            return
+        cols = slice(sub * self.rank, sub * self.rank + r)
+        self.a[slot, cols].copy_(a_local)
+        self.b[slot, offset:offset + b_rows.shape[0], cols].copy_(b_rows)
+
+
+_lora_layers: list[weakref.ref[LoRAWeights]] = []
+
+
+def attach(model: torch.nn.Module, slots: int, rank: int) -> dict[str, LoRAWeights]:
+    """Give every adaptable linear of `model` its slots (before its weights are packed); returns them by the
+    layer's module name."""
+    from streamer.models.layers import ColumnParallelLinear, RowParallelLinear
+    found: dict[str, LoRAWeights] = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LORA_LAYERS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            w = LoRAWeights(module, slots, rank)
+            module.lora = w
+            _lora_layers.append(weakref.ref(w))
+            module.lora_id = len(_lora_layers) - 1
+            found[name] = w
+    return found
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> None:
+    """y += each token's adapter's x A^T B^T, in place (y [T, out], x [T, in], both 2-D and contiguous)."""
+    step = _current
+    if step is None:
+        return
+    if step.gather:
+        s = step.token_slots
+        h = torch.bmm(x.unsqueeze(1), w.a.index_select(0, s).transpose(1, 2))
+        y += torch.bmm(h, w.b.index_select(0, s).transpose(1, 2)).squeeze(1)
+        return
+    for slot, idx in step.groups:
+        if idx is None:
+            y += F.linear(F.linear(x, w.a[slot]), w.b[slot])
+        else:
+            y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), w.a[slot]), w.b[slot]))
+
+
+# The compiled model's way in (a Library op, as `packed_linear`: less per-call overhead than @custom_op).
+_lib = torch.library.Library("streamer", "FRAGMENT")
+_lib.define("lora_add_(Tensor(a!) y, Tensor x, int layer) -> ()")
+
+
+def _lora_add(y: torch.Tensor, x: torch.Tensor, layer: int) -> None:
+    w = _lora_layers[layer]()
+    assert w is not None, "lora_add_ called for a layer whose model is gone"
+    add_lora(y, x, w)
+
+
+_lib.impl("lora_add_", _lora_add, "CompositeExplicitAutograd")
+lora_add_: Callable[..., None] = torch.ops.streamer.lora_add_.default
+
+
+@torch.library.register_fake("streamer::lora_add_")
+def _(y: torch.Tensor, x: torch.Tensor, layer: int) -> None:
+    return None
+
+
+def place_adapter(model: Any, layers: dict[str, LoRAWeights], slot: Optional[int],
+                  modules: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put an adapter's matrices ({checkpoint module name: (A, scaled B)}) into `slot` of each layer it targets,
+    after clearing the slot; `slot=None` only checks that every matrix fits the model (ValueError naming it)."""
+    if slot is not None:
+        for w in layers.values():
+            w.clear(slot)
+    for module, (a, b) in modules.items():
+        name, shard = model.param_name(f"{module}.weight")
+        w = layers.get(name.removesuffix(".weight"))
+        if w is None:
+            targets = sorted({m for subs in LORA_LAYERS.values() for m in subs})
+            raise ValueError(f"LoRA on {module!r} is not supported (adapters may target {', '.join(targets)})")
+        if shard is not None:
+            w.place(slot, w.layer().shard_names.index(shard), a, b, module)  # type: ignore[union-attr]
+            continue
+        parts = model._fused_parts(name, b) if len(w.sub_sizes) > 1 else None
+        if parts is None:
+            w.place(slot, 0, a, b, module)
+        else:  # a fused checkpoint module (Phi-3's qkv_proj): one A, B's rows split over the sub-matrices
+            for i, (_, part) in enumerate(parts):
+                w.place(slot, i, a, part, module)

@@ -1,0 +1,200 @@
+"""LoRA adapters: greedy output with each adapter equals transformers + PEFT on the same adapter folder, for
+batches that mix adapters (and the base model) in one step, through every path the engine takes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from streamer import LLM, LoRARequest, SamplingParams  # noqa: E402
+from streamer.models import lora as L  # noqa: E402
+from tests.lora_adapters import ALL_LINEARS, make_adapter, peft_greedy  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7, 8], list(range(60, 100))]
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="session")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {
+        # every linear, rank 8
+        "all": make_adapter(llama_dir, root / "all", 1, r=8, alpha=16, targets=ALL_LINEARS),
+        # attention only, rank 4, rsLoRA scaling (alpha / sqrt(r)) and a per-module alpha
+        "attn": make_adapter(llama_dir, root / "attn", 2, r=4, alpha=8, targets=["q_proj", "v_proj", "o_proj"],
+                             use_rslora=True, alpha_pattern={"o_proj": 2}),
+        # MLP only, rank 2
+        "mlp": make_adapter(llama_dir, root / "mlp", 3, r=2, alpha=4, targets=["gate_proj", "down_proj"]),
+    }
+
+
+@pytest.fixture(scope="session")
+def oracle(llama_dir, adapters) -> dict:
+    out = {None: peft_greedy(llama_dir, None, PROMPTS, MAX_NEW)}
+    for name, path in adapters.items():
+        out[name] = peft_greedy(llama_dir, path, PROMPTS, MAX_NEW)
+    assert all(out[name] != out[None] for name in adapters), "an adapter that changes nothing proves nothing"
+    return out
+
+
+def _generate(llm: LLM, names: list, adapters: dict[str, Path]) -> list[list[int]]:
+    """Every prompt with every adapter in `names` (None: the base model), all in one generate() call."""
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for _ in names for p in PROMPTS]
+    loras = [None if n is None else LoRARequest(n, str(adapters[n])) for n in names for _ in PROMPTS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+
+
+def _expected(oracle: dict, names: list) -> list[list[int]]:
+    return [t for n in names for t in oracle[n]]
+
+
+def _all_returned(llm: LLM) -> None:
+    core = llm.engine
+    assert core.kv.pool.num_free == core.kv.num_blocks
+    assert sum(core.scheduler.lora_slots.users) == 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "compiled-unpacked"])
+def test_mixed_batch_matches_peft(llama_dir, adapters, oracle, mode):
+    # compiled: linears are packed oneDNN ops that add their LoRA output inside; unpacked: the `lora_add_` op.
+    kw = {"eager": dict(enforce_eager=True), "compiled": dict(enforce_eager=False),
+          "compiled-unpacked": dict(enforce_eager=False, cpu_weight_packing=False)}[mode]
+    names = [None, "all", "attn", "mlp"]
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=8, **kw) as llm:
+        assert _generate(llm, names, adapters) == _expected(oracle, names)
+        _all_returned(llm)
+
+
+def test_one_slot_many_adapters_with_chunking_and_preemption(llama_dir, adapters, oracle):
+    # One slot for three adapters: requests wait for it and adapters are swapped in and out between steps; a
+    # small token budget splits prompts over steps, and a small pool preempts.
+    names = ["all", None, "attn", "mlp", "all"]
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8,
+             max_num_batched_tokens=12, num_kv_blocks=16, block_size=4) as llm:
+        assert _generate(llm, names, adapters) == _expected(oracle, names)
+        assert llm.engine.scheduler.num_preemptions > 0
+        _all_returned(llm)
+
+
+def test_prefix_cache_keeps_adapters_apart(llama_dir, adapters, oracle):
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4) as llm:
+        kv = llm.engine.kv
+        seen: set = set()
+        for names in ([None], ["all"], ["attn"], ["all"]):  # the same prompts: only the last may hit
+            hits = kv.prefix_hits
+            assert _generate(llm, names, adapters) == _expected(oracle, names)
+            assert (kv.prefix_hits > hits) == (names[0] in seen)
+            seen.add(names[0])
+        _all_returned(llm)
+
+
+def test_reregistered_name_gets_the_new_weights(llama_dir, adapters, oracle):
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8, block_size=4) as llm:
+        llm.add_lora("x", str(adapters["all"]))
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        run = lambda: [o.outputs[0].token_ids for o in llm.generate(  # noqa: E731
+            [{"prompt_token_ids": p} for p in PROMPTS], params, lora_request="x")]
+        assert run() == oracle["all"]
+        llm.remove_lora("x")
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'x'"):
+            run()
+        llm.add_lora("x", str(adapters["mlp"]))  # same name, same prompts: the cached blocks are the old adapter's
+        assert run() == oracle["mlp"]
+        _all_returned(llm)
+
+
+def test_fused_phi3_targets_match_peft(make_ckpt, tmp_path):
+    # Phi-3 checkpoints fuse q/k/v and gate/up, so its adapters target qkv_proj / gate_up_proj: B's rows split.
+    base = make_ckpt("phi3", family="phi3")
+    adapter = make_adapter(base, tmp_path / "phi", 4, r=4, alpha=8,
+                           targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    expected = peft_greedy(base, adapter, PROMPTS, MAX_NEW)
+    assert expected != peft_greedy(base, None, PROMPTS, MAX_NEW)
+    with LLM(str(base), dtype="float32", enable_lora=True) as llm:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            lora_request=LoRARequest("phi", str(adapter)))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_tensor_parallel_matches_peft(llama_dir, adapters, oracle):
+    # Column layers split B's rows (and A stays whole), row layers split A's columns; the partial sums meet in
+    # the all-reduce. The workers read the adapter folders themselves.
+    names = ["attn", None, "all"]
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+             tensor_parallel_size=2) as llm:
+        assert _generate(llm, names, adapters) == _expected(oracle, names)
+
+
+def test_gathered_weights_equal_grouped_matmuls(monkeypatch):
+    # The CUDA-graph path gathers each token's adapter weights; the default groups tokens by adapter.
+    from streamer.models.layers import ColumnParallelLinear, ParallelContext
+    monkeypatch.setattr(ParallelContext, "size", 1)  # (an engine built earlier in this process may have left 2)
+    monkeypatch.setattr(ParallelContext, "rank", 0)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(24, [16, 8, 8])
+    w = L.LoRAWeights(layer, slots=4, rank=4)
+    w.a.normal_()
+    w.b.normal_()
+    w.clear(0)
+    x = torch.randn(7, 24)
+    slots = torch.tensor([0, 2, 2, 1, 3, 0, 2])
+    grouped = torch.zeros(7, 32)
+    groups = [(s, torch.nonzero(slots == s).flatten()) for s in (1, 2, 3)]
+    with L.lora_context(L.LoRAStep(slots, groups)):
+        L.add_lora(grouped, x, w)
+    gathered = torch.zeros(7, 32)
+    with L.lora_context(L.LoRAStep(slots, gather=True)):
+        L.add_lora(gathered, x, w)
+    expected = torch.stack([x[i] @ w.a[s].T @ w.b[s].T for i, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(grouped, expected)
+    torch.testing.assert_close(gathered, expected)
+    assert grouped[0].abs().sum() == 0 and grouped[1].abs().sum() > 0
+
+
+def _write(folder: Path, config: dict, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_bad_adapters_are_refused_and_the_engine_keeps_serving(llama_dir, adapters, oracle, tmp_path):
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    ok = {f"{q}.lora_A.weight": torch.zeros(4, 64), f"{q}.lora_B.weight": torch.zeros(64, 4)}
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8}
+    bad = {
+        "no adapter_config.json": (tmp_path / "empty", None),
+        "DoRA": (_write(tmp_path / "dora", {**cfg, "use_dora": True}, ok), None),
+        "modules_to_save": (_write(tmp_path / "mts", {**cfg, "modules_to_save": ["lm_head"]}, ok), None),
+        "above max_lora_rank 8": (_write(tmp_path / "big", cfg, {f"{q}.lora_A.weight": torch.zeros(16, 64),
+                                                                  f"{q}.lora_B.weight": torch.zeros(64, 16)}), None),
+        "LoRA on 'lm_head' is not supported": (_write(tmp_path / "head", cfg, {
+            "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+            "base_model.model.lm_head.lora_B.weight": torch.zeros(512, 4)}), None),
+        "q_proj: lora_A has 32 inputs": (_write(tmp_path / "shape", cfg, {
+            f"{q}.lora_A.weight": torch.zeros(4, 32), f"{q}.lora_B.weight": torch.zeros(64, 4)}), None),
+        "lora_A without its pair": (_write(tmp_path / "half", cfg, {f"{q}.lora_A.weight": torch.zeros(4, 64)}), None),
+    }
+    (tmp_path / "empty").mkdir()
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        for message, (folder, _) in bad.items():
+            with pytest.raises(ValueError, match=message):
+                llm.add_lora("bad", str(folder))
+            assert "bad" not in llm.engine.loras
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'nope'"):
+            llm.generate("hi", SamplingParams(max_tokens=2), lora_request="nope")
+        names = ["all", None]
+        assert _generate(llm, names, adapters) == _expected(oracle, names)
+        with pytest.raises(ValueError, match="already loaded from"):
+            llm.generate("hi", SamplingParams(max_tokens=2), lora_request=LoRARequest("all", str(adapters["mlp"])))
+        _all_returned(llm)
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        with pytest.raises(ValueError, match="enable_lora=True"):
+            llm.generate("hi", SamplingParams(max_tokens=2), lora_request=LoRARequest("all", str(adapters["all"])))
