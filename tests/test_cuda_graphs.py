@@ -56,3 +56,34 @@ def test_decode_graphs_match_plain_steps(request, async_scheduling):
     # Padding rows wrote only the scratch block: the pool's blocks hold nothing but the requests' K/V, which
     # the equal outputs vouch for; the scratch block was written.
     assert runner.kv_caches[0][:, runner.scratch_block].abs().sum() > 0
+
+
+def test_decode_graphs_with_lora_adapters_match_plain_steps(request, tmp_path):
+    """With LoRA on, the graphs read each row's adapter slot from a persistent buffer and gather its weights: a
+    batch mixing two adapters and the base model decodes as plain steps do (one slot each, swapped as needed)."""
+    pytest.importorskip("peft")
+    from streamer import LoRARequest
+    from tests.lora_adapters import ALL_LINEARS, make_adapter
+    llama_dir = request.getfixturevalue("llama_dir")
+    folders = {n: make_adapter(llama_dir, tmp_path / n, seed, r=4, alpha=8, targets=ALL_LINEARS)
+               for n, seed in (("a", 5), ("b", 6))}
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(rng.randrange(2, 20))]} for _ in range(6)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 4, 6, 6, 7, 7)]
+    loras = [None if n is None else LoRARequest(n, str(folders[n])) for n in ("a", None, "b", "a", None, "b")]
+
+    def run(backend: str, graphs: bool):
+        llm = LLM(str(llama_dir), dtype="float32", device=DEVICE.type, attention_backend=backend,
+                  cuda_graph_max_batch=4 if graphs else 0, enable_lora=True, max_loras=2, max_lora_rank=4)
+        if graphs and DEVICE.type == "cpu":
+            llm.engine.runner.enable_decode_graphs(capture_sizes(4), capture=False)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+        return outs, llm.engine.runner
+
+    ref, _ = run("torch", False)
+    outs, runner = run("triton", True)
+    assert outs == ref
+    assert runner.graphs.num_replays > 0 and runner.graphs.lora_slots is not None
+    base = [o.outputs[0].token_ids for o in LLM(str(llama_dir), dtype="float32").generate(prompts, params)]
+    assert [o for o, lo in zip(ref, loras) if lo is None] == [o for o, lo in zip(base, loras) if lo is None]
+    assert [o for o, lo in zip(ref, loras) if lo] != [o for o, lo in zip(base, loras) if lo]

@@ -198,3 +198,98 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(llama_dir, adapte
     with LLM(str(llama_dir), dtype="float32") as llm:
         with pytest.raises(ValueError, match="enable_lora=True"):
             llm.generate("hi", SamplingParams(max_tokens=2), lora_request=LoRARequest("all", str(adapters["all"])))
+
+
+def test_server_serves_adapters_by_model_name(llama_dir, adapters, oracle):
+    import asyncio
+
+    import httpx
+    import openai
+
+    from tests.server_utils import LiveServer
+    with LiveServer(llama_dir, loras={"all": str(adapters["all"])}, allow_lora_updates=True, enable_lora=True,
+                    max_lora_rank=8) as live:
+        client = openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=120)
+        body = {"ignore_eos": True, "return_token_ids": True}
+
+        async def tokens(model: str, prompt: list[int], stream: bool) -> list[int]:
+            r = await client.completions.create(model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0.0,
+                                                stream=stream, extra_body=body)
+            if not stream:
+                assert r.model == model
+                return r.choices[0].token_ids  # type: ignore[attr-defined]
+            ids = []
+            async for chunk in r:
+                assert chunk.model == model
+                ids += getattr(chunk.choices[0], "token_ids", None) or [] if chunk.choices else []
+            return ids
+
+        async def main() -> None:
+            models = await client.models.list()
+            assert [(m.id, getattr(m, "parent", None)) for m in models.data] == [(live.model_name, None),
+                                                                                 ("all", live.model_name)]
+            # Base and adapter requests at once, streamed and not: each gets its own model's tokens.
+            jobs = [tokens(m, p, s) for m in (live.model_name, "all") for p in PROMPTS[:2] for s in (False, True)]
+            got = await asyncio.gather(*jobs)
+            want = [t for m in (None, "all") for t in oracle[m][:2] for _ in (0, 1)]
+            assert got == want
+            with pytest.raises(openai.NotFoundError) as e:
+                await tokens("mlp", PROMPTS[0], False)
+            assert e.value.body["code"] == "model_not_found"
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                r = await http.post("/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": "/nowhere"})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+                r = await http.post("/v1/load_lora_adapter",
+                                    json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+                assert r.status_code == 200, r.text
+                assert await tokens("mlp", PROMPTS[0], True) == oracle["mlp"][0]
+                r = await http.post("/v1/load_lora_adapter",
+                                    json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
+                assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+                r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+                assert r.status_code == 200
+                r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+                assert r.status_code == 404
+                text = (await http.get("/metrics")).text
+                assert 'max_lora="4"' in text and "vllm:lora_requests_info" in text
+            with pytest.raises(openai.NotFoundError):
+                await tokens("mlp", PROMPTS[0], False)
+
+        asyncio.run(main())
+        state = live.pool_state()
+        assert state["free"] == state["blocks"] and state["running"] == 0
+
+
+def test_cli_generate_and_serve_flags(llama_dir, adapters, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from streamer.cli import main
+    from streamer.server.cli import parse_lora_module
+    common = ["generate", "--model", str(llama_dir), "--dtype", "float32", "--num-kv-blocks", "64", "--prompt",
+              "def f(x):", "--max-tokens", "8", "--ignore-eos"]
+    assert main(common) == 0
+    base = capsys.readouterr().out
+    assert main([*common, "--lora", str(adapters["all"])]) == 0
+    with_adapter = capsys.readouterr().out
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8) as llm:
+        out = llm.generate("def f(x):", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           lora_request=LoRARequest("all", str(adapters["all"])))[0].outputs[0].text
+    assert with_adapter == "def f(x):" + out + "\n" and with_adapter != base
+    assert main([*common, "--lora", "/nowhere"]) == 1
+    assert "LoRA adapter folder not found" in capsys.readouterr().err
+
+    assert parse_lora_module("a=/x/y") == ("a", "/x/y")
+    assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == ("a", "/x")
+    for bad in ("a", "=/x", "{}", '{"name": "a"}'):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_module(bad)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    p = subprocess.run([sys.executable, "-m", "streamer", "serve", "--port", "0", "--lora-modules", "oops"],
+                       cwd=repo, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and p.stderr.startswith("streamer serve: error: --lora-modules") and "Traceback" not in p.stderr
+    p = subprocess.run([sys.executable, "-m", "streamer", "serve", str(llama_dir), "--port", "0", "--enforce-eager",
+                        "--lora-modules", "x=/nowhere"], cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 1 and "LoRA adapter folder not found: /nowhere" in p.stderr

@@ -7,17 +7,20 @@ referenced, wrong prefix-cache hits and lost writes, not only bookkeeping slips.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hypothesis import given, settings, strategies as st
 
 from streamer.config import EngineConfig
 from streamer.kv_cache import KVCacheManager, cdiv
+from streamer.lora import LoRAAdapter
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler
 
 ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3)),
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3),
+              st.integers(0, 3)),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 1000)),
 ), min_size=1, max_size=60)
@@ -25,9 +28,12 @@ ops = st.lists(st.one_of(
 
 class Sim:
     def __init__(self, block_size: int, num_blocks: int, budget: int, max_seqs: int, caching: bool,
-                 policy: str) -> None:
+                 policy: str, max_loras: int = 0) -> None:
+        """max_loras > 0: LoRA adapters on, with that many slots for three adapters."""
         cfg = EngineConfig(block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                           enable_prefix_caching=caching, scheduling_policy=policy)
+                           enable_prefix_caching=caching, scheduling_policy=policy, enable_lora=max_loras > 0,
+                           max_loras=max(max_loras, 1))
+        self.adapters = [None] + [LoRAAdapter(f"a{i}", Path("."), 1, {}) for i in range(3)]
         self.cfg = cfg
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.sched = Scheduler(cfg, self.kv, max_model_len=10_000)
@@ -37,15 +43,16 @@ class Sim:
         self.rng = random.Random(0)
         self.n = 0
 
-    def add(self, prompt_len: int, max_tokens: int, prefix: int, prio: int) -> None:
+    def add(self, prompt_len: int, max_tokens: int, prefix: int, prio: int, lora: int = 0) -> None:
         bs = self.cfg.block_size
         if cdiv(prompt_len + max_tokens, bs) > self.kv.num_blocks:
             return  # the engine rejects these up front
         # A few shared prefixes so that the prefix cache gets hits (and partial-block hits).
         shared = [prefix * 1000 + i for i in range(min(prompt_len, (prefix + 1) * 5))]
         prompt = shared + [self.rng.randrange(50_000) for _ in range(prompt_len - len(shared))]
+        adapter = self.adapters[lora] if self.cfg.enable_lora else None
         req = Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, block_size=bs,
-                      hash_blocks=self.cfg.enable_prefix_caching, priority=prio)
+                      hash_blocks=self.cfg.enable_prefix_caching, priority=prio, lora=adapter)
         self.n += 1
         self.sched.add(req)
         self.live.append(req)
@@ -66,12 +73,12 @@ class Sim:
         for s in out.scheduled:
             blocks = self.kv.blocks_of(s.req.request_id)
             assert len(blocks) * bs >= s.start + s.num_tokens
-            for pos in range(s.start, s.start + s.num_tokens):
-                self.slots[blocks[pos // bs] * bs + pos % bs] = s.req.all_token_ids[pos]
+            for pos in range(s.start, s.start + s.num_tokens):  # (KV depends on the adapter too)
+                self.slots[blocks[pos // bs] * bs + pos % bs] = (s.req.all_token_ids[pos], id(s.req.lora))
         for s in out.scheduled:  # "attention": every context slot holds this request's token
             blocks = self.kv.blocks_of(s.req.request_id)
             for pos in range(s.start + s.num_tokens):
-                assert self.slots.get(blocks[pos // bs] * bs + pos % bs) == s.req.all_token_ids[pos], \
+                assert self.slots.get(blocks[pos // bs] * bs + pos % bs) == (s.req.all_token_ids[pos], id(s.req.lora)), \
                     f"{s.req.request_id} reads a wrong KV entry at position {pos}"
         for s in out.scheduled:
             if s.samples:
@@ -82,6 +89,7 @@ class Sim:
                     self.live.remove(req)
                     self.finished.append(req)
         self.sched.check_invariants()
+        self.check_lora(out)
         shared = {}
         for rid, blocks in self.kv.req_blocks.items():
             for b in blocks:
@@ -89,6 +97,22 @@ class Sim:
         for b, owners in shared.items():
             if len(owners) > 1:
                 assert self.kv.pool.block_hash[b] is not None, "a block is shared without being a cached prefix"
+
+    def check_lora(self, out) -> None:
+        """Every running request with an adapter holds a slot with that adapter in it; slot users add up."""
+        slots = self.sched.lora_slots
+        if slots is None:
+            return
+        users = [0] * (slots.n + 1)
+        for req in self.sched.running:
+            assert (req.lora_slot > 0) == (req.lora is not None)
+            if req.lora is not None:
+                assert slots.adapter_in[req.lora_slot] is req.lora, "a request runs without its adapter loaded"
+                users[req.lora_slot] += 1
+        assert users[1:] == slots.users[1:]
+        assert len({id(r.lora) for r in self.sched.running if r.lora is not None}) <= slots.n
+        for req in self.sched.waiting:
+            assert req.lora_slot == 0
 
     def drain(self) -> None:
         for _ in range(5000):
@@ -99,14 +123,16 @@ class Sim:
         assert not self.live
         assert self.kv.pool.num_free == self.kv.num_blocks, "blocks leaked"
         assert all(r.is_finished for r in self.finished)
+        if self.sched.lora_slots is not None:
+            assert sum(self.sched.lora_slots.users) == 0, "LoRA slots leaked"
 
 
 @settings(max_examples=120, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(4, 40),
        budget=st.integers(1, 64), max_seqs=st.integers(1, 8), caching=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_interleavings(ops, block_size, num_blocks, budget, max_seqs, caching, policy):
-    sim = Sim(block_size, num_blocks, budget, max_seqs, caching, policy)
+       policy=st.sampled_from(["fcfs", "priority"]), max_loras=st.sampled_from([0, 0, 1, 2]))
+def test_random_interleavings(ops, block_size, num_blocks, budget, max_seqs, caching, policy, max_loras):
+    sim = Sim(block_size, num_blocks, budget, max_seqs, caching, policy, max_loras)
     for op in ops:
         if op[0] == "add":
             sim.add(*op[1:])
@@ -142,3 +168,16 @@ def test_salt_isolates_prefix_cache():
         sim.step()
     assert [r.num_cached_tokens for r in sim.live] == [0, 0, 8]
     sim.drain()
+
+
+def test_lora_adapter_isolates_prefix_cache_and_waits_for_a_slot():
+    sim = Sim(block_size=4, num_blocks=32, budget=100, max_seqs=4, caching=True, policy="fcfs", max_loras=1)
+    for lora in (1, 2, 1, 0):  # a1 runs; a2 waits for the one slot (a1 holds it), and the second a1 and the
+        sim.add(12, 5, 1, 0, lora)  # base request pass it; the second a1 hits the first one's blocks
+    sim.step()
+    a1, a2, a1_again, base = sim.live
+    assert [r.status.value for r in sim.live] == ["running", "waiting", "running", "running"]
+    assert [a1.num_cached_tokens, a1_again.num_cached_tokens, base.num_cached_tokens] == [0, 8, 0]
+    assert sim.sched.waiting.peek() is a2
+    sim.drain()
+    assert a2.num_cached_tokens == 0
