@@ -233,7 +233,10 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(lora_request, LoRARequest) and lora_request.name not in core.loras:
             core.validate(ids, params)
-            await self.add_lora(lora_request.name, lora_request.path)
+            adapter = await asyncio.to_thread(core.load_lora, lora_request.name, lora_request.path)
+            self._check_alive()
+            if lora_request.name not in core.loras:  # (another request may have registered it meanwhile)
+                core.register_lora(adapter)
         adapter = core.resolve_lora(lora_request)
         grammar = None
         if params.structured_outputs is not None:  # compiling can take a while for a big schema: off the loop

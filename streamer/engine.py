@@ -123,8 +123,6 @@ class LLMEngine:
         engine reads on a worker thread, then registers on its loop)."""
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
-        if name in self.loras:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.config.max_lora_rank)
         self.runner.place_lora(None, adapter)
         return adapter
@@ -135,6 +133,8 @@ class LLMEngine:
         self.loras[adapter.name] = adapter
 
     def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        if name in self.loras:  # (before reading the folder for nothing)
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
         adapter = self.load_lora(name, path)
         self.register_lora(adapter)
         return adapter

@@ -293,3 +293,27 @@ def test_cli_generate_and_serve_flags(llama_dir, adapters, capsys):
     p = subprocess.run([sys.executable, "-m", "streamer", "serve", str(llama_dir), "--port", "0", "--enforce-eager",
                         "--lora-modules", "x=/nowhere"], cwd=repo, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 1 and "LoRA adapter folder not found: /nowhere" in p.stderr
+
+
+def test_async_engine_first_use_from_concurrent_requests(llama_dir, adapters, oracle):
+    import asyncio
+
+    from streamer import AsyncEngine
+
+    async def main() -> None:
+        async with AsyncEngine(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8) as engine:
+            params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+            lora = LoRARequest("all", str(adapters["all"]))  # not registered yet: every request races to load it
+            outs = await asyncio.gather(*(engine.generate({"prompt_token_ids": p}, params, lora_request=lora)
+                                          for p in PROMPTS))
+            assert [o.outputs[0].token_ids for o in outs] == oracle["all"]
+            assert list(engine.loras) == ["all"]
+            streamed = []
+            async for out in engine.stream({"prompt_token_ids": PROMPTS[1]}, params, lora_request="all"):
+                streamed += out.token_ids
+            assert streamed == oracle["all"][1]
+            engine.remove_lora("all")
+            with pytest.raises(ValueError, match="unknown LoRA adapter"):
+                await engine.generate("x", params, lora_request="all")
+
+    asyncio.run(main())
