@@ -15,7 +15,9 @@ search over query_start_loc.
 The key loop walks tiles of TILE_N positions, looking up each position's physical block in the block table, so
 TILE_N and the cache block size are independent. Tiles that are entirely visible to every row of the q-block
 (strictly below the causal diagonal, inside the window) run without any masking; only the boundary tiles pay
-for it. Softmax is online, in fp32, in base 2 (the scale is folded with log2(e)).
+for it. Softmax is online, in fp32, in base 2 (the scale is folded with log2(e)). Attention logit soft-capping
+(Gemma 2: s -> tanh(s / cap) * cap) is a constexpr switch: the scale is then folded with 1 / cap and log2(e) * cap
+is applied after the tanh; without it the loop is unchanged.
 
 Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
 as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
@@ -38,6 +40,7 @@ check_interpreter_consistency()
 # sliding window, or in an empty split segment) then give exp2(-inf - m) = 0 rather than NaN.
 _NEG_LARGE = tl.constexpr(-1.0e30)  # a constexpr: jitted code may only read constexpr globals
 _LOG2E = 1.4426950408889634
+_TWO_LOG2E = tl.constexpr(2.0 * _LOG2E)
 
 MAX_KV_SPLITS = 64
 
@@ -58,6 +61,12 @@ def _find_request(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): exact limits (+-1) for large |x| where e^2x over/underflows; no libdevice needed.
+    return 1.0 - 2.0 / (tl.math.exp2(x * _TWO_LOG2E) + 1.0)
+
+
+@triton.jit
 def _load(ptrs, mask, USE_MASK: tl.constexpr):
     # Unmasked loads where the mask is provably all-true keep the hot loop free of predication.
     if USE_MASK:
@@ -71,14 +80,16 @@ def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
     stride_c_block, stride_c_slot,
-    q_pos, key_end, sliding_window, qk_scale,
+    q_pos, key_end, sliding_window, qk_scale, softcap_scale,
     tile_start, tile_stop,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
-    window / end-of-context masks; unmasked tiles must be fully visible to every row."""
+    window / end-of-context masks; unmasked tiles must be fully visible to every row. With USE_SOFTCAP, qk_scale
+    is scale / cap and softcap_scale is cap * log2(e): scores become tanh(q.k * scale / cap) * cap (log2 units)."""
     for j in range(tile_start, tile_stop):
         k_pos = j * TILE_N + offs_n
         in_ctx = k_pos < key_end
@@ -93,6 +104,8 @@ def _attend_tiles(
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
+        if USE_SOFTCAP:
+            s = _tanh(s) * softcap_scale
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
             if USE_WINDOW:
@@ -113,13 +126,14 @@ def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, sliding_window,
+    num_seqs, qk_scale, softcap_scale, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,17 +202,17 @@ def _unified_attention_kernel(
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, tile_lo, full_lo,
+                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, tile_lo, full_lo,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, UPCAST, DOT_PRECISION)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, full_lo, full_hi,
+                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_lo, full_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  False, USE_WINDOW, UPCAST, DOT_PRECISION)
+                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, full_hi, tile_hi,
+                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_hi, tile_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, UPCAST, DOT_PRECISION)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -305,10 +319,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      config: Optional[AttentionConfig] = None) -> None:
+                      logit_softcap: Optional[float] = None, config: Optional[AttentionConfig] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
-    `config` overrides the launch shape (for tuning sweeps)."""
+    `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `config` overrides the launch shape (for
+    tuning sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -323,6 +338,10 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert block_table.stride(1) == 1
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
+    use_softcap = bool(logit_softcap)
+    # Scores in log2 units: q.k * scale * log2(e), or with a cap tanh(q.k * scale / cap) * cap * log2(e).
+    qk_scale = softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E
+    softcap_scale = logit_softcap * _LOG2E if use_softcap else 1.0
 
     cfg = config or attention_config(head_dim, group, max_query_len, q.dtype)
     assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
@@ -355,13 +374,14 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml,
         query_start_loc, seq_lens, block_table,
-        num_seqs, softmax_scale * _LOG2E, int(sliding_window) if use_window else 0,
+        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
         NUM_HEADS=num_heads, QPK=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, UPCAST=upcast, DOT_PRECISION=precision,
+        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
+        DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

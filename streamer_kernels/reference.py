@@ -56,11 +56,13 @@ def _gather_context(cache: torch.Tensor, block_row: torch.Tensor, seq_len: int) 
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
-                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None) -> None:
+                      sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
+                      logit_softcap: Optional[float] = None) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
     seq_len_b - q_b ... seq_len_b - 1 and the query at position p attends keys [max(0, p - window + 1), p].
+    With `logit_softcap` (Gemma 2), scaled scores s become tanh(s / cap) * cap before the softmax.
     `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
     """
     del max_query_len, max_seq_len, num_kv_splits
@@ -78,6 +80,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         v = _gather_context(value_cache, block_table[b], seq_len).float()
         qb = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", qb, k) * softmax_scale  # [Hkv, G, q, S]
+        if logit_softcap:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         allowed = k_pos <= q_pos

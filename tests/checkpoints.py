@@ -13,7 +13,7 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -44,6 +44,15 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("final_logit_softcapping", 30.0)
         kw.setdefault("pad_token_id", 0)
         return tf.Gemma3TextConfig(**kw)
+    if family == "gemma2":  # sliding then global layer, one rope base; attention scores soft-capped at 5 (see below)
+        kw.setdefault("head_dim", 32)
+        kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 1000.0})  # not a default
+        kw.setdefault("sliding_window", 16)
+        kw.setdefault("query_pre_attn_scalar", 24)
+        kw.setdefault("attn_logit_softcapping", 5.0)
+        kw.setdefault("final_logit_softcapping", 30.0)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Gemma2Config(**kw)
     if family == "qwen3_moe":  # 4 experts, top 2; layer 1 keeps a dense MLP (mlp_only_layers)
         kw.setdefault("head_dim", 16)
         kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
@@ -78,11 +87,16 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
     cfg.eos_token_id = ids.get(eos if isinstance(eos, str) else (eos or {}).get("content"))
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg).to(dtype)
-    if family == "gemma3":  # Gemma's norms start at zero (a scale of 1 + w): random ones show each is loaded
+    if family in ("gemma3", "gemma2"):
+        # Gemma's norms start at zero (a scale of 1 + w): random ones show that each is loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.3)
+                if family == "gemma2" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    # Scores up to ~3x the soft cap (median ~3, 90th percentile ~7 at cap 5): without the cap,
+                    # transformers itself picks other tokens for 14 of the parity test's 16 prompts.
+                    p.mul_(3.0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
@@ -91,7 +105,10 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects), fp32."""
     import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # Eager attention for Gemma 2 (transformers' default for it today): SDPA cannot soft-cap the scores.
+    model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    kw = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     model.eval()
     outs = []
     with torch.no_grad():

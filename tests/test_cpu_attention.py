@@ -1,6 +1,7 @@
 """The torch backend's CPU attention: the Inductor-compiled paged decode and the prefill paths against the kernel
 reference on paged batches (GQA/MQA, sliding window, batches of one, contexts of one block, NaN in unused slots),
-compiled == eager, and the fallback to eager when compilation is impossible."""
+compiled == eager, soft-capped scores (Gemma 2) in every path, and the fallback to eager when compilation is
+impossible."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from streamer.attention import torch_backend
-from streamer.attention.base import AttentionMetadata, AttentionSpec
-from streamer.attention.torch_backend import TorchAttentionBackend
+from streamer.attention.base import AttentionMetadata, AttentionSpec, DecodeBatch
+from streamer.attention.torch_backend import TorchAttentionBackend, decode_table
 from streamer_kernels import reference
 from streamer_kernels.testing import TOLERANCE, make_paged_batch, rel_err
 
@@ -59,6 +60,58 @@ def test_matches_reference(case, dtype, compile) -> None:
                                 after.seq_lens, after.block_table, spec.scale, 0, 0, window)
     assert not out.isnan().any()
     assert rel_err(out, expected) <= TOLERANCE[dtype]
+
+
+def _softcap_reference(b, spec: AttentionSpec, cap) -> torch.Tensor:
+    out = torch.empty_like(b.q)
+    reference.unified_attention(b.q, b.key_cache, b.value_cache, out, b.query_start_loc, b.seq_lens, b.block_table,
+                                spec.scale, 0, 0, spec.sliding_window, logit_softcap=cap)
+    return out[:b.num_tokens]
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[6]],
+                         ids=["single-split", "mqa-window", "mixed", "window-chunk"])
+def test_logit_softcap_matches_reference(case, compile) -> None:
+    """Soft-capped scores (tanh(s / cap) * cap) in the compiled and eager decode kernels and both prefill paths
+    (a fresh prompt, a chunk over its cached context). Scores reach ~3x the cap: uncapped attention is far off."""
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, window = case
+
+    def batch(write_new: bool):
+        b = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu",
+                             write_new=write_new, generator=torch.Generator().manual_seed(8))
+        b.q.mul_(4)  # scores ~ N(0, 4^2)
+        return b
+
+    before, after = batch(False), batch(True)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window, logit_softcap=5.0)
+    out = TorchAttentionBackend(spec, compile=compile).forward(before.q, before.new_k, before.new_v,
+                                                               before.kv_cache.clone(), _meta(before, len(q_lens)))
+    expected = _softcap_reference(after, spec, 5.0)
+    assert rel_err(out, expected) <= TOLERANCE[torch.float32]
+    assert rel_err(out, _softcap_reference(after, spec, None)) > 0.1, "the cap should matter at these scores"
+
+
+def test_forward_decode_softcap() -> None:
+    """The decode that a compiled model runs inline (`forward_decode`: KV write + `paged_decode` on graph inputs),
+    here called eagerly, with a soft cap and each context split in two."""
+    args = ([1, 1, 1], [30, 5, 77], 8, 2, 64, 16, torch.float32, "cpu")
+    before = make_paged_batch(*args, write_new=False, generator=torch.Generator().manual_seed(9))
+    after = make_paged_batch(*args, write_new=True, generator=torch.Generator().manual_seed(9))
+    for b in (before, after):
+        b.q.mul_(4)
+    spec = AttentionSpec(8, 2, 64, 0.125, logit_softcap=5.0)
+    kv = before.kv_cache.clone()
+    splits = 2
+    table = decode_table(before.block_table.numpy(), before.seq_lens.numpy(), 16, splits)
+    half = kv.shape[1] * kv.shape[2]  # value slots follow the key slots in the flat cache
+    d = DecodeBatch(torch.cat([before.slot_mapping, before.slot_mapping + half]), torch.from_numpy(table),
+                    before.seq_lens.long(), splits)
+    out = TorchAttentionBackend(spec).forward_decode(before.q, before.new_k, before.new_v, kv, d)
+    written = ~after.kv_cache.isnan()
+    assert torch.equal(kv[written], after.kv_cache[written])
+    assert rel_err(out, _softcap_reference(after, spec, 5.0)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, _softcap_reference(after, spec, None)) > 0.1
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])

@@ -28,20 +28,21 @@ SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomiz
 
 
 def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
-           scale=None, hints=None) -> None:
+           scale=None, hints=None, logit_softcap=None) -> torch.Tensor:
     scale = head_dim ** -0.5 if scale is None else scale
     max_query_len, max_seq_len = hints or (batch.max_query_len, batch.max_seq_len)
     out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, scale, max_query_len, max_seq_len, sliding_window,
-                      num_kv_splits=num_kv_splits)
+                      num_kv_splits=num_kv_splits, logit_softcap=logit_softcap)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, scale, batch.max_query_len,
-                                batch.max_seq_len, sliding_window)
+                                batch.max_seq_len, sliding_window, logit_softcap=logit_softcap)
     n = batch.num_tokens
     err = rel_err(out[:n], expected[:n])
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:g}"
+    return expected[:n]
 
 
 @st.composite
@@ -114,6 +115,30 @@ def test_extreme_scores_stay_finite() -> None:
     batch.q.mul_(30)
     _check(batch, 4, 64, torch.float32, scale=1.0)
     _check(batch, 4, 64, torch.float32, scale=1.0, num_kv_splits=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [
+    # (q_lens, ctx_lens, num_heads, num_kv_heads, sliding_window, num_kv_splits)
+    ([20, 1, 1], [10, 40, 0], 4, 2, None, None),  # a prefill chunk on a context, decodes, a fresh token
+    ([20, 1, 3], [10, 40, 0], 4, 1, 12, None),  # under a sliding window (Gemma 2's local layers), MQA
+    ([1, 1], [60, 90], 4, 2, None, 4),  # decode batch on the split-KV path
+], ids=["mixed", "window", "split-kv"])
+def test_logit_softcap(case, dtype) -> None:
+    """Gemma 2's soft-capped scores, tanh(s / cap) * cap, in the masked and unmasked tiles and across splits.
+    Scores reach ~3x the cap, so an uncapped kernel is far off."""
+    q_lens, ctx_lens, num_heads, num_kv_heads, window, splits = case
+    g = torch.Generator().manual_seed(6)
+    batch = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, 64, 16, dtype, DEVICE, num_pad_tokens=2,
+                             generator=g)
+    batch.q.mul_(4)  # scores ~ N(0, 4^2) at scale 1/8
+    capped = _check(batch, num_heads, 64, dtype, window, splits, logit_softcap=5.0)
+    plain = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, plain, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, 64 ** -0.5, 0, 0, window)
+    assert rel_err(plain[:batch.num_tokens], capped) > 0.1, "the cap should matter at these scores"
+    # 0 means off, as None does.
+    _check(batch, num_heads, 64, dtype, window, splits, logit_softcap=0.0)
 
 
 def test_non_contiguous_query_and_output() -> None:

@@ -125,3 +125,14 @@ def test_engine_triton_backend_sliding_window(request) -> None:
     args = dict(max_num_batched_tokens=4, block_size=4)
     assert (_greedy(path, prompts, attention_backend="triton", **args)
             == _greedy(path, prompts, attention_backend="torch", **args))
+
+
+def test_engine_triton_backend_gemma2_softcap(request) -> None:
+    """Gemma 2: soft-capped scores through the Triton kernel (local and global layers, chunked prefill, decode)
+    give the torch backend's tokens (which tests/test_engine_hf_parity.py holds to transformers')."""
+    pytest.importorskip("transformers")
+    path = request.getfixturevalue("make_ckpt")("gemma2", family="gemma2")
+    prompts = _prompts(3, seed=13, max_len=30)
+    args = dict(max_num_batched_tokens=8, block_size=8)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))

@@ -138,3 +138,19 @@ def test_moe_expert_tensors_named(make_ckpt, tmp_path):
     save_file(w, d2 / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing 1 tensor.*model\.layers\.1\.block_sparse_moe\.experts\.3\.w3"):
         LLM(str(d2))
+
+
+def test_gemma2_config_without_layer_types(make_ckpt, tmp_path):
+    """A Gemma 2 config.json from before transformers 5 (no `layer_types`, a top-level `rope_theta`) reads as
+    the same model: every second layer global, starting with a sliding one; one rotary base for all layers."""
+    src = make_ckpt("gemma2", family="gemma2")
+    d = _copy(src, tmp_path / "old")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg.pop("layer_types") == ["sliding_attention", "full_attention"]
+    cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    prompts = [{"prompt_token_ids": list(range(3 + n, 3 + 2 * n))} for n in (5, 20, 40)]  # past the 16 window
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = [[o.outputs[0].token_ids for o in LLM(str(p), dtype="float32").generate(prompts, params)]
+            for p in (src, d)]
+    assert outs[0] == outs[1]

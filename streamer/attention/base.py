@@ -59,6 +59,7 @@ class AttentionSpec:
     head_dim: int
     scale: float
     sliding_window: Optional[int] = None  # attend to at most this many most recent positions (incl. self)
+    logit_softcap: Optional[float] = None  # scores -> tanh(scores / cap) * cap before the softmax; None/0 = off
 
 
 # --------------------------------------------------------------------------------------------- forward context

@@ -7,6 +7,8 @@ this project's 2-core CPU box). Without a working compiler (or with `enforce_eag
 per request, gather exactly its slots and call SDPA.
 Prefill chunks go one request at a time through SDPA; a chunk that is its request's whole context attends to
 this step's k/v directly, the others to their gathered cached context with an offset causal mask.
+Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) is a Python branch: the compiled decode
+kernel gets a tanh before its softmax, and where SDPA would run (which cannot cap) `_attend_softcapped` does.
 """
 from __future__ import annotations
 
@@ -24,15 +26,32 @@ from streamer.kv_cache import cdiv
 logger = logging.getLogger("streamer")
 
 
+def _attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                       softcap: float) -> torch.Tensor:
+    """SDPA's maths with soft-capped scores (SDPA has no such option): q [H, Lq, D], already scaled; k, v
+    [Hkv, L, D]; mask [Lq, L] (True = attend) or None for all. Scores and softmax in fp32, as transformers' eager
+    Gemma 2 path upcasts its softmax."""
+    g = q.shape[0] // k.shape[0]
+    if g > 1:
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    scores = torch.matmul(q.float(), k.float().transpose(1, 2))
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, first_pos: torch.Tensor, splits: int) -> torch.Tensor:
+                 seq_lens: torch.Tensor, first_pos: torch.Tensor, splits: int,
+                 softcap: Optional[float] = None) -> torch.Tensor:
     """One query token per request over its paged context, optionally split into `splits` parts.
 
     q: [B, Hkv, G, D], already scaled; key/value_cache: [num_blocks, block_size, Hkv, D]; block_table:
     [B * splits, M], row b * splits + s holding part s of request b's blocks (part s starts at position
     s * M * block_size); seq_lens / first_pos: [B], request b attends positions first_pos <= p < seq_len.
     Returns [B, Hkv, G, D]. Every step is elementwise or a reduction with indirect loads, so Inductor fuses the
-    gathers into its loops; parts run in parallel and are merged through their softmax statistics.
+    gathers into its loops; parts run in parallel and are merged through their softmax statistics. `softcap`
+    (a constant per graph) soft-caps the scores.
     """
     bs = key_cache.shape[1]
     r, m = block_table.shape
@@ -45,6 +64,8 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     valid = (pos < seq_lens[req][:, None]) & (pos >= first_pos[req][:, None])
     keys = key_cache.flatten(0, 1)[slots]  # [R, L, Hkv, D]
     scores = (q[req].unsqueeze(1).float() * keys.unsqueeze(3).float()).sum(-1)  # [R, L, Hkv, G]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
     peak = scores.amax(1)  # [R, Hkv, G]; -inf for a part with nothing to attend
     safe = torch.where(peak == float("-inf"), 0.0, peak)
@@ -65,7 +86,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, first_pos: torch.Tensor,
-                       splits: int) -> torch.Tensor:
+                       splits: int, softcap: Optional[float] = None) -> torch.Tensor:
     """`paged_decode` for eager mode (no compiler, or enforce_eager), same arguments: request by request, gather
     exactly the slots it attends (stale slots are never read) and call SDPA. Unfused, `paged_decode`'s elementwise
     form materialises [B, L, Hkv, G, D] products, and padded gather + mask + SDPA makes four passes over every
@@ -81,7 +102,11 @@ def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         slots = table[i, pos // bs] * bs + pos % bs
         k = keys.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
         v = values.index_select(0, slots).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q[i].reshape(hkv * g, 1, d), k, v, scale=1.0, enable_gqa=g > 1)
+        qi = q[i].reshape(hkv * g, 1, d)
+        if softcap:
+            o = _attend_softcapped(qi, k, v, None, softcap)
+        else:
+            o = F.scaled_dot_product_attention(qi, k, v, scale=1.0, enable_gqa=g > 1)
         out[i] = o.view(hkv, g, d)
     return out
 
@@ -99,7 +124,7 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
         return paged_decode_eager(*args)
     if _compiled_decode is None:
         _compiled_decode = torch.compile(paged_decode, dynamic=False, fullgraph=True)
-    q, key_cache, value_cache, block_table, seq_lens, first_pos, _ = args
+    q, key_cache, value_cache, block_table, seq_lens, first_pos = args[:6]
     for t, dim in ((q, 0), (key_cache, 0), (value_cache, 0), (block_table, 0), (block_table, 1), (seq_lens, 0),
                    (first_pos, 0)):
         torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -239,7 +264,8 @@ class TorchAttentionBackend:
         window = spec.sliding_window
         first = (d.seq_lens - window).clamp(min=0) if window else torch.zeros_like(d.seq_lens)
         qb = (q * spec.scale).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
-        out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits)
+        out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits,
+                           spec.logit_softcap)
         return out.view(n, spec.num_heads, spec.head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
@@ -249,7 +275,7 @@ class TorchAttentionBackend:
         if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
         o = run_decode_kernel(self.compile, qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos,
-                              plan.splits)
+                              plan.splits, spec.logit_softcap)
         return o[:b].view(b, spec.num_heads, spec.head_dim)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
@@ -269,9 +295,14 @@ class TorchAttentionBackend:
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, is_causal=mask is None, scale=self.spec.scale,
-                                           enable_gqa=self.gqa > 1)
+        qi, k, v = q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if self.spec.logit_softcap:
+            if mask is None:
+                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+            o = _attend_softcapped(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap)
+        else:
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
 
     @staticmethod

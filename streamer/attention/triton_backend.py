@@ -46,5 +46,6 @@ class TritonAttentionBackend:
                                              spec.sliding_window)
         unified_attention(q, key_cache, value_cache, out, meta.query_start_loc[:meta.num_reqs + 1],
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
-                          meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits)
+                          meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
+                          logit_softcap=spec.logit_softcap)
         return out

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "MixtralForCausalLM")
 
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -91,7 +92,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"))),
             attention_bias=bool(c.get("attention_bias", is_qwen2)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,

@@ -1,7 +1,7 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
 embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
-tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 3 (models/gemma3.py) reuses its
-attention and weight loading."""
+tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 2 and 3 (models/gemma3.py) reuse
+its attention and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -38,9 +38,11 @@ _FROM_CONFIG: Any = object()
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
-                 qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None) -> None:
-        """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's) and `qk_norm_cls`
-        (per-head q/k norms of another kind) are for models whose layers differ (Gemma 3)."""
+                 qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
+                 logit_softcap: Optional[float] = None) -> None:
+        """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
+        (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
+        layers differ (Gemma 2 and 3)."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -61,7 +63,7 @@ class Attention(nn.Module):
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
         window = cfg.sliding_window if sliding_window is _FROM_CONFIG else sliding_window
         spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
-                             self.head_dim ** -0.5 if scale is None else scale, window)
+                             self.head_dim ** -0.5 if scale is None else scale, window, logit_softcap)
         self.attn: AttentionBackend = backend_cls(spec)
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op

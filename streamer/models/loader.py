@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from streamer.models.gemma3 import Gemma3ForCausalLM
+from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("streamer")
@@ -18,6 +18,7 @@ logger = logging.getLogger("streamer")
 # Every supported family is a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors).
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+_MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:
