@@ -70,6 +70,10 @@ class LoRAWeights:
         n = len(self.sub_sizes)
         self.a = torch.zeros(slots, n * rank, w.shape[1], dtype=w.dtype, device=w.device)
         self.b = torch.zeros(slots, w.shape[0], n * rank, dtype=w.dtype, device=w.device)
+        # Per-slot views (A, and B transposed), made once: a decode step calls `add_lora` for every linear, and
+        # indexing the stacks there cost as much as the matmuls.
+        self.a_of = list(self.a.unbind(0))
+        self.bt_of = [b.t() for b in self.b.unbind(0)]
         self.layer = weakref.ref(layer)
 
     def clear(self, slot: int) -> None:
@@ -135,9 +139,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> None:
         return
     for slot, idx in step.groups:
         if idx is None:
-            y += F.linear(F.linear(x, w.a[slot]), w.b[slot])
+            y.addmm_(F.linear(x, w.a_of[slot]), w.bt_of[slot])
         else:
-            y.index_add_(0, idx, F.linear(F.linear(x.index_select(0, idx), w.a[slot]), w.b[slot]))
+            y.index_add_(0, idx, F.linear(x.index_select(0, idx), w.a_of[slot]).mm(w.bt_of[slot]))
 
 
 # The compiled model's way in (a Library op, as `packed_linear`: less per-call overhead than @custom_op).
