@@ -51,14 +51,16 @@ stamp "kernel tests"
 if [ -z "$DRY" ]; then
     env -u TRITON_INTERPRET timeout -s INT -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
-        tests/test_kernels_backend.py tests/test_kernels_sampling.py tests/test_cuda_graphs.py \
+        tests/test_kernels_backend.py tests/test_kernels_sampling.py tests/test_kernels_lora.py \
+        tests/test_cuda_graphs.py \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
         -W ignore::DeprecationWarning tests/test_kernels_cache.py tests/test_kernels_fused.py \
         "tests/test_kernels_attention.py::test_unified_attention_random" \
         "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" \
-        "tests/test_kernels_sampling.py::test_sampler_matches_reference" tests/test_cuda_graphs.py \
+        "tests/test_kernels_sampling.py::test_sampler_matches_reference" tests/test_kernels_lora.py \
+        tests/test_cuda_graphs.py \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" >"$RES/tests.log" 2>&1
 fi
 TESTS_RC=$?

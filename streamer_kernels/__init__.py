@@ -25,7 +25,7 @@ from streamer_kernels.reference import build_cos_sin_cache
 __all__ = [
     "HAS_TRITON", "interpret_mode", "use_triton", "reference", "build_cos_sin_cache",
     "reshape_and_cache", "unified_attention", "choose_num_kv_splits",
-    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_sample",
+    "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_sample", "lora_add",
 ]
 
 
@@ -112,6 +112,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     else:
         impl = reference.silu_and_mul
     return impl(x)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    """In place: y[t] += x[t] A_s^T B_s^T with s = slots[t] (slot 0: no adapter, row untouched). x [T, in],
+    y [T, out], a [S, R, in], b [S, out, R] (last dims contiguous), slots int [T]."""
+    if use_triton(x):
+        from streamer_kernels.lora import lora_add as impl
+    else:
+        impl = reference.lora_add
+    impl(y, x, a, b, slots)
 
 
 def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: Optional[torch.Tensor],

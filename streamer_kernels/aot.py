@@ -114,6 +114,7 @@ def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Ca
     from streamer_kernels.activation import silu_and_mul
     from streamer_kernels.attention import unified_attention
     from streamer_kernels.cache import reshape_and_cache
+    from streamer_kernels.lora import lora_add
     from streamer_kernels.norm import fused_add_rms_norm, rms_norm
     from streamer_kernels.rotary import rotary_embedding
 
@@ -176,6 +177,12 @@ def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Ca
         for neox in (True, False):
             yield (f"rotary {str(dtype)[6:]} neox={neox}",
                    lambda q=q, k=k, neox=neox: rotary_embedding(pos, q, k, cache, neox))
+        # LoRA (decode graphs): Llama-3-8B's packed qkv at rank 16 (3 x 16 columns), and down_proj.
+        for name, (k_in, n_out, r) in (("qkv", (4096, 6144, 48)), ("down", (14336, 4096, 16))):
+            xs, ys = torch.empty(8, k_in, dtype=dtype), torch.empty(8, n_out, dtype=dtype)
+            a_s, b_s = torch.empty(5, r, k_in, dtype=dtype), torch.empty(5, n_out, r, dtype=dtype)
+            yield (f"lora_add {str(dtype)[6:]} {name}",
+                   lambda xs=xs, ys=ys, a_s=a_s, b_s=b_s: lora_add(ys, xs, a_s, b_s, torch.ones(8, dtype=torch.int64)))
         kc = torch.empty(64, 16, 8, 128, dtype=dtype)
         yield (f"reshape_and_cache {str(dtype)[6:]}",
                lambda k=k, kc=kc: reshape_and_cache(k, k, kc, kc, torch.zeros(8, dtype=torch.int64)))

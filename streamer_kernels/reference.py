@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "reshape_and_cache", "unified_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-    "silu_and_mul", "build_cos_sin_cache", "top_k_top_p_sample", "top_k_top_p_mask",
+    "silu_and_mul", "build_cos_sin_cache", "top_k_top_p_sample", "top_k_top_p_mask", "lora_add",
 ]
 
 
@@ -226,3 +226,14 @@ def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: O
         probs = probs * (probs >= min_p.float()[:, None] * probs.max(dim=-1, keepdim=True).values)
     sampled = (probs / exp_noise).argmax(dim=-1)
     return torch.where(greedy.to(sampled.device), logits.float().argmax(dim=-1), sampled)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LoRA
+# --------------------------------------------------------------------------------------------------------------
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> None:
+    """y[t] += x[t] A_s^T B_s^T, s = slots[t], by gathering each token's A and B (slot 0 is expected to hold
+    zeros, as the engine keeps it; the kernel skips such rows instead)."""
+    h = torch.bmm(x.unsqueeze(1), a.index_select(0, slots).transpose(1, 2))
+    y += torch.bmm(h, b.index_select(0, slots).transpose(1, 2)).squeeze(1)

@@ -11,7 +11,8 @@ a row layer's LoRA output is added to its partial sum before the all-reduce (it 
 The layer adds `x A_s^T B_s^T` for each token's slot s. Which adapters a step uses is data, so in a compiled
 model the addition is an opaque custom op (`lora_add_`) that reads the step's `LoRAStep` (set by the runner
 around the forward, as the attention metadata is): one pair of matmuls per adapter in use over its tokens,
-or, inside a CUDA graph, a per-token gather of the weights (fixed shapes, any mix of slots).
+or, inside a CUDA graph, `streamer_kernels.lora_add` (each token reads its own slot's weights: fixed launch
+shapes for any mix of slots).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+import streamer_kernels as K
 
 if TYPE_CHECKING:
     from streamer.models.layers import PackableLinear
@@ -132,10 +135,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> None:
     step = _current
     if step is None:
         return
-    if step.gather:
-        s = step.token_slots
-        h = torch.bmm(x.unsqueeze(1), w.a.index_select(0, s).transpose(1, 2))
-        y += torch.bmm(h, w.b.index_select(0, s).transpose(1, 2)).squeeze(1)
+    if step.gather:  # (Triton on CUDA: each token reads its adapter's tiles, no per-token copies)
+        K.lora_add(y, x, w.a, w.b, step.token_slots)
         return
     for slot, idx in step.groups:
         if idx is None:
