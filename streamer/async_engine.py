@@ -19,7 +19,8 @@ from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics
-from streamer.outputs import CompletionOutput, RequestOutput, StreamOutput
+from streamer.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
+from streamer.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
 
@@ -188,6 +189,23 @@ class AsyncEngine:
         s["num_requests"] = len(self._streams)
         return s
 
+    async def embed(self, prompt: PromptType, pooling: Optional[PoolingParams] = None,
+                    request_id: Optional[str] = None, priority: int = 0, lora_request: LoRAType = None,
+                    ) -> EmbeddingOutput:
+        """The prompt's embedding: the model's final hidden states pooled (streamer/pooling.py)."""
+        stream = await self.add_request(prompt, None, request_id, priority, lora_request=lora_request,
+                                        pooling=pooling or PoolingParams())
+        try:
+            async for item in stream:
+                if item.finished:
+                    if item.embedding is None:  # aborted (shutdown)
+                        raise EngineDeadError(f"the embedding request was {item.finish_reason}ed")
+                    return EmbeddingOutput(stream.request_id, item.embedding, list(stream.prompt_token_ids),
+                                           stream.cached_tokens)
+        finally:
+            stream.close()
+        raise EngineDeadError("the embedding request ended without a result")
+
     # ------------------------------------------------------------------ LoRA adapters
     async def add_lora(self, name: str, path: str) -> None:
         """Register a PEFT LoRA adapter folder under `name`; it is read and checked on a worker thread."""
@@ -212,10 +230,12 @@ class AsyncEngine:
 
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
-                          cache_salt: Optional[str] = None, lora_request: LoRAType = None) -> RequestStream:
+                          cache_salt: Optional[str] = None, lora_request: LoRAType = None,
+                          pooling: Optional[PoolingParams] = None) -> RequestStream:
         """Validate and enqueue a request; errors (ValueError, QueueFullError, EngineDeadError) raise here,
         before any output. Returns the stream of its outputs. `lora_request`: a registered adapter's name, or a
-        LoRARequest (read on a worker thread and registered on first use)."""
+        LoRARequest (read on a worker thread and registered on first use). `pooling`: an embedding request
+        (see `embed`)."""
         core = self._core
         self._check_alive()
         params = params if params is not None else SamplingParams()
@@ -232,7 +252,7 @@ class AsyncEngine:
         if request_id is not None and request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(lora_request, LoRARequest) and lora_request.name not in core.loras:
-            core.validate(ids, params)
+            core.validate(ids, params, pooling=pooling is not None)
             adapter = await asyncio.to_thread(core.load_lora, lora_request.name, lora_request.path)
             self._check_alive()
             if lora_request.name not in core.loras:  # (another request may have registered it meanwhile)
@@ -245,7 +265,7 @@ class AsyncEngine:
             self._check_alive()
         states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
                                   cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar,
-                                  lora_request=adapter)
+                                  lora_request=adapter, pooling=pooling)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, len(states), ids, queue)
@@ -384,7 +404,8 @@ class AsyncEngine:
                                               req.finish_reason if u.finished else None,
                                               req.stop_reason if u.finished else None,
                                               prompt_logprobs=u.prompt_logprobs,
-                                              prompt_token_ids=req.prompt_token_ids if u.prompt_logprobs else None))
+                                              prompt_token_ids=req.prompt_token_ids if u.prompt_logprobs else None,
+                                              embedding=u.embedding))
             if u.finished:
                 self._last_token_time.pop(req.request_id, None)
                 met = u.state.metrics

@@ -6,6 +6,7 @@ so that the device works while the event loop does everything else.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,11 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARequest, load_adapter
+from streamer.pooling import PoolingParams, default_pooling, finish_embedding
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
@@ -56,6 +60,9 @@ class SeqState:
     logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: Optional[PromptLogprobs] = None  # [None] + one entry per scored prompt token, if asked
+    pool_sum: Optional[Any] = None  # an embedding request's summed hidden states so far (float64 [hidden])
+    pool_count: int = 0
+    embedding: Optional[list[float]] = None  # the result, once the prompt is done
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
@@ -74,6 +81,7 @@ class SeqUpdate:
     logprobs: Optional[SampleLogprobs]
     finished: bool
     prompt_logprobs: Optional[PromptLogprobs] = None  # with a sequence's first token
+    embedding: Optional[list[float]] = None  # an embedding request's result (it finishes with it)
 
     @property
     def req(self) -> Request:
@@ -116,6 +124,7 @@ class LLMEngine:
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self.loras: dict[str, LoRAAdapter] = {}  # registered adapters, by name
+        self.default_pooling = default_pooling(self.model_dir)  # for embedding requests that name none
 
     # ------------------------------------------------------------------ LoRA adapters
     def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:
@@ -179,13 +188,21 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check one prompt against the model and the pool; returns the resolved max_tokens."""
+    def validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> int:
+        """Check one prompt against the model and the pool; returns the resolved max_tokens (0 for an embedding
+        request, `pooling`, which may fill the whole context)."""
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         n, limit = len(token_ids), self.max_model_len
+        if pooling:
+            if n > limit:
+                raise ValueError(f"prompt is {n} tokens long, but max_model_len is {limit}")
+            if cdiv(n, self.config.block_size) > self.kv.num_blocks:
+                raise ValueError(f"prompt needs {cdiv(n, self.config.block_size)} KV blocks but the cache holds "
+                                 f"{self.kv.num_blocks}")
+            return 0
         if n >= limit:
             raise ValueError(f"prompt is {n} tokens long, but max_model_len is {limit}: it must be shorter "
                              f"than {limit} tokens to leave room for at least one generated token")
@@ -213,9 +230,11 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
                     priority: int = 0, cache_salt: Optional[str] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
-                    grammar: Optional[Grammar] = None, lora_request: LoRAType = None) -> list[SeqState]:
+                    grammar: Optional[Grammar] = None, lora_request: LoRAType = None,
+                    pooling: Optional[PoolingParams] = None) -> list[SeqState]:
         """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop).
-        `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`)."""
+        `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`). `pooling`: an embedding request
+        (streamer/pooling.py): `params` are ignored, nothing is generated."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -226,7 +245,9 @@ class LLMEngine:
             text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
-        max_tokens = self.validate(prompt_token_ids, params)
+        if pooling is not None:
+            params, pooling = SamplingParams(temperature=0.0), self._pooling(pooling)
+        max_tokens = self.validate(prompt_token_ids, params, pooling=pooling is not None)
         adapter = self.resolve_lora(lora_request)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -239,7 +260,7 @@ class LLMEngine:
             req = Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids, seq_params,
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
-                          seq_index=i, parent_id=request_id, lora=adapter)
+                          seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
@@ -251,6 +272,15 @@ class LLMEngine:
             states.append(state)
         self.groups[request_id] = [s.req.request_id for s in states]
         return states
+
+    def _pooling(self, pooling: PoolingParams) -> PoolingParams:
+        """The request's pooling with the model's default filled in, checked against the model."""
+        hidden = self.model_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size {hidden}")
+        if pooling.pooling is None:
+            pooling = dataclasses.replace(pooling, pooling=self.default_pooling)
+        return pooling
 
     def abort(self, request_id: str) -> list[SeqState]:
         """Abort a user request (all of its sequences); returns the states that were still live."""
@@ -315,7 +345,7 @@ class LLMEngine:
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(result.prompt_logprobs)
         now = time.monotonic()
-        updates = []
+        updates = [] if result.pooled is None else self._record_pooled(*result.pooled, now)
         if not result.has_drafts:  # one token per request (this loop runs for every request every step)
             for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
                 state = self.seqs.get(seq_id)
@@ -347,7 +377,7 @@ class LLMEngine:
         if len(running) > cfg.speculative_max_batch:
             return
         for req in running:
-            if (req.num_pending or req.matcher is not None or req.params.needs_penalties
+            if (req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None
                     or req.num_computed_tokens != len(req.all_token_ids) - 1):
                 continue  # not decoding, or its next token depends on host state the drafts would skip
             room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
@@ -496,6 +526,25 @@ class LLMEngine:
         group = self.groups.get(req.parent_id or req.request_id)
         if group is not None and all(sid not in self.seqs for sid in group):
             del self.groups[req.parent_id or req.request_id]
+
+    def _record_pooled(self, owners: list, sums: Any, now: float) -> list[SeqUpdate]:
+        """Add each embedding request's chunk to its sum; a request whose prompt is done finishes with its
+        embedding. A chunk that starts at 0 starts the sum over (a preempted request recomputes its prompt)."""
+        updates = []
+        for j, (rid, start, count, done) in enumerate(owners):
+            state = self.seqs.get(rid)
+            if state is None or state.req.is_finished:
+                continue
+            if start == 0 or state.pool_sum is None:
+                state.pool_sum, state.pool_count = np.zeros(sums.shape[1]), 0
+            state.pool_sum += sums[j]
+            state.pool_count += count
+            if done:
+                embedding = state.embedding = finish_embedding(state.pool_sum, state.pool_count, state.req.pooling)
+                state.metrics.first_token_time = state.metrics.finished_time = now
+                self._finish(state, RequestStatus.FINISHED_STOPPED)
+                updates.append(SeqUpdate(state, [], "", None, True, embedding=embedding))
+        return updates
 
     def _record_prompt_logprobs(self, out: PromptLogprobsOut) -> None:
         start = 0

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from streamer.kv_cache import KVCacheManager
+from streamer.pooling import POOL_CODE
 from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
 from streamer.structured_output import fill_bitmasks
@@ -63,6 +64,15 @@ class PromptLogprobTokens:
 
 
 @dataclass
+class PoolTokens:
+    """Embedding requests of this step: the hidden-state rows each one pools in this chunk."""
+
+    token_idx: np.ndarray  # int64 [K]: rows of the step's hidden states
+    segment: np.ndarray  # int64 [K]: which owner each row is summed into
+    owners: list[tuple[str, int, int, bool]]  # (request id, chunk start, rows pooled, prompt done)
+
+
+@dataclass
 class StepInputs:
     """One step's flattened varlen batch, on the host."""
 
@@ -92,6 +102,7 @@ class StepInputs:
     # to copy into their slots before the step runs: [(slot, LoRAAdapter)].
     lora_slots: Optional[np.ndarray] = None
     lora_loads: list = field(default_factory=list)
+    pool: Optional[PoolTokens] = None  # embedding requests' hidden states to sum
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -134,6 +145,7 @@ class InputBatch:
         self.constrained = np.zeros(0, dtype=bool)  # follows a structured-output grammar
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.lora_slot = np.zeros(0, dtype=np.int64)  # 0 = no adapter
+        self.pool_mode = np.zeros(0, dtype=np.int64)  # embedding requests: POOL_CODE of their pooling; 0 = none
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -141,7 +153,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "constrained", "prompt_logprobs", "lora_slot", "epoch")
+                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -195,6 +207,7 @@ class InputBatch:
         self.adjusted[row] = p.adjusts_logits
         self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.pool_mode[row] = 0 if req.pooling is None else POOL_CODE[req.pooling.pooling]
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -302,6 +315,7 @@ class InputBatch:
             sample_lens = seq_lens[sample_idx]
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         lora = self.lora_slot[rows]
+        pooled = np.flatnonzero(self.pool_mode[rows])
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
@@ -311,6 +325,7 @@ class InputBatch:
             sampling=self._sampling_rows(rows[sample_idx], sample_lens),
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             lora_slots=lora[req_of_token] if lora.any() else None,
+            pool=self._pool_tokens(pooled, sch, rows, qsl, starts) if len(pooled) else None,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
 
     def _prompt_logprob_tokens(self, wants: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,
@@ -329,6 +344,25 @@ class InputBatch:
             return None
         return PromptLogprobTokens(np.concatenate(idx), np.concatenate(targets).astype(np.int64), owners,
                                    int(self.prompt_logprobs[rows[wants]].max()))
+
+    def _pool_tokens(self, pooled: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,
+                     starts: np.ndarray) -> PoolTokens:
+        """The hidden-state rows each embedding request of this step pools: its whole chunk (mean), the prompt's
+        last token once the chunk reaches it (last), the first token in the first chunk (cls)."""
+        idx, seg, owners = [], [], []
+        for j, i in enumerate(pooled):
+            lo, hi, start = int(qsl[i]), int(qsl[i + 1]), int(starts[i])
+            mode, done = self.pool_mode[rows[i]], start + hi - lo >= self.num_prompt[rows[i]]
+            if mode == POOL_CODE["mean"]:
+                take = np.arange(lo, hi)
+            elif mode == POOL_CODE["last"]:
+                take = np.arange(hi - 1, hi) if done else np.zeros(0, dtype=np.int64)
+            else:
+                take = np.arange(lo, lo + 1) if start == 0 else np.zeros(0, dtype=np.int64)
+            idx.append(take)
+            seg.append(np.full(len(take), j, dtype=np.int64))
+            owners.append((sch[i].req.request_id, start, len(take), bool(done)))
+        return PoolTokens(np.concatenate(idx).astype(np.int64), np.concatenate(seg), owners)
 
     def _sampling_rows(self, rows: np.ndarray, seq_lens: np.ndarray) -> SamplingRows:
         logprobs = self.logprobs[rows]

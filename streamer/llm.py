@@ -6,7 +6,8 @@ from typing import Optional, Sequence, Union
 
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
-from streamer.outputs import RequestOutput
+from streamer.outputs import EmbeddingOutput, RequestOutput
+from streamer.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
 
 
@@ -54,10 +55,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) and not isinstance(lora_request, str)
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
+        loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
@@ -73,6 +71,38 @@ class LLM:
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
+              lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:
+        """Each prompt's embedding: the model's final hidden states pooled (default: the model's own pooling,
+        normalised; streamer/pooling.py). Batched with each other as generation is."""
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        pooling = pooling or PoolingParams()
+        loras = self._loras(lora_request, len(prompts))
+        engine = self.engine
+        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        checked = engine._pooling(pooling)
+        for _, ids in tokenized:  # everything first, so one bad prompt adds nothing
+            engine.validate(ids, SamplingParams(), pooling=True)
+        adapters = [engine.resolve_lora(x) for x in loras]
+        states = []
+        for (text, ids), adapter in zip(tokenized, adapters):
+            rid = f"embed-{next(engine._ids)}"
+            states.append(engine.add_request(rid, text if text is not None else ids, SamplingParams(),
+                                             prompt_token_ids=ids, lora_request=adapter, pooling=checked)[0])
+        self._run()
+        return [EmbeddingOutput(s.req.request_id, s.embedding, list(s.req.prompt_token_ids),  # type: ignore[arg-type]
+                                max(s.req.num_cached_tokens, 0)) for s in states]
+
+    @staticmethod
+    def _loras(lora_request: Union[LoRAType, Sequence[LoRAType]], n: int) -> list[LoRAType]:
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple)) and not isinstance(lora_request, str)
+                 else [lora_request] * n)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+        return loras
 
     def _run(self) -> None:
         """Step until every request has finished. With async scheduling the model runs on a worker thread, and

@@ -28,7 +28,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.parallel import TensorParallelWorkers
-from streamer.input_batch import PromptLogprobTokens, SamplingRows, StepInputs, to_device
+from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties, score_tokens
 
@@ -97,6 +97,8 @@ class RunnerOutput:
     token_array: Optional[np.ndarray] = None
     prompt_logprobs: Optional["PromptLogprobsOut"] = None
     has_drafts: bool = False  # speculative: some request has several consecutive entries
+    # Embedding requests: (their PoolTokens.owners, the summed hidden states, float64 [owners, hidden])
+    pooled: Optional[tuple[list, np.ndarray]] = None
 
 
 @dataclass
@@ -543,9 +545,10 @@ class ModelRunner:
         dev = self.device
         hidden = self._run_model(step)
         prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
+        pooled = self._pool(hidden, step.pool) if step.pool is not None else None
         idx = step.sample_idx
         if len(idx) == 0:
-            return PendingStep(step, idx, [], prompt_logprobs=prompt_lp)
+            return PendingStep(step, idx, [], prompt_logprobs=prompt_lp, pooled=pooled)
         last = to_device(step.sample_tokens, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
@@ -555,13 +558,21 @@ class ModelRunner:
         tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
                                      if out.logprobs is not None else [])
         if dev.type != "cuda":
-            return PendingStep(step, idx, tensors, prompt_logprobs=prompt_lp)
+            return PendingStep(step, idx, tensors, prompt_logprobs=prompt_lp, pooled=pooled)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
         for h, t in zip(host, tensors):
             h.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(step, idx, host, event, prompt_lp)
+        return PendingStep(step, idx, host, event, prompt_lp, pooled)
+
+    def _pool(self, hidden: torch.Tensor, pool: PoolTokens) -> tuple[list, np.ndarray]:
+        """Each embedding request's sum of the hidden states it pools in this step (waits for the device, as
+        prompt logprobs do: embedding requests have no token to overlap)."""
+        idx, seg = to_device(pool.token_idx, self.device), to_device(pool.segment, self.device)
+        sums = torch.zeros(len(pool.owners), hidden.shape[-1], dtype=torch.float32, device=self.device)
+        sums.index_add_(0, seg, hidden.index_select(0, idx).float())
+        return pool.owners, sums.cpu().numpy().astype(np.float64)
 
     # Rows of prompt logits made at once: a long prompt's [tokens, vocab] logits would not fit in memory.
     PROMPT_LOGPROB_CHUNK = 512
@@ -585,9 +596,9 @@ class PendingStep:
 
     def __init__(self, step: StepInputs, idx: np.ndarray, host: list[torch.Tensor],
                  event: Optional["torch.cuda.Event"] = None,
-                 prompt_logprobs: Optional[PromptLogprobsOut] = None) -> None:
+                 prompt_logprobs: Optional[PromptLogprobsOut] = None, pooled: Optional[tuple] = None) -> None:
         self.step, self.idx, self.host, self.event = step, idx, host, event
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs, self.pooled = prompt_logprobs, pooled
 
     @property
     def ready(self) -> bool:
@@ -598,12 +609,12 @@ class PendingStep:
             self.event.synchronize()
         step, idx = self.step, self.idx
         if len(idx) == 0:
-            return RunnerOutput([], [], prompt_logprobs=self.prompt_logprobs)
+            return RunnerOutput([], [], prompt_logprobs=self.prompt_logprobs, pooled=self.pooled)
         tokens = self.host[0].numpy()
         result = RunnerOutput([step.req_ids[i] for i in idx], tokens.tolist(), rows=step.rows[idx],
                               epochs=step.epochs[idx], positions=step.positions[step.sample_tokens] + 1,
                               token_array=tokens, prompt_logprobs=self.prompt_logprobs,
-                              has_drafts=step.has_drafts)
+                              has_drafts=step.has_drafts, pooled=self.pooled)
         if len(self.host) > 1:
             logprobs, ids, ranks = self.host[1:]
             result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()

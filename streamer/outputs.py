@@ -68,7 +68,18 @@ class StreamOutput:
     usage: Optional[dict] = field(default=None)
     prompt_logprobs: Optional[PromptLogprobs] = None  # with the sequence's first item, when asked for
     prompt_token_ids: Optional[list[int]] = None  # beside prompt_logprobs
+    embedding: Optional[list[float]] = None  # an embedding request's result, on its only (last) item
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding request's result (`LLM.embed`, `AsyncEngine.embed`)."""
+
+    request_id: str
+    embedding: list[float]
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0

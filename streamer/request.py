@@ -53,6 +53,7 @@ class Request:
     seq_index: int = 0  # which of the parent's n sequences this is
     parent_id: Optional[str] = None
     lora: Optional[Any] = None  # the LoRAAdapter it runs with (streamer/lora.py)
+    pooling: Optional[Any] = None  # PoolingParams (streamer/pooling.py): an embedding request, it samples nothing
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -215,7 +215,8 @@ class Scheduler:
             budget = self._admit(planned, budget)
         for req, n in planned:
             drafts = len(req.draft_token_ids) if spec else 0
-            samples = req.num_computed_tokens + n == len(req.all_token_ids) + drafts + req.num_pending
+            samples = (req.num_computed_tokens + n == len(req.all_token_ids) + drafts + req.num_pending
+                       and req.pooling is None)  # (an embedding request ends with its prompt)
             if drafts and samples:
                 out.has_drafts = True
             out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens, samples, drafts if samples else 0))
@@ -240,9 +241,11 @@ class Scheduler:
                     no_lora_slot.append(self.waiting.pop())
                     continue
                 req.lora_slot = slot
-            # Prompt logprobs need a logit at every prompt position: a cache hit would skip them.
-            hits, num_hit = (([], 0) if req.params.prompt_logprobs is not None
-                             else self.kv.get_computed_blocks(req))
+            # Prompt logprobs need a logit at every prompt position, mean and first-token pooling a hidden state
+            # at every one or at the first: a cache hit would skip them.
+            skip_cache = req.params.prompt_logprobs is not None or (
+                req.pooling is not None and req.pooling.pooling != "last")
+            hits, num_hit = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
