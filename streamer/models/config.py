@@ -9,6 +9,10 @@ from typing import Any, Optional
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM")
+# Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
+# without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
+BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+             "Qwen3Model": "Qwen3ForCausalLM"}
 
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -60,6 +64,9 @@ class ModelConfig:
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
         archs = c.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and any(a in BACKBONES for a in archs):
+            arch = next(BACKBONES[a] for a in archs if a in BACKBONES)
+            c = dict(c, tie_word_embeddings=True)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
