@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from streamer.outputs import StreamOutput
 from streamer.server.responses import ChatFormat, Choice
-from streamer.server.tool_calls import HermesToolCalls, parse_all
+from streamer.server.tool_calls import HermesToolCalls, make_parser, parse_all
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 
@@ -96,3 +96,121 @@ def test_without_a_call_the_text_is_content():
     final = fmt.final_choice(0, choice)
     assert final["message"] == {"role": "assistant", "content": "The answer is 4 < 5."}
     assert final["finish_reason"] == "stop"
+
+
+# ---------------------------------------------------------------------------------------------- more formats
+# (parser, text, content, [(name, arguments)]): vLLM's formats of the same names.
+FORMATS = [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ("llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": [1, {"y": "}"}]}}; {"name": "b", "arguments": {}}',
+     "", [("a", {"x": [1, {"y": "}"}]}), ("b", {})]),
+    ("llama3_json", '\n{"name": "a", "parameters": {}};\n', "", [("a", {})]),
+    ("llama3_json", '{"name": "a", "parameters": {}} then text', " then text", [("a", {})]),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"oops": 1}', '; {"oops": 1}', [("a", {})]),
+    ("llama3_json", 'Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),
+    ("llama3_json", '{"answer": 4}', '{"answer": 4}', []),
+    ("llama3_json", '{"name": "a", "parameters": {"x": 1}', '{"name": "a", "parameters": {"x": 1}', []),
+    ("llama3_json", '<|python_tag|>print(1)', '<|python_tag|>print(1)', []),
+    ("llama3_json", "<|pyth", "<|pyth", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]',
+     "", [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("mistral", 'Let me check. [TOOL_CALLS] [{"name": "f", "arguments": {"s": "[TOOL_CALLS]]"}}]\n', "Let me check. \n",
+     [("f", {"s": "[TOOL_CALLS]]"})]),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]f[ARGS]{}', "",
+     [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]', '[TOOL_CALLS][{"name": "f", "arguments": {}}, 3]', []),
+    ("mistral", '[TOOL_CALLS] hello [there]', "[TOOL_CALLS] hello [there]", []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {', '[TOOL_CALLS][{"name": "f", "arguments": {', []),
+    ("mistral", "a [TOOL_CA", "a [TOOL_CA", []),
+    ("pythonic", '[get_weather(city="Paris"), f2(x=1, y=[1, -2.5, {"k": None}], z=(True, \'a)]\'))]', "",
+     [("get_weather", {"city": "Paris"}), ("f2", {"x": 1, "y": [1, -2.5, {"k": None}], "z": [True, "a)]"]})]),
+    ("pythonic", '<|python_start|>[f()]<|python_end|>', "", [("f", {})]),
+    ("pythonic", '  [f(s="""x"y""")] Done.', " Done.", [("f", {"s": 'x"y'})]),
+    ("pythonic", '[f(s="a\\"]", t=\'\\\\\')]', "", [("f", {"s": 'a"]', "t": "\\"})]),
+    ("pythonic", "[1, 2] are numbers", "[1, 2] are numbers", []),
+    ("pythonic", "[f(1)]", "[f(1)]", []),                       # positional arguments: not a call
+    ("pythonic", '[f(x=open("a"))]', '[f(x=open("a"))]', []),   # not a literal: never run
+    ("pythonic", "[f(x={1, 2})]", "[f(x={1, 2})]", []),         # a set is not JSON
+    ("pythonic", "[os.system(x=1)]", "[os.system(x=1)]", []),
+    ("pythonic", "[f(x=1), g(y=", "[f(x=1), g(y=", []),
+    ("pythonic", "Sure: [f()]", "Sure: [f()]", []),
+    ("pythonic", "[see the docs]", "[see the docs]", []),
+]
+
+
+def _feed(parser, chunks):
+    content, calls = [], []
+    for i, chunk in enumerate(chunks):
+        c, k = parser.feed(chunk, final=i == len(chunks) - 1)
+        content.append(c)
+        calls += k
+    return "".join(content), calls
+
+
+@pytest.mark.parametrize("name,text,content,calls", FORMATS)
+def test_formats_whole_and_every_split(name, text, content, calls):
+    got_content, got_calls = parse_all(text, name)
+    assert got_content == content
+    assert _names_args(got_calls) == calls
+    assert [c["index"] for c in got_calls] == list(range(len(calls)))
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got_calls)
+    # Streamed in two pieces at every position, and one character at a time: the same answer.
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+    for chunks in splits:
+        c, k = _feed(make_parser(name), chunks)
+        assert (c, _names_args(k)) == (content, calls), chunks
+
+
+def test_three_way_splits():
+    """Every split into three pieces of a text with calls, content and partial tags around them."""
+    for name, text in [("mistral", 'ab [TOOL_CALLS]f{"a": 1} [TOOL_CALLS][{"name": "g", "arguments": {}}]x['),
+                       ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {}} z'),
+                       ("pythonic", '<|python_start|>[f(a="]"), g()]<|python_end|> ok')]:
+        want = parse_all(text, name)
+        for i in range(len(text) + 1):
+            for j in range(i, len(text) + 1):
+                c, k = _feed(make_parser(name), [text[:i], text[i:j], text[j:]])
+                assert (c, _names_args(k)) == (want[0], _names_args(want[1])), (i, j)
+
+
+VOCAB = {
+    "llama3_json": ["<|python_tag|>", "<|py", "{", "}", '"name": "f"', '"parameters": {}', ", ", ";", " ", "x",
+                    '{"name": "f", "parameters": {"a": 1}}', '"'],
+    "mistral": ["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[", "]", "{", "}", '{"name": "f", "arguments": {}}', ", ", "f",
+                "[ARGS]", " ", "hi", '"'],
+    "pythonic": ["<|python_start|>", "<|python_end|>", "[", "]", "f(", "g(x=1)", ")", ", ", "a=", '"s"', "'", " ",
+                 "hi", "(", "{1: 2}"],
+}
+
+
+@pytest.mark.parametrize("name", list(VOCAB))
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_formats_any_split_gives_the_whole_texts_answer(name, data):
+    text = "".join(data.draw(st.lists(st.sampled_from(VOCAB[name]), max_size=10)))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=6))))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    want_content, want_calls = parse_all(text, name)
+    content, calls = _feed(make_parser(name), chunks)
+    assert content == want_content and _names_args(calls) == _names_args(want_calls)
+    if not want_calls:
+        assert want_content == text  # what is not a call is never lost
+
+
+def test_unknown_parser_name():
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        make_parser("nope")
+
+
+@pytest.mark.parametrize("name,text,content,calls", [f for f in FORMATS if f[3]] + [
+    ("hermes", CALL + " and " + CALL, " and ", [("get_weather", {"city": "Paris", "unit": "C"})] * 2)])
+def test_calls_come_out_when_complete(name, text, content, calls):
+    """Streamed one character at a time, each call is emitted with the character that completes it, not at the end."""
+    parser = make_parser(name)
+    emitted_at = []
+    for i, ch in enumerate(text):
+        emitted_at += [i] * len(parser.feed(ch)[1])
+    assert not parser.feed("", final=True)[1] and len(emitted_at) == len(calls)
+    # Without the character that completed it, that call is not there yet.
+    for i in set(emitted_at):
+        assert len(parse_all(text[:i], name)[1]) < sum(1 for j in emitted_at if j <= i)

@@ -26,6 +26,8 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
+from streamer.server.reasoning import PARSERS as REASONING_PARSERS
+from streamer.server.reasoning import reasoning_mode
 from streamer.server.tool_calls import PARSERS
 
 logger = logging.getLogger("streamer.server")
@@ -59,7 +61,7 @@ class OpenAIServer:
     """The endpoints. Every client mistake is an APIError, answered as a 4xx before any SSE byte."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: Optional[str], max_body_bytes: int,
-                 tool_call_parser: Optional[str] = None) -> None:
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
         self.engine = engine
         self.model_name = served_model_name or default_served_name(engine)
         self.model_aliases = {self.model_name, engine.model_name}
@@ -67,8 +69,11 @@ class OpenAIServer:
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
         if tool_call_parser is not None and tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {PARSERS}, got {tool_call_parser!r}")
+            raise ValueError(f"tool_call_parser must be one of {tuple(PARSERS)}, got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer)
         self.created = int(time.time())
 
@@ -88,10 +93,18 @@ class OpenAIServer:
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
         ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
-        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True, lora=lora)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
-        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs, parse_tools,
-                         req.forced_tool)
+        if parse_tools and self.tool_call_parser == "mistral" and req.forced_tool is None:
+            # As vLLM: [TOOL_CALLS] is a special token, which the text would otherwise leave out.
+            req.params = req.params.clone(skip_special_tokens=False)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = reasoning_mode(self.reasoning_parser, text, req.template_kwargs,
+                                       constrained=req.params.structured_outputs is not None,
+                                       forced_tool=req.forced_tool is not None, include=req.include_reasoning)
+        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True, lora=lora)
+        fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
+                         self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning)
         return await self._respond(request, gen, fmt, req)
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
@@ -314,10 +327,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
-              allow_lora_updates: bool = False) -> Starlette:
+              allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine).
     allow_lora_updates: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
-    s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser)
+    s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import PARSERS
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
     g.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                    help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="read <think>...</think> in chat output into message.reasoning_content")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="bound on queued requests; past it the server answers 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -132,6 +135,7 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return 0
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
                         allow_lora_updates=args.allow_runtime_lora_updating)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",

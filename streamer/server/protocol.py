@@ -358,6 +358,7 @@ class ChatRequest(_Common):
     tool_choice: str = "auto"  # "none" | "auto" | "required" | "function" (a named one: forced_tool.name)
     forced_tool: Optional[structured.ForcedTool] = None  # the output is held to that call's JSON
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (with a reasoning parser)
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -433,7 +434,8 @@ def parse_chat(body: dict) -> ChatRequest:
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
                        continue_final_message=cont, tools=tools or None,
                        tool_choice=tool_choice if isinstance(tool_choice, str) else "function", forced_tool=forced,
-                       template_kwargs=get_object(body, "chat_template_kwargs"))
+                       template_kwargs=get_object(body, "chat_template_kwargs"),
+                       include_reasoning=get_bool(body, "include_reasoning", True))
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
-from streamer.server.tool_calls import ForcedToolCalls, HermesToolCalls
+from streamer.server.reasoning import ReasoningMode
+from streamer.server.tool_calls import ForcedToolCalls, make_parser
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
 
@@ -50,6 +51,7 @@ class Piece:
     stop_reason: int | str | None
     prompt_logprobs: Any = None  # vLLM's `prompt_logprobs` field, on a choice's first piece
     tool_calls: Optional[list[dict[str, Any]]] = None  # chat, with a tool-call parser: calls completed in this piece
+    reasoning: Optional[str] = None  # chat, with a reasoning parser: reasoning text in this piece
 
 
 @dataclass
@@ -63,13 +65,20 @@ class Choice:
     stop_reason: int | str | None = None
     prompt_logprobs: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    reasoning_pieces: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_pieces)
+
     def add(self, piece: Piece) -> None:
         self.pieces.append(piece.text)
+        if piece.reasoning:
+            self.reasoning_pieces.append(piece.reasoning)
         self.token_ids += piece.token_ids
         lp = piece.logprobs
         if isinstance(lp, dict):
@@ -220,8 +229,10 @@ class ChatFormat(Format):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
-                 prompt_logprobs: bool = False, tool_calls: bool = False,
-                 forced_tool: Optional[Any] = None) -> None:
+                 prompt_logprobs: bool = False, tool_calls: bool | str = False,
+                 forced_tool: Optional[Any] = None, reasoning: Optional[ReasoningMode] = None) -> None:
+        """tool_calls: a tool-call parser's name (True: hermes); reasoning: how to read reasoning out of the
+        output (None: the server has no reasoning parser, and messages have no reasoning_content)."""
         super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
         # With a tool-call parser: each choice's text is read for tool calls as it streams. A forced tool call
         # (server/structured.ForcedTool) was generated as JSON and is read whole at the end.
@@ -229,10 +240,19 @@ class ChatFormat(Format):
         if forced_tool is not None:
             self._tools = [ForcedToolCalls(forced_tool.name) for _ in range(num_choices)]
         elif tool_calls:
-            self._tools = [HermesToolCalls() for _ in range(num_choices)]
+            name = "hermes" if tool_calls is True else str(tool_calls)
+            self._tools = [make_parser(name) for _ in range(num_choices)]
+        # With a reasoning parser: each choice's text is split into reasoning and content first; tool calls are
+        # read from the content only.
+        self.reasoning = reasoning
+        self._think = [reasoning.splitter() for _ in range(num_choices)] if reasoning is not None else None
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         p = super().piece(index, prompt_index, out)
+        if self._think is not None and self._think[index] is not None:
+            thought, p.text = self._think[index].feed(p.text, final=p.finish_reason is not None)  # type: ignore
+            if thought and self.reasoning is not None and self.reasoning.include:
+                p.reasoning = thought
         if self._tools is not None:
             parser = self._tools[index]
             p.text, calls = parser.feed(p.text, final=p.finish_reason is not None)
@@ -257,9 +277,11 @@ class ChatFormat(Format):
                 for i in range(self.num_choices)]
 
     def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
-        if self._empty(p) and not p.tool_calls:
+        if self._empty(p) and not p.tool_calls and not p.reasoning:
             return None
-        delta: dict[str, Any] = {"content": p.text} if p.text else {}
+        delta: dict[str, Any] = {"reasoning_content": p.reasoning} if p.reasoning else {}
+        if p.text:
+            delta["content"] = p.text
         if p.tool_calls:
             delta["tool_calls"] = p.tool_calls
         d = {"index": p.index, "delta": delta,
@@ -273,6 +295,10 @@ class ChatFormat(Format):
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if self.reasoning is not None:  # as vLLM: null when there is none; no content when it was all reasoning
+            message["reasoning_content"] = c.reasoning or None
+            if not c.text:
+                message["content"] = None
         if c.tool_calls:  # OpenAI: the calls without their stream index; no content when only whitespace is left
             message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in c.tool_calls]
             message["content"] = c.text if c.text.strip() else None

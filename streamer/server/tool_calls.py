@@ -1,31 +1,33 @@
-"""Tool calls in generated text, turned into OpenAI's `tool_calls` (`streamer serve --tool-call-parser hermes`).
+"""Tool calls in generated text, turned into OpenAI's `tool_calls` (`streamer serve --tool-call-parser NAME`).
 
-The Hermes format, which Qwen2.5/Qwen3, Hermes and many other chat templates teach their models:
+The formats vLLM's parsers of the same names read:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+- hermes (Qwen2.5/Qwen3, Hermes and many other templates): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks anywhere in the text;
+- llama3_json (Llama 3.1/3.2 JSON tool calling): the output is `{"name": ..., "parameters": {...}}`, optionally after
+  `<|python_tag|>`, several separated by `;`;
+- mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (and the newer `[TOOL_CALLS]name{...}` and
+  `[TOOL_CALLS]name[ARGS]{...}`), after any text;
+- pythonic (Llama 3.2/4): the output is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris"), f(x=1)]` (optionally inside `<|python_start|>` ... `<|python_end|>`), read with `ast`.
 
-`HermesToolCalls` reads one choice's text as it streams: text outside the tags passes through as content, a
-complete block becomes a tool call, and text that may be the start of a tag is held back until it is known not to
-be. A block whose body is not a JSON object with a name stays content, as does an unfinished one at the end.
+Each parser reads one choice's text as it streams: feed() its pieces, get back (content, completed tool calls). Text
+that may still become a call (a partial tag, an unfinished JSON object or list) is held back until it is known; a
+call is emitted once it is complete. What turns out not to be a call (invalid JSON, no name, not literals, an
+unfinished call at the end) stays content, so any split of the text into pieces gives the whole text's answer.
 """
 from __future__ import annotations
 
+import ast
 import json
+import re
 import uuid
 from typing import Any, Optional
 
+from streamer.server.reasoning import held as _held
+
 START, END = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
-
-
-def _held(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may still become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+_DECODER = json.JSONDecoder()
 
 
 def _call(body: str) -> Optional[dict[str, Any]]:
@@ -44,7 +46,29 @@ def _call_object(obj: Any) -> Optional[dict[str, Any]]:
         "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
-class HermesToolCalls:
+def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at text[pos] and the index after it, or None (not valid, or not complete yet)."""
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _lead(text: str, tag: str, final: bool) -> Optional[tuple[int, bool]]:
+    """Skip leading whitespace and an optional `tag` (and whitespace after it): (index of what follows, whether the
+    tag was there), or None while that is not known yet (only whitespace so far, or a partial tag)."""
+    p = len(text) - len(text.lstrip())
+    matched = text.startswith(tag, p)
+    if matched:
+        p = len(text) - len(text[p + len(tag):].lstrip())
+    elif not final and tag.startswith(text[p:]):  # also "" (only whitespace so far)
+        return None
+    if p == len(text) and not final:
+        return None
+    return p, matched
+
+
+class ToolCallParser:
     """One choice's stream: feed() its text pieces, get back (content, completed tool calls)."""
 
     finish_reason = "tool_calls"  # a choice that called tools finishes so, not "stop"
@@ -52,6 +76,18 @@ class HermesToolCalls:
     def __init__(self) -> None:
         self._buf = ""
         self.num_calls = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        raise NotImplementedError
+
+    def _numbered(self, call: dict[str, Any]) -> dict[str, Any]:
+        self.num_calls += 1
+        return {"index": self.num_calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}", **call}
+
+
+class HermesToolCalls(ToolCallParser):
+    """`<tool_call>{json}</tool_call>` blocks anywhere: text outside them is content; a block whose body is not a
+    JSON object with a name stays content, as does an unfinished one at the end."""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self._buf += text
@@ -77,9 +113,278 @@ class HermesToolCalls:
             if call is None:
                 out.append(block)
                 continue
-            calls.append({"index": self.num_calls, "id": f"call_{uuid.uuid4().hex[:24]}", **call})
-            self.num_calls += 1
+            calls.append(self._numbered(call))
         return "".join(out), calls
+
+
+class Llama3JsonToolCalls(ToolCallParser):
+    """The output is calls when it starts (after whitespace) with `<|python_tag|>` or `{`: JSON objects
+    `{"name", "parameters" (or "arguments")}` separated by `;`, each emitted when its closing brace arrives. Anything
+    else (text first, an object that is not a call, text after the calls) is content from there on."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "start"  # "start" | "call" (an object expected at self._pos) | "sep" (after one) | "text"
+        self._pos = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buf += text
+        calls: list[dict[str, Any]] = []
+        while True:
+            buf = self._buf
+            if self._state == "start":
+                lead = _lead(buf, self.TAG, final)
+                if lead is None:
+                    break
+                self._pos = lead[0]
+                self._state = "call" if buf.startswith("{", lead[0]) else "text"
+            elif self._state == "call":
+                p = len(buf) - len(buf[self._pos:].lstrip())
+                if p == len(buf):  # only a ";" so far (dropped at the end, as the whitespace)
+                    if final:
+                        self._buf = ""
+                    break
+                if not buf.startswith("{", p):
+                    self._state = "text"
+                    continue
+                if not final and "}" not in text and text:  # an object can only be completed by a "}"
+                    break
+                found = _json_at(buf, p)
+                if found is None:
+                    if not final:
+                        break
+                    self._state = "text"
+                    continue
+                call = _call_object(found[0])
+                if call is None:
+                    self._state = "text"
+                    continue
+                calls.append(self._numbered(call))
+                self._buf, self._state = buf[found[1]:], "sep"
+            elif self._state == "sep":
+                stripped = buf.lstrip()
+                if stripped.startswith(";"):
+                    self._pos, self._state = len(buf) - len(stripped) + 1, "call"
+                elif stripped:
+                    self._state = "text"
+                else:  # only whitespace after the calls so far (dropped at the end)
+                    if final:
+                        self._buf = ""
+                    break
+            else:  # text
+                content, self._buf = self._buf, ""
+                return content, calls
+        return "", calls
+
+
+class MistralToolCalls(ToolCallParser):
+    """Text until `[TOOL_CALLS]` is content. After it: a JSON list of {"name", "arguments"} (all emitted when the
+    list closes), or a name and a JSON object (`name{...}`, `name[ARGS]{...}`, emitted when the object closes); then
+    text again. A list that is not all calls, or anything else after the tag, stays content."""
+
+    TAG = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+    _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._after_tag = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buf += text
+        out: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            buf = self._buf
+            if not self._after_tag:
+                i = buf.find(self.TAG)
+                if i < 0:
+                    keep = 0 if final else _held(buf, self.TAG)
+                    out.append(buf[:len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    break
+                out.append(buf[:i])
+                self._buf, self._after_tag = buf[i:], True
+                continue
+            step = self._after(buf, text, final)
+            if step is None:  # not known yet
+                break
+            end, found = step
+            if found:
+                calls += [self._numbered(c) for c in found]
+            else:
+                out.append(buf[:end])
+            self._buf, self._after_tag = buf[end:], False
+        return "".join(out), calls
+
+    def _after(self, buf: str, text: str, final: bool) -> Optional[tuple[int, list[dict[str, Any]]]]:
+        """buf starts with the tag: (end of what was read, the calls in it; none: buf[:end] is content), or None
+        while it is not known yet. text: the piece just fed (a list or object can only close with a bracket)."""
+        p = len(buf) - len(buf[len(self.TAG):].lstrip())
+        if p == len(buf):
+            return (len(buf), []) if final else None
+        if buf[p] == "[":
+            if not final and text and "]" not in text:
+                return None
+            found = _json_at(buf, p)
+            if found is None:
+                return (len(buf), []) if final else None
+            items = found[0] if isinstance(found[0], list) else []
+            calls = [_call_object(x) for x in items]
+            if not calls or any(c is None for c in calls):
+                return found[1], []
+            return found[1], calls  # type: ignore[return-value]
+        m = self._NAME.match(buf, p)
+        if m is None:
+            return len(self.TAG), []
+        q = m.end()
+        if buf.startswith(self.ARGS, q):
+            q += len(self.ARGS)
+        elif self.ARGS.startswith(buf[q:]) and not final:  # also "": the name may go on
+            return None
+        if q == len(buf):
+            return (len(buf), []) if final else None
+        if buf[q] != "{":
+            return len(self.TAG), []
+        if not final and text and "}" not in text:
+            return None
+        found = _json_at(buf, q)
+        if found is None:
+            return (len(buf), []) if final else None
+        call = _call_object({"name": m.group(0), "arguments": found[0]}) if isinstance(found[0], dict) else None
+        return (found[1], [call]) if call is not None else (found[1], [])
+
+
+_CALL_OPENING = re.compile(r"\s*[A-Za-z_]\w*\s*\(")
+_CALL_OPENING_PREFIX = re.compile(r"\s*(?:[A-Za-z_]\w*\s*)?")
+
+
+class PythonicToolCalls(ToolCallParser):
+    """The output is calls when it starts (after whitespace, and an optional `<|python_start|>`) with a Python list
+    of calls: `[f(a=1, b="x"), g()]`, keyword arguments with literal values only (read with `ast.literal_eval`,
+    never run). The calls are emitted when the list closes; a list that is not all such calls, or any other start,
+    is content, as is the text after the list (a `<|python_end|>` right after it is dropped)."""
+
+    START_TAG, END_TAG = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "start"  # "start" | "list" (a list opens at self._pos) | "after" | "text"
+        self._pos = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buf += text
+        calls: list[dict[str, Any]] = []
+        while True:
+            buf = self._buf
+            if self._state == "start":
+                lead = _lead(buf, self.START_TAG, final)
+                if lead is None:
+                    break
+                self._pos = lead[0]
+                self._state = "list" if buf.startswith("[", lead[0]) else "text"
+            elif self._state == "list":
+                head = buf[self._pos + 1:]
+                if not _CALL_OPENING.match(head):
+                    if _CALL_OPENING_PREFIX.fullmatch(head) and not final:
+                        break  # "[", "[get_wea": may still open a call
+                    self._state = "text"
+                    continue
+                if not final and "]" not in text and text:  # the list can only be closed by a "]"
+                    break
+                end = _bracket_end(buf, self._pos)
+                if end is None:
+                    if not final:
+                        break
+                    self._state = "text"
+                    continue
+                found = _pythonic_calls(buf[self._pos:end]) if end > 0 else None
+                if not found:
+                    self._state = "text"
+                    continue
+                calls += [self._numbered(c) for c in found]
+                self._buf, self._state = buf[end:], "after"
+            elif self._state == "after":
+                lead = _lead(buf, self.END_TAG, final)
+                if lead is None:
+                    break
+                if lead[1]:
+                    self._buf = buf[lead[0]:]
+                self._state = "text"
+            else:  # text
+                content, self._buf = self._buf, ""
+                return content, calls
+        return "", calls
+
+
+def _bracket_end(text: str, pos: int) -> Optional[int]:
+    """The index after the bracket that closes the one at text[pos] (Python strings skipped), None if it is not
+    closed yet, -1 if the brackets do not match."""
+    closing = {")": "(", "]": "[", "}": "{"}
+    stack: list[str] = []
+    quote = ""
+    i = pos
+    while i < len(text):
+        c = text[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif text.startswith(quote, i):
+                i += len(quote) - 1
+                quote = ""
+        elif c in "'\"":
+            quote = c * 3 if text.startswith(c * 3, i) else c
+            i += len(quote) - 1
+        elif c in "([{":
+            stack.append(c)
+        elif c in closing:
+            if not stack or stack.pop() != closing[c]:
+                return -1
+            if not stack:
+                return i + 1
+        i += 1
+    return None
+
+
+def _pythonic_calls(source: str) -> Optional[list[dict[str, Any]]]:
+    """`[f(a=1), ...]` as OpenAI function calls, or None unless it is a non-empty list of calls of plain names with
+    literal keyword arguments only."""
+    try:
+        tree = ast.parse(source, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+        try:
+            arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):  # sets, bytes, complex numbers, nan
+            return None
+        calls.append({"type": "function", "function": {"name": node.func.id, "arguments": arguments}})
+    return calls
+
+
+PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
+                                            "mistral": MistralToolCalls, "pythonic": PythonicToolCalls}
+
+
+def make_parser(name: str) -> ToolCallParser:
+    if name not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {tuple(PARSERS)}, got {name!r}")
+    return PARSERS[name]()
 
 
 class ForcedToolCalls:
@@ -120,6 +425,6 @@ class ForcedToolCalls:
         return "", calls
 
 
-def parse_all(text: str) -> tuple[str, list[dict[str, Any]]]:
+def parse_all(text: str, parser: str = "hermes") -> tuple[str, list[dict[str, Any]]]:
     """A whole text at once (what streaming it in any pieces also gives)."""
-    return HermesToolCalls().feed(text, final=True)
+    return make_parser(parser).feed(text, final=True)
