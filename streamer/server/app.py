@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.async_engine import AsyncEngine
 from streamer.server.chat_template import ChatTemplate
+from streamer.server.embeddings import embeddings
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize)
@@ -151,6 +152,9 @@ class OpenAIServer:
                              "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
                              "usage": gen.usage(), **fmt.response_extras(choices)},
                             headers={"X-Request-Id": gen.request_id})
+
+    async def embeddings(self, request: Request) -> Response:
+        return await embeddings(self, request)
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
@@ -334,6 +338,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
+        Route("/v1/embeddings", s.embeddings, methods=["POST"]),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),

@@ -1,0 +1,150 @@
+"""Embeddings: pooled final hidden states equal transformers' (`AutoModel(...).last_hidden_state`) for every
+pooling, through chunked prefill, prefix-cache hits, preemption and batches shared with generating requests;
+/v1/embeddings answers the real openai client."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from streamer import LLM, AsyncEngine, PoolingParams, SamplingParams  # noqa: E402
+from streamer.pooling import default_pooling  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7, 8], list(range(60, 100)), [3]]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    import transformers as tf
+    model = tf.AutoModel.from_pretrained(llama_dir, dtype=torch.float32).eval()
+
+    def embed(prompt: list[int], pooling: str, normalize: bool = True, dimensions=None) -> np.ndarray:
+        with torch.no_grad():
+            h = model(torch.tensor([prompt])).last_hidden_state[0].double()
+        v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[pooling][:dimensions]
+        return (v / v.norm() if normalize else v).numpy()
+    return embed
+
+
+def _close(got, want) -> bool:
+    return np.allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_pooling_matches_transformers_through_chunks(llama_dir, reference, pooling):
+    # A 16-token budget splits the long prompts over steps: mean pooling sums the chunks.
+    with LLM(str(llama_dir), dtype="float32", max_num_batched_tokens=16, block_size=4) as llm:
+        outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], PoolingParams(pooling=pooling))
+        for out, p in zip(outs, PROMPTS):
+            assert out.prompt_token_ids == p and len(out.embedding) == 64
+            assert _close(out.embedding, reference(p, pooling)), pooling
+        raw = llm.embed({"prompt_token_ids": PROMPTS[3]}, PoolingParams(pooling=pooling, normalize=False,
+                                                                          dimensions=10))[0]
+        assert _close(raw.embedding, reference(PROMPTS[3], pooling, False, 10))
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_embeddings_share_batches_with_generation_and_survive_preemption(llama_dir, reference):
+    from tests.checkpoints import hf_greedy
+    want_tokens = hf_greedy(llama_dir, PROMPTS[:2], 8)
+    # A small pool preempts; prefix-cache hits serve the repeated "last"-pooled prompts.
+    with LLM(str(llama_dir), dtype="float32", max_num_batched_tokens=24, block_size=4, num_kv_blocks=20) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        gen = [engine.add_request(f"g{i}", {"prompt_token_ids": p}, params)[0] for i, p in enumerate(PROMPTS[:2])]
+        emb = [engine.add_request(f"e{k}-{i}", {"prompt_token_ids": p}, SamplingParams(),
+                                  pooling=PoolingParams(pooling=m))[0]
+               for k, m in enumerate(("mean", "last", "last")) for i, p in enumerate(PROMPTS)]
+        while engine.has_unfinished():
+            engine.step()
+        assert [s.req.output_token_ids for s in gen] == want_tokens
+        for s in emb:
+            assert s.req.output_token_ids == [] and s.req.finish_reason == "stop"
+            assert _close(s.embedding, reference(s.req.prompt_token_ids, s.req.pooling.pooling))
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.prefix_hits > 0
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_bad_input_and_defaults(llama_dir, tmp_path):
+    with LLM(str(llama_dir), dtype="float32", max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="dimensions .* exceeds the model's hidden size 64"):
+            llm.embed("hi", PoolingParams(dimensions=65))
+        with pytest.raises(ValueError, match="max_model_len is 64"):
+            llm.embed({"prompt_token_ids": [5] * 65})
+        assert len(llm.embed({"prompt_token_ids": [5] * 64})[0].embedding) == 64  # the whole context may pool
+        with pytest.raises(ValueError, match="pooling must be one of"):
+            PoolingParams(pooling="max")
+        with pytest.raises(ValueError, match="dimensions must be a positive integer"):
+            PoolingParams(dimensions=0)
+    assert default_pooling(tmp_path) == "last"
+    (tmp_path / "modules.json").write_text(json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling",
+                                                        "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    assert default_pooling(tmp_path) == "mean"
+
+
+def test_async_engine_embed(llama_dir, reference):
+    async def main() -> None:
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            outs = await asyncio.gather(*(engine.embed({"prompt_token_ids": p}) for p in PROMPTS))
+            for out, p in zip(outs, PROMPTS):
+                assert _close(out.embedding, reference(p, "last"))
+    asyncio.run(main())
+
+
+def test_openai_client_embeddings(llama_dir, reference):
+    import openai
+
+    from tests.server_utils import LiveServer
+    with LiveServer(llama_dir) as live:
+        client = openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=60)
+        tok = live.engine.tokenizer
+
+        async def main() -> None:
+            texts = ["def f(x):", "hello world, again and again"]
+            r = await client.embeddings.create(model=live.model_name, input=texts)
+            assert r.model == live.model_name and [d.index for d in r.data] == [0, 1]
+            ids = [tok.encode(t) for t in texts]
+            for d, p in zip(r.data, ids):
+                assert _close(d.embedding, reference(p, "last"))
+            assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+            r = await client.embeddings.create(model=live.model_name, input=PROMPTS[:2], dimensions=8,
+                                               encoding_format="base64")
+            for d, p in zip(r.data, PROMPTS):
+                vec = d.embedding if isinstance(d.embedding, list) else \
+                    np.frombuffer(base64.b64decode(d.embedding), dtype="<f4")
+                assert _close(vec, reference(p, "last", True, 8))
+            for kwargs, param in (({"input": []}, "input"), ({"input": "x", "dimensions": 99}, "dimensions"),
+                                  ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+                                  ({"input": [[1, -2]]}, "input")):
+                with pytest.raises(openai.BadRequestError) as e:
+                    await client.embeddings.create(model=live.model_name, **kwargs)
+                assert e.value.body["param"] == param, e.value.body
+            with pytest.raises(openai.NotFoundError):
+                await client.embeddings.create(model="nope", input="x")
+        asyncio.run(main())
+        state = live.pool_state()
+        assert state["free"] == state["blocks"] and state["running"] == state["waiting"] == 0
+
+
+def test_bare_backbone_checkpoint(llama_dir, reference, tmp_path):
+    # `AutoModel.save_pretrained` writes the decoder alone ("LlamaModel", tensor names without "model."), as some
+    # embedding checkpoints ship: it loads as the family's model and embeds the same.
+    import shutil
+
+    import transformers as tf
+    tf.AutoModel.from_pretrained(llama_dir, dtype=torch.float32).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama_dir / f, tmp_path / f)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    with LLM(str(tmp_path), dtype="float32") as llm:
+        out = llm.embed({"prompt_token_ids": PROMPTS[3]}, PoolingParams(pooling="mean"))[0]
+        assert _close(out.embedding, reference(PROMPTS[3], "mean"))
