@@ -26,6 +26,11 @@ def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Op
     return None if scaling["rope_type"] == "default" else scaling
 
 
+def _quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    from streamer.models.quant import check_quantization  # (imports torch: this module does not)
+    return check_quantization(qc)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -48,6 +53,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    quantization: Optional[dict[str, Any]] = None  # an FP8 checkpoint's quantization_config (models/quant.py)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -107,4 +113,5 @@ class ModelConfig:
             bos_token_id=c.get("bos_token_id"),
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
             raw=c,
+            quantization=_quantization(c.get("quantization_config")),
         )

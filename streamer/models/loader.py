@@ -12,6 +12,7 @@ from safetensors import safe_open
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.quant import dequantizing
 
 logger = logging.getLogger("streamer")
 
@@ -73,7 +74,10 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         _dummy_init(model, seed)
     else:
         files = safetensors_files(folder)
-        loaded = model.load_weights(iter_safetensors(files, "cpu"))
+        weights = iter_safetensors(files, "cpu")
+        if cfg.quantization is not None:
+            weights = dequantizing(weights, cfg.quantization)
+        loaded = model.load_weights(weights)
         missing = model.expected_weights() - loaded
         if missing:
             names = sorted(model.checkpoint_name(m) for m in missing)

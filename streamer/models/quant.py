@@ -1,0 +1,109 @@
+"""FP8 checkpoints, dequantized as they load: the model then runs in its compute dtype (bf16 by default).
+
+Two on-disk layouts, as the Hub ships them:
+- `quant_method: "fp8"` (transformers' fine-grained FP8: Qwen3-*-FP8, DeepSeek-V3 style): `X.weight` in float8 and
+  `X.weight_scale_inv` in float32, one scale per `weight_block_size` block (e.g. 128 x 128);
+- `quant_method: "compressed-tensors"` with float 8-bit weights (llm-compressor's FP8 / FP8-dynamic): `X.weight` in
+  float8 and `X.weight_scale`, per tensor, per output channel or per group of input columns; `X.input_scale`
+  (static activation scales) is not needed once the weights are dequantized and is dropped.
+Layers a config leaves unquantized (`ignore`, often lm_head) are stored in full precision and pass through. The
+weights take the compute dtype's memory, not FP8's: FP8 matmuls (scaled_mm on Hopper) are not used yet.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+logger = logging.getLogger("streamer")
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALES = (".weight_scale_inv", ".weight_scale")
+_DROPPED = (".input_scale", ".k_scale", ".v_scale", ".q_scale", ".kv_scale")
+
+
+def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The checkpoint's quantization_config, if streamer can load it (ValueError naming what it cannot)."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        return qc
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        if fmt not in (None, "float-quantized", "naive-quantized"):
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (FP8 'float-quantized' is)")
+        for name, group in (qc.get("config_groups") or {}).items():
+            w = (group or {}).get("weights") or {}
+            if w.get("type", "float") != "float" or w.get("num_bits", 8) != 8:
+                raise ValueError(f"compressed-tensors group {name!r} quantizes weights to {w.get('num_bits')}-bit "
+                                 f"{w.get('type')}: only 8-bit float (FP8) weights are supported")
+        return qc
+    raise ValueError(f"quantization method {method!r} is not supported: streamer loads FP8 checkpoints ('fp8', "
+                     "'compressed-tensors'), dequantized to the compute dtype")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str, block: Optional[list[int]] = None,
+               ) -> torch.Tensor:
+    """weight (FP8 [out, in]) times its scale, in float32. `block`: fp8's block sizes (`scale` holds one per block,
+    the edge blocks partial); otherwise the scale is per tensor, per row ([out, 1]) or per column group
+    ([out, in / group])."""
+    w, s = weight.float(), scale.float()
+    out, cols = w.shape
+    if block is not None:
+        bo, bi = block
+        if tuple(s.shape) != (-(-out // bo), -(-cols // bi)):
+            raise ValueError(f"{name}: {tuple(s.shape)} scales do not fit a {tuple(w.shape)} weight in "
+                             f"{bo} x {bi} blocks")
+        return w * s.repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :cols]
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if s.dim() == 2 and s.shape[0] == out and cols % s.shape[1] == 0:
+        return w * s.repeat_interleave(cols // s.shape[1], 1)
+    if s.dim() == 1 and s.shape[0] == out:
+        return w * s[:, None]
+    raise ValueError(f"{name}: scale of shape {tuple(s.shape)} does not fit a {tuple(w.shape)} weight")
+
+
+def dequantizing(weights: Iterable[tuple[str, torch.Tensor]], qc: dict[str, Any],
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each FP8 weight replaced by its dequantized self (the weight and its scale may
+    come in either order, from different shards); activation and KV-cache scales are dropped."""
+    block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    weights_waiting: dict[str, torch.Tensor] = {}  # base name -> FP8 weight
+    scales_waiting: dict[str, torch.Tensor] = {}
+    dropped = 0
+    for name, t in weights:
+        if name.endswith(_DROPPED):
+            dropped += 1
+            continue
+        scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
+        if scale_suffix is not None:
+            base = name[:-len(scale_suffix)]
+            w = weights_waiting.pop(base, None)
+            if w is None:
+                scales_waiting[base] = t
+            else:
+                yield f"{base}.weight", dequantize(w, t, f"{base}.weight", block)
+            continue
+        if t.dtype in FP8_DTYPES and name.endswith(".weight"):
+            base = name[:-len(".weight")]
+            s = scales_waiting.pop(base, None)
+            if s is None:
+                weights_waiting[base] = t
+            else:
+                yield name, dequantize(t, s, name, block)
+            continue
+        if t.dtype in FP8_DTYPES:
+            raise ValueError(f"tensor {name!r} is FP8 but not a weight with a scale")
+        yield name, t
+    if weights_waiting:
+        raise ValueError(f"FP8 weight(s) without a scale: {', '.join(sorted(weights_waiting)[:4])}")
+    if scales_waiting:
+        raise ValueError(f"weight scale(s) without an FP8 weight: {', '.join(sorted(scales_waiting)[:4])}")
+    if dropped:
+        logger.info("dropped %d activation / KV-cache scale tensors (weights are dequantized at load)", dropped)
