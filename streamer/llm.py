@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
@@ -21,6 +21,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
+        self._chat_template: Any = None  # made on the first chat() call
 
     def close(self) -> None:
         """Stop tensor-parallel worker processes now (they also stop when this object or the process goes)."""
@@ -71,6 +72,28 @@ class LLM:
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]
+
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
+        with the model's chat template as the server renders them (and as transformers' apply_chat_template does)."""
+        from streamer.server.protocol import APIError, parse_messages
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
+        if self._chat_template is None:
+            from streamer.server.chat_template import ChatTemplate
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer)
+        prompts: list[PromptType] = []
+        for conv in convs:
+            try:
+                text = self._chat_template.render(parse_messages(conv), add_generation_prompt,
+                                                  continue_final_message, tools, chat_template_kwargs)
+            except APIError as e:  # (the server's error type: here a plain ValueError naming the problem)
+                raise ValueError(e.message) from None
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:

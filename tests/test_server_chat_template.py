@@ -141,3 +141,22 @@ def test_text_parts_are_joined_and_other_parts_refused():
     with pytest.raises(APIError) as e:
         parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert e.value.param == "messages[0].content"
+
+
+def test_offline_chat_renders_as_transformers(llama_dir):
+    """`LLM.chat` renders each conversation with the model's template exactly as apply_chat_template does, and
+    generates from it; a template error is a ValueError."""
+    from streamer import LLM, SamplingParams
+    hf = _hf(llama_dir)
+    convs = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        outs = llm.chat(convs, params)
+        want = llm.generate([{"prompt_token_ids": _hf_ids(hf, c, add_generation_prompt=True)} for c in convs], params)
+        assert [o.prompt_token_ids for o in outs] == [o.prompt_token_ids for o in want]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        assert llm.chat(convs[0], params)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # one conversation
+        with pytest.raises(ValueError, match="messages"):
+            llm.chat([{"role": "user"}], params)
