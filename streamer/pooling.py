@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-
-import numpy as np
+from typing import Any, Optional
 
 POOLING = ("last", "mean", "cls")
 POOL_CODE = {"last": 1, "mean": 2, "cls": 3}  # InputBatch's per-row code (0: not pooling)
@@ -55,8 +53,10 @@ def default_pooling(model_dir: Path) -> str:
     return "last"
 
 
-def finish_embedding(total: np.ndarray, count: int, params: PoolingParams) -> list[float]:
-    """The pooled vector from the summed hidden states (float64 [H]): averaged, cut to `dimensions`, normalised."""
+def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[float]:
+    """The pooled vector from the summed hidden states (numpy float64 [H]): averaged, cut to `dimensions`,
+    normalised. (numpy is imported here: `import streamer` stays light.)"""
+    import numpy as np
     vec = total / max(count, 1)
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
