@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from streamer.async_engine import AsyncEngine
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import embeddings
+from streamer.server.responses_api import responses
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize)
@@ -90,6 +91,11 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await self._json(request))
+        gen, fmt = await self.start_chat(req)
+        return await self._respond(request, gen, fmt, req)
+
+    async def start_chat(self, req: ChatRequest) -> tuple[Generation, ChatFormat]:
+        """Render, tokenize and start a chat request (also the Responses API's way in)."""
         lora = self._check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
@@ -106,7 +112,7 @@ class OpenAIServer:
         gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True, lora=lora)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning)
-        return await self._respond(request, gen, fmt, req)
+        return gen, fmt
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
                      chat: bool = False, lora: Optional[str] = None) -> Generation:
@@ -155,6 +161,9 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request) -> Response:
         return await embeddings(self, request)
+
+    async def responses(self, request: Request) -> Response:
+        return await responses(self, request)
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
@@ -339,6 +348,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
         Route("/v1/embeddings", s.embeddings, methods=["POST"]),
+        Route("/v1/responses", s.responses, methods=["POST"]),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),

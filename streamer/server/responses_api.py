@@ -1,0 +1,348 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless (`store` is not kept; `previous_response_id` is refused).
+
+A request is translated into a chat completion request (`to_chat_body`: `instructions` -> a system message,
+`input` items -> messages, function tools and `text.format` -> their chat spellings) and runs through the chat
+path, so sampling, structured outputs, forced tool calls, tool-call and reasoning parsers behave as there. Only the
+shape of the answer differs: a `response` object whose `output` holds reasoning, message and function_call items,
+or, streamed, the typed events (`response.created`, `response.output_text.delta`, ..., `response.completed`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from streamer.server.generation import Generation, engine_error
+from streamer.server.protocol import APIError, ChatRequest, _show, dumps, parse_chat
+from streamer.server.responses import ChatFormat, Choice
+from streamer.server.sse import sse_response
+
+if TYPE_CHECKING:
+    from streamer.server.app import OpenAIServer
+
+logger = logging.getLogger("streamer.server")
+
+# Fields passed to the chat request as they are (the rest are translated, echoed, or refused).
+_SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "parallel_tool_calls", "user",
+         "priority", "cache_salt", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop",
+         "chat_template_kwargs", "ignore_eos", "min_tokens", "include_reasoning")
+
+
+def to_chat_body(body: dict) -> dict:
+    """The chat completion request that computes this response (APIError naming the Responses field)."""
+    if body.get("previous_response_id") is not None:
+        raise APIError("previous_response_id is not supported: this server keeps no responses (send the whole "
+                       "conversation as `input`)", param="previous_response_id")
+    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise APIError(f"instructions must be a string, got {_show(instructions)}", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += _input_messages(body.get("input"))
+    chat["messages"] = messages
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": "
+                           f"...}}, got {_show(choice)}", param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if fmt is not None:
+        chat["response_format"] = _format(fmt)
+    return chat
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(part.get("text"), str):
+                raise APIError(f"{param} parts must be input_text / output_text parts (only text is supported), "
+                               f"got {_show(part)}", param="input")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(f"{param} must be a string or an array of text parts, got {_show(content)}", param="input")
+
+
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError(f"input must be a string or a non-empty array of items, got {_show(items)}", param="input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role == "developer":
+                role = "system"
+            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _text_of(output, f"input[{i}].output")})
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not shown to the model again (as chat templates drop it)
+        else:
+            raise APIError(f"input[{i}] has type {_show(kind)}: message, function_call, function_call_output and "
+                           "reasoning items are supported", param="input")
+    return messages
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise APIError(f"tools must be an array, got {_show(tools)}", param="tools")
+    out = []
+    for t in tools:
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            raise APIError(f"only function tools ({{\"type\": \"function\", \"name\": ...}}) are supported, got "
+                           f"{_show(t)}", param="tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _format(fmt: Any) -> dict[str, Any]:
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(f"text.format must have type text, json_object or json_schema, got {_show(fmt)}",
+                       param="text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+
+
+class ResponseBuilder:
+    """The `response` object and its output items, for one request."""
+
+    def __init__(self, body: dict, chat: ChatRequest, model: str) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.body, self.chat, self.model = body, chat, model
+
+    def response(self, status: str, output: list[dict], usage: Optional[dict] = None,
+                 finish_reason: Optional[str] = None) -> dict[str, Any]:
+        b = self.body
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "incomplete_details": incomplete, "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"), "model": self.model, "output": output,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
+                                                                or {"type": "text"}},
+            "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
+            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": usage, "user": b.get("user"),
+            "metadata": b.get("metadata") or {},
+        }
+
+    @staticmethod
+    def usage(gen: Generation) -> dict[str, Any]:
+        u = gen.usage()
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"]}
+
+    @staticmethod
+    def status(finish_reason: Optional[str]) -> str:
+        return "incomplete" if finish_reason == "length" else "completed"
+
+    def items(self, c: Choice) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if c.reasoning:
+            out.append(reasoning_item(f"rs_{uuid.uuid4().hex}", c.reasoning, "completed"))
+        if c.text.strip() or not c.tool_calls:
+            out.append(message_item(f"msg_{uuid.uuid4().hex}", c.text, self.status(c.finish_reason)))
+        out += [call_item(call, "completed") for call in c.tool_calls]
+        return out
+
+
+def message_item(item_id: str, text: Optional[str], status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: Optional[str], status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
+def call_item(call: dict[str, Any], status: str, arguments: Optional[str] = None) -> dict[str, Any]:
+    fn = call["function"]
+    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"], "name": fn["name"],
+            "arguments": fn["arguments"] if arguments is None else arguments, "status": status}
+
+
+async def responses(server: "OpenAIServer", request: Request) -> Response:
+    body = await server._json(request)
+    chat = parse_chat(to_chat_body(body))
+    if chat.params.n != 1:
+        raise APIError("n is not part of the Responses API", param="n")
+    gen, fmt = await server.start_chat(chat)
+    builder = ResponseBuilder(body, chat, gen.model)
+    if chat.stream:
+        return sse_response(_events(gen, fmt, builder), headers={"X-Request-Id": gen.request_id},
+                            background=BackgroundTask(gen.close))
+    from streamer.server.app import _ClientGone, _collect_unless_disconnected
+    try:
+        choices = await _collect_unless_disconnected(request, gen, fmt)
+    except _ClientGone:
+        gen.close("disconnect")
+        return Response(status_code=499)
+    finally:
+        gen.close()
+    c = choices[0]
+    if c.finish_reason == "abort":
+        raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
+    return JSONResponse(builder.response(builder.status(c.finish_reason), builder.items(c), builder.usage(gen),
+                                         c.finish_reason), headers={"X-Request-Id": gen.request_id})
+
+
+class _EventStream:
+    """The typed events of one streamed response; items are opened as their first content arrives and closed at
+    the end (a function call arrives whole, from the tool-call parser)."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.b = builder
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # finished items
+        self.open: dict[str, tuple[int, str, list[str]]] = {}  # kind -> (output index, item id, text pieces)
+        self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # open function calls: chat index -> (output index, call)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"
+
+    def text(self, kind: str, delta: str) -> list[bytes]:
+        """kind "message" or "reasoning": open the item on its first text, then one delta."""
+        out = []
+        if kind not in self.open:
+            index = len(self.output) + len(self.open) + len(self.calls)
+            item_id = f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}"
+            self.open[kind] = (index, item_id, [])
+            empty = message_item(item_id, None, "in_progress") if kind == "message" else \
+                reasoning_item(item_id, None, "in_progress")
+            out.append(self.event("response.output_item.added", output_index=index, item=empty))
+            if kind == "message":
+                out.append(self.event("response.content_part.added", item_id=item_id, output_index=index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        index, item_id, pieces = self.open[kind]
+        pieces.append(delta)
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        out.append(self.event(name, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra))
+        return out
+
+    def close(self, kind: str, status: str) -> list[bytes]:
+        index, item_id, pieces = self.open.pop(kind)
+        text = "".join(pieces)
+        if kind == "message":
+            item = message_item(item_id, text, status)
+            out = [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                              text=text, logprobs=[]),
+                   self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                              part=item["content"][0])]
+        else:
+            item = reasoning_item(item_id, text, "completed")
+            out = [self.event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                              text=text)]
+        self.output.append(item)
+        return out + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def call_delta(self, delta: dict[str, Any]) -> list[bytes]:
+        """One entry of a chat `delta.tool_calls`: a call's start (with its id and name; parsed calls arrive whole)
+        or more of its arguments (a forced call streams them)."""
+        out: list[bytes] = []
+        if delta.get("id") is not None:
+            for kind in ("reasoning", "message"):  # a call follows what was said before it
+                if kind in self.open:
+                    out += self.close(kind, "completed")
+            for index in list(self.calls):  # (a call is complete when the next one starts)
+                out += self.close_call(index)
+            index = len(self.output) + len(self.calls)
+            call = {"id": delta["id"], "function": {"name": delta["function"]["name"], "arguments": ""}}
+            self.calls[delta.get("index", 0)] = (index, call)
+            out.append(self.event("response.output_item.added", output_index=index,
+                                  item=call_item(call, "in_progress")))
+        piece = (delta.get("function") or {}).get("arguments") or ""
+        if piece:
+            index, call = self.calls[delta.get("index", 0)]
+            call["function"]["arguments"] += piece
+            out.append(self.event("response.function_call_arguments.delta", item_id=f"fc_{call['id']}",
+                                  output_index=index, delta=piece))
+        return out
+
+    def close_call(self, key: int) -> list[bytes]:
+        index, call = self.calls.pop(key)
+        item = call_item(call, "completed")
+        self.output.append(item)
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+
+
+async def _events(gen: Generation, fmt: ChatFormat, b: ResponseBuilder) -> AsyncIterator[bytes]:
+    s = _EventStream(b)
+    yield s.event("response.created", response=b.response("in_progress", []))
+    yield s.event("response.in_progress", response=b.response("in_progress", []))
+    finish: Optional[str] = None
+    try:
+        async for p, out in gen.items():
+            piece = fmt.piece(0, p, out)
+            for kind, text in (("reasoning", piece.reasoning), ("message", piece.text)):
+                if text:
+                    for e in s.text(kind, text):
+                        yield e
+            for delta in piece.tool_calls or []:
+                for e in s.call_delta(delta):
+                    yield e
+            finish = piece.finish_reason or finish
+        for key in list(s.calls):
+            for e in s.close_call(key):
+                yield e
+        if not s.output and "message" not in s.open and "reasoning" not in s.open:
+            for e in s.text("message", ""):  # an empty answer is still a message
+                yield e
+        for kind in ("reasoning", "message"):
+            if kind in s.open:
+                for e in s.close(kind, b.status(finish)):
+                    yield e
+        if finish == "abort":
+            raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
+        final = "response.incomplete" if finish == "length" else "response.completed"
+        yield s.event(final, response=b.response(b.status(finish), s.output, b.usage(gen), finish))
+    except (asyncio.CancelledError, GeneratorExit):
+        gen.close("disconnect")
+        raise
+    except Exception as e:
+        logger.error("request %s failed mid-stream: %r", gen.request_id, e)
+        err = engine_error(e)
+        yield s.event("error", code=err.code, message=err.message, param=err.param)
+    finally:
+        gen.close()
