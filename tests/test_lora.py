@@ -317,3 +317,34 @@ def test_async_engine_first_use_from_concurrent_requests(llama_dir, adapters, or
                 await engine.generate("x", params, lora_request="all")
 
     asyncio.run(main())
+
+
+def test_half_precision_small_batches_use_fp32_twins(monkeypatch):
+    # On CPU a bf16 model's LoRA matmuls for a few tokens run on fp32 copies of the slots (faster there); both
+    # paths must give what the bf16 weights define, and the copies must follow every place/clear.
+    from streamer.models.layers import ColumnParallelLinear, ParallelContext
+    monkeypatch.setattr(ParallelContext, "size", 1)
+    monkeypatch.setattr(ParallelContext, "rank", 0)
+    torch.manual_seed(1)
+    layer = ColumnParallelLinear(32, [16, 16]).to(torch.bfloat16)
+    w = L.LoRAWeights(layer, slots=3, rank=4)
+    assert w.twins
+    for slot in (1, 2):
+        for sub in (0, 1):
+            w.place(slot, sub, torch.randn(3, 32), torch.randn(16, 3), "m")
+    w.clear(2)
+    w.place(2, 1, torch.randn(4, 32), torch.randn(16, 4), "m")
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    slots = torch.tensor([1, 0, 2, 2, 1])
+    groups = [(s, torch.nonzero(slots == s).flatten()) for s in (1, 2)]
+    expected = torch.stack([x[i].float() @ w.a[s].float().T @ w.b[s].float().T
+                            for i, s in enumerate(slots.tolist())])
+    outs = []
+    for twins in (True, False):
+        w.twins = twins
+        y = torch.zeros(5, 32, dtype=torch.bfloat16)
+        with L.lora_context(L.LoRAStep(slots, groups)):
+            L.add_lora(y, x, w)
+        outs.append(y.float())
+        assert (y.float() - expected).norm() / expected.norm() < 2e-2
+    assert outs[0][1].abs().sum() == 0 and outs[0][2].abs().sum() > 0
