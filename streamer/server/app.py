@@ -145,15 +145,9 @@ class OpenAIServer:
             # The background task also runs when the client left before the body started streaming.
             return sse_response(stream_events(gen, fmt, head, req.include_usage),
                                 headers={"X-Request-Id": gen.request_id}, background=BackgroundTask(gen.close))
-        try:
-            choices = await _collect_unless_disconnected(request, gen, fmt)
-        except _ClientGone:
-            gen.close("disconnect")
+        choices = await collect_choices(request, gen, fmt)
+        if choices is None:
             return Response(status_code=499)
-        finally:
-            gen.close()
-        if any(c.finish_reason == "abort" for c in choices):
-            raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
         return JSONResponse({**head, "object": fmt.object,
                              "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
                              "usage": gen.usage(), **fmt.response_extras(choices)},
@@ -258,6 +252,21 @@ class OpenAIServer:
 
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+
+
+async def collect_choices(request: Request, gen: Generation, fmt: Format) -> Optional[list[Choice]]:
+    """A non-streamed response's choices, or None if the client left (its request is aborted); 503 if the engine
+    aborted it (shutdown)."""
+    try:
+        choices = await _collect_unless_disconnected(request, gen, fmt)
+    except _ClientGone:
+        gen.close("disconnect")
+        return None
+    finally:
+        gen.close()
+    if any(c.finish_reason == "abort" for c in choices):
+        raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
+    return choices
 
 
 async def _collect_unless_disconnected(request: Request, gen: Generation, fmt: Format) -> list[Choice]:

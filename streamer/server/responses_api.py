@@ -208,17 +208,11 @@ async def responses(server: "OpenAIServer", request: Request) -> Response:
     if chat.stream:
         return sse_response(_events(gen, fmt, builder), headers={"X-Request-Id": gen.request_id},
                             background=BackgroundTask(gen.close))
-    from streamer.server.app import _ClientGone, _collect_unless_disconnected
-    try:
-        choices = await _collect_unless_disconnected(request, gen, fmt)
-    except _ClientGone:
-        gen.close("disconnect")
+    from streamer.server.app import collect_choices
+    choices = await collect_choices(request, gen, fmt)
+    if choices is None:
         return Response(status_code=499)
-    finally:
-        gen.close()
     c = choices[0]
-    if c.finish_reason == "abort":
-        raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
     return JSONResponse(builder.response(builder.status(c.finish_reason), builder.items(c), builder.usage(gen),
                                          c.finish_reason), headers={"X-Request-Id": gen.request_id})
 
