@@ -291,6 +291,36 @@ def bench_sampling(timer: Timer, device: torch.device) -> None:
             speedup=round(ms_ref / ms, 2), agree=f"{agree:.3f}")
 
 
+def bench_fp8_and_lora(timer: Timer, device: torch.device) -> None:
+    """FP8 linear (per-token activation quantization + _scaled_mm) vs the bf16 matmul at Llama-3-8B's gate_up shape;
+    the LoRA decode kernel vs the per-token gather it replaces (rank 16, packed qkv, 4 adapters)."""
+    from streamer.models.quant import fp8_linear, quantize_weight_fp8
+    from streamer_kernels import lora_add
+    K, N = (4096, 28672) if device.type == "cuda" else (64, 128)
+    w = torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02
+    wt, sw = quantize_weight_fp8(w)
+    for M in ((1, 32, 256) if device.type == "cuda" else (4,)):
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        ms_bf16 = timer(lambda: F.linear(x, w))
+        ms_fp8 = timer(lambda: fp8_linear(x, wt, sw))
+        err = rel_err(fp8_linear(x, wt, sw).float(), F.linear(x, w).float())
+        row("fp8", f"fp8 linear vs bf16, M={M} [{K} -> {N}]", ms_fp8, torch_ms=round(ms_bf16, 4),
+            speedup=round(ms_bf16 / ms_fp8, 2), rel_err=f"{err:.3f}")
+    H, R = (4096, 48) if device.type == "cuda" else (64, 12)
+    out_dim = 6144 if device.type == "cuda" else 96
+    a = torch.randn(5, R, H, device=device, dtype=torch.bfloat16) * 0.02
+    b = torch.randn(5, out_dim, R, device=device, dtype=torch.bfloat16) * 0.02
+    a[0], b[0] = 0, 0
+    for B in ((1, 64, 256) if device.type == "cuda" else (4,)):
+        x = torch.randn(B, H, device=device, dtype=torch.bfloat16)
+        slots = torch.randint(0, 5, (B,), device=device)
+        y = torch.zeros(B, out_dim, device=device, dtype=torch.bfloat16)
+        ms_k = timer(lambda: lora_add(y, x, a, b, slots))
+        ms_ref = timer(lambda: reference.lora_add(y, x, a, b, slots))
+        row("lora", f"LoRA decode kernel vs gather, {B} tokens [{H} -> {R} -> {out_dim}]", ms_k,
+            torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms_k, 2))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -325,7 +355,8 @@ def main() -> int:
             ("prefill", lambda: bench_prefill(timer, device, mm_tflops, 1, 40, True, False)),
         ]
     steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device)),
-              ("sampling", lambda: bench_sampling(timer, device))]
+              ("sampling", lambda: bench_sampling(timer, device)),
+              ("fp8 and lora", lambda: bench_fp8_and_lora(timer, device))]
     failures = 0
     for name, step in steps:
         try:

@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
+    g.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                   help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them)")
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument("--enable-lora", action="store_true", help="let requests run with LoRA adapters")
     lo.add_argument("--max-loras", type=int, default=4, help="adapters the model holds at once")
@@ -67,7 +69,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
-                "prompt_lookup_min", "speculative_max_batch", "enable_lora", "max_loras", "max_lora_rank")
+                "prompt_lookup_min", "speculative_max_batch", "enable_lora", "max_loras", "max_lora_rank",
+                "quantization")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

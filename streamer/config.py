@@ -57,6 +57,11 @@ class EngineConfig:
     speculative_max_batch: int = 8
     # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
+    # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
+    # activations quantized per token): half the weight memory and bandwidth. Any checkpoint may be quantized this
+    # way at load. None: FP8 checkpoints compute in FP8 on GPUs that have FP8 matmuls (compute capability 8.9+),
+    # otherwise they are dequantized to the compute dtype; "none": always dequantize.
+    quantization: Optional[str] = None
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if self.quantization not in (None, "fp8", "none"):
+            raise ValueError(f"quantization must be 'fp8' or 'none', got {self.quantization!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         for name in ("max_loras", "max_lora_rank"):

@@ -27,6 +27,7 @@ from streamer.models import lora
 from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
+from streamer.models.quant import fp8_supported
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
@@ -157,6 +158,12 @@ class ModelRunner:
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
+        self.fp8 = self._use_fp8()
+        if self.fp8:  # (after LoRA, whose slots take the layers' shapes and compute dtype)
+            for module in self.model.modules():
+                if isinstance(module, PackableLinear):
+                    module.quantize_fp8()
+            logger.info("linear weights in FP8 (per-channel scales), activations quantized per token")
         self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
         self.forward = self.model
         self.compiled = self._should_compile()
@@ -238,6 +245,12 @@ class ModelRunner:
         logger.info("%s decode steps of %d batch sizes (up to %d) in %.1f s",
                     "captured CUDA graphs for" if capture else "set up graph buffers for", len(sizes), max(sizes),
                     time.perf_counter() - t)
+
+    def _use_fp8(self) -> bool:
+        q = self.config.quantization
+        if q is not None:
+            return q == "fp8"
+        return self.model_cfg.quantization is not None and fp8_supported(self.device)
 
     def _cpu_packing(self) -> bool:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)

@@ -348,3 +348,22 @@ def test_half_precision_small_batches_use_fp32_twins(monkeypatch):
         outs.append(y.float())
         assert (y.float() - expected).norm() / expected.norm() < 2e-2
     assert outs[0][1].abs().sum() == 0 and outs[0][2].abs().sum() > 0
+
+
+def test_adapters_on_an_fp8_model(llama_dir, adapters):
+    # FP8 weights (models/quant.py) and LoRA together: the adapter's output is added after the FP8 matmul, so its
+    # effect survives quantization (prompt log-probabilities as with full-precision weights, within FP8's noise).
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    lora = LoRARequest("all", str(adapters["all"]))
+
+    def logprobs(**kw) -> torch.Tensor:
+        with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_lora_rank=8, **kw) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=lora)
+        return torch.tensor([next(iter(e.values())).logprob for o in outs for e in o.prompt_logprobs[1:]])
+
+    full, fp8 = logprobs(), logprobs(quantization="fp8")
+    with LLM(str(llama_dir), dtype="float32", quantization="fp8") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        base = torch.tensor([next(iter(e.values())).logprob for o in outs for e in o.prompt_logprobs[1:]])
+    assert (fp8 - full).abs().mean() < 0.05
+    assert (fp8 - base).abs().mean() > 5 * (fp8 - full).abs().mean()

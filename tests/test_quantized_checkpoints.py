@@ -127,3 +127,52 @@ def test_unsupported_or_broken_quantization_is_refused(llama_dir, tmp_path):
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
             LLM(str(path), dtype="float32")
+
+
+def _prompt_logprobs(llm: LLM) -> torch.Tensor:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return torch.tensor([next(iter(e.values())).logprob for o in outs for e in o.prompt_logprobs[1:]])
+
+
+def test_fp8_linear_is_the_scaled_product():
+    from streamer.models.quant import FP8, fp8_linear, quantize_weight_fp8
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g) * torch.linspace(0.01, 3.0, 48)[:, None]  # rows of very different ranges
+    x = torch.randn(5, 32, generator=g) * torch.tensor([0.01, 1.0, 10.0, 100.0, 1.0])[:, None]
+    wt, sw = quantize_weight_fp8(w)
+    assert wt.dtype == FP8 and wt.shape == (32, 48) and sw.shape == (1, 48)
+    y = fp8_linear(x, wt, sw)
+    sx = x.abs().amax(dim=1, keepdim=True) / torch.finfo(FP8).max
+    xq = (x / sx).to(FP8).float() * sx
+    torch.testing.assert_close(y, xq @ (wt.float() * sw), rtol=1e-5, atol=1e-5)
+    assert ((y - x @ w.T).norm() / (x @ w.T).norm()) < 0.08  # FP8's own error, a few percent
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_compute_stays_close_to_the_model(llama_dir, compiled):
+    # Weights in FP8 with per-channel scales, activations per token: the prompt's log-probabilities move by FP8's
+    # rounding only (~0.1 at most here, where they spread over ~0.5).
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        ref = _prompt_logprobs(llm)
+    with LLM(str(llama_dir), dtype="float32", quantization="fp8", enforce_eager=not compiled) as llm:
+        qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+        assert qkv.fp8[0].dtype == torch.float8_e4m3fn and qkv.weight.numel() == 0
+        got = _prompt_logprobs(llm)
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+    diff = (got - ref).abs()
+    assert diff.max() < 0.3 and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+def test_fp8_checkpoint_computes_in_fp8_on_request(llama_dir, tmp_path):
+    fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
+    _write(llama_dir, fp8_dir, ref_dir, "fp8")
+    with LLM(str(fp8_dir), dtype="float32") as llm:  # on CPU: dequantized by default
+        assert not llm.engine.runner.fp8
+        ref = _prompt_logprobs(llm)
+    with LLM(str(fp8_dir), dtype="float32", quantization="fp8") as llm:
+        assert llm.engine.runner.fp8
+        diff = (_prompt_logprobs(llm) - ref).abs()
+    assert diff.max() < 0.3 and diff.mean() < 0.05
+    with pytest.raises(ValueError, match="quantization must be 'fp8' or 'none'"):
+        LLM(str(llama_dir), quantization="int4")

@@ -18,6 +18,7 @@ from torch import nn
 
 import streamer_kernels as K
 from streamer.models.lora import add_lora, lora_add_
+from streamer.models.quant import fp8_linear
 
 
 class ParallelContext:
@@ -48,11 +49,22 @@ class PackableLinear(nn.Module):
     lora: Any = None  # LoRAWeights (streamer/models/lora.py) when adapters are enabled
     lora_id: Optional[int] = None
     lora_op = False  # a compiled model adds the LoRA output through the opaque `lora_add_` op
+    fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 compute: (weight [in, out], scales [1, out])
+
+    def quantize_fp8(self) -> None:
+        """Keep the weight in FP8 (half of bf16's memory and bandwidth) with a scale per output channel; the plain
+        weight is freed (models/quant.py)."""
+        from streamer.models.quant import quantize_weight_fp8
+        self.out_features = self.weight.shape[0]
+        self.fp8 = quantize_weight_fp8(self.weight.detach())
+        self.weight.data = self.weight.data.new_empty(0)
 
     def pack_for_cpu(self, as_op: bool = False) -> None:
         """as_op: a compiled model calls the packed matmul through a custom op, so that no weight is part of its
         graphs (Inductor cannot lower a packed weight unless it freezes the graph, and a frozen graph cannot go
         in its on-disk cache)."""
+        if self.fp8 is not None:
+            return  # FP8 weights run through _scaled_mm
         if self.packed is None:
             self.out_features = self.weight.shape[0]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
@@ -64,7 +76,9 @@ class PackableLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:
             return packed_linear(x, self.op_id, bias is not None)  # adds the LoRA output itself
-        if self.packed is not None:
+        if self.fp8 is not None:
+            y = fp8_linear(x, *self.fp8, bias)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, bias)

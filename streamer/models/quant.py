@@ -107,3 +107,35 @@ def dequantizing(weights: Iterable[tuple[str, torch.Tensor]], qc: dict[str, Any]
         raise ValueError(f"weight scale(s) without an FP8 weight: {', '.join(sorted(scales_waiting)[:4])}")
     if dropped:
         logger.info("dropped %d activation / KV-cache scale tensors (weights are dequantized at load)", dropped)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FP8 compute (W8A8): weights kept in FP8 with a scale per output channel, activations quantized per token as they
+# come; the matmul is torch._scaled_mm (FP8 tensor cores on Hopper/Ada; a reference path on CPU, for tests).
+# ---------------------------------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def quantize_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight transposed to [in, out] column-major, as _scaled_mm takes it; float32 scales [1, out])."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.t(), scale.view(1, -1)
+
+
+def fp8_linear(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., in] (bf16/fp16/fp32) times the FP8 weight: x quantized per row (token) with its own scale."""
+    x2 = x.reshape(-1, x.shape[-1])
+    sx = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    xq = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    y = torch._scaled_mm(xq, weight_t, scale_a=sx, scale_b=scale, bias=bias, out_dtype=x.dtype)
+    return y.view(*x.shape[:-1], weight_t.shape[1])
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 matmuls run fast on compute capability 8.9+ (Ada, Hopper); elsewhere only the CPU reference exists."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
