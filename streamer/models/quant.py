@@ -130,10 +130,15 @@ def fp8_linear(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., in] (bf16/fp16/fp32) times the FP8 weight: x quantized per row (token) with its own scale."""
     x2 = x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    if x.is_cuda and rows % 16:  # cuBLASLt's FP8 matmul wants every dimension a multiple of 16: pad the tokens
+        x2 = torch.cat([x2, x2.new_zeros(16 - rows % 16, x2.shape[1])])
     sx = x2.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     xq = (x2.float() / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    y = torch._scaled_mm(xq, weight_t, scale_a=sx, scale_b=scale, bias=bias, out_dtype=x.dtype)
-    return y.view(*x.shape[:-1], weight_t.shape[1])
+    # (row-wise scaled FP8 matmuls on CUDA produce bf16 only)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    y = torch._scaled_mm(xq, weight_t, scale_a=sx, scale_b=scale, bias=bias, out_dtype=out_dtype)
+    return y[:rows].to(x.dtype).view(*x.shape[:-1], weight_t.shape[1])
 
 
 def fp8_supported(device: torch.device) -> bool:
