@@ -148,3 +148,12 @@ def test_bare_backbone_checkpoint(llama_dir, reference, tmp_path):
     with LLM(str(tmp_path), dtype="float32") as llm:
         out = llm.embed({"prompt_token_ids": PROMPTS[3]}, PoolingParams(pooling="mean"))[0]
         assert _close(out.embedding, reference(PROMPTS[3], "mean"))
+
+
+def test_tensor_parallel_embeddings_equal_one_process(llama_dir):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        want = [o.embedding for o in llm.embed(prompts, PoolingParams(pooling="mean"))]
+    with LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2) as llm:
+        got = [o.embedding for o in llm.embed(prompts, PoolingParams(pooling="mean"))]
+    assert all(_close(g, np.asarray(w)) for g, w in zip(got, want))

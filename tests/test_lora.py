@@ -367,3 +367,14 @@ def test_adapters_on_an_fp8_model(llama_dir, adapters):
         base = torch.tensor([next(iter(e.values())).logprob for o in outs for e in o.prompt_logprobs[1:]])
     assert (fp8 - full).abs().mean() < 0.05
     assert (fp8 - base).abs().mean() > 5 * (fp8 - full).abs().mean()
+
+
+@pytest.mark.parametrize("kw", [dict(num_speculative_tokens=3), dict(async_scheduling=True)],
+                         ids=["speculative", "async-scheduling"])
+def test_adapters_with_drafts_and_overlapped_steps(llama_dir, adapters, oracle, kw):
+    # Drafts are verified through the adapter's layers; with async scheduling the next step is prepared (slots
+    # included) while the previous one runs.
+    names = ["attn", None, "all"]
+    with LLM(str(llama_dir), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, **kw) as llm:
+        assert _generate(llm, names, adapters) == _expected(oracle, names)
+        _all_returned(llm)
