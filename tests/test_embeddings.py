@@ -157,3 +157,37 @@ def test_tensor_parallel_embeddings_equal_one_process(llama_dir):
     with LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2) as llm:
         got = [o.embedding for o in llm.embed(prompts, PoolingParams(pooling="mean"))]
     assert all(_close(g, np.asarray(w)) for g, w in zip(got, want))
+
+
+def test_score_and_rerank_are_cosine_similarities(llama_dir):
+    import httpx
+
+    from tests.server_utils import LiveServer
+    query, docs = "def add(a, b):", ["return a + b", "import os", "class Foo:", "x = 1"]
+    with LiveServer(llama_dir) as live:
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                emb = (await http.post("/v1/embeddings", json={"input": [query] + docs})).json()["data"]
+                vecs = np.asarray([d["embedding"] for d in emb])
+                want = vecs[1:] @ vecs[0]
+                r = (await http.post("/v1/score", json={"text_1": query, "text_2": docs})).json()
+                assert _close([d["score"] for d in r["data"]], want) and [d["index"] for d in r["data"]] == [0, 1, 2, 3]
+                pairs = (await http.post("/score", json={"text_1": docs[:2], "text_2": docs[2:]})).json()["data"]
+                assert _close([d["score"] for d in pairs], (vecs[1:3] * vecs[3:5]).sum(axis=1))
+                r = (await http.post("/rerank", json={"query": query, "documents": [{"text": d} for d in docs],
+                                                       "top_n": 3})).json()
+                order = list(np.argsort(-want, kind="stable")[:3])
+                assert [x["index"] for x in r["results"]] == order
+                assert [x["document"]["text"] for x in r["results"]] == [docs[i] for i in order]
+                assert _close([x["relevance_score"] for x in r["results"]], want[order])
+                assert r["usage"]["total_tokens"] > 0
+                for path, body, param in (("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+                                          ("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+                                          ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
+                                          ("/v1/rerank", {"query": "q", "documents": [3]}, "documents"),
+                                          ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n")):
+                    resp = await http.post(path, json=body)
+                    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, resp.text)
+        asyncio.run(main())
+        state = live.pool_state()
+        assert state["free"] == state["blocks"] and state["running"] == 0

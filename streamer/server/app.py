@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.async_engine import AsyncEngine
 from streamer.server.chat_template import ChatTemplate
-from streamer.server.embeddings import embeddings
+from streamer.server.embeddings import embeddings, rerank, score
 from streamer.server.responses_api import responses
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
@@ -155,6 +155,12 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request) -> Response:
         return await embeddings(self, request)
+
+    async def score(self, request: Request) -> Response:
+        return await score(self, request)
+
+    async def rerank(self, request: Request) -> Response:
+        return await rerank(self, request)
 
     async def responses(self, request: Request) -> Response:
         return await responses(self, request)
@@ -357,6 +363,10 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
         Route("/v1/embeddings", s.embeddings, methods=["POST"]),
+        Route("/v1/score", s.score, methods=["POST"]),
+        Route("/score", s.score, methods=["POST"]),
+        Route("/v1/rerank", s.rerank, methods=["POST"]),
+        Route("/rerank", s.rerank, methods=["POST"]),
         Route("/v1/responses", s.responses, methods=["POST"]),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),

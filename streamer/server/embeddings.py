@@ -1,11 +1,12 @@
 """POST /v1/embeddings (OpenAI's shape): each input's embedding, from the model's final hidden states pooled
-(streamer/pooling.py). Inputs run as requests of their own, batched with whatever else the engine runs."""
+(streamer/pooling.py). Inputs run as requests of their own, batched with whatever else the engine runs. /score and
+/rerank (vLLM's and Jina's / Cohere's shapes) rank texts by the cosine similarity of their embeddings."""
 from __future__ import annotations
 
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -13,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 
 from streamer.pooling import PoolingParams
 from streamer.server.generation import engine_error
-from streamer.server.protocol import APIError, get_bool, get_int, get_str, parse_prompts
+from streamer.server.protocol import APIError, _show, get_bool, get_int, get_str, parse_prompts
 
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
@@ -36,8 +37,18 @@ async def embeddings(server: "OpenAIServer", request: Request) -> Response:
     body = await server._json(request)
     lora = server._check_model(get_str(body, "model", None, 1024))
     inputs, pooling, fmt = parse_embedding(body)
-    engine = server.engine
     rid = f"embd-{uuid.uuid4().hex}"
+    vectors, tokens = await embed_all(server, inputs, pooling, lora, rid, "input")
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
+    return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": lora or server.model_name,
+                         "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def embed_all(server: "OpenAIServer", inputs: list[Any], pooling: PoolingParams, lora: Optional[str], rid: str,
+                    field: str) -> tuple[list[list[float]], int]:
+    """Every input's embedding (strings or token-id lists, each its own request, all in flight at once) and the
+    prompt tokens they took; errors name `field`."""
+    engine = server.engine
     streams = []
     try:
         for i, item in enumerate(inputs):
@@ -54,15 +65,64 @@ async def embeddings(server: "OpenAIServer", request: Request) -> Response:
     except Exception as e:
         err = engine_error(e)
         if err.status == 400:
-            err.param = "dimensions" if err.message.startswith("dimensions") else "input"
+            err.param = "dimensions" if err.message.startswith("dimensions") else field
         raise err from None
     finally:
         for stream in streams:
             stream.close()
-    data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
-    tokens = sum(s.prompt_tokens for s in streams)
+    return vectors, sum(s.prompt_tokens for s in streams)
+
+
+def _texts(body: dict, name: str, allow_single: bool = True) -> list[Any]:
+    v = body.get(name)
+    if isinstance(v, str) and allow_single:
+        return [v]
+    if isinstance(v, list) and v:
+        out = []
+        for d in v:
+            text = d.get("text") if isinstance(d, dict) else d
+            if not isinstance(text, str) or not text:
+                raise APIError(f"{name} must hold non-empty strings (or {{\"text\": string}} objects), got {_show(d)}",
+                               param=name)
+            out.append(text)
+        return out
+    raise APIError(f"{name} must be a non-empty string or array of strings, got {_show(v)}", param=name)
+
+
+async def score(server: "OpenAIServer", request: Request) -> Response:
+    """vLLM's /score for embedding models: the cosine similarity of text_1 with each text_2 (one text_1), or of each
+    pair (equal lists)."""
+    body = await server._json(request)
+    lora = server._check_model(get_str(body, "model", None, 1024))
+    first, second = _texts(body, "text_1"), _texts(body, "text_2")
+    if len(first) != 1 and len(first) != len(second):
+        raise APIError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
+                       "text_2", param="text_1")
+    rid = f"score-{uuid.uuid4().hex}"
+    vectors, tokens = await embed_all(server, first + second, PoolingParams(), lora, rid, "text_2")
+    a, b = np.asarray(vectors[:len(first)]), np.asarray(vectors[len(first):])
+    scores = (a * b).sum(axis=1) if len(first) == len(b) else b @ a[0]
+    data = [{"index": i, "object": "score", "score": float(v)} for i, v in enumerate(np.atleast_1d(scores))]
     return JSONResponse({"id": rid, "object": "list", "created": int(time.time()), "model": lora or server.model_name,
                          "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def rerank(server: "OpenAIServer", request: Request) -> Response:
+    """Jina's / Cohere's /rerank for embedding models: the documents by cosine similarity to the query, best first."""
+    body = await server._json(request)
+    lora = server._check_model(get_str(body, "model", None, 1024))
+    query = body.get("query")
+    if not isinstance(query, str) or not query:
+        raise APIError(f"query must be a non-empty string, got {_show(query)}", param="query")
+    docs = _texts(body, "documents", allow_single=False)
+    top_n = get_int(body, "top_n", None, lo=1)
+    rid = f"rerank-{uuid.uuid4().hex}"
+    vectors, tokens = await embed_all(server, [query] + docs, PoolingParams(), lora, rid, "documents")
+    scores = np.asarray(vectors[1:]) @ np.asarray(vectors[0])
+    order = np.argsort(-scores, kind="stable")[:top_n]
+    results = [{"index": int(i), "document": {"text": docs[i]}, "relevance_score": float(scores[i])} for i in order]
+    return JSONResponse({"id": rid, "model": lora or server.model_name, "usage": {"total_tokens": tokens},
+                         "results": results})
 
 
 def _encode(vec: list[float], fmt: str) -> Any:
