@@ -20,7 +20,7 @@ from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics
 from streamer.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
-from streamer.pooling import PoolingParams
+from streamer.pooling import PoolingParams, truncate_prompt
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
 
@@ -244,6 +244,9 @@ class AsyncEngine:
             ids = await self.encode(prompt)
         else:
             text, ids = core.tokenize_prompt(prompt)
+        cut = truncate_prompt(ids, pooling if pooling is not None else params)
+        if len(cut) < len(ids):
+            text, ids = None, cut  # (the text no longer matches the tokens)
         self._check_alive()
         limit = self.config.max_waiting
         if limit is not None and core.scheduler.num_waiting + params.n > max(limit, params.n):

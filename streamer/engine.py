@@ -21,7 +21,7 @@ from streamer.detokenizer import IncrementalDetokenizer
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARequest, load_adapter
-from streamer.pooling import PoolingParams, default_pooling, finish_embedding
+from streamer.pooling import PoolingParams, default_pooling, finish_embedding, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
@@ -245,6 +245,9 @@ class LLMEngine:
             text, prompt_token_ids = self.tokenize_prompt(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
+        cut = truncate_prompt(prompt_token_ids, pooling if pooling is not None else params)
+        if len(cut) < len(prompt_token_ids):
+            text, prompt_token_ids = None, cut  # (the text no longer matches the tokens)
         if pooling is not None:
             params, pooling = SamplingParams(temperature=0.0), self._pooling(pooling)
         max_tokens = self.validate(prompt_token_ids, params, pooling=pooling is not None)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.outputs import EmbeddingOutput, RequestOutput
-from streamer.pooling import PoolingParams
+from streamer.pooling import PoolingParams, truncate_prompt
 from streamer.sampling_params import SamplingParams
 
 
@@ -60,6 +60,7 @@ class LLM:
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
         tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        tokenized = [(text, truncate_prompt(ids, sp)) for (text, ids), sp in zip(tokenized, params)]
         for (_, ids), sp in zip(tokenized, params):
             engine.validate(ids, sp)
         adapters = [engine.resolve_lora(x) for x in loras]
@@ -105,7 +106,7 @@ class LLM:
         pooling = pooling or PoolingParams()
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
-        tokenized = [engine.tokenize_prompt(p) for p in prompts]
+        tokenized = [(text, truncate_prompt(ids, pooling)) for text, ids in map(engine.tokenize_prompt, prompts)]
         checked = engine._pooling(pooling)
         for _, ids in tokenized:  # everything first, so one bad prompt adds nothing
             engine.validate(ids, SamplingParams(), pooling=True)

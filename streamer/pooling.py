@@ -25,15 +25,17 @@ class PoolingParams:
     pooling: Optional[str] = None
     normalize: bool = True
     dimensions: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last N tokens (as SamplingParams')
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLING:
             raise ValueError(f"pooling must be one of {POOLING}, got {self.pooling!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
-        d = self.dimensions
-        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
-            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            d = getattr(self, name)
+            if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+                raise ValueError(f"{name} must be a positive integer, got {d!r}")
 
 
 def default_pooling(model_dir: Path) -> str:
@@ -63,3 +65,9 @@ def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[floa
     if params.normalize:
         vec = vec / (np.linalg.norm(vec) or 1.0)
     return vec.tolist()
+
+
+def truncate_prompt(token_ids: list[int], options: object) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens, if the request's SamplingParams / PoolingParams ask."""
+    k = getattr(options, "truncate_prompt_tokens", None)
+    return token_ids[-k:] if k is not None and len(token_ids) > k else token_ids

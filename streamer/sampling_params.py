@@ -58,6 +58,8 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled (vLLM's extension)
     # The output must match a JSON schema, regex, choice list or grammar (vLLM's field; a dict is converted).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Keep only the prompt's last N tokens (vLLM's field: an explicit opt-in; prompts are never cut silently).
+    truncate_prompt_tokens: Optional[int] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +118,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k < 1):
+            raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")

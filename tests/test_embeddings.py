@@ -191,3 +191,36 @@ def test_score_and_rerank_are_cosine_similarities(llama_dir):
         asyncio.run(main())
         state = live.pool_state()
         assert state["free"] == state["blocks"] and state["running"] == 0
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llama_dir):
+    """vLLM's truncate_prompt_tokens (an explicit opt-in): generation and embeddings see only the prompt's last N
+    tokens, so a prompt longer than the context can still run; the server counts the kept tokens."""
+    import httpx
+
+    from tests.server_utils import LiveServer
+    long = list(range(3, 3 + 70))
+    with LLM(str(llama_dir), dtype="float32", max_model_len=64) as llm:
+        greedy = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+        cut = llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=20, **greedy))[0]
+        plain = llm.generate({"prompt_token_ids": long[-20:]}, SamplingParams(**greedy))[0]
+        assert cut.prompt_token_ids == long[-20:] and cut.outputs[0].token_ids == plain.outputs[0].token_ids
+        e1 = llm.embed({"prompt_token_ids": long}, PoolingParams(truncate_prompt_tokens=30))[0]
+        e2 = llm.embed({"prompt_token_ids": long[-30:]})[0]
+        assert e1.embedding == e2.embedding
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be a positive integer"):
+            SamplingParams(truncate_prompt_tokens=0)
+    with LiveServer(llama_dir, max_model_len=64) as live:
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                r = await http.post("/v1/completions", json={"prompt": long, "max_tokens": 2,
+                                                             "truncate_prompt_tokens": 16})
+                assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
+                r = await http.post("/v1/embeddings", json={"input": [long], "truncate_prompt_tokens": 8})
+                assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
+                r = await http.post("/v1/completions", json={"prompt": long, "max_tokens": 2})
+                assert r.status_code == 400  # without the opt-in, too long is an error, not a silent cut
+                r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                  "truncate_prompt_tokens": 0})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+        asyncio.run(main())

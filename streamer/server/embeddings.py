@@ -30,7 +30,9 @@ def parse_embedding(body: dict) -> tuple[list[Any], PoolingParams, str]:
     if fmt not in ("float", "base64"):
         raise APIError(f"encoding_format must be 'float' or 'base64', got {fmt!r}", param="encoding_format")
     dims = get_int(body, "dimensions", None, lo=1)
-    return inputs, PoolingParams(normalize=get_bool(body, "normalize", True), dimensions=dims), fmt
+    cut = get_int(body, "truncate_prompt_tokens", None, lo=1)
+    return inputs, PoolingParams(normalize=get_bool(body, "normalize", True), dimensions=dims,
+                                 truncate_prompt_tokens=cut), fmt
 
 
 async def embeddings(server: "OpenAIServer", request: Request) -> Response:

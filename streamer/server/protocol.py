@@ -279,7 +279,8 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
             ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True), logit_bias=_logit_bias(body),
-            allowed_token_ids=_allowed_token_ids(body))
+            allowed_token_ids=_allowed_token_ids(body),
+            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, INT64_MAX))
     except ValueError as e:
         err = value_error(e)
         if err.param == "max_tokens" and max_tokens_field in body:
