@@ -4,6 +4,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
+from streamer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.outputs import EmbeddingOutput, RequestOutput
@@ -73,6 +74,17 @@ class LLM:
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    ) -> list[BeamSearchOutput]:
+        """The `beam_width` best continuations of each prompt by cumulative log-probability (streamer/beam_search.py):
+        one engine step per token over all beams of all prompts, the shared prefixes served by the prefix cache."""
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompts = [prompts]
+        ids = [self.engine.tokenize_prompt(p)[1] for p in prompts]
+        for p in ids:
+            self.engine.validate(p, SamplingParams(max_tokens=1))
+        return beam_search(self.generate, self.engine, ids, params)
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

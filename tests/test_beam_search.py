@@ -1,0 +1,54 @@
+"""Beam search (LLM.beam_search) returns transformers' beams: the same token sequences, best first, with the same
+scores (cumulative log-probability / length ** length_penalty), for several widths."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from streamer import LLM  # noqa: E402
+from streamer.beam_search import BeamSearchParams  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7]]
+
+
+@pytest.fixture(scope="module")
+def hf(llama_dir):
+    import transformers as tf
+    return tf.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("width", [1, 3, 5])
+def test_beams_equal_transformers(llama_dir, hf, width):
+    n = 6
+    with LLM(str(llama_dir), dtype="float32", block_size=4) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], BeamSearchParams(width, n, ignore_eos=True))
+        for p, out in zip(PROMPTS, outs):
+            ids = torch.tensor([p])
+            with torch.no_grad():
+                g = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                                output_scores=True, return_dict_in_generate=True)
+            assert [s.token_ids for s in out.sequences] == [s[len(p):].tolist() for s in g.sequences]
+            if width > 1:
+                got = [s.score(1.0) for s in out.sequences]
+                assert got == pytest.approx(g.sequences_scores.tolist(), abs=1e-4)
+            assert out.sequences[0].text == llm.tokenizer.decode(out.sequences[0].token_ids)
+        assert llm.engine.kv.prefix_hits > 0  # each step reuses the beams' cached prefixes
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_finished_beams_and_bad_params(llama_dir):
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        eos = sorted(llm.engine.eos_token_ids)
+        out = llm.beam_search({"prompt_token_ids": PROMPTS[0]}, BeamSearchParams(4, 12, length_penalty=0.5))[0]
+        assert len(out.sequences) == 4
+        scores = [s.score(0.5) for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+        for s in out.sequences:  # an eos ends a beam; no other beam holds one
+            assert s.finished == (s.token_ids[-1] in eos) and not set(s.token_ids[:-1]) & set(eos)
+    with pytest.raises(ValueError, match="beam_width must be an integer in \\[1, 10\\]"):
+        BeamSearchParams(11, 4)
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        BeamSearchParams(2, 0)
