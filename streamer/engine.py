@@ -20,7 +20,7 @@ from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.lora import LoRAAdapter, LoRARequest, load_adapter
+from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import PoolingParams, default_pooling, finish_embedding, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
@@ -123,55 +123,25 @@ class LLMEngine:
         self.num_accepted_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
-        self.loras: dict[str, LoRAAdapter] = {}  # registered adapters, by name
+        self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.runner.place_lora,
+                                  self.scheduler.lora_slots)
         self.default_pooling = default_pooling(self.model_dir)  # for embedding requests that name none
 
-    # ------------------------------------------------------------------ LoRA adapters
+    # ------------------------------------------------------------------ LoRA adapters (streamer/lora.py)
     def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Read an adapter folder and check it against the model (ValueError); does not register it (the async
-        engine reads on a worker thread, then registers on its loop)."""
-        if not self.config.enable_lora:
-            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
-        adapter = load_adapter(name, path, self.config.max_lora_rank)
-        self.runner.place_lora(None, adapter)
-        return adapter
+        return self.loras.load(name, path)
 
     def register_lora(self, adapter: LoRAAdapter) -> None:
-        if adapter.name in self.loras:
-            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
-        self.loras[adapter.name] = adapter
+        self.loras.register(adapter)
 
     def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
-        if name in self.loras:  # (before reading the folder for nothing)
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        adapter = self.load_lora(name, path)
-        self.register_lora(adapter)
-        return adapter
+        return self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        """Unregister an adapter: new requests can no longer name it; requests already using it finish with it."""
-        adapter = self.loras.pop(name, None)
-        if adapter is None:
-            raise KeyError(f"no LoRA adapter named {name!r}")
-        self.scheduler.lora_slots.forget(adapter)  # type: ignore[union-attr]
+        self.loras.remove(name)
 
     def resolve_lora(self, lora: LoRAType) -> Optional[LoRAAdapter]:
-        """The adapter a request names (a LoRARequest not yet registered is loaded and registered now)."""
-        if lora is None or isinstance(lora, LoRAAdapter):
-            return lora
-        if not self.config.enable_lora:
-            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
-        name = lora if isinstance(lora, str) else lora.name
-        adapter = self.loras.get(name)
-        if isinstance(lora, str):
-            if adapter is None:
-                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {sorted(self.loras) or 'none'})")
-            return adapter
-        if adapter is None:
-            return self.add_lora(lora.name, lora.path)
-        if Path(lora.path).expanduser() != adapter.path:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded from {adapter.path}, not {lora.path}")
-        return adapter
+        return self.loras.resolve(lora)
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

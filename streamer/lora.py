@@ -17,7 +17,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 _uids = itertools.count(1)
 
@@ -185,3 +185,62 @@ class LoRASlots:
     @property
     def active(self) -> list[LoRAAdapter]:
         return [a for s, a in enumerate(self.adapter_in) if a is not None and self.users[s]]
+
+
+class LoRARegistry(dict):
+    """The engine's registered adapters, by name. `check(slot, adapter)` is the model's placement with slot None
+    (ValueError if the adapter does not fit the model); `slots` is the scheduler's LoRASlots."""
+
+    def __init__(self, enabled: bool, max_rank: int, check: Callable[[Optional[int], LoRAAdapter], None],
+                 slots: Optional[LoRASlots]) -> None:
+        super().__init__()
+        self.enabled, self.max_rank, self.check, self.slots = enabled, max_rank, check, slots
+
+    def _require_enabled(self) -> None:
+        if not self.enabled:
+            raise ValueError("LoRA adapters are not enabled: start the engine with enable_lora=True (--enable-lora)")
+
+    def load(self, name: str, path: Union[str, Path]) -> LoRAAdapter:
+        """Read an adapter folder and check it against the model; does not register it (the async engine reads
+        on a worker thread, then registers on its loop)."""
+        self._require_enabled()
+        adapter = load_adapter(name, path, self.max_rank)
+        self.check(None, adapter)
+        return adapter
+
+    def register(self, adapter: LoRAAdapter) -> None:
+        if adapter.name in self:
+            raise ValueError(f"LoRA adapter {adapter.name!r} is already loaded")
+        self[adapter.name] = adapter
+
+    def add(self, name: str, path: Union[str, Path]) -> LoRAAdapter:
+        if name in self:  # (before reading the folder for nothing)
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = self.load(name, path)
+        self.register(adapter)
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Unregister: new requests can no longer name it; requests already using it finish with it."""
+        adapter = self.pop(name, None)
+        if adapter is None:
+            raise KeyError(f"no LoRA adapter named {name!r}")
+        if self.slots is not None:
+            self.slots.forget(adapter)
+
+    def resolve(self, lora: Union[str, LoRARequest, LoRAAdapter, None]) -> Optional[LoRAAdapter]:
+        """The adapter a request names (a LoRARequest not yet registered is loaded and registered now)."""
+        if lora is None or isinstance(lora, LoRAAdapter):
+            return lora
+        self._require_enabled()
+        name = lora if isinstance(lora, str) else lora.name
+        adapter = self.get(name)
+        if isinstance(lora, str):
+            if adapter is None:
+                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {sorted(self) or 'none'})")
+            return adapter
+        if adapter is None:
+            return self.add(lora.name, lora.path)
+        if Path(lora.path).expanduser() != adapter.path:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded from {adapter.path}, not {lora.path}")
+        return adapter
