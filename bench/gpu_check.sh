@@ -10,7 +10,7 @@
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, sweep      <= 110 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256, and 1 / 32
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
-#      the torch and on the Triton sampler                                                    <= 170 s
+#      the torch and on the Triton sampler, then batch 32 eager with bf16 vs FP8 weights          <= 170 s
 #   4. bench/gpu_report.py: the summary table
 # Raw logs and JSON land in $OUT/gpu_check (or a temp dir), so they come back with the run.
 set -u

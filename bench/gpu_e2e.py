@@ -170,6 +170,27 @@ def main() -> int:
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
                 args.out.write_text(json.dumps({"rows": rows}))
         runner.graphs, llm.engine.async_scheduling, runner.sampler.use_kernel = graphs, overlap, False
+        # Last, FP8 weights (per-channel scales, torch._scaled_mm) against bf16 on the same engine, both eager and
+        # without graphs (the graphs and the compiled model hold the bf16 weights): the weights are quantized in
+        # place between the two rows, which also frees the bf16 copies.
+        from streamer.models.layers import PackableLinear
+        runner._use_eager()
+        runner.graphs = None
+        batch = min(32, max(batches))
+        for label in ("bf16", "fp8"):
+            if label == "fp8":
+                for m in runner.model.modules():
+                    if isinstance(m, PackableLinear) and m.fp8 is None and m.packed is None:  # (CPU dry run: packed)
+                        m.quantize_fp8()
+            run(batch, 2)
+            t_first = run(batch, 1)
+            step_s = max(run(batch, gen + 1) - t_first, 1e-9) / gen
+            r = {"section": "e2e", "name": f"decode batch {batch}, eager, no graphs, {label} weights",
+                 "ms": round(step_s * 1e3, 3), "tok_per_s": round(batch / step_s, 1), "prefill_s": round(t_first, 3)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"rows": rows}))
     return 0
 
 

@@ -55,6 +55,8 @@ class PackableLinear(nn.Module):
         """Keep the weight in FP8 (half of bf16's memory and bandwidth) with a scale per output channel; the plain
         weight is freed (models/quant.py)."""
         from streamer.models.quant import quantize_weight_fp8
+        if self.packed is not None:
+            raise RuntimeError("quantize_fp8 needs the plain weight; this layer's is prepacked for oneDNN")
         self.out_features = self.weight.shape[0]
         self.fp8 = quantize_weight_fp8(self.weight.detach())
         self.weight.data = self.weight.data.new_empty(0)
