@@ -101,11 +101,8 @@ class LLMEngine:
                            config.max_model_len, limit)
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
         long_rope = self.runner.model.long_rope
-        self.prefix_caching = config.enable_prefix_caching and long_rope is None
-        if config.enable_prefix_caching and long_rope is not None:
-            # A LongRoPE sequence recomputes its KV with other rotary factors once it outgrows the pretraining
-            # length: a block's contents would no longer follow from its tokens alone.
-            logger.info("prefix caching is off: this model uses LongRoPE")
+        self.long_rope_threshold = long_rope[0] if long_rope else None
+        self.prefix_caching = config.enable_prefix_caching
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
@@ -233,7 +230,8 @@ class LLMEngine:
             req = Request(request_id if params.n == 1 else f"{request_id}-{i}", prompt_token_ids, seq_params,
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
-                          seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling)
+                          seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
+                          long_rope_threshold=self.long_rope_threshold)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,

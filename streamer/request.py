@@ -54,6 +54,9 @@ class Request:
     parent_id: Optional[str] = None
     lora: Optional[Any] = None  # the LoRAAdapter it runs with (streamer/lora.py)
     pooling: Optional[Any] = None  # PoolingParams (streamer/pooling.py): an embedding request, it samples nothing
+    # LongRoPE models: sequences longer than this rotate with the long factors (computed so from the start when the
+    # prompt already is; see Scheduler)
+    long_rope_threshold: Optional[int] = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -77,8 +80,9 @@ class Request:
         self.matcher: Optional[object] = None
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.
         self.draft_token_ids: list[int] = []
-        # LongRoPE models: the sequence's KV was computed with the long factors (see Scheduler).
-        self.long_rope = False
+        # LongRoPE models: the sequence's KV is computed with the long factors (see Scheduler). Part of the blocks'
+        # hashes: a block's KV depends on which factors rotated it.
+        self.long_rope = self.long_rope_threshold is not None and len(self.prompt_token_ids) > self.long_rope_threshold
         self.lora_slot = 0  # the model's slot holding its adapter while it runs (0: none)
         self._extend_hashes()
 
@@ -125,10 +129,18 @@ class Request:
             extra = self._first_block_extra() if i == 0 else b""
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
 
+    def set_long_rope(self) -> None:
+        """The sequence outgrew the short factors: its KV is recomputed with the long ones, under other hashes."""
+        self.long_rope = True
+        self.block_hashes = []
+        self._extend_hashes()
+
     def _first_block_extra(self) -> bytes:
         """What else the KV depends on, mixed into the first block's hash (so into every later one): the tenant's
         salt and the LoRA adapter."""
         extra = self.cache_salt.encode() if self.cache_salt else b""
         if self.lora is not None:
             extra += b"\x00lora:%d" % self.lora.uid
+        if self.long_rope:
+            extra += b"\x00longrope"
         return extra

@@ -188,7 +188,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if long_rope is not None and not req.long_rope and len(req.all_token_ids) > long_rope:
-                req.long_rope = True  # outgrew the short factors: recompute everything with the long ones
+                # Outgrew the short factors: recompute everything with the long ones, in fresh blocks (its blocks
+                # stay cached under their short-factor hashes, and may be shared).
+                self.kv.free(req)
+                req.set_long_rope()
                 req.num_computed_tokens = 0
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
             want = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
@@ -241,6 +244,8 @@ class Scheduler:
                     no_lora_slot.append(self.waiting.pop())
                     continue
                 req.lora_slot = slot
+            if self.long_rope_threshold is not None and not req.long_rope and req.num_tokens > self.long_rope_threshold:
+                req.set_long_rope()  # (grew past the threshold, then was preempted before its running check)
             # Prompt logprobs need a logit at every prompt position, mean and first-token pooling a hidden state
             # at every one or at the first: a cache hit would skip them.
             skip_cache = req.params.prompt_logprobs is not None or (
@@ -252,8 +257,6 @@ class Scheduler:
                 self._release_lora(req)
                 break
             self.waiting.pop()
-            if self.long_rope_threshold is not None and req.num_tokens > self.long_rope_threshold:
-                req.long_rope = True  # computed with the long factors from the start
             self.kv.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

@@ -138,15 +138,40 @@ def test_prompt_logprobs_match_transformers(llama_dir, batch16, engine_args):
     _assert_pool_whole(llm)
 
 
+def _longrope_ckpt(make_ckpt):
+    half = 8  # head_dim 16
+    return make_ckpt("phi3_longrope", family="phi3", max_position_embeddings=64, sliding_window=None,
+                     original_max_position_embeddings=16,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                   "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+
+
+def test_phi3_longrope_with_prefix_caching(make_ckpt):
+    """A block's KV depends on the rotary factors too, so a LongRoPE request's blocks are hashed with the factors
+    it uses: prompts that share a 12-token prefix, one short, one long from the start, one crossing the threshold
+    while decoding (it recomputes in fresh blocks), batched, repeated (cache hits) and with a pool so small that
+    requests are preempted."""
+    path = _longrope_ckpt(make_ckpt)
+    base = list(range(3, 15))
+    prompts = [base + [20, 21], base + list(range(30, 40)), base + [50, 51, 52]]
+    ref = hf_greedy(path, prompts, 12)
+    with LLM(str(path), dtype="float32", block_size=4) as llm:
+        assert _greedy(llm, prompts, 12) == ref
+        hits = llm.engine.kv.prefix_hits
+        assert [_greedy(llm, [p], 12)[0] for p in reversed(prompts)] == ref[::-1]
+        assert llm.engine.kv.prefix_hits > hits
+        _assert_pool_whole(llm)
+    with LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=12, max_num_batched_tokens=8) as llm:
+        assert _greedy(llm, prompts + prompts, 12) == ref + ref
+        assert llm.engine.scheduler.num_preemptions > 0
+        _assert_pool_whole(llm)
+
+
 def test_phi3_longrope(make_ckpt):
     """LongRoPE (Phi-3 128k, Phi-3.5): sequences past original_max_position_embeddings rotate with the long
     factors, decided as transformers decides, by the sequence's length when a token is computed. Prompts below,
     across and past the 16-token threshold; decoding crosses it too; and one batch mixes them."""
-    half = 8  # head_dim 16
-    path = make_ckpt("phi3_longrope", family="phi3", max_position_embeddings=64, sliding_window=None,
-                     original_max_position_embeddings=16,
-                     rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                                   "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+    path = _longrope_ckpt(make_ckpt)
     prompts = [list(range(3, 3 + n)) for n in (4, 12, 17, 30)]
     ref = hf_greedy(path, prompts, 20)
     llm = LLM(str(path), dtype="float32")
