@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from streamer.server.generation import Generation, engine_error
-from streamer.server.protocol import APIError, ChatRequest, _show, dumps, parse_chat
+from streamer.server.protocol import APIError, _show, dumps, parse_chat
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
 
@@ -138,10 +138,10 @@ def _format(fmt: Any) -> dict[str, Any]:
 class ResponseBuilder:
     """The `response` object and its output items, for one request."""
 
-    def __init__(self, body: dict, chat: ChatRequest, model: str) -> None:
+    def __init__(self, body: dict, model: str) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.body, self.chat, self.model = body, chat, model
+        self.body, self.model = body, model
 
     def response(self, status: str, output: list[dict], usage: Optional[dict] = None,
                  finish_reason: Optional[str] = None) -> dict[str, Any]:
@@ -204,7 +204,7 @@ async def responses(server: "OpenAIServer", request: Request) -> Response:
     if chat.params.n != 1:
         raise APIError("n is not part of the Responses API", param="n")
     gen, fmt = await server.start_chat(chat)
-    builder = ResponseBuilder(body, chat, gen.model)
+    builder = ResponseBuilder(body, gen.model)
     if chat.stream:
         return sse_response(_events(gen, fmt, builder), headers={"X-Request-Id": gen.request_id},
                             background=BackgroundTask(gen.close))
