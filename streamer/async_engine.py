@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
+from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate
 from streamer.input_batch import StepInputs
@@ -205,6 +206,19 @@ class AsyncEngine:
         finally:
             stream.close()
         raise EngineDeadError("the embedding request ended without a result")
+
+    async def beam_search(self, prompt: PromptType, params: BeamSearchParams,
+                          lora_request: LoRAType = None) -> BeamSearchOutput:
+        """The `beam_width` best continuations of one prompt (streamer/beam_search.py); each step's beams run as
+        concurrent requests, which the engine batches."""
+        core = self._core
+        _, ids = core.tokenize_prompt(prompt) if not isinstance(prompt, str) else (None, await self.encode(prompt))
+        core.validate(ids, SamplingParams(max_tokens=1))
+        search = BeamSearch(core, [ids], params)
+        while requests := search.step_requests():
+            search.advance(await asyncio.gather(*(self.generate(r, search.sampling, lora_request=lora_request)
+                                                  for r in requests)))
+        return search.results()[0]
 
     # ------------------------------------------------------------------ LoRA adapters
     async def add_lora(self, name: str, path: str) -> None:

@@ -45,34 +45,50 @@ class BeamSearchOutput:
     sequences: list[BeamSequence] = field(default_factory=list)  # best first
 
 
-def beam_search(llm_generate, engine: "LLMEngine", prompt_ids: list[list[int]],
-                params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """`llm_generate(prompts, sampling_params)`: LLM.generate (all beams of all prompts go in one call per step)."""
-    width = params.beam_width
-    step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * width, ignore_eos=True)
-    eos = engine.eos_token_ids
-    live = [[BeamSequence([], 0.0)] for _ in prompt_ids]
-    done: list[list[BeamSequence]] = [[] for _ in prompt_ids]
-    limit = engine.max_model_len
-    for _ in range(params.max_tokens):
-        flat = [(i, b) for i, beams in enumerate(live) for b in beams if len(prompt_ids[i]) + len(b.token_ids) < limit]
-        if not flat:
-            break
-        outs = llm_generate([{"prompt_token_ids": prompt_ids[i] + b.token_ids} for i, b in flat], step_params)
-        candidates: list[list[BeamSequence]] = [[] for _ in prompt_ids]
-        for (i, beam), out in zip(flat, outs):
-            for tok, lp in out.outputs[0].logprobs[0].items():  # type: ignore[index]
+class BeamSearch:
+    """The search's state for a batch of prompts; the caller runs each step's requests (`step_requests`) through
+    the engine and hands their outputs to `advance`, in order (the offline API batches them in one generate call,
+    the async engine runs them concurrently)."""
+
+    def __init__(self, engine: "LLMEngine", prompt_ids: list[list[int]], params: BeamSearchParams) -> None:
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.sampling = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width,
+                                       ignore_eos=True)
+        self.live = [[BeamSequence([], 0.0)] for _ in prompt_ids]
+        self.done: list[list[BeamSequence]] = [[] for _ in prompt_ids]
+        self.steps = 0
+        self._flat: list[tuple[int, BeamSequence]] = []
+
+    def step_requests(self) -> list[dict]:
+        """The prompts of this step (every live beam that still fits the context), or [] when the search is over."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        limit = self.engine.max_model_len
+        self._flat = [(i, b) for i, beams in enumerate(self.live) for b in beams
+                      if len(self.prompt_ids[i]) + len(b.token_ids) < limit]
+        return [{"prompt_token_ids": self.prompt_ids[i] + b.token_ids} for i, b in self._flat]
+
+    def advance(self, outs: list) -> None:
+        """outs: one RequestOutput per step request (its one token's top log-probabilities)."""
+        eos, width = self.engine.eos_token_ids, self.params.beam_width
+        candidates: list[list[BeamSequence]] = [[] for _ in self.prompt_ids]
+        for (i, beam), out in zip(self._flat, outs):
+            for tok, lp in out.outputs[0].logprobs[0].items():
                 seq = BeamSequence(beam.token_ids + [tok], beam.cum_logprob + lp.logprob)
-                if tok in eos and not params.ignore_eos:
+                if tok in eos and not self.params.ignore_eos:
                     seq.finished = True
-                    done[i].append(seq)
+                    self.done[i].append(seq)
                 else:
                     candidates[i].append(seq)
-        live = [sorted(c, key=lambda s: s.cum_logprob, reverse=True)[:width] for c in candidates]
-    results = []
-    for i, ids in enumerate(prompt_ids):
-        ranked = sorted(done[i] + live[i], key=lambda s: s.score(params.length_penalty), reverse=True)[:width]
-        for s in ranked:
-            s.text = engine.tokenizer.decode(s.token_ids)
-        results.append(BeamSearchOutput(list(ids), ranked))
-    return results
+        self.live = [sorted(c, key=lambda s: s.cum_logprob, reverse=True)[:width] for c in candidates]
+        self.steps += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        results = []
+        for i, ids in enumerate(self.prompt_ids):
+            ranked = sorted(self.done[i] + self.live[i], key=lambda s: s.score(self.params.length_penalty),
+                            reverse=True)[:self.params.beam_width]
+            for s in ranked:
+                s.text = self.engine.tokenizer.decode(s.token_ids)
+            results.append(BeamSearchOutput(list(ids), ranked))
+        return results

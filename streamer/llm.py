@@ -4,7 +4,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
-from streamer.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.outputs import EmbeddingOutput, RequestOutput
@@ -84,7 +84,10 @@ class LLM:
         ids = [self.engine.tokenize_prompt(p)[1] for p in prompts]
         for p in ids:
             self.engine.validate(p, SamplingParams(max_tokens=1))
-        return beam_search(self.generate, self.engine, ids, params)
+        search = BeamSearch(self.engine, ids, params)
+        while requests := search.step_requests():
+            search.advance(self.generate(requests, search.sampling))
+        return search.results()
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,

@@ -52,3 +52,40 @@ def test_finished_beams_and_bad_params(llama_dir):
         BeamSearchParams(11, 4)
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         BeamSearchParams(2, 0)
+
+
+def test_async_engine_and_server_beam_search(llama_dir, hf):
+    """AsyncEngine.beam_search (each step's beams as concurrent requests) and vLLM's `use_beam_search` on
+    /v1/completions (n beams become n choices) give the offline search's beams."""
+    import asyncio
+
+    import httpx
+
+    from streamer import AsyncEngine
+    from tests.server_utils import LiveServer
+    params = BeamSearchParams(3, 5, ignore_eos=True)
+    with LLM(str(llama_dir), dtype="float32") as llm:
+        want = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+
+    async def run_async() -> None:
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            got = await asyncio.gather(*(engine.beam_search({"prompt_token_ids": p}, params) for p in PROMPTS[:2]))
+            assert [[s.token_ids for s in o.sequences] for o in got] == \
+                [[s.token_ids for s in o.sequences] for o in want]
+    asyncio.run(run_async())
+
+    with LiveServer(llama_dir) as live:
+        async def run_server() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                r = await http.post("/v1/completions", json={"prompt": PROMPTS[:2], "use_beam_search": True, "n": 3,
+                                                             "max_tokens": 5, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert [c["text"] for c in body["choices"]] == [s.text for o in want for s in o.sequences]
+                assert all(c["finish_reason"] == "length" for c in body["choices"])
+                assert body["usage"]["completion_tokens"] == 6 * 5
+                for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"), ({"logprobs": 2}, "logprobs")):
+                    r = await http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 2,
+                                                                 "max_tokens": 3, **extra})
+                    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        asyncio.run(run_server())

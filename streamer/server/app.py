@@ -83,6 +83,8 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         req = parse_completion(await self._json(request))
         lora = self._check_model(req.model)
+        if req.beam_search is not None:
+            return await self._beam_search(req, lora)
         gen = await self._start("cmpl", req.prompts, req, lora=lora)
         echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
         fmt = CompletionFormat(len(req.prompts) * req.params.n, req.params.logprobs, req.return_token_ids, echo,
@@ -93,6 +95,27 @@ class OpenAIServer:
         req = parse_chat(await self._json(request))
         gen, fmt = await self.start_chat(req)
         return await self._respond(request, gen, fmt, req)
+
+    async def _beam_search(self, req: CompletionRequest, lora: Optional[str]) -> Response:
+        """use_beam_search: each prompt's n best beams as its n choices (finish_reason "stop" for a beam that ended
+        with an eos)."""
+        try:
+            outs = await asyncio.gather(*(self.engine.beam_search(
+                p if isinstance(p, str) else {"prompt_token_ids": p}, req.beam_search, lora_request=lora)
+                for p in req.prompts))
+        except Exception as e:
+            raise engine_error(e) from None
+        choices, completion = [], 0
+        for out in outs:
+            for s in out.sequences:
+                choices.append({"index": len(choices), "text": s.text, "logprobs": None,
+                                "finish_reason": "stop" if s.finished else "length", "stop_reason": None})
+                completion += len(s.token_ids)
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                             "model": lora or self.model_name, "choices": choices,
+                             "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                                       "total_tokens": prompt + completion}})
 
     async def start_chat(self, req: ChatRequest) -> tuple[Generation, ChatFormat]:
         """Render, tokenize and start a chat request (also the Responses API's way in)."""

@@ -347,6 +347,7 @@ def _with_prompt_logprobs(body: dict, params: SamplingParams, echo_logprobs: Opt
 class CompletionRequest(_Common):
     prompts: list[PromptInput] = field(default_factory=list)
     echo: bool = False
+    beam_search: Optional[Any] = None  # vLLM's use_beam_search: BeamSearchParams (width n)
 
 
 @dataclass
@@ -373,7 +374,25 @@ def parse_completion(body: dict) -> CompletionRequest:
     params, field_name = _constrain(body, params)
     common = _common(body, params)
     common.structured_field = field_name
-    return CompletionRequest(**vars(common), prompts=prompts, echo=echo)
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo, beam_search=_beam_search(body, common))
+
+
+def _beam_search(body: dict, common: _Common) -> Optional[Any]:
+    """vLLM's `use_beam_search` (with `n` beams, `length_penalty`): not streamed, no sampling options."""
+    if not get_bool(body, "use_beam_search", False):
+        return None
+    from streamer.beam_search import BeamSearchParams
+    p = common.params
+    if common.stream:
+        raise APIError("use_beam_search cannot be streamed", param="stream")
+    for name in ("logprobs", "structured_outputs", "stop", "prompt_logprobs"):
+        if getattr(p, name):
+            raise APIError(f"{name} is not supported with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(p.n, p.max_tokens or 16, ignore_eos=p.ignore_eos,
+                                length_penalty=get_float(body, "length_penalty", 1.0))
+    except ValueError as e:
+        raise APIError(str(e).replace("beam_width", "n"), param="n") from None
 
 
 def parse_prompts(v: Any) -> list[PromptInput]:
