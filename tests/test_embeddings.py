@@ -224,3 +224,22 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llama_dir):
                                                                   "truncate_prompt_tokens": 0})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
         asyncio.run(main())
+
+
+def test_chat_messages_embed_as_their_rendered_prompt(llama_dir):
+    import httpx
+
+    from tests.server_utils import LiveServer
+    messages = [{"role": "user", "content": "find me a recipe"}]
+    with LiveServer(llama_dir) as live:
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                r = (await http.post("/v1/embeddings", json={"messages": messages})).json()
+                text = live.app.state.server.chat_template.render(messages, False)
+                ids = live.engine.tokenizer.encode(text, add_special_tokens=False)
+                plain = (await http.post("/v1/embeddings", json={"input": [ids]})).json()
+                assert r["data"][0]["embedding"] == plain["data"][0]["embedding"]
+                assert r["usage"]["prompt_tokens"] == len(ids)
+                bad = await http.post("/v1/embeddings", json={"messages": messages, "input": "x"})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+        asyncio.run(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 from starlette.requests import Request
@@ -14,18 +14,25 @@ from starlette.responses import JSONResponse, Response
 
 from streamer.pooling import PoolingParams
 from streamer.server.generation import engine_error
-from streamer.server.protocol import APIError, _show, get_bool, get_int, get_str, parse_prompts
+from streamer.server.protocol import APIError, _show, get_bool, get_int, get_str, parse_messages, parse_prompts
 
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
 
 
-def parse_embedding(body: dict) -> tuple[list[Any], PoolingParams, str]:
-    """(inputs, pooling, encoding_format); `input` as /v1/completions' `prompt` (strings or token ids)."""
-    try:
-        inputs = parse_prompts(body.get("input"))
-    except APIError as e:
-        raise APIError(e.message.replace("prompt", "input"), param="input") from None
+def parse_embedding(body: dict, render: Optional[Callable[[list[dict]], str]] = None,
+                    ) -> tuple[list[Any], PoolingParams, str]:
+    """(inputs, pooling, encoding_format); `input` as /v1/completions' `prompt` (strings or token ids), or vLLM's
+    `messages` (one conversation, rendered with the chat template by `render`)."""
+    if body.get("messages") is not None and render is not None:
+        if body.get("input") is not None:
+            raise APIError("give either input or messages", param="messages")
+        inputs: list[Any] = [render(parse_messages(body["messages"]))]
+    else:
+        try:
+            inputs = parse_prompts(body.get("input"))
+        except APIError as e:
+            raise APIError(e.message.replace("prompt", "input"), param="input") from None
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise APIError(f"encoding_format must be 'float' or 'base64', got {fmt!r}", param="encoding_format")
@@ -38,7 +45,10 @@ def parse_embedding(body: dict) -> tuple[list[Any], PoolingParams, str]:
 async def embeddings(server: "OpenAIServer", request: Request) -> Response:
     body = await server._json(request)
     lora = server._check_model(get_str(body, "model", None, 1024))
-    inputs, pooling, fmt = parse_embedding(body)
+    inputs, pooling, fmt = parse_embedding(
+        body, lambda messages: server.chat_template.render(messages, get_bool(body, "add_generation_prompt", False)))
+    if body.get("messages") is not None:  # the template placed the special tokens
+        inputs = [await server.engine.encode(inputs[0], add_special_tokens=False)]
     rid = f"embd-{uuid.uuid4().hex}"
     vectors, tokens = await embed_all(server, inputs, pooling, lora, rid, "input")
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, fmt)} for i, v in enumerate(vectors)]
