@@ -59,8 +59,8 @@ class EngineConfig:
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
     # activations quantized per token): half the weight memory and bandwidth. Any checkpoint may be quantized this
-    # way at load. None: FP8 checkpoints compute in FP8 on GPUs that have FP8 matmuls (compute capability 8.9+),
-    # otherwise they are dequantized to the compute dtype; "none": always dequantize.
+    # way at load. None: FP8 checkpoints compute in FP8 on GPUs with row-wise scaled FP8 matmuls (compute
+    # capability 9.0+), otherwise they are dequantized to the compute dtype; "none": always dequantize.
     quantization: Optional[str] = None
     enable_lora: bool = False
     max_loras: int = 4

@@ -248,6 +248,9 @@ class ModelRunner:
 
     def _use_fp8(self) -> bool:
         q = self.config.quantization
+        if q == "fp8" and self.device.type == "cuda" and not fp8_supported(self.device):
+            raise ValueError("quantization='fp8' needs a GPU with row-wise scaled FP8 matmuls (compute capability "
+                             f"9.0+); this one is {torch.cuda.get_device_capability(self.device)}")
         if q is not None:
             return q == "fp8"
         return self.model_cfg.quantization is not None and fp8_supported(self.device)
