@@ -212,7 +212,7 @@ class AsyncEngine:
         """The `beam_width` best continuations of one prompt (streamer/beam_search.py); each step's beams run as
         concurrent requests, which the engine batches."""
         core = self._core
-        _, ids = core.tokenize_prompt(prompt) if not isinstance(prompt, str) else (None, await self.encode(prompt))
+        ids = await self.encode(prompt) if isinstance(prompt, str) else core.tokenize_prompt(prompt)[1]
         core.validate(ids, SamplingParams(max_tokens=1))
         search = BeamSearch(core, [ids], params)
         while requests := search.step_requests():

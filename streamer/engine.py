@@ -216,7 +216,7 @@ class LLMEngine:
         if len(cut) < len(prompt_token_ids):
             text, prompt_token_ids = None, cut  # (the text no longer matches the tokens)
         if pooling is not None:
-            params, pooling = SamplingParams(temperature=0.0), self._pooling(pooling)
+            params, pooling = SamplingParams(temperature=0.0), self.resolve_pooling(pooling)
         max_tokens = self.validate(prompt_token_ids, params, pooling=pooling is not None)
         adapter = self.resolve_lora(lora_request)
         if params.structured_outputs is not None and grammar is None:
@@ -244,7 +244,7 @@ class LLMEngine:
         self.groups[request_id] = [s.req.request_id for s in states]
         return states
 
-    def _pooling(self, pooling: PoolingParams) -> PoolingParams:
+    def resolve_pooling(self, pooling: PoolingParams) -> PoolingParams:
         """The request's pooling with the model's default filled in, checked against the model."""
         hidden = self.model_config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden:

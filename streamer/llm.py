@@ -16,6 +16,13 @@ def _is_token_list(x: object) -> bool:
     return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
 
 
+def _prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    """One prompt (a string, a dict or a token-id list) or several, as a list."""
+    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
 class LLM:
     """vLLM-shaped offline API. Engine arguments are `EngineConfig` fields (dtype, block_size, ...)."""
 
@@ -47,9 +54,7 @@ class LLM:
                  lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
         """`lora_request`: one LoRA adapter for every prompt, or one per prompt (None: the base model); a
         `LoRARequest(name, path)` or the name of an adapter registered with `add_lora`."""
-        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
@@ -79,9 +84,7 @@ class LLM:
                     ) -> list[BeamSearchOutput]:
         """The `beam_width` best continuations of each prompt by cumulative log-probability (streamer/beam_search.py):
         one engine step per token over all beams of all prompts, the shared prefixes served by the prefix cache."""
-        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-            prompts = [prompts]
-        ids = [self.engine.tokenize_prompt(p)[1] for p in prompts]
+        ids = [self.engine.tokenize_prompt(p)[1] for p in _prompt_list(prompts)]
         for p in ids:
             self.engine.validate(p, SamplingParams(max_tokens=1))
         search = BeamSearch(self.engine, ids, params)
@@ -115,14 +118,12 @@ class LLM:
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:
         """Each prompt's embedding: the model's final hidden states pooled (default: the model's own pooling,
         normalised; streamer/pooling.py). Batched with each other as generation is."""
-        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         pooling = pooling or PoolingParams()
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         tokenized = [(text, truncate_prompt(ids, pooling)) for text, ids in map(engine.tokenize_prompt, prompts)]
-        checked = engine._pooling(pooling)
+        checked = engine.resolve_pooling(pooling)
         for _, ids in tokenized:  # everything first, so one bad prompt adds nothing
             engine.validate(ids, SamplingParams(), pooling=True)
         adapters = [engine.resolve_lora(x) for x in loras]
