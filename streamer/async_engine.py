@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
@@ -242,6 +242,15 @@ class AsyncEngine:
             return await asyncio.to_thread(tok.encode, text, add_special_tokens)
         return tok.encode(text, add_special_tokens)
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's recommended sampling, by SamplingParams field (streamer/generation_config.py)."""
+        return self._core.sampling_defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request given no SamplingParams samples with (see `LLM.get_default_sampling_params`)."""
+        return self._core.default_sampling_params()
+
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
                           cache_salt: Optional[str] = None, lora_request: LoRAType = None,
@@ -252,7 +261,7 @@ class AsyncEngine:
         (see `embed`)."""
         core = self._core
         self._check_alive()
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else core.default_sampling_params()
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         if isinstance(prompt, str):
             ids = await self.encode(prompt)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -58,6 +59,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--quantization", default=None, choices=["fp8", "none"],
                    help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them)")
+    g.add_argument("--generation-config", default="auto",
+                   help="where unset request fields take defaults from: auto (the model's generation_config.json: "
+                        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (the API's "
+                        "own defaults) or a folder holding a generation_config.json")
+    g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help='generation_config.json keys that win over the file, e.g. \'{"temperature": 0.5}\'')
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument("--enable-lora", action="store_true", help="let requests run with LoRA adapters")
     lo.add_argument("--max-loras", type=int, default=4, help="adapters the model holds at once")
@@ -70,7 +77,17 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "enable_lora", "max_loras", "max_lora_rank",
-                "quantization")
+                "quantization", "generation_config", "override_generation_config")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -65,6 +65,12 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    # Where unset request fields take their defaults from (streamer/generation_config.py): "auto" = the model's
+    # generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "vllm" =
+    # the API's own defaults, or a folder holding a generation_config.json. `override_generation_config` (the
+    # file's keys) wins over either.
+    generation_config: str = "auto"
+    override_generation_config: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

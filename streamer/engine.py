@@ -18,6 +18,7 @@ import numpy as np
 
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
+from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
@@ -123,6 +124,14 @@ class LLMEngine:
         self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.runner.place_lora,
                                   self.scheduler.lora_slots)
         self.default_pooling = default_pooling(self.model_dir)  # for embedding requests that name none
+        # What unset request fields default to: the checkpoint's recommended sampling (generation_config.json).
+        self.sampling_defaults = sampling_defaults(config.generation_config, self.model_dir,
+                                                   config.override_generation_config)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request that sets no sampling field gets: SamplingParams' defaults, with the checkpoint's
+        generation_config.json values in their place (see `sampling_defaults`)."""
+        return SamplingParams(**self.sampling_defaults)
 
     # ------------------------------------------------------------------ LoRA adapters (streamer/lora.py)
     def load_lora(self, name: str, path: str | Path) -> LoRAAdapter:

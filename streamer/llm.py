@@ -48,6 +48,11 @@ class LLM:
     def remove_lora(self, name: str) -> None:
         self.engine.remove_lora(name)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling `generate` uses when given none: the checkpoint's generation_config.json values where it
+        sets them (engine argument `generation_config`), SamplingParams' defaults elsewhere."""
+        return self.engine.default_sampling_params()
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  priority: Optional[Sequence[int]] = None,
@@ -56,7 +61,7 @@ class LLM:
         `LoRARequest(name, path)` or the name of an adapter registered with `add_lora`."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
                   else list(sampling_params))
         if len(params) != len(prompts):

@@ -81,7 +81,7 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation endpoints
     async def completions(self, request: Request) -> Response:
-        req = parse_completion(await self._json(request))
+        req = parse_completion(await self._json(request), self.engine.sampling_defaults)
         lora = self._check_model(req.model)
         if req.beam_search is not None:
             return await self._beam_search(req, lora)
@@ -92,7 +92,7 @@ class OpenAIServer:
         return await self._respond(request, gen, fmt, req)
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat(await self._json(request))
+        req = parse_chat(await self._json(request), self.engine.sampling_defaults)
         gen, fmt = await self.start_chat(req)
         return await self._respond(request, gen, fmt, req)
 

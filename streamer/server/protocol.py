@@ -10,7 +10,8 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Union
 
 from streamer.sampling_params import MAX_LOGPROBS, SamplingParams
 from streamer.server import structured
@@ -251,28 +252,34 @@ def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt
     return APIError(msg, param=_param_of(msg, _SAMPLING_FIELDS | extra_fields))
 
 
+_NO_DEFAULTS: Mapping[str, Any] = MappingProxyType({})
+
+
 def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Optional[int],
-                    logprobs: Optional[int]) -> SamplingParams:
-    """The sampling fields shared by both endpoints (OpenAI's plus vLLM's extensions)."""
+                    logprobs: Optional[int], defaults: Mapping[str, Any]) -> SamplingParams:
+    """The sampling fields shared by both endpoints (OpenAI's plus vLLM's extensions). `defaults`: the
+    server's values for fields the body leaves out (the checkpoint's generation_config.json), by SamplingParams
+    name."""
+    d = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, **defaults}
     n = get_int(body, "n", 1, 1, MAX_N)
     assert n is not None
     max_tokens = get_int(body, max_tokens_field, None, 1, INT64_MAX)
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = get_int(body, "max_tokens", None, 1, INT64_MAX)
-    top_k = get_int(body, "top_k", -1, -1, INT64_MAX)
+    top_k = get_int(body, "top_k", d["top_k"], -1, INT64_MAX)
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
     try:
         return SamplingParams(
-            n=n, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            n=n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens", default_max_tokens),
             min_tokens=get_int(body, "min_tokens", 0, 0, INT64_MAX),  # type: ignore[arg-type]
-            temperature=get_float(body, "temperature", 1.0), top_p=get_float(body, "top_p", 1.0),
+            temperature=get_float(body, "temperature", d["temperature"]), top_p=get_float(body, "top_p", d["top_p"]),
             top_k=-1 if top_k == 0 else top_k,  # type: ignore[arg-type]  # vLLM reads 0 as "off" too
-            min_p=get_float(body, "min_p", 0.0),
+            min_p=get_float(body, "min_p", d["min_p"]),
             presence_penalty=get_float(body, "presence_penalty", 0.0),
             frequency_penalty=get_float(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_float(body, "repetition_penalty", 1.0),
+            repetition_penalty=get_float(body, "repetition_penalty", d["repetition_penalty"]),
             # torch seeds are 64-bit, and sequence i of n is seeded with seed + i
             seed=get_int(body, "seed", None, INT64_MIN, INT64_MAX - MAX_N),
             stop=_stop(body), stop_token_ids=_stop_token_ids(body),
@@ -363,13 +370,14 @@ class ChatRequest(_Common):
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (with a reasoning parser)
 
 
-def parse_completion(body: dict) -> CompletionRequest:
+def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> CompletionRequest:
     prompts = parse_prompts(body.get("prompt"))
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
-    params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs)
+    params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs,
+                             defaults=defaults)
     params = _with_prompt_logprobs(body, params, logprobs if echo else None)
     params, field_name = _constrain(body, params)
     common = _common(body, params)
@@ -418,7 +426,7 @@ def parse_prompts(v: Any) -> list[PromptInput]:
     return prompts
 
 
-def parse_chat(body: dict) -> ChatRequest:
+def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRequest:
     messages = parse_messages(body.get("messages"))
     want_logprobs = get_bool(body, "logprobs", False)
     top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -426,7 +434,7 @@ def parse_chat(body: dict) -> ChatRequest:
         raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
     top_logprobs = (top or 0) if want_logprobs else None
     params = sampling_params(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
-                             logprobs=top_logprobs)
+                             logprobs=top_logprobs, defaults=defaults)
     params = _with_prompt_logprobs(body, params)
     add_gen = get_bool(body, "add_generation_prompt", True)
     cont = get_bool(body, "continue_final_message", False)
