@@ -1,5 +1,7 @@
 """/v1/responses with the real openai client: the same answer as the equivalent chat completion, streamed as typed
-events that add up to it; instructions, input items, text.format, forced and parsed function calls; 4xx errors."""
+events that add up to it; instructions, input items, text.format, forced and parsed function calls; 4xx errors.
+The store: retrieve / delete / input_items, previous_response_id (the conversation goes on, as the equivalent chat
+shows), background responses and their cancellation, LRU eviction; every KV block comes back."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +10,7 @@ import json
 import openai
 import pytest
 
+from streamer.server.response_store import ResponseStore, StoredResponse
 from tests.server_utils import LiveServer
 
 GREEDY = {"temperature": 0.0}
@@ -16,9 +19,15 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "weather in
                           "required": ["city"]}}
 
 
+# Background responses that are cancelled generate this many tokens unless stopped (the tiny model decodes one in
+# about a millisecond, so they run for a minute: nothing finishes while a test holds it).
+LONG = 60000
+
+
 @pytest.fixture(scope="module")
-def live(llama_dir):
-    with LiveServer(llama_dir) as server:
+def live(make_ckpt):
+    long_dir = make_ckpt("server_disconnect_long", family="llama", max_position_embeddings=65536)
+    with LiveServer(long_dir, num_kv_blocks=8192) as server:
         yield server
 
 
@@ -111,6 +120,9 @@ def test_bad_requests_are_4xx(live):
     async def main():
         c = _client(live)
         cases = [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                 ({"input": "x", "store": "yes"}, "store"),
+                 ({"input": "x", "background": True, "store": False}, "background"),
+                 ({"input": "x", "background": True, "stream": True}, "stream"),
                  ({"input": []}, "input"),
                  ({"input": [{"type": "image", "url": "x"}]}, "input"),
                  ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
@@ -165,3 +177,253 @@ def test_mixed_load_with_disconnects_leaks_nothing(live):
             break
         time.sleep(0.1)
     assert state["free"] == state["blocks"] and state["running"] == state["waiting"] == state["streams"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- the store
+def _assert_idle(live: LiveServer) -> None:
+    state = live.wait_idle()
+    assert state["free"] == state["blocks"]
+
+
+async def _until(c: openai.AsyncOpenAI, rid: str, statuses: set[str]):
+    """The stored response once its status is one of `statuses` (polled; 60 s at most)."""
+    for _ in range(1200):
+        r = await c.responses.retrieve(rid)
+        if r.status in statuses:
+            return r
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{rid} stayed {r.status}")
+
+
+def test_previous_response_id_continues_the_conversation(live):
+    """Each turn is answered as the whole conversation would be by chat (same text, same prompt length), without
+    the earlier turn's instructions; streamed turns are stored too, and input_items lists the conversation."""
+    async def main():
+        c = _client(live)
+        first = await c.responses.create(model=live.model_name, input="hello", instructions="be brief",
+                                         max_output_tokens=8, **GREEDY)
+        assert first.store is True and first.previous_response_id is None
+        second = await c.responses.create(model=live.model_name, input="and again", previous_response_id=first.id,
+                                          max_output_tokens=8, **GREEDY)
+        history = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first.output_text},
+                   {"role": "user", "content": "and again"}]
+        chat = await c.chat.completions.create(model=live.model_name, messages=history, max_tokens=8, **GREEDY)
+        assert second.output_text == chat.choices[0].message.content
+        assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+        assert second.previous_response_id == first.id and second.instructions is None
+
+        stream = await c.responses.create(model=live.model_name, input="third", previous_response_id=second.id,
+                                          max_output_tokens=8, stream=True, **GREEDY)
+        third = [e async for e in stream][-1].response
+        history += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "third"}]
+        want, _ = await _chat_text(c, live, history, 8)
+        assert third.output_text == want and third.previous_response_id == second.id
+        stored = await c.responses.retrieve(third.id)
+        assert stored.output_text == want and stored.usage.input_tokens == third.usage.input_tokens
+
+        # Every earlier turn's input and output, oldest first with order=asc (fetched 2 a page, following `after`).
+        items = [i async for i in c.responses.input_items.list(third.id, order="asc", limit=2)]
+        texts = [(i.role, i.content[0].text) for i in items]
+        assert texts == [(m["role"], m["content"]) for m in history]
+        assert items[1].id == first.output[0].id and len({i.id for i in items}) == len(items)
+        newest = await c.responses.input_items.list(third.id, limit=2)
+        assert [i.id for i in newest.data] == [items[-1].id, items[-2].id] and newest.has_more
+    _run(main())
+    _assert_idle(live)
+
+
+def test_function_call_then_its_output_by_previous_response_id(live):
+    async def main():
+        c = _client(live)
+        r = await c.responses.create(model=live.model_name, input="weather in Paris?", tools=[WEATHER],
+                                     tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60,
+                                     **GREEDY)
+        call = next(o for o in r.output if o.type == "function_call")
+        follow = await c.responses.create(model=live.model_name, tools=[WEATHER], max_output_tokens=5, **GREEDY,
+                                          previous_response_id=r.id,
+                                          input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                  "output": "sunny"}])
+        stateless = await c.responses.create(model=live.model_name, tools=[WEATHER], max_output_tokens=5, **GREEDY,
+                                             input=[{"role": "user", "content": "weather in Paris?"},
+                                                    {"type": "function_call", "call_id": call.call_id,
+                                                     "name": "get_weather", "arguments": call.arguments},
+                                                    {"type": "function_call_output", "call_id": call.call_id,
+                                                     "output": "sunny"}])
+        assert follow.output_text == stateless.output_text
+        assert follow.usage.input_tokens == stateless.usage.input_tokens
+        kinds = [i.type async for i in c.responses.input_items.list(follow.id, order="asc")]
+        assert kinds == ["message", "function_call", "function_call_output"]
+    _run(main())
+
+
+def test_retrieve_delete_store_false_and_unknown_ids(live):
+    async def main():
+        c = _client(live)
+        r = await c.responses.create(model=live.model_name, input="keep me", max_output_tokens=4, **GREEDY)
+        got = await c.responses.retrieve(r.id)
+        assert got.id == r.id and got.output_text == r.output_text and got.status == r.status
+        await c.responses.delete(r.id)
+        for call in (c.responses.retrieve, c.responses.delete, c.responses.input_items.list):
+            with pytest.raises(openai.NotFoundError) as e:
+                await call(r.id)
+            assert e.value.body["code"] == "response_not_found"
+        with pytest.raises(openai.BadRequestError) as e:  # a deleted response cannot be continued
+            await c.responses.create(model=live.model_name, input="x", previous_response_id=r.id)
+        assert e.value.body["code"] == "previous_response_not_found"
+
+        unstored = await c.responses.create(model=live.model_name, input="forget me", store=False,
+                                            max_output_tokens=4, **GREEDY)
+        assert unstored.store is False
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(unstored.id)
+        kept = await c.responses.create(model=live.model_name, input="x", max_output_tokens=2, **GREEDY)
+        with pytest.raises(openai.BadRequestError) as e:  # only background responses can be cancelled
+            await c.responses.cancel(kept.id)
+        assert e.value.body["param"] == "response_id"
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.responses.input_items.list(kept.id, order="sideways")  # type: ignore[arg-type]
+        assert e.value.body["param"] == "order"
+    _run(main())
+    _assert_idle(live)
+
+
+def test_background_response_finishes_and_cancel_frees_its_blocks(live):
+    async def main():
+        c = _client(live)
+        want = await c.responses.create(model=live.model_name, input="in the back", max_output_tokens=6, **GREEDY)
+        r = await c.responses.create(model=live.model_name, input="in the back", max_output_tokens=6, background=True,
+                                     **GREEDY)
+        assert r.status in ("queued", "in_progress") and r.background and r.output == []
+        done = await _until(c, r.id, {"completed", "incomplete", "failed"})
+        assert done.output_text == want.output_text and done.usage.output_tokens == want.usage.output_tokens
+
+        long = await c.responses.create(model=live.model_name, input="go on", max_output_tokens=LONG,
+                                        background=True, extra_body={"ignore_eos": True})
+        await _until(c, long.id, {"in_progress"})
+        held = live.pool_state()
+        assert held["running"] == 1 and held["free"] < held["blocks"]
+        cancelled = await c.responses.cancel(long.id)
+        assert cancelled.status == "cancelled" and 0 < cancelled.usage.output_tokens < LONG
+        assert (await c.responses.retrieve(long.id)).status == "cancelled"
+        assert (await c.responses.cancel(long.id)).status == "cancelled"  # again: the same answer
+        _assert_idle(live)
+
+        # Deleting a running background response cancels it too.
+        doomed = await c.responses.create(model=live.model_name, input="go on", max_output_tokens=LONG,
+                                          background=True, extra_body={"ignore_eos": True})
+        await _until(c, doomed.id, {"in_progress"})
+        await c.responses.delete(doomed.id)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(doomed.id)
+    _run(main())
+    _assert_idle(live)
+
+
+def test_lru_eviction_keeps_chains_whole(live):
+    """A store of 2: older responses go, but a response keeps its whole conversation, so a chain goes on after its
+    first link is evicted; a store of 0 keeps nothing (and refuses background responses)."""
+    api = live.app.state.responses
+    default = api.store
+
+    async def main():
+        c = _client(live)
+        first = await c.responses.create(model=live.model_name, input="one", max_output_tokens=3, **GREEDY)
+        second = await c.responses.create(model=live.model_name, input="two", previous_response_id=first.id,
+                                          max_output_tokens=3, **GREEDY)
+        await c.responses.create(model=live.model_name, input="other", max_output_tokens=3, **GREEDY)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(first.id)
+        third = await c.responses.create(model=live.model_name, input="three", previous_response_id=second.id,
+                                         max_output_tokens=3, **GREEDY)
+        texts = [i.content[0].text async for i in c.responses.input_items.list(third.id, order="asc")]
+        assert texts == ["one", first.output_text, "two", second.output_text, "three"]
+
+    live.call(lambda: setattr(api, "store", ResponseStore(2)))
+    try:
+        _run(main())
+        live.call(lambda: setattr(api, "store", ResponseStore(0)))
+
+        async def disabled():
+            c = _client(live)
+            r = await c.responses.create(model=live.model_name, input="x", max_output_tokens=2, **GREEDY)
+            assert r.store is False
+            with pytest.raises(openai.NotFoundError):
+                await c.responses.retrieve(r.id)
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.responses.create(model=live.model_name, input="x", background=True)
+            assert "--responses-store-size" in e.value.body["message"]
+        _run(disabled())
+    finally:
+        live.call(lambda: setattr(api, "store", default))
+
+
+def test_store_bounds():
+    def entry(rid: str, text: str = "x") -> StoredResponse:
+        return StoredResponse({"id": rid, "output": []}, [{"type": "message", "content": text}])
+
+    store = ResponseStore(max_count=2)
+    for rid in "abc":
+        store.put(entry(rid))
+        store.get("a")  # a use keeps "a" recent
+    assert store.get("b") is None and store.get("a") is not None and len(store) == 2
+    size = entry("a", "y" * 100).measure()
+    store = ResponseStore(max_count=10, max_bytes=2 * size + size // 2)  # room for two
+    for rid in "abcd":
+        store.put(entry(rid, "y" * 100))
+    assert len(store) == 2 and store.get("c") and store.get("d") and store.bytes == 2 * size
+    assert store.pop("d") is not None and store.pop("d") is None
+    assert store.bytes == store.get("c").size  # type: ignore[union-attr]
+    nothing = ResponseStore(0)
+    nothing.put(entry("a"))
+    assert len(nothing) == 0 and not nothing.enabled
+    with pytest.raises(ValueError):
+        ResponseStore(-1)
+
+
+def test_evicting_a_running_background_response_cancels_it():
+    async def main():
+        store = ResponseStore(1)
+        running = StoredResponse({"id": "a", "output": []}, [])
+        running.task = asyncio.ensure_future(asyncio.sleep(60))
+        store.put(running)
+        store.put(StoredResponse({"id": "b", "output": []}, []))
+        await asyncio.wait({running.task}, timeout=60)
+        assert running.task.cancelled()
+    _run(main())
+
+
+def test_serve_refuses_a_negative_store_size():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "streamer", "serve", "--port", "0", "--responses-store-size", "-1"],
+                       cwd=repo, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert p.returncode == 2 and "--responses-store-size must be >= 0" in p.stderr
+
+
+def test_background_cancelled_before_it_starts_still_aborts_its_request():
+    """The store may cancel a background generation in the tick that created it (evicted at once): the engine
+    request is aborted all the same, and the response says "cancelled"."""
+    from streamer.server.responses_api import ResponseBuilder, ResponsesAPI
+
+    class FakeGeneration:
+        closed: list = []
+
+        def usage(self) -> dict:
+            return {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+
+        def close(self, reason=None) -> None:
+            self.closed.append(reason)
+
+    async def main():
+        api = ResponsesAPI(None, store_size=1)  # type: ignore[arg-type]
+        gen = FakeGeneration()
+        builder = ResponseBuilder({"background": True}, "m", store=True)
+        response = api._start_background(gen, None, builder, [])  # type: ignore[arg-type]
+        entry = api.store.pop(response["id"])
+        await asyncio.wait({entry.task})  # (as the cancel endpoint does: the entry is settled once it returns)
+        assert gen.closed == ["cancelled"] and entry.response["status"] == "cancelled" and entry.task is None
+    _run(main())

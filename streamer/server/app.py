@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from streamer.async_engine import AsyncEngine
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import embeddings, rerank, score
-from streamer.server.responses_api import responses
+from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
+from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize)
@@ -184,9 +185,6 @@ class OpenAIServer:
 
     async def rerank(self, request: Request) -> Response:
         return await rerank(self, request)
-
-    async def responses(self, request: Request) -> Response:
-        return await responses(self, request)
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
@@ -378,10 +376,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
-              allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None) -> Starlette:
-    """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine).
-    allow_lora_updates: serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+              allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
+              responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE) -> Starlette:
+    """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
+    `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none)."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
+    responses = ResponsesAPI(s, responses_store_size)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
@@ -390,7 +391,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/score", s.score, methods=["POST"]),
         Route("/v1/rerank", s.rerank, methods=["POST"]),
         Route("/rerank", s.rerank, methods=["POST"]),
-        Route("/v1/responses", s.responses, methods=["POST"]),
+        *responses.routes(),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
@@ -406,4 +407,5 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         _ClientGone: _client_gone, Exception: _internal_error})
     app.state.server = s
     app.state.engine = engine
+    app.state.responses = responses
     return app

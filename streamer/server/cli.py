@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import uvicorn
 
-from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, build_app
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import PARSERS
 
@@ -51,6 +51,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         " also '{\"name\": ..., \"path\": ...}'")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (loads folders of this machine)")
+    g.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
+                   help="how many /v1/responses responses to keep in memory for retrieval, previous_response_id and "
+                        "background mode (least recently used out first; 0: store none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
 
@@ -79,9 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # A server runs for long: compile the model on every device (on CPU this costs ~15-60 s at the first
         # start, less from the on-disk cache, and buys 20-30% per decode step; `--enforce-eager` opts out).
         kwargs["enforce_eager"] = False
-    if args.max_waiting is not None and args.max_waiting < 0:
-        print("streamer serve: error: --max-waiting must be >= 0", file=sys.stderr)
-        return 2
+    for flag, value in (("--max-waiting", args.max_waiting), ("--responses-store-size", args.responses_store_size)):
+        if value is not None and value < 0:
+            print(f"streamer serve: error: {flag} must be >= 0", file=sys.stderr)
+            return 2
     try:
         args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
     except ValueError as e:
@@ -136,7 +140,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        allow_lora_updates=args.allow_runtime_lora_updating)
+                        allow_lora_updates=args.allow_runtime_lora_updating,
+                        responses_store_size=args.responses_store_size)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,

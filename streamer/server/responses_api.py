@@ -1,10 +1,13 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless (`store` is not kept; `previous_response_id` is refused).
+"""/v1/responses: OpenAI's Responses API, with OpenAI's store (GET / DELETE / input_items / cancel,
+`previous_response_id`, `background`).
 
 A request is translated into a chat completion request (`to_chat_body`: `instructions` -> a system message,
-`input` items -> messages, function tools and `text.format` -> their chat spellings) and runs through the chat
-path, so sampling, structured outputs, forced tool calls, tool-call and reasoning parsers behave as there. Only the
-shape of the answer differs: a `response` object whose `output` holds reasoning, message and function_call items,
-or, streamed, the typed events (`response.created`, `response.output_text.delta`, ..., `response.completed`).
+earlier turns' items and `input` items -> messages, function tools and `text.format` -> their chat spellings) and
+runs through the chat path, so sampling, structured outputs, forced tool calls, tool-call and reasoning parsers
+behave as there. Only the shape of the answer differs: a `response` object whose `output` holds reasoning,
+message and function_call items, or, streamed, the typed events (`response.created`,
+`response.output_text.delta`, ..., `response.completed`). With `store` (the default) the final object and the
+conversation that led to it are kept in a bounded `ResponseStore`.
 """
 from __future__ import annotations
 
@@ -12,14 +15,16 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from streamer.server.generation import Generation, engine_error
-from streamer.server.protocol import APIError, _show, dumps, parse_chat
+from streamer.server.protocol import APIError, _show, dumps, get_bool, parse_chat
+from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
 
@@ -34,11 +39,9 @@ _SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "p
          "chat_template_kwargs", "ignore_eos", "min_tokens", "include_reasoning")
 
 
-def to_chat_body(body: dict) -> dict:
-    """The chat completion request that computes this response (APIError naming the Responses field)."""
-    if body.get("previous_response_id") is not None:
-        raise APIError("previous_response_id is not supported: this server keeps no responses (send the whole "
-                       "conversation as `input`)", param="previous_response_id")
+def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[dict, list[dict[str, Any]]]:
+    """The chat completion request that computes this response (APIError naming the Responses field), and the
+    conversation's items as stored. history: the previous response's items, before this request's `input`."""
     chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -48,7 +51,8 @@ def to_chat_body(body: dict) -> dict:
         if not isinstance(instructions, str):
             raise APIError(f"instructions must be a string, got {_show(instructions)}", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    messages += _input_messages(body.get("input"))
+    items = [*history, *input_items(body.get("input"))]
+    messages += _input_messages(items, offset=len(history))
     chat["messages"] = messages
     if body.get("tools") is not None:
         chat["tools"] = _tools(body["tools"])
@@ -63,7 +67,7 @@ def to_chat_body(body: dict) -> dict:
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if fmt is not None:
         chat["response_format"] = _format(fmt)
-    return chat
+    return chat, items
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -81,13 +85,34 @@ def _text_of(content: Any, param: str) -> str:
     raise APIError(f"{param} must be a string or an array of text parts, got {_show(content)}", param="input")
 
 
-def _input_messages(items: Any) -> list[dict[str, Any]]:
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items(items: Any) -> list[dict[str, Any]]:
+    """`input` as the items OpenAI stores and lists: each with a type and an id, a message's string content as a
+    text part. Items of an unknown shape pass through for `_input_messages` to refuse."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise APIError(f"input must be a string or a non-empty array of items, got {_show(items)}", param="input")
+    return [_as_item(item) for item in items]
+
+
+def _as_item(item: Any) -> Any:
+    if not isinstance(item, dict):
+        return item
+    kind = item.get("type", "message")
+    out = {"type": kind, "id": f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", **item}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
+
+
+def _input_messages(items: list[Any], offset: int = 0) -> list[dict[str, Any]]:
+    """offset: how many items came before the client's own `input` (they are named input[i - offset])."""
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(items, -offset):
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             role = item.get("role")
@@ -138,21 +163,23 @@ def _format(fmt: Any) -> dict[str, Any]:
 class ResponseBuilder:
     """The `response` object and its output items, for one request."""
 
-    def __init__(self, body: dict, model: str) -> None:
+    def __init__(self, body: dict, model: str, store: bool = False) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.body, self.model = body, model
+        self.body, self.model, self.store = body, model, store
 
     def response(self, status: str, output: list[dict], usage: Optional[dict] = None,
-                 finish_reason: Optional[str] = None) -> dict[str, Any]:
+                 finish_reason: Optional[str] = None, error: Optional[APIError] = None) -> dict[str, Any]:
         b = self.body
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": None if error is None else {"code": error.code or error.type, "message": error.message},
             "incomplete_details": incomplete, "instructions": b.get("instructions"),
             "max_output_tokens": b.get("max_output_tokens"), "model": self.model, "output": output,
-            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"), "background": bool(b.get("background")),
+            "reasoning": {"effort": None, "summary": None}, "store": self.store,
             "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
                                                                 or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
@@ -171,6 +198,10 @@ class ResponseBuilder:
     @staticmethod
     def status(finish_reason: Optional[str]) -> str:
         return "incomplete" if finish_reason == "length" else "completed"
+
+    def final(self, c: Choice, gen: Generation) -> dict[str, Any]:
+        """The finished response of a non-streamed choice."""
+        return self.response(self.status(c.finish_reason), self.items(c), self.usage(gen), c.finish_reason)
 
     def items(self, c: Choice) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -198,23 +229,160 @@ def call_item(call: dict[str, Any], status: str, arguments: Optional[str] = None
             "arguments": fn["arguments"] if arguments is None else arguments, "status": status}
 
 
-async def responses(server: "OpenAIServer", request: Request) -> Response:
-    body = await server._json(request)
-    chat = parse_chat(to_chat_body(body))
-    if chat.params.n != 1:
-        raise APIError("n is not part of the Responses API", param="n")
-    gen, fmt = await server.start_chat(chat)
-    builder = ResponseBuilder(body, gen.model)
-    if chat.stream:
-        return sse_response(_events(gen, fmt, builder), headers={"X-Request-Id": gen.request_id},
-                            background=BackgroundTask(gen.close))
-    from streamer.server.app import collect_choices
-    choices = await collect_choices(request, gen, fmt)
-    if choices is None:
-        return Response(status_code=499)
-    c = choices[0]
-    return JSONResponse(builder.response(builder.status(c.finish_reason), builder.items(c), builder.usage(gen),
-                                         c.finish_reason), headers={"X-Request-Id": gen.request_id})
+class ResponsesAPI:
+    """The /v1/responses routes and the store behind them."""
+
+    def __init__(self, server: "OpenAIServer", store_size: int = DEFAULT_MAX_COUNT) -> None:
+        self.server = server
+        self.store = ResponseStore(store_size)
+
+    def routes(self) -> list[Route]:
+        one = "/v1/responses/{response_id}"
+        return [Route("/v1/responses", self.create, methods=["POST"]),
+                Route(one, self.retrieve, methods=["GET"]),
+                Route(one, self.delete, methods=["DELETE"]),
+                Route(one + "/cancel", self.cancel, methods=["POST"]),
+                Route(one + "/input_items", self.input_items, methods=["GET"])]
+
+    async def create(self, request: Request) -> Response:
+        body = await self.server._json(request)
+        store, background = self._options(body)
+        chat_body, items = to_chat_body(body, self._history(body.get("previous_response_id")))
+        chat = parse_chat(chat_body, self.server.engine.sampling_defaults)
+        if chat.params.n != 1:
+            raise APIError("n is not part of the Responses API", param="n")
+        gen, fmt = await self.server.start_chat(chat)
+        builder = ResponseBuilder(body, gen.model, store)
+        headers = {"X-Request-Id": gen.request_id}
+        if background:
+            return JSONResponse(self._start_background(gen, fmt, builder, items), headers=headers)
+        keep = (lambda response: self.store.put(StoredResponse(response, items))) if store else None
+        if chat.stream:
+            return sse_response(_events(gen, fmt, builder, keep), headers=headers, background=BackgroundTask(gen.close))
+        from streamer.server.app import collect_choices
+        choices = await collect_choices(request, gen, fmt)
+        if choices is None:
+            return Response(status_code=499)
+        response = builder.final(choices[0], gen)
+        if keep is not None:
+            keep(response)
+        return JSONResponse(response, headers=headers)
+
+    async def retrieve(self, request: Request) -> Response:
+        return JSONResponse(self._lookup(request).response)
+
+    async def delete(self, request: Request) -> Response:
+        entry = self.store.pop(self._lookup(request).id)  # a running background response is cancelled
+        assert entry is not None
+        return JSONResponse({"id": entry.id, "object": "response", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        entry = self._lookup(request)
+        if not entry.response["background"]:
+            raise APIError("only background responses can be cancelled", param="response_id")
+        task = entry.task
+        if task is not None:  # (a finished one is answered as it is, as OpenAI does)
+            task.cancel()
+            await asyncio.wait({task})  # its done callback, added first, has settled the entry by now
+        return JSONResponse(entry.response)
+
+    async def input_items(self, request: Request) -> Response:
+        """OpenAI's list of the conversation's items (earlier turns included), newest first unless order=asc."""
+        entry, q = self._lookup(request), request.query_params
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(f"order must be 'asc' or 'desc', got {_show(order)}", param="order")
+        limit = _query_int(q.get("limit"), "limit", 20, 1, 100)
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        after = q.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise APIError(f"no input item has the id {_show(after)}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+    # ------------------------------------------------------------------ helpers
+    def _options(self, body: dict) -> tuple[bool, bool]:
+        """(store, background) for this request; a background response must be stored (to be fetched)."""
+        store = get_bool(body, "store", True) and self.store.enabled
+        background = get_bool(body, "background", False)
+        if background and not store:
+            why = "store: true" if self.store.enabled else "a server that stores responses (--responses-store-size)"
+            raise APIError(f"background responses need {why}", param="background")
+        if background and get_bool(body, "stream", False):
+            raise APIError("background responses are not streamed here: create one, then retrieve it", param="stream")
+        return store, background
+
+    def _history(self, previous_id: Any) -> list[dict[str, Any]]:
+        """The previous response's conversation: its input items (earlier turns included) and its output items.
+        Its instructions are not carried over (as OpenAI)."""
+        if previous_id is None:
+            return []
+        entry = self.store.get(previous_id) if isinstance(previous_id, str) else None
+        if entry is None:
+            raise APIError(f"Previous response with id {_show(previous_id)} not found.", param="previous_response_id",
+                           code="previous_response_not_found")
+        if entry.task is not None:
+            raise APIError(f"Previous response {previous_id} is still in progress.", param="previous_response_id")
+        return [*entry.input_items, *entry.response["output"]]
+
+    def _lookup(self, request: Request) -> StoredResponse:
+        rid = request.path_params["response_id"]
+        entry = self.store.get(rid)
+        if entry is None:
+            raise APIError(f"Response with id {rid!r} not found.", 404, param="response_id",
+                           code="response_not_found")
+        return entry
+
+    def _start_background(self, gen: Generation, fmt: ChatFormat, builder: ResponseBuilder,
+                          items: list[dict[str, Any]]) -> dict[str, Any]:
+        entry = StoredResponse(builder.response("queued", []), items)
+        entry.task = asyncio.ensure_future(_generate(entry, gen, fmt, builder))
+        # A callback, not a `finally`: it also runs for a task cancelled before it started.
+        entry.task.add_done_callback(lambda task: self._settle(entry, task, gen, builder))
+        self.store.put(entry)
+        return entry.response
+
+    def _settle(self, entry: StoredResponse, task: asyncio.Task, gen: Generation, builder: ResponseBuilder) -> None:
+        """A background generation ended: abort what is left of it and store its final object."""
+        gen.close("cancelled" if task.cancelled() else None)
+        entry.task = None
+        if task.cancelled():
+            entry.response = builder.response("cancelled", [], builder.usage(gen))
+        elif task.exception() is not None:
+            err = engine_error(task.exception())  # type: ignore[arg-type]
+            logger.error("background response %s failed: %s", builder.id, err.message)
+            entry.response = builder.response("failed", [], builder.usage(gen), error=err)
+        else:
+            entry.response = task.result()
+        self.store.refresh(entry)
+
+
+async def _generate(entry: StoredResponse, gen: Generation, fmt: ChatFormat, builder: ResponseBuilder,
+                    ) -> dict[str, Any]:
+    """A background response's generation: its final object (an error for a shutdown's abort)."""
+    choice = Choice()
+    async for p, out in gen.items():
+        entry.response["status"] = "in_progress"
+        choice.add(fmt.piece(0, p, out))
+    if choice.finish_reason == "abort":
+        raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
+    return builder.final(choice, gen)
+
+
+def _query_int(raw: Optional[str], name: str, default: int, lo: int, hi: int) -> int:
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = lo - 1
+    if not lo <= value <= hi:
+        raise APIError(f"{name} must be an integer in [{lo}, {hi}], got {_show(raw)}", param=name)
+    return value
 
 
 class _EventStream:
@@ -301,7 +469,9 @@ class _EventStream:
                 self.event("response.output_item.done", output_index=index, item=item)]
 
 
-async def _events(gen: Generation, fmt: ChatFormat, b: ResponseBuilder) -> AsyncIterator[bytes]:
+async def _events(gen: Generation, fmt: ChatFormat, b: ResponseBuilder,
+                  on_final: Optional[Callable[[dict[str, Any]], None]] = None) -> AsyncIterator[bytes]:
+    """on_final: given the final object of a response that ended (completed or incomplete), e.g. to store it."""
     s = _EventStream(b)
     yield s.event("response.created", response=b.response("in_progress", []))
     yield s.event("response.in_progress", response=b.response("in_progress", []))
@@ -329,8 +499,10 @@ async def _events(gen: Generation, fmt: ChatFormat, b: ResponseBuilder) -> Async
                     yield e
         if finish == "abort":
             raise APIError("the request was aborted: the server is shutting down", 503, "service_unavailable")
-        final = "response.incomplete" if finish == "length" else "response.completed"
-        yield s.event(final, response=b.response(b.status(finish), s.output, b.usage(gen), finish))
+        final = b.response(b.status(finish), s.output, b.usage(gen), finish)
+        if on_final is not None:
+            on_final(final)
+        yield s.event("response.incomplete" if finish == "length" else "response.completed", response=final)
     except (asyncio.CancelledError, GeneratorExit):
         gen.close("disconnect")
         raise
