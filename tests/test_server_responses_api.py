@@ -253,6 +253,23 @@ def test_function_call_then_its_output_by_previous_response_id(live):
         assert follow.usage.input_tokens == stateless.usage.input_tokens
         kinds = [i.type async for i in c.responses.input_items.list(follow.id, order="asc")]
         assert kinds == ["message", "function_call", "function_call_output"]
+
+        # Text before a call (as a parser leaves it) and the call are one assistant turn, as in chat.
+        said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see"}]}
+        r = await c.responses.create(model=live.model_name, tools=[WEATHER], max_output_tokens=5, **GREEDY,
+                                     input=[{"role": "user", "content": "weather in Paris?"}, said,
+                                            {"type": "function_call", "call_id": call.call_id, "name": "get_weather",
+                                             "arguments": call.arguments},
+                                            {"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny"}])
+        chat = await c.chat.completions.create(model=live.model_name, tools=[{"type": "function", "function": {
+            k: WEATHER[k] for k in ("name", "description", "parameters")}}], max_tokens=5, **GREEDY, messages=[
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": "let me see", "tool_calls": [{"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+        assert r.output_text == chat.choices[0].message.content
+        assert r.usage.input_tokens == chat.usage.prompt_tokens
     _run(main())
 
 

@@ -122,8 +122,8 @@ def _input_messages(items: list[Any], offset: int = 0) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if messages and messages[-1]["role"] == "assistant":  # text, then calls (parallel ones too): one turn
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -272,8 +272,8 @@ class ResponsesAPI:
         return JSONResponse(self._lookup(request).response)
 
     async def delete(self, request: Request) -> Response:
-        entry = self.store.pop(self._lookup(request).id)  # a running background response is cancelled
-        assert entry is not None
+        entry = self._lookup(request)
+        self.store.pop(entry.id)  # a running background response is cancelled
         return JSONResponse({"id": entry.id, "object": "response", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
@@ -281,7 +281,7 @@ class ResponsesAPI:
         if not entry.response["background"]:
             raise APIError("only background responses can be cancelled", param="response_id")
         task = entry.task
-        if task is not None:  # (a finished one is answered as it is, as OpenAI does)
+        if task is not None:  # (cancelling one that ended answers it as it is)
             task.cancel()
             await asyncio.wait({task})  # its done callback, added first, has settled the entry by now
         return JSONResponse(entry.response)
