@@ -45,7 +45,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      logit_softcap: Optional[float] = None) -> None:
+                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -55,14 +55,15 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     host-side hints that pick the launch shape and the split-KV factor; results never depend on them. Rows of
     `out` past query_start_loc[B] are left untouched. num_kv_splits: None = automatic split-KV for decode
     batches; a power of two forces that many splits. logit_softcap: scaled scores s become tanh(s / cap) * cap
-    before the softmax (Gemma 2's attention soft-capping); None or 0 = off.
+    before the softmax (Gemma 2's attention soft-capping); None or 0 = off. sinks: float32 [H] (gpt-oss), one more
+    logit per head in the softmax's denominator, with no value; None = off.
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
     else:
         impl = reference.unified_attention
     impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
-         max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap)
+         max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

@@ -17,11 +17,15 @@ TILE_N and the cache block size are independent. Tiles that are entirely visible
 (strictly below the causal diagonal, inside the window) run without any masking; only the boundary tiles pay
 for it. Softmax is online, in fp32, in base 2 (the scale is folded with log2(e)). Attention logit soft-capping
 (Gemma 2: s -> tanh(s / cap) * cap) is a constexpr switch: the scale is then folded with 1 / cap and log2(e) * cap
-is applied after the tanh; without it the loop is unchanged.
+is applied after the tanh; without it the loop is unchanged. Attention sinks (gpt-oss: a learned logit per head
+that joins the softmax's denominator, with no value) are another constexpr switch: the sink starts each row's
+running max and sum (m = sink, l = 1) instead of (-inf, 0), so the loop itself is untouched.
 
 Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
 as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
-them. It pays when few requests with long contexts would otherwise occupy a handful of SMs.
+them. It pays when few requests with long contexts would otherwise occupy a handful of SMs. With sinks, only
+segment 0 starts from the sink: its partial carries the sink's term, which the reduction then merges like any
+other statistics.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ check_interpreter_consistency()
 _NEG_LARGE = tl.constexpr(-1.0e30)  # a constexpr: jitted code may only read constexpr globals
 _LOG2E = 1.4426950408889634
 _TWO_LOG2E = tl.constexpr(2.0 * _LOG2E)
+_LOG2E_C = tl.constexpr(_LOG2E)
 
 MAX_KV_SPLITS = 64
 
@@ -124,7 +129,7 @@ def _attend_tiles(
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr,
+    part_acc_ptr, part_ml_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     num_seqs, qk_scale, softcap_scale, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -132,8 +137,8 @@ def _unified_attention_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -195,6 +200,13 @@ def _unified_attention_kernel(
 
     m_i = tl.full([BLOCK_M], _NEG_LARGE, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink is one more score (in log2 units, neither scaled nor capped) whose value is zero: it opens the
+        # running statistics, in one segment only (the first) when the context is split.
+        sink = tl.load(sinks_ptr + head) * _LOG2E_C
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_base = key_cache_ptr + kv_head.to(tl.int64) * stride_c_head
     v_base = value_cache_ptr + kv_head.to(tl.int64) * stride_c_head
@@ -319,11 +331,12 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      logit_softcap: Optional[float] = None, config: Optional[AttentionConfig] = None) -> None:
+                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                      config: Optional[AttentionConfig] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
-    `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `config` overrides the launch shape (for
-    tuning sweeps)."""
+    `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
+    logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -336,6 +349,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert out.shape == q.shape and key_cache.dtype == q.dtype
     assert query_start_loc.shape[0] == num_seqs + 1 and block_table.shape[0] >= num_seqs
     assert block_table.stride(1) == 1
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.dtype == torch.float32
+                             and sinks.is_contiguous()), "sinks: contiguous float32 [num_heads]"
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = bool(logit_softcap)
@@ -372,7 +387,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     precision = "ieee" if interpreted else ("tf32x3" if q.dtype == torch.float32 else "tf32")
 
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
-        q, key_cache, value_cache, out, part_acc, part_ml,
+        q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
         query_start_loc, seq_lens, block_table,
         num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -380,7 +395,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         block_table.stride(0),
         NUM_HEADS=num_heads, QPK=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, UPCAST=upcast,
+        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
+        UPCAST=upcast,
         DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

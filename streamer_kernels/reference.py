@@ -57,12 +57,13 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      logit_softcap: Optional[float] = None) -> None:
+                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
     seq_len_b - q_b ... seq_len_b - 1 and the query at position p attends keys [max(0, p - window + 1), p].
-    With `logit_softcap` (Gemma 2), scaled scores s become tanh(s / cap) * cap before the softmax.
+    With `logit_softcap` (Gemma 2), scaled scores s become tanh(s / cap) * cap before the softmax. `sinks` [H]
+    (gpt-oss): each head's softmax gets one more logit, sinks[h], with no value to attend.
     `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
     """
     del max_query_len, max_seq_len, num_kv_splits
@@ -88,7 +89,10 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :seq_len]
         o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, num_heads, head_dim)
         out[q_start:q_end] = o.to(out.dtype)
 

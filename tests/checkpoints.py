@@ -13,7 +13,7 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -62,6 +62,16 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
         kw.setdefault("sliding_window", None)
         return tf.MixtralConfig(**kw)
+    if family == "gpt_oss":  # sliding (window 8) then full layer, YaRN, 4 experts top 2; sinks and biases: see below
+        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("sliding_window", 8)
+        kw.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        kw.setdefault("swiglu_limit", 1.0)  # (7 in the real models) low enough that the clamps bite
+        kw.setdefault("rope_parameters", {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 64,
+                                          "rope_theta": 150000.0})
+        return tf.GptOssConfig(**kw)
     if family == "phi3":  # fused qkv_proj / gate_up_proj in the checkpoint; a sliding window, as Phi-3-mini's
         kw.setdefault("sliding_window", 24)
         kw.setdefault("pad_token_id", 0)
@@ -97,6 +107,15 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     # Scores up to ~3x the soft cap (median ~3, 90th percentile ~7 at cap 5): without the cap,
                     # transformers itself picks other tokens for 14 of the parity test's 16 prompts.
                     p.mul_(3.0)
+    if family == "gpt_oss":
+        # transformers starts the expert biases at zero and the sinks near it: random ones show that each is loaded
+        # and used (sinks ~ N(0, 1.5^2): each takes a real share of its head's softmax).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_bias"):
+                    p.normal_(0.0, 0.3)
+                elif name.endswith("sinks"):
+                    p.normal_(0.0, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
@@ -105,9 +124,10 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects), fp32."""
     import transformers as tf
-    # Eager attention for Gemma 2 (transformers' default for it today): SDPA cannot soft-cap the scores.
+    # Eager attention for Gemma 2 and gpt-oss (transformers' default for them today): SDPA cannot soft-cap the
+    # scores nor take sinks.
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    kw = {"attn_implementation": "eager"} if model_type == "gemma2" else {}
+    kw = {"attn_implementation": "eager"} if model_type in ("gemma2", "gpt_oss") else {}
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     model.eval()
     outs = []

@@ -28,17 +28,17 @@ SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomiz
 
 
 def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
-           scale=None, hints=None, logit_softcap=None) -> torch.Tensor:
+           scale=None, hints=None, logit_softcap=None, sinks=None) -> torch.Tensor:
     scale = head_dim ** -0.5 if scale is None else scale
     max_query_len, max_seq_len = hints or (batch.max_query_len, batch.max_seq_len)
     out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, scale, max_query_len, max_seq_len, sliding_window,
-                      num_kv_splits=num_kv_splits, logit_softcap=logit_softcap)
+                      num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, scale, batch.max_query_len,
-                                batch.max_seq_len, sliding_window, logit_softcap=logit_softcap)
+                                batch.max_seq_len, sliding_window, logit_softcap=logit_softcap, sinks=sinks)
     n = batch.num_tokens
     err = rel_err(out[:n], expected[:n])
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:g}"
@@ -139,6 +139,30 @@ def test_logit_softcap(case, dtype) -> None:
     assert rel_err(plain[:batch.num_tokens], capped) > 0.1, "the cap should matter at these scores"
     # 0 means off, as None does.
     _check(batch, num_heads, 64, dtype, window, splits, logit_softcap=0.0)
+
+
+@settings(SETTINGS, max_examples=max_examples(16, 10))
+@given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([32, 64]),
+       block_size=st.sampled_from([8, 16]), num_kv_heads=st.sampled_from([1, 2]),
+       lens=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 40)), st.integers(0, 60)), min_size=1,
+                     max_size=3),
+       window=st.one_of(st.none(), st.integers(1, 20)), splits=st.sampled_from([None, 1, 2, 4]),
+       sink_scale=st.sampled_from([0.5, 4.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_attention_sinks(dtype, group, head_dim, block_size, num_kv_heads, lens, window, splits, sink_scale,
+                         seed) -> None:
+    """gpt-oss's sinks (a logit per head in the softmax's denominator) in mixed batches, under windows (rows whose
+    window holds one key: the sink takes a real share) and across split-KV segments (only the first carries the
+    sink). Sinks from small to far above every score (the output then shrinks towards zero)."""
+    g = torch.Generator().manual_seed(seed)
+    num_heads = group * num_kv_heads
+    batch = make_paged_batch([q for q, _ in lens], [c for _, c in lens], num_heads, num_kv_heads, head_dim,
+                             block_size, dtype, DEVICE, num_pad_tokens=1, generator=g)
+    sinks = (torch.randn(num_heads, generator=g) * sink_scale).to(DEVICE)
+    with_sinks = _check(batch, num_heads, head_dim, dtype, window, splits, sinks=sinks)
+    plain = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, plain, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, head_dim ** -0.5, 0, 0, window)
+    assert rel_err(plain[:batch.num_tokens], with_sinks) > 0.01, "the sinks should matter"
 
 
 def test_non_contiguous_query_and_output() -> None:

@@ -7,6 +7,9 @@ of the paged KV cache to the backend, which (1) writes the new k/v into the cach
 KV cache layout, per layer: `kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`;
 `kv_cache[0]` holds keys, `kv_cache[1]` values. A token at position p of a request lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
+
+Attention sinks (gpt-oss) are the layer's learned per-head logits, so they travel with each call (`sinks=`), not
+in the static `AttentionSpec`.
 """
 from __future__ import annotations
 
@@ -47,8 +50,10 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim]."""
+                meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]. Returns [T, num_heads, head_dim].
+        sinks: float32 [num_heads] (gpt-oss): per head, one more logit in the softmax's denominator, with no value
+        (the head may attend "nowhere"); None = off."""
         ...
 
 

@@ -5,6 +5,8 @@ registered per layer at model construction and the step's metadata comes from th
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from streamer.attention.base import AttentionBackend, current_metadata
@@ -18,11 +20,12 @@ def register_layer(backend: AttentionBackend) -> int:
 
 
 @torch.library.custom_op("streamer::paged_attention", mutates_args=("kv_cache",))
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    layer: int) -> torch.Tensor:
-    return _layers[layer].forward(q, k, v, kv_cache, current_metadata())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _layers[layer].forward(q, k, v, kv_cache, current_metadata(), sinks)
 
 
 @paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return torch.empty_like(q)

@@ -7,8 +7,10 @@ this project's 2-core CPU box). Without a working compiler (or with `enforce_eag
 per request, gather exactly its slots and call SDPA.
 Prefill chunks go one request at a time through SDPA; a chunk that is its request's whole context attends to
 this step's k/v directly, the others to their gathered cached context with an offset causal mask.
-Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) is a Python branch: the compiled decode
-kernel gets a tanh before its softmax, and where SDPA would run (which cannot cap) `_attend_softcapped` does.
+Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) and attention sinks (gpt-oss: a learned
+logit per head that joins the softmax's denominator) are Python branches: the compiled decode kernel gets a tanh
+before its softmax / the sink in its statistics, and where SDPA would run (which can do neither) `_attend_explicit`
+does.
 """
 from __future__ import annotations
 
@@ -26,24 +28,30 @@ from streamer.kv_cache import cdiv
 logger = logging.getLogger("streamer")
 
 
-def _attend_softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                       softcap: float) -> torch.Tensor:
-    """SDPA's maths with soft-capped scores (SDPA has no such option): q [H, Lq, D], already scaled; k, v
-    [Hkv, L, D]; mask [Lq, L] (True = attend) or None for all. Scores and softmax in fp32, as transformers' eager
-    Gemma 2 path upcasts its softmax."""
+def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                     softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA's maths with what SDPA has no option for: soft-capped scores, sinks [H] (one more logit per head in the
+    softmax, with no value). q [H, Lq, D], already scaled; k, v [Hkv, L, D]; mask [Lq, L] (True = attend) or None
+    for all. Scores and softmax in fp32, as transformers' eager Gemma 2 path upcasts its softmax."""
     g = q.shape[0] // k.shape[0]
     if g > 1:
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
     scores = torch.matmul(q.float(), k.float().transpose(1, 2))
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, first_pos: torch.Tensor, splits: int,
-                 softcap: Optional[float] = None) -> torch.Tensor:
+                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query token per request over its paged context, optionally split into `splits` parts.
 
     q: [B, Hkv, G, D], already scaled; key/value_cache: [num_blocks, block_size, Hkv, D]; block_table:
@@ -51,7 +59,7 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     s * M * block_size); seq_lens / first_pos: [B], request b attends positions first_pos <= p < seq_len.
     Returns [B, Hkv, G, D]. Every step is elementwise or a reduction with indirect loads, so Inductor fuses the
     gathers into its loops; parts run in parallel and are merged through their softmax statistics. `softcap`
-    (a constant per graph) soft-caps the scores.
+    (a constant per graph) soft-caps the scores; `sinks` [Hkv, G] joins each head's denominator at the end.
     """
     bs = key_cache.shape[1]
     r, m = block_table.shape
@@ -75,18 +83,32 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     weighted = torch.where(valid.view(r, m, bs, 1, 1, 1), e.unsqueeze(-1) * values, 0.0)
     num = weighted.sum(2).sum(1)  # [R, Hkv, G, D]
     if splits == 1:
+        if sinks is not None:
+            num, denom = _add_sinks(num, denom, safe, sinks)
         return (num / denom.unsqueeze(-1)).to(q.dtype)
     peak = peak.view(b, splits, *peak.shape[1:])
     top = peak.amax(1, keepdim=True)
     scale = torch.exp(peak - top)  # [B, S, Hkv, G]; 0 for an empty part (every request has a non-empty one)
     num = (num.view(b, splits, *num.shape[1:]) * scale.unsqueeze(-1)).sum(1)
     denom = (denom.view(b, splits, *denom.shape[1:]) * scale).sum(1)
+    if sinks is not None:
+        num, denom = _add_sinks(num, denom, top.squeeze(1), sinks)
     return (num / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def _add_sinks(num: torch.Tensor, denom: torch.Tensor, top: torch.Tensor, sinks: torch.Tensor,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax statistics (num [B, Hkv, G, D], denom [B, Hkv, G], both relative to exp(top)) with each head's sink
+    logit [Hkv, G] added to the denominator, re-based on max(top, sink) so that neither side overflows."""
+    new_top = torch.maximum(top, sinks.float())
+    keep = torch.exp(top - new_top)
+    return num * keep.unsqueeze(-1), denom * keep + torch.exp(sinks.float() - new_top)
 
 
 def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, first_pos: torch.Tensor,
-                       splits: int, softcap: Optional[float] = None) -> torch.Tensor:
+                       splits: int, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                       ) -> torch.Tensor:
     """`paged_decode` for eager mode (no compiler, or enforce_eager), same arguments: request by request, gather
     exactly the slots it attends (stale slots are never read) and call SDPA. Unfused, `paged_decode`'s elementwise
     form materialises [B, L, Hkv, G, D] products, and padded gather + mask + SDPA makes four passes over every
@@ -103,8 +125,8 @@ def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         k = keys.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
         v = values.index_select(0, slots).transpose(0, 1)
         qi = q[i].reshape(hkv * g, 1, d)
-        if softcap:
-            o = _attend_softcapped(qi, k, v, None, softcap)
+        if softcap or sinks is not None:
+            o = _attend_explicit(qi, k, v, None, softcap, None if sinks is None else sinks.reshape(-1))
         else:
             o = F.scaled_dot_product_attention(qi, k, v, scale=1.0, enable_gqa=g > 1)
         out[i] = o.view(hkv, g, d)
@@ -234,16 +256,16 @@ class TorchAttentionBackend:
         self.compile = compile
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window)
         self._write(k, v, kv_cache, plan)
         if plan.decode_direct and q.shape[0] == plan.num_decode:
-            return self._decode(q, kv_cache, plan)
+            return self._decode(q, kv_cache, plan, sinks)
         out = torch.zeros_like(q)
         if plan.num_decode:
-            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kv_cache, plan)
+            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kv_cache, plan, sinks)
         for i in plan.prefill_rows:
-            self._prefill(q, k, v, kv_cache, meta, i, out)
+            self._prefill(q, k, v, kv_cache, meta, i, out, sinks)
         return out
 
     @staticmethod
@@ -254,7 +276,7 @@ class TorchAttentionBackend:
         kv_cache[1].flatten(0, 1).index_copy_(0, plan.write_slots, v)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                       d: DecodeBatch) -> torch.Tensor:
+                       d: DecodeBatch, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A decode-only step inside the compiled model: the KV write and `paged_decode` become part of the model's
         graph. The write goes through a flat view of the whole cache: Inductor then updates it in place (through
         a `kv_cache[0]` view it would copy the whole cache every step)."""
@@ -265,21 +287,26 @@ class TorchAttentionBackend:
         first = (d.seq_lens - window).clamp(min=0) if window else torch.zeros_like(d.seq_lens)
         qb = (q * spec.scale).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
         out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits,
-                           spec.logit_softcap)
+                           spec.logit_softcap, self._head_sinks(sinks))
         return out.view(n, spec.num_heads, spec.head_dim)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> torch.Tensor:
+    def _head_sinks(self, sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """[H] -> [Hkv, G], the decode kernels' head layout."""
+        return None if sinks is None else sinks.view(self.spec.num_kv_heads, self.gqa)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""
         b, spec = plan.num_decode, self.spec
         qb = (q * spec.scale).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
         if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
         o = run_decode_kernel(self.compile, qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos,
-                              plan.splits, spec.logit_softcap)
+                              plan.splits, spec.logit_softcap, self._head_sinks(sinks))
         return o[:b].view(b, spec.num_heads, spec.head_dim)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, i: int, out: torch.Tensor) -> None:
+                 meta: AttentionMetadata, i: int, out: torch.Tensor, sinks: Optional[torch.Tensor]) -> None:
         start, end = int(meta.query_start_loc_cpu[i]), int(meta.query_start_loc_cpu[i + 1])
         seq_len = int(meta.seq_lens_cpu[i])
         q_len = end - start
@@ -296,10 +323,10 @@ class TorchAttentionBackend:
             if window is not None:
                 mask &= k_pos > q_pos - window
         qi, k, v = q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if self.spec.logit_softcap:
+        if self.spec.logit_softcap or sinks is not None:
             if mask is None:
                 mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
-            o = _attend_softcapped(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap)
+            o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks)
         else:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None,
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)

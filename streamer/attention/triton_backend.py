@@ -7,6 +7,8 @@ metadata. With TRITON_INTERPRET=1 (set before the engine starts) the same code r
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from streamer.attention.base import AttentionMetadata, AttentionSpec
@@ -24,7 +26,7 @@ class TritonAttentionBackend:
         self.spec = spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not q.is_cuda and not interpret_mode():
             raise RuntimeError("the triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                                "the engine starts to run on CPU")
@@ -47,5 +49,5 @@ class TritonAttentionBackend:
         unified_attention(q, key_cache, value_cache, out, meta.query_start_loc[:meta.num_reqs + 1],
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
-                          logit_softcap=spec.logit_softcap)
+                          logit_softcap=spec.logit_softcap, sinks=sinks)
         return out

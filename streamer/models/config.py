@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM")
+                           "MixtralForCausalLM", "GptOssForCausalLM")
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -84,6 +84,13 @@ class ModelConfig:
             # LongRoPE needs the lengths kept at the config's top level.
             scaling.setdefault("original_max_position_embeddings", c.get("original_max_position_embeddings"))
             scaling.setdefault("max_position_embeddings", c.get("max_position_embeddings"))
+        if scaling is not None and scaling["rope_type"] == "yarn":
+            # As transformers: a top-level original length wins over the rope dict's; without either, the model's.
+            length = c.get("max_position_embeddings", 2048)
+            if c.get("original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", length)
+            scaling.setdefault("max_position_embeddings", length)
         if arch == "Phi3ForCausalLM" and c.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
         eos = c.get("eos_token_id")
@@ -106,7 +113,7 @@ class ModelConfig:
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"))),
-            attention_bias=bool(c.get("attention_bias", is_qwen2)),
+            attention_bias=bool(c.get("attention_bias", is_qwen2 or arch == "GptOssForCausalLM")),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),

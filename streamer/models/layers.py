@@ -39,6 +39,13 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, name: str =
     param.data.copy_(loaded)
 
 
+def rank_rows_loader(param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+    """This rank's rows of a tensor split by rows over the ranks (per-head values of a column-parallel layer)."""
+    n = param.shape[0]
+    _check_shape(name, torch.empty(n * ParallelContext.size, *param.shape[1:], device="meta"), loaded)
+    param.data.copy_(loaded[ParallelContext.rank * n:(ParallelContext.rank + 1) * n])
+
+
 class PackableLinear(nn.Module):
     """A linear layer that can trade its plain weight for oneDNN's prepacked CPU layout after loading: 20-40%
     faster matmuls on CPU (bf16 and fp32, from one row to thousands), and the plain copy is freed."""
@@ -263,10 +270,41 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' `_compute_yarn_parameters`): low frequencies (wavelengths beyond the pretraining length)
+    are interpolated by `factor`, high ones kept, the band between (set by beta_fast / beta_slow rotations) ramps
+    linearly; returns (inv_freq, attention factor that scales cos and sin)."""
+    factor = s.get("factor") or s["max_position_embeddings"] / s["original_max_position_embeddings"]
+    original = s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = s.get("attention_factor")
+    if attn is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (as transformers: no zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide it by factor)
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep, float(attn)
+
+
 def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                         scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32. LongRoPE: two tables
-    stacked, [2 * max_positions, head_dim]: the short factors' rows, then the long factors' (see RotaryEmbedding)."""
+    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32 (YaRN: times its attention
+    factor). LongRoPE: two tables stacked, [2 * max_positions, head_dim]: the short factors' rows, then the long
+    factors' (see RotaryEmbedding)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
     kind = (scaling or {}).get("rope_type", "default")
@@ -282,14 +320,19 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
             freqs = torch.outer(pos, 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** exponents))
             tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn)
         return torch.cat(tables)
+    attn = 1.0
     if kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
     elif kind == "linear":
         pos = pos / scaling["factor"]  # type: ignore[index]
+    elif kind == "yarn":
+        inv_freq, attn = _yarn_inv_freq(head_dim, theta, scaling)  # type: ignore[arg-type]
     elif kind != "default":
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, "
+                         "yarn)")
     freqs = torch.outer(pos, inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table if attn == 1.0 else table * attn
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

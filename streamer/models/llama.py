@@ -28,6 +28,7 @@ from streamer.models.layers import (
     RowParallelLinear,
     VocabEmbedding,
     default_weight_loader,
+    rank_rows_loader,
     silu_and_mul,
 )
 
@@ -39,10 +40,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
                  qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
-                 logit_softcap: Optional[float] = None) -> None:
+                 logit_softcap: Optional[float] = None, sinks: bool = False, o_bias: bool = False) -> None:
         """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
         (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
-        layers differ (Gemma 2 and 3)."""
+        layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) and `o_bias`
+        (o_proj with a bias) are gpt-oss's."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -56,7 +58,11 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_total, kv_total],
                                              bias=cfg.attention_bias, shard_names=["q", "k", "v"],
                                              replicable=True)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.sinks: Optional[nn.Parameter] = None
+        if sinks:
+            self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            self.sinks.weight_loader = rank_rows_loader  # type: ignore[attr-defined]
         self.rotary = rotary
         norm_cls = qk_norm_cls or (RMSNorm if cfg.qk_norm else None)
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
@@ -79,11 +85,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         if decode is not None:
-            out = self.attn.forward_decode(q, k, v, kv_cache, decode)  # type: ignore[attr-defined]
+            out = self.attn.forward_decode(q, k, v, kv_cache, decode, self.sinks)  # type: ignore[attr-defined]
         elif self.use_op:
-            out = paged_attention(q, k, v, kv_cache, self.layer_id)
+            out = paged_attention(q, k, v, kv_cache, self.layer_id, self.sinks)
         else:
-            out = self.attn.forward(q, k, v, kv_cache, current_metadata())
+            out = self.attn.forward(q, k, v, kv_cache, current_metadata(), self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -142,6 +148,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer: type[nn.Module] = DecoderLayer  # built as decoder_layer(cfg, backend_cls, rotary, index)
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
     packed = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -156,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend_cls, rotary, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 

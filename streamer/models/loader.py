@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.quant import dequantizing
 
@@ -20,6 +21,7 @@ logger = logging.getLogger("streamer")
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
+_MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:
