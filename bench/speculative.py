@@ -1,6 +1,9 @@
-"""Speculative decoding with n-gram drafts: one stream, with and without, side by side in one process.
+"""Speculative decoding, n-gram drafts and a draft model: one stream, with and without, side by side in one process.
 
-    python bench/speculative.py [--tokens 256] [--rounds 3] [--k 4] [--compiled]
+    python bench/speculative.py [--tokens 256] [--rounds 3] [--k 4] [--compiled] [--draft-layers 1]
+
+The draft model is cut from the target itself (its first layers, embeddings and head: a self-speculative draft),
+since no trained draft/target pair can be downloaded here; on random weights its acceptance means little.
 
 Two models: the embedded demo model (trained: its code completions repeat themselves, as real outputs that echo
 their context do) and the 90M bench model (random weights: its output hardly repeats, so this shows what drafts
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +26,20 @@ from streamer import LLM, SamplingParams  # noqa: E402
 PROMPTS = ["def fibonacci(n):", "class Parser:\n    def __init__(self, text):", "import os\nimport sys\n\ndef main():"]
 
 
-def run(model: str | None, tokens: int, rounds: int, k: int, compiled: bool) -> list[str]:
+def draft_of(model: str | None, keep: int) -> str:
+    """A self-speculative draft: the model's embeddings, head and first `keep` layers (tests/test_draft_model.py)."""
+    from streamer.engine import resolve_model_dir
+    from tests.test_draft_model import first_layers
+    out = Path(tempfile.mkdtemp(prefix="streamer-draft-")) / f"first-{keep}"
+    return str(first_layers(resolve_model_dir(model), out, keep))
+
+
+def run(model: str | None, tokens: int, rounds: int, k: int, compiled: bool, draft_layers: int) -> list[str]:
     kw = {} if not compiled else {"enforce_eager": False}
     engines = {"plain": LLM(model, **kw), f"n-gram k={k}": LLM(model, num_speculative_tokens=k, **kw)}
+    if draft_layers:
+        engines[f"draft: first {draft_layers} layer(s), k={k}"] = LLM(
+            model, num_speculative_tokens=k, speculative_model=draft_of(model, draft_layers), **kw)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
@@ -38,21 +53,21 @@ def run(model: str | None, tokens: int, rounds: int, k: int, compiled: bool) -> 
                 out = llm.generate(prompt, params)[0].outputs[0]
                 rates[name].append(len(out.token_ids) / (time.perf_counter() - t0))
                 outputs[name].append(out.token_ids)
-    plain, spec = engines.values()
     # fp32 gives the same tokens; in bf16 a k+1-token forward rounds differently from a 1-token one, so a
     # near-tie can flip (as with any batch-shape change), and the outputs part from there.
-    same = sum(a == b for a, b in zip(outputs["plain"], outputs[f"n-gram k={k}"]))
-    e = spec.engine
-    acc = e.num_accepted_tokens / max(e.num_draft_tokens, 1)
     base = statistics.median(rates["plain"])
     label = ("demo model" if model is None else Path(model).name) + (", compiled" if compiled else ", eager")
     rows = []
     for name, r in rates.items():
         med = statistics.median(r)
-        extra = (f"{acc:.0%} of {e.num_draft_tokens} | {same}/{len(PROMPTS)}" if name != "plain" else " | ")
+        e = engines[name].engine
+        same = sum(a == b for a, b in zip(outputs["plain"], outputs[name]))
+        acc = e.num_accepted_tokens / max(e.num_draft_tokens, 1)
+        extra = f"{acc:.0%} of {e.num_draft_tokens} | {same}/{len(PROMPTS)}" if name != "plain" else " | "
         rows.append(f"| {label} | {name} | {med:.1f} | {min(r):.1f}-{max(r):.1f} | {med / base:.2f}x | {extra} |")
+    for llm in engines.values():
+        llm.close()
     return rows
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -60,6 +75,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--compiled", action="store_true", help="also the demo model compiled (about a minute more)")
+    ap.add_argument("--draft-layers", type=int, default=1,
+                    help="also a draft model cut from each model's first N layers (0: no draft row)")
     ap.add_argument("--bench-model", default=str(Path.home() / ".cache" / "streamer-bench" / "llama-90m"))
     args = ap.parse_args()
     print(f"one stream, {args.tokens} greedy tokens per prompt, {len(PROMPTS)} prompts x {args.rounds} rounds\n")
@@ -67,7 +84,7 @@ def main() -> None:
     print("|---|---|---:|---|---:|---|---|")
     cases = [(None, False), (args.bench_model, False)] + ([(None, True)] if args.compiled else [])
     for model, compiled in cases:
-        for row in run(model, args.tokens, args.rounds, args.k, compiled):
+        for row in run(model, args.tokens, args.rounds, args.k, compiled, args.draft_layers):
             print(row, flush=True)
 
 

@@ -55,6 +55,10 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram to match
     prompt_lookup_min: int = 2  # shortest n-gram to match
     speculative_max_batch: int = 8
+    # A draft model instead of n-gram lookup (streamer/draft_model.py): a small checkpoint with the target's
+    # tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B) proposes `num_speculative_tokens` tokens greedily, on the
+    # device thread, just before the step that verifies them. Its KV cache shares the target's block tables.
+    speculative_model: Optional[str] = None
     # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
@@ -122,6 +126,11 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if self.speculative_model is not None:
+            if self.num_speculative_tokens < 1:
+                raise ValueError("speculative_model needs num_speculative_tokens >= 1 (the tokens it drafts a step)")
+            if tp > 1:
+                raise ValueError("speculative_model does not run with tensor_parallel_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":

@@ -18,6 +18,7 @@ import numpy as np
 
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
+from streamer.draft_model import DraftPlan, plan_drafts
 from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
@@ -293,7 +294,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
-        return sched, self.prepare(sched)
+        inputs = self.prepare(sched)
+        if sched.has_drafts and self.runner.drafter is not None:
+            inputs.draft = self._plan_drafts(sched, inputs)
+        return sched, inputs
 
     def can_overlap(self, running: StepInputs) -> bool:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties or
@@ -334,6 +338,10 @@ class LLMEngine:
                 updates.append(self._append_token(state, token, result, i, now))
             return updates
         ids, tokens = result.req_ids, result.token_ids
+        for rid, proposed in (result.drafts or {}).items():  # a draft model's, in place of its placeholders
+            state = self.seqs.get(rid)
+            if state is not None:
+                state.req.draft_token_ids = proposed
         i = 0
         while i < len(ids):  # a request's entries are consecutive: its last known token's, then one per draft
             end = i + 1
@@ -365,8 +373,24 @@ class LLMEngine:
             row = self.batch.row_of.get(req.request_id)
             if k <= 0 or row is None:
                 continue
+            if self.runner.drafter is not None:  # placeholders: the draft model fills them on the device
+                req.draft_token_ids = [0] * k
+                continue
             tokens = self.batch.tokens[row, :self.batch.num_tokens[row]]
             req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def _plan_drafts(self, sched: SchedulerOutput, inputs: StepInputs) -> DraftPlan:
+        """The draft model's work before this step (streamer/draft_model.py); afterwards it holds the KV of
+        every position up to its last proposal's input."""
+        sch = sched.scheduled
+        counts = np.array([s.num_drafts for s in sch], dtype=np.int64)
+        computed = np.array([s.req.num_draft_computed for s in sch], dtype=np.int64)
+        plan = plan_drafts(inputs, counts, self.batch.tokens[inputs.rows], computed, self.config.block_size,
+                           self.config.max_num_batched_tokens)
+        for s in sch:
+            if s.num_drafts:
+                s.req.num_draft_computed = s.req.num_tokens + s.num_drafts - 1
+        return plan
 
     def _verify(self, state: SeqState, sampled: list[int], result: RunnerOutput, row: int, now: float,
                 ) -> SeqUpdate:
@@ -378,6 +402,8 @@ class LLMEngine:
         accepted = 0
         while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
             accepted += 1
+        # A draft model's KV stays valid up to the first rejected proposal it was fed.
+        req.num_draft_computed = min(req.num_draft_computed, req.num_tokens + accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
         update = self._append_token(state, sampled[0], result, row, now)

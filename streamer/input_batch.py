@@ -10,7 +10,7 @@ except the one pass that maps the scheduler's output to rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from streamer.pooling import POOL_CODE
 from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
 from streamer.structured_output import fill_bitmasks
+
+if TYPE_CHECKING:
+    from streamer.draft_model import DraftPlan
 
 
 def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -103,6 +106,7 @@ class StepInputs:
     lora_slots: Optional[np.ndarray] = None
     lora_loads: list = field(default_factory=list)
     pool: Optional[PoolTokens] = None  # embedding requests' hidden states to sum
+    draft: Optional["DraftPlan"] = None  # speculative decoding with a draft model: its passes before this step
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
 from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties, score_tokens
+
+if TYPE_CHECKING:
+    from streamer.draft_model import DraftModel
 
 logger = logging.getLogger("streamer")
 
@@ -98,6 +101,7 @@ class RunnerOutput:
     token_array: Optional[np.ndarray] = None
     prompt_logprobs: Optional["PromptLogprobsOut"] = None
     has_drafts: bool = False  # speculative: some request has several consecutive entries
+    drafts: Optional[dict[str, list[int]]] = None  # a draft model's proposals, by request (n-gram: the engine's)
     # Embedding requests: (their PoolTokens.owners, the summed hidden states, float64 [owners, hidden])
     pooled: Optional[tuple[list, np.ndarray]] = None
 
@@ -120,6 +124,7 @@ class ModelRunner:
         """tp_rank > 0: a tensor-parallel worker's shard (streamer/parallel.py), which only runs forwards."""
         self.config = config
         self.model_cfg = model_cfg
+        self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
         self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
@@ -134,8 +139,12 @@ class ModelRunner:
             else:  # NCCL binds each rank to the current device
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
+        self.drafter: Optional["DraftModel"] = None
         try:
             self._build(model_dir)
+            if config.speculative_model is not None and tp_rank == 0:
+                from streamer.draft_model import DraftModel
+                self.drafter = DraftModel(config, self)
         except BaseException as e:
             failure = self.tp_workers.failure() if self.tp_workers else None
             self.close()  # the workers and the process group go with the engine that failed to start
@@ -452,15 +461,18 @@ class ModelRunner:
         return DecodeBatch(to_device(np.concatenate([slots, slots + half]), dev), to_device(table, dev),
                            to_device(step.seq_lens, dev), splits)
 
-    def _input_ids(self, step: StepInputs) -> torch.Tensor:
+    def _input_ids(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         input_ids = to_device(step.input_ids, self.device)
         if len(step.pending_idx):  # tokens the previous step sampled: read on the device, no host round trip
             idx = to_device(step.pending_idx, self.device)
             rows = to_device(step.pending_rows, self.device)
             input_ids[idx] = self.last_tokens[rows]
+        if drafts is not None:  # the draft model's proposals, in place of the step's placeholders
+            plan, dev = step.draft, self.device
+            input_ids[to_device(plan.target_idx, dev)] = drafts.view(-1)[to_device(plan.source_idx, dev)]
         return input_ids
 
-    def _run_model(self, step: StepInputs) -> torch.Tensor:
+    def _run_model(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.tp_workers is not None:  # the other ranks run the same forward, meeting ours at each all-reduce
             self.tp_workers.send(step)
         for slot, adapter in step.lora_loads:  # queued in order behind the steps that still use the slot
@@ -471,7 +483,7 @@ class ModelRunner:
                 return hidden
         try:
             with lora.lora_context(self._lora_step(step)):
-                return self._forward(step)
+                return self._forward(step, drafts)
         except Exception as e:
             # No C++ toolchain, or an Inductor bug: serve eagerly rather than not at all. Compilation fails before
             # the graph runs, so running the same step eagerly keeps every rank's collectives in step. (A worker
@@ -482,7 +494,7 @@ class ModelRunner:
                            str(e).splitlines()[0] if str(e) else "")
             self._use_eager()
             with lora.lora_context(self._lora_step(step)):
-                return self._forward(step)
+                return self._forward(step, drafts)
 
     def place_lora(self, slot: Optional[int], adapter: LoRAAdapter) -> None:
         """Copy an adapter into `slot` of every layer (None: only check that it fits the model; ValueError)."""
@@ -513,22 +525,27 @@ class ModelRunner:
             return step.positions
         return step.positions + np.repeat(shift, np.diff(step.query_start_loc))
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _forward(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         dev = self.device
-        input_ids, positions = self._input_ids(step), to_device(self._rope_positions(step), dev)
+        input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
         with forward_context(self._metadata(step)):
             return self.forward(input_ids, positions, self.kv_caches)
 
-    def _keep_last_tokens(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
+    def keep_last_tokens(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
         top = int(rows.max()) + 1
         if top > len(self.last_tokens):  # the batch grew past max_num_seqs rows (preempted requests' rows)
             grown = torch.zeros(max(top, 2 * len(self.last_tokens)), dtype=torch.int64, device=self.device)
             grown[:len(self.last_tokens)] = self.last_tokens
             self.last_tokens = grown
         self.last_tokens[to_device(rows, self.device)] = tokens
+
+    @torch.inference_mode()
+    def hidden_states(self, step: StepInputs) -> torch.Tensor:
+        """The model's final hidden states for a forward-only step (the draft model's passes)."""
+        return self._run_model(step)
 
     def execute(self, step: StepInputs) -> RunnerOutput:
         return self.launch(step).result()
@@ -542,13 +559,16 @@ class ModelRunner:
         if len(idx):
             tokens = torch.empty(len(idx), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(tokens, src=0)
-            self._keep_last_tokens(step.rows[idx], tokens)
+            self.keep_last_tokens(step.rows[idx], tokens)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if self.tp_workers is not None:
             self.tp_workers.close()
             self.tp_workers = None
+        if self.drafter is not None:
+            self.drafter.close()
+            self.drafter = None
         if self._threads_before:
             torch.set_num_threads(self._threads_before)
             self._threads_before = 0
@@ -559,7 +579,8 @@ class ModelRunner:
         them. On CPU the work is done when this returns; on CUDA the device thread can go on to queue the next
         step (async scheduling) while this one runs."""
         dev = self.device
-        hidden = self._run_model(step)
+        drafts = self.drafter.propose(step.draft) if step.draft is not None else None  # type: ignore[union-attr]
+        hidden = self._run_model(step, drafts)
         prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
         pooled = self._pool(hidden, step.pool) if step.pool is not None else None
         idx = step.sample_idx
@@ -570,9 +591,11 @@ class ModelRunner:
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
         if self.tp_workers is not None:  # workers keep the sampled tokens too: async scheduling's next step reads them
             torch.distributed.broadcast(out.token_ids, src=0)
-        self._keep_last_tokens(step.rows[idx], out.token_ids)
+        self.keep_last_tokens(step.rows[idx], out.token_ids)
         tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
                                      if out.logprobs is not None else [])
+        if drafts is not None:  # the engine verifies the proposals against the sampled tokens
+            tensors.append(drafts)
         if dev.type != "cuda":
             return PendingStep(step, idx, tensors, prompt_logprobs=prompt_lp, pooled=pooled)
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -631,7 +654,12 @@ class PendingStep:
                               epochs=step.epochs[idx], positions=step.positions[step.sample_tokens] + 1,
                               token_array=tokens, prompt_logprobs=self.prompt_logprobs,
                               has_drafts=step.has_drafts, pooled=self.pooled)
-        if len(self.host) > 1:
-            logprobs, ids, ranks = self.host[1:]
+        host = self.host[1:]
+        if step.draft is not None:
+            proposed, host = host[-1].numpy(), host[:-1]
+            result.drafts = {rid: row[:n].tolist()
+                             for rid, row, n in zip(step.draft.req_ids, proposed, step.draft.counts)}
+        if host:
+            logprobs, ids, ranks = host
             result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()
         return result

@@ -80,6 +80,8 @@ class Request:
         self.matcher: Optional[object] = None
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.
         self.draft_token_ids: list[int] = []
+        # A draft model's KV: how many leading positions of this sequence it holds (streamer/draft_model.py).
+        self.num_draft_computed = 0
         # LongRoPE models: the sequence's KV is computed with the long factors (see Scheduler). Part of the blocks'
         # hashes: a block's KV depends on which factors rotated it.
         self.long_rope = self.long_rope_threshold is not None and len(self.prompt_token_ids) > self.long_rope_threshold
@@ -128,6 +130,12 @@ class Request:
             parent = self.block_hashes[-1] if self.block_hashes else b""
             extra = self._first_block_extra() if i == 0 else b""
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def reset_computed(self) -> None:
+        """The KV is gone (preempted, or to be recomputed in fresh blocks): everything is computed again, by
+        the model and by a draft model alike."""
+        self.num_computed_tokens = 0
+        self.num_draft_computed = 0
 
     def set_long_rope(self) -> None:
         """The sequence outgrew the short factors: its KV is recomputed with the long ones, under other hashes."""

@@ -168,7 +168,7 @@ class Scheduler:
         self._release_lora(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.reset_computed()
         req.draft_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -192,7 +192,7 @@ class Scheduler:
                 # stay cached under their short-factor hashes, and may be shared).
                 self.kv.free(req)
                 req.set_long_rope()
-                req.num_computed_tokens = 0
+                req.reset_computed()
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
             want = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
             if spec and req.draft_token_ids:
