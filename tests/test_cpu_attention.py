@@ -1,7 +1,7 @@
 """The torch backend's CPU attention: the Inductor-compiled paged decode and the prefill paths against the kernel
 reference on paged batches (GQA/MQA, sliding window, batches of one, contexts of one block, NaN in unused slots),
-compiled == eager, soft-capped scores (Gemma 2) in every path, and the fallback to eager when compilation is
-impossible."""
+compiled == eager, soft-capped scores (Gemma 2) and attention sinks (gpt-oss) in every path, and the fallback to
+eager when compilation is impossible."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,10 +62,10 @@ def test_matches_reference(case, dtype, compile) -> None:
     assert rel_err(out, expected) <= TOLERANCE[dtype]
 
 
-def _softcap_reference(b, spec: AttentionSpec, cap) -> torch.Tensor:
+def _softcap_reference(b, spec: AttentionSpec, cap, sinks=None) -> torch.Tensor:
     out = torch.empty_like(b.q)
     reference.unified_attention(b.q, b.key_cache, b.value_cache, out, b.query_start_loc, b.seq_lens, b.block_table,
-                                spec.scale, 0, 0, spec.sliding_window, logit_softcap=cap)
+                                spec.scale, 0, 0, spec.sliding_window, logit_softcap=cap, sinks=sinks)
     return out[:b.num_tokens]
 
 
@@ -92,25 +92,51 @@ def test_logit_softcap_matches_reference(case, compile) -> None:
     assert rel_err(out, _softcap_reference(after, spec, None)) > 0.1, "the cap should matter at these scores"
 
 
-def test_forward_decode_softcap() -> None:
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6]],
+                         ids=["single", "single-split", "split-window", "gqa", "mixed", "window-chunk"])
+def test_sinks_match_reference(case, compile) -> None:
+    """gpt-oss's sinks (a logit per head in the softmax's denominator) in the compiled and eager decode kernels
+    (one part or a context split across threads, where early parts are empty under a window) and both prefill
+    paths. Sinks ~ N(0, 2^2), some above every score: without them the output is far off."""
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, window = case
+
+    def batch(write_new: bool):
+        return make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu",
+                                write_new=write_new, generator=torch.Generator().manual_seed(10))
+
+    before, after = batch(False), batch(True)
+    spec = AttentionSpec(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window)
+    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(11)) * 2
+    out = TorchAttentionBackend(spec, compile=compile).forward(before.q, before.new_k, before.new_v,
+                                                               before.kv_cache.clone(), _meta(before, len(q_lens)),
+                                                               sinks)
+    assert rel_err(out, _softcap_reference(after, spec, None, sinks)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, _softcap_reference(after, spec, None)) > 0.05, "the sinks should matter"
+
+
+@pytest.mark.parametrize("softcap,with_sinks", [(5.0, False), (None, True), (5.0, True)],
+                         ids=["softcap", "sinks", "both"])
+def test_forward_decode(softcap, with_sinks) -> None:
     """The decode that a compiled model runs inline (`forward_decode`: KV write + `paged_decode` on graph inputs),
-    here called eagerly, with a soft cap and each context split in two."""
+    here called eagerly, with a soft cap and/or sinks and each context split in two."""
     args = ([1, 1, 1], [30, 5, 77], 8, 2, 64, 16, torch.float32, "cpu")
     before = make_paged_batch(*args, write_new=False, generator=torch.Generator().manual_seed(9))
     after = make_paged_batch(*args, write_new=True, generator=torch.Generator().manual_seed(9))
     for b in (before, after):
         b.q.mul_(4)
-    spec = AttentionSpec(8, 2, 64, 0.125, logit_softcap=5.0)
+    spec = AttentionSpec(8, 2, 64, 0.125, logit_softcap=softcap)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(12)) * 2 + 8 if with_sinks else None  # ~ top scores
     kv = before.kv_cache.clone()
     splits = 2
     table = decode_table(before.block_table.numpy(), before.seq_lens.numpy(), 16, splits)
     half = kv.shape[1] * kv.shape[2]  # value slots follow the key slots in the flat cache
     d = DecodeBatch(torch.cat([before.slot_mapping, before.slot_mapping + half]), torch.from_numpy(table),
                     before.seq_lens.long(), splits)
-    out = TorchAttentionBackend(spec).forward_decode(before.q, before.new_k, before.new_v, kv, d)
+    out = TorchAttentionBackend(spec).forward_decode(before.q, before.new_k, before.new_v, kv, d, sinks)
     written = ~after.kv_cache.isnan()
     assert torch.equal(kv[written], after.kv_cache[written])
-    assert rel_err(out, _softcap_reference(after, spec, 5.0)) <= TOLERANCE[torch.float32]
+    assert rel_err(out, _softcap_reference(after, spec, softcap, sinks)) <= TOLERANCE[torch.float32]
     assert rel_err(out, _softcap_reference(after, spec, None)) > 0.1
 
 

@@ -182,11 +182,12 @@ def test_phi3_longrope(make_ckpt):
     _assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss"])
 def test_compiled_with_drafts_matches_transformers(make_ckpt, family, batch16):
     """The families whose layers differ most from Llama's (Gemma 3: per-layer windows and rotary tables;
     Qwen3-MoE: the experts' custom op; Gemma 2: soft-capped attention, in the compiled decode kernel and in the
-    graph's inline decode of a lone request), compiled and with speculative drafts at once."""
+    graph's inline decode of a lone request; gpt-oss: attention sinks there too, biased experts), compiled and with
+    speculative drafts at once."""
     path = make_ckpt(family, family=family)
     prompts = batch16[:6]
     llm = LLM(str(path), dtype="float32", enforce_eager=False, num_speculative_tokens=3, prompt_lookup_min=1)

@@ -220,3 +220,22 @@ def test_choose_num_kv_splits(monkeypatch) -> None:
     assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda, sliding_window=256) <= 1
     monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 1)
     assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, torch.device("cpu")) == 1
+
+
+def test_engine_gpt_oss_triton_backend_matches_torch_backend(request) -> None:
+    """gpt-oss's sinks through the whole engine on the Triton backend (sliding and full layers, chunked prefill over
+    cached context, decodes) give the torch backend's tokens, which tests/test_engine_hf_parity.py holds to
+    transformers'."""
+    pytest.importorskip("transformers")  # (the checkpoint is built with it)
+    from streamer import LLM, SamplingParams
+    path = request.getfixturevalue("make_ckpt")("gpt_oss", family="gpt_oss")
+    prompts = [list(range(5, 5 + n)) for n in (3, 12, 25)]
+
+    def greedy(backend: str) -> list[list[int]]:
+        llm = LLM(str(path), dtype="float32", device=DEVICE.type, attention_backend=backend, enforce_eager=True,
+                  max_num_batched_tokens=8, block_size=8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert greedy("triton") == greedy("torch")

@@ -1,7 +1,7 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
 embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
-tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 2 and 3 (models/gemma3.py) reuse
-its attention and weight loading."""
+tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 2 and 3 (models/gemma3.py) and
+gpt-oss (models/gpt_oss.py) reuse its attention and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -163,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 

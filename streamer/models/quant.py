@@ -1,4 +1,4 @@
-"""FP8 checkpoints, dequantized as they load: the model then runs in its compute dtype (bf16 by default).
+"""FP8 and MXFP4 checkpoints, dequantized as they load: the model then runs in its compute dtype (bf16 by default).
 
 Two on-disk layouts, as the Hub ships them:
 - `quant_method: "fp8"` (transformers' fine-grained FP8: Qwen3-*-FP8, DeepSeek-V3 style): `X.weight` in float8 and
@@ -7,7 +7,11 @@ Two on-disk layouts, as the Hub ships them:
   float8 and `X.weight_scale`, per tensor, per output channel or per group of input columns; `X.input_scale`
   (static activation scales) is not needed once the weights are dequantized and is dropped.
 Layers a config leaves unquantized (`ignore`, often lm_head) are stored in full precision and pass through. The
-weights take the compute dtype's memory, not FP8's: FP8 matmuls (scaled_mm on Hopper) are not used yet.
+weights take the compute dtype's memory, not FP8's (FP8 compute, below, re-quantizes them per channel).
+
+MXFP4 (`quant_method: "mxfp4"`, gpt-oss's experts): `X_blocks` (uint8 [..., rows, G, 16]: 32 FP4 E2M1 values per
+block, two a byte, the low nibble first) and `X_scales` (uint8 [..., rows, G]: E8M0, the block's power of two biased
+by 127) become `X`, laid out as transformers' `convert_moe_packed_tensors` returns it (rows last: gpt-oss's x @ W).
 """
 from __future__ import annotations
 
@@ -43,8 +47,10 @@ def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
                 raise ValueError(f"compressed-tensors group {name!r} quantizes weights to {w.get('num_bits')}-bit "
                                  f"{w.get('type')}: only 8-bit float (FP8) weights are supported")
         return qc
+    if method == "mxfp4":
+        return qc
     raise ValueError(f"quantization method {method!r} is not supported: streamer loads FP8 checkpoints ('fp8', "
-                     "'compressed-tensors'), dequantized to the compute dtype")
+                     "'compressed-tensors') and MXFP4 ones ('mxfp4'), dequantized to the compute dtype")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str, block: Optional[list[int]] = None,
@@ -69,13 +75,41 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str, block: Opti
     raise ValueError(f"{name}: scale of shape {tuple(s.shape)} does not fit a {tuple(w.shape)} weight")
 
 
+class _Pairs:
+    """A quantized weight is two tensors (values, scales) that may come in either order, from different shards:
+    holds the first of each pair until its partner arrives. `orphans`: what to say of values / scales left alone."""
+
+    def __init__(self, orphans: tuple[str, str]) -> None:
+        self.orphans = orphans
+        self.waiting: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
+
+    def add(self, base: str, part: int, t: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """part 0: the values, 1: the scales. Returns (values, scales) once both are in."""
+        partner = self.waiting[1 - part].pop(base, None)
+        if partner is None:
+            self.waiting[part][base] = t
+            return None
+        return (t, partner) if part == 0 else (partner, t)
+
+    def check_complete(self) -> None:
+        for part, waiting in enumerate(self.waiting):
+            if waiting:
+                raise ValueError(f"{self.orphans[part]}: {', '.join(sorted(waiting)[:4])}")
+
+
 def dequantizing(weights: Iterable[tuple[str, torch.Tensor]], qc: dict[str, Any],
                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each FP8 weight replaced by its dequantized self (the weight and its scale may
-    come in either order, from different shards); activation and KV-cache scales are dropped."""
+    """The checkpoint's tensors with each quantized weight replaced by its dequantized self."""
+    if qc.get("quant_method") == "mxfp4":
+        return _dequantizing_mxfp4(weights)
+    return _dequantizing_fp8(weights, qc)
+
+
+def _dequantizing_fp8(weights: Iterable[tuple[str, torch.Tensor]], qc: dict[str, Any],
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """FP8 weights times their scales; activation and KV-cache scales are dropped."""
     block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
-    weights_waiting: dict[str, torch.Tensor] = {}  # base name -> FP8 weight
-    scales_waiting: dict[str, torch.Tensor] = {}
+    pairs = _Pairs(("FP8 weight(s) without a scale", "weight scale(s) without an FP8 weight"))
     dropped = 0
     for name, t in weights:
         if name.endswith(_DROPPED):
@@ -83,30 +117,55 @@ def dequantizing(weights: Iterable[tuple[str, torch.Tensor]], qc: dict[str, Any]
             continue
         scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
         if scale_suffix is not None:
-            base = name[:-len(scale_suffix)]
-            w = weights_waiting.pop(base, None)
-            if w is None:
-                scales_waiting[base] = t
-            else:
-                yield f"{base}.weight", dequantize(w, t, f"{base}.weight", block)
-            continue
-        if t.dtype in FP8_DTYPES and name.endswith(".weight"):
-            base = name[:-len(".weight")]
-            s = scales_waiting.pop(base, None)
-            if s is None:
-                weights_waiting[base] = t
-            else:
-                yield name, dequantize(t, s, name, block)
-            continue
-        if t.dtype in FP8_DTYPES:
+            base, part = name[:-len(scale_suffix)], 1
+        elif t.dtype in FP8_DTYPES and name.endswith(".weight"):
+            base, part = name[:-len(".weight")], 0
+        elif t.dtype in FP8_DTYPES:
             raise ValueError(f"tensor {name!r} is FP8 but not a weight with a scale")
-        yield name, t
-    if weights_waiting:
-        raise ValueError(f"FP8 weight(s) without a scale: {', '.join(sorted(weights_waiting)[:4])}")
-    if scales_waiting:
-        raise ValueError(f"weight scale(s) without an FP8 weight: {', '.join(sorted(scales_waiting)[:4])}")
+        else:
+            yield name, t
+            continue
+        pair = pairs.add(base, part, t)
+        if pair is not None:
+            yield f"{base}.weight", dequantize(*pair, f"{base}.weight", block)
+    pairs.check_complete()
     if dropped:
         logger.info("dropped %d activation / KV-cache scale tensors (weights are dequantized at load)", dropped)
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """blocks uint8 [..., rows, G, 16], scales uint8 [..., rows, G] -> bf16 [..., G * 32, rows] (see the module's
+    docstring). bf16 holds every such value exactly (FP4 has one mantissa bit, E8M0 fp32's exponent range)."""
+    if blocks.dim() < 3 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not pair "
+                         "up ([..., rows, G, 16] and [..., rows, G])")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(*scales.shape, 32, dtype=torch.bfloat16, device=blocks.device)
+    flat_out, flat_blocks = out.view(-1, *out.shape[-3:]), blocks.reshape(-1, *blocks.shape[-3:])
+    flat_scales = scales.reshape(-1, *scales.shape[-2:])
+    for i in range(flat_out.shape[0]):  # one expert at a time: the fp32 temporaries stay small
+        codes = flat_blocks[i].long()
+        values = torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).flatten(-2)  # [rows, G, 32]
+        flat_out[i] = torch.ldexp(values, flat_scales[i].int().unsqueeze(-1) - 127)
+    return out.flatten(-2).transpose(-2, -1)
+
+
+def _dequantizing_mxfp4(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    pairs = _Pairs(("MXFP4 blocks without scales", "MXFP4 scales without blocks"))
+    for name, t in weights:
+        part = next((i for i, suffix in enumerate(_MXFP4_PARTS) if name.endswith(suffix)), None)
+        if part is None:
+            yield name, t
+            continue
+        base = name[:-len(_MXFP4_PARTS[part])]
+        pair = pairs.add(base, part, t)
+        if pair is not None:
+            yield base, dequantize_mxfp4(*pair, base)
+    pairs.check_complete()
 
 
 # ---------------------------------------------------------------------------------------------------------------
