@@ -262,7 +262,10 @@ class ModelRunner:
                              f"9.0+); this one is {torch.cuda.get_device_capability(self.device)}")
         if q is not None:
             return q == "fp8"
-        return self.model_cfg.quantization is not None and fp8_supported(self.device)
+        # FP8 checkpoints compute in FP8 where the GPU can; MXFP4 ones (gpt-oss's experts) are dequantized, and
+        # their bf16 attention weights stay bf16.
+        qc = self.model_cfg.quantization
+        return qc is not None and qc.get("quant_method") in ("fp8", "compressed-tensors") and fp8_supported(self.device)
 
     def _cpu_packing(self) -> bool:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)

@@ -71,6 +71,15 @@ def test_scheduling_variants_match(llama_dir, batch16, llama_ref, engine_args):
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_attention_bias_matches_transformers(make_ckpt, family):
+    """attention_bias puts biases on q/k/v, and on o_proj too except where transformers hard-codes none
+    (Mistral's): a wrong guess either fails to load or changes the tokens."""
+    path = make_ckpt(f"{family}_attn_bias", family=family, attention_bias=True)
+    prompts = _prompts(4, seed=5, max_len=30)
+    assert _greedy(LLM(str(path), dtype="float32"), prompts) == hf_greedy(path, prompts, MAX_NEW)
+
+
 def test_sliding_window_mistral(make_ckpt):
     path = make_ckpt("mistral_sw", family="mistral", sliding_window=8)
     prompts = _prompts(4, seed=3, max_len=30)

@@ -14,6 +14,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
              "Qwen3Model": "Qwen3ForCausalLM"}
 
+# Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
+NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The rope scaling to apply, from the older `rope_scaling` or transformers-5 `rope_parameters`, with its kind
@@ -46,7 +49,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: Optional[dict[str, Any]]
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always; most others with config.attention_bias)
+    o_proj_bias: bool  # and on o_proj (the same families with config.attention_bias; never Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
     sliding_window: Optional[int]
     torch_dtype: str
@@ -95,6 +99,8 @@ class ModelConfig:
             raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
         eos = c.get("eos_token_id")
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS
+                                      and bool(c.get("attention_bias", arch == "GptOssForCausalLM")))
         sliding = c.get("sliding_window")
         if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen configs carry a sliding_window value that only applies when use_sliding_window is set.
@@ -113,7 +119,8 @@ class ModelConfig:
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"))),
-            attention_bias=bool(c.get("attention_bias", is_qwen2 or arch == "GptOssForCausalLM")),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and not is_qwen2,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),

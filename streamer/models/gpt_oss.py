@@ -68,7 +68,7 @@ class GptOssDecoderLayer(DecoderLayer):
         nn.Module.__init__(self)
         sliding = gemma_layer_types(cfg.raw, cfg.num_layers, 2)[index] == "sliding_attention"
         self.self_attn = Attention(cfg, backend_cls, rotary, sliding_window=cfg.sliding_window if sliding else None,
-                                   sinks=True, o_bias=cfg.attention_bias)
+                                   sinks=True)
         self.mlp = GptOssMoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

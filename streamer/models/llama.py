@@ -40,11 +40,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
                  qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
-                 logit_softcap: Optional[float] = None, sinks: bool = False, o_bias: bool = False) -> None:
+                 logit_softcap: Optional[float] = None, sinks: bool = False) -> None:
         """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
         (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
-        layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) and `o_bias`
-        (o_proj with a bias) are gpt-oss's."""
+        layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) is gpt-oss's."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -58,7 +57,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_total, kv_total],
                                              bias=cfg.attention_bias, shard_names=["q", "k", "v"],
                                              replicable=True)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.sinks: Optional[nn.Parameter] = None
         if sinks:
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
