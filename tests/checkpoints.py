@@ -13,7 +13,8 @@ import torch
 
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss",
+            "phi4_mini", "granite", "olmo2")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -76,6 +77,26 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("sliding_window", 24)
         kw.setdefault("pad_token_id", 0)
         return tf.Phi3Config(**kw)
+    if family == "phi4_mini":  # Phi-4-mini's shape: 3/4 of each head rotates, LongRoPE past 32 tokens, tied head
+        kw.setdefault("partial_rotary_factor", 0.75)
+        half = int(kw["hidden_size"] // kw["num_attention_heads"] * kw["partial_rotary_factor"]) // 2
+        kw.setdefault("original_max_position_embeddings", 32)
+        kw.setdefault("rope_scaling", {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                       "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+        kw.setdefault("tie_word_embeddings", True)
+        kw.setdefault("sliding_window", None)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Phi3Config(**kw)
+    if family == "granite":  # multipliers far from Llama's 1 (and the attention scale from head_dim ** -0.5 = 0.25)
+        kw.setdefault("embedding_multiplier", 12.0)
+        kw.setdefault("residual_multiplier", 0.22)
+        kw.setdefault("attention_multiplier", 1.0)
+        kw.setdefault("logits_scaling", 8.0)
+        kw.setdefault("tie_word_embeddings", True)
+        return tf.GraniteConfig(**kw)
+    if family == "olmo2":  # post-norms, whole-projection q/k norms (their weights randomised: see below)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Olmo2Config(**kw)
     raise ValueError(family)
 
 
@@ -107,6 +128,12 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     # Scores up to ~3x the soft cap (median ~3, 90th percentile ~7 at cap 5): without the cap,
                     # transformers itself picks other tokens for 14 of the parity test's 16 prompts.
                     p.mul_(3.0)
+    if family == "olmo2":
+        # transformers starts the norms at one: random ones show that each is loaded and used where it belongs.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
     if family == "gpt_oss":
         # transformers starts the expert biases at zero and the sinks near it: random ones show that each is loaded
         # and used (sinks ~ N(0, 1.5^2): each takes a real share of its head's softmax).

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM", "GptOssForCausalLM")
+                           "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -58,6 +58,12 @@ class ModelConfig:
     eos_token_id: list[int] = field(default_factory=list)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     quantization: Optional[dict[str, Any]] = None  # an FP8 checkpoint's quantization_config (models/quant.py)
+    partial_rotary_factor: float = 1.0  # the share of each head that rotates (Phi-4-mini: 0.75); the rest passes
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each head rotary rotates (as transformers: int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -95,8 +101,7 @@ class ModelConfig:
                 scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", length)
             scaling.setdefault("max_position_embeddings", length)
-        if arch == "Phi3ForCausalLM" and c.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("Phi3ForCausalLM with partial_rotary_factor < 1 (Phi-4-mini) is not supported yet")
+        partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         eos = c.get("eos_token_id")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS
@@ -128,4 +133,5 @@ class ModelConfig:
             eos_token_id=[eos] if isinstance(eos, int) else list(eos or []),
             raw=c,
             quantization=_quantization(c.get("quantization_config")),
+            partial_rotary_factor=partial,
         )

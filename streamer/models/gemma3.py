@@ -30,10 +30,12 @@ class GemmaRMSNorm(nn.Module):
     """x / rms(x) * (1 + w), in fp32, then cast (Llama's norm casts before scaling). With `residual`, adds it
     first and returns (normed, sum), as the Llama decoder's fused add-and-norm does."""
 
+    offset = 1.0  # (OLMo 2's norm is this one with a plain weight: models/olmo2.py)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.weight = nn.Parameter(torch.full((size,), 1.0 - self.offset), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
@@ -41,7 +43,7 @@ class GemmaRMSNorm(nn.Module):
             residual = x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (xf * (1.0 + self.weight.float())).to(x.dtype)
+        out = (xf * (self.offset + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
 
 
@@ -123,8 +125,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if raw.get("use_bidirectional_attention"):
             raise ValueError("Gemma with bidirectional attention is not supported")
         theta, scaling, local_theta = _rope_params(raw, self.default_theta)
-        full = RotaryEmbedding(cfg.head_dim, max_positions, theta, scaling)
-        local = RotaryEmbedding(cfg.head_dim, max_positions, local_theta, None) if self.local_rope else full
+        full = RotaryEmbedding(cfg.rotary_dim, max_positions, theta, scaling)
+        local = RotaryEmbedding(cfg.rotary_dim, max_positions, local_theta, None) if self.local_rope else full
         window = raw.get("sliding_window")
         types = gemma_layer_types(raw, cfg.num_layers, self.default_pattern)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -136,15 +138,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.embed_scale = float(cfg.hidden_size) ** 0.5
         self.softcap = raw.get("final_logit_softcapping")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, as transformers
-        residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv, decode)
-        x, _ = self.norm(x, residual)
-        return x
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype first, as transformers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

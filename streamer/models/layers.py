@@ -300,12 +300,13 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any]) -> tuple[torc
     return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep, float(attn)
 
 
-def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+def build_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float,
                         scaling: Optional[dict[str, Any]]) -> torch.Tensor:
-    """[max_positions, head_dim] = cat(cos, sin) over the head_dim/2 frequencies, in fp32 (YaRN: times its attention
-    factor). LongRoPE: two tables stacked, [2 * max_positions, head_dim]: the short factors' rows, then the long
-    factors' (see RotaryEmbedding)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    """[max_positions, rotary_dim] = cat(cos, sin) over the rotary_dim/2 frequencies, in fp32 (YaRN: times its
+    attention factor). rotary_dim is the head size, or less with partial rotary (as transformers, every frequency
+    and YaRN's ramp are computed over it). LongRoPE: two tables stacked, [2 * max_positions, rotary_dim]: the short
+    factors' rows, then the long factors' (see RotaryEmbedding)."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (theta ** exponents)
     kind = (scaling or {}).get("rope_type", "default")
     pos = torch.arange(max_positions, dtype=torch.float32)
@@ -317,6 +318,9 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                                              math.sqrt(1 + math.log(factor) / math.log(original)))
         tables = []
         for ext in (s["short_factor"], s["long_factor"]):
+            if len(ext) != rotary_dim // 2:
+                raise ValueError(f"LongRoPE factors have {len(ext)} entries, expected rotary_dim / 2 = "
+                                 f"{rotary_dim // 2}")
             freqs = torch.outer(pos, 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** exponents))
             tables.append(torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attn)
         return torch.cat(tables)
@@ -326,7 +330,7 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
     elif kind == "linear":
         pos = pos / scaling["factor"]  # type: ignore[index]
     elif kind == "yarn":
-        inv_freq, attn = _yarn_inv_freq(head_dim, theta, scaling)  # type: ignore[arg-type]
+        inv_freq, attn = _yarn_inv_freq(rotary_dim, theta, scaling)  # type: ignore[arg-type]
     elif kind != "default":
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, "
                          "yarn)")
@@ -336,19 +340,21 @@ def build_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Neox layout (rotate halves), as HF's Llama/Qwen/Mistral. x: [T, H, D]; cos/sin: [T, D/2]."""
-    d = x.shape[-1] // 2
+    """Neox layout (rotate halves), as HF's Llama/Qwen/Mistral. x: [T, H, D]; cos/sin: [T, R/2]: the first R dims
+    of each head rotate, the other D - R pass unchanged (partial rotary, Phi-4-mini; R = D otherwise)."""
+    d = cos.shape[-1]
     xf = x.float()
-    x1, x2 = xf[..., :d], xf[..., d:]
+    x1, x2, rest = xf[..., :d], xf[..., d:2 * d], xf[..., 2 * d:]
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module, KernelSwitch):
-    def __init__(self, head_dim: int, max_positions: int, theta: float,
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float,
                  scaling: Optional[dict[str, Any]]) -> None:
+        """rotary_dim: the leading dims of each head that rotate (ModelConfig.rotary_dim); the table is that wide."""
         super().__init__()
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_positions, theta, scaling),
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, theta, scaling),
                              persistent=False)
         # LongRoPE (Phi-3 long-context): a sequence longer than the pretraining length rotates with the long
         # factors, found `long_offset` rows further down the table: the runner adds the offset to the positions

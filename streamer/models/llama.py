@@ -133,10 +133,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, backend_cls, rotary)
+        self.self_attn = self.make_attention(cfg, backend_cls, rotary)
         self.mlp: nn.Module = moe_layer(cfg, index) or MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_attention(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                       rotary: RotaryEmbedding) -> Attention:
+        """The layer's attention (built once: each one registers a backend); Granite's scales differently."""
+        return Attention(cfg, backend_cls, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
@@ -158,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -172,12 +177,16 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample.
         The step's attention metadata comes from `streamer.attention.base.forward_context`; a decode-only step
         may instead carry its own (`decode`), so that a backend that can attends inside the compiled graph."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, decode)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start (Gemma and Granite scale it)."""
+        return self.embed_tokens(input_ids)
 
     packed_head: Optional[torch.Tensor] = None
     long_rope: Optional[tuple[int, int]] = None

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator
+import re
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -12,16 +13,21 @@ from safetensors import safe_open
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
+from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.quant import dequantizing
 
 logger = logging.getLogger("streamer")
 
-# Every supported family is a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors).
+# Most supported families are a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors,
+# partial rotary); the others subclass its parts.
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
+_MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
+_MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -72,11 +78,13 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
             model = model_cls(cfg, backend_cls, max_positions)
     finally:
         torch.set_default_dtype(old_dtype)
+    model.kv_scales = None  # [(k_scale, v_scale)] per layer, for an FP8 KV cache, if the checkpoint has them
     if load_format == "dummy":
         _dummy_init(model, seed)
     else:
         files = safetensors_files(folder)
-        weights = iter_safetensors(files, "cpu")
+        kv_scales: dict[tuple[int, str], float] = {}
+        weights = _taking_kv_scales(iter_safetensors(files, "cpu"), kv_scales)
         if cfg.quantization is not None:
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)
@@ -85,4 +93,31 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
             names = sorted(model.checkpoint_name(m) for m in missing)
             raise ValueError(f"checkpoint {folder} is missing {len(names)} tensor(s): {', '.join(names[:8])}"
                              + (" ..." if len(names) > 8 else ""))
+        model.kv_scales = _per_layer(kv_scales, cfg.num_layers)
     return model.eval()
+
+
+# An FP8 KV cache's calibrated scales, as llm-compressor (self_attn.k_scale / v_scale), older AutoFP8
+# (self_attn.kv_scale, both) and older compressed-tensors (k_proj / v_proj.output_scale) write them.
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v|kv)_scale|(k|v)_proj\.output_scale)$")
+
+
+def _taking_kv_scales(weights: Iterator[tuple[str, torch.Tensor]], found: dict[tuple[int, str], float],
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights without the KV-cache scales, which go into `found` by (layer, "k" | "v"). A per-head scale
+    is taken at its largest: a coarser scale never saturates what a finer one would not."""
+    for name, t in weights:
+        m = _KV_SCALE.match(name)
+        if m is None:
+            yield name, t
+            continue
+        layer, kind = int(m.group(1)), m.group(2) or m.group(3)
+        for k in ("k", "v") if kind == "kv" else (kind,):
+            found[(layer, k)] = float(t.float().abs().max())
+
+
+def _per_layer(found: dict[tuple[int, str], float], num_layers: int) -> Optional[list[tuple[float, float]]]:
+    """[(k_scale, v_scale)] per layer, or None when the checkpoint has none (a missing one is 1.0)."""
+    if not found:
+        return None
+    return [(found.get((i, "k"), 1.0), found.get((i, "v"), 1.0)) for i in range(num_layers)]
