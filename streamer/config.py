@@ -20,6 +20,10 @@ class EngineConfig:
     max_num_seqs: int = 256  # running-sequence cap
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes for the KV pool (CPU default: 2 GiB)
+    # "auto": the KV cache in the model's dtype; "fp8" (or "fp8_e4m3"): float8_e4m3fn, half the bytes of bf16, so
+    # twice the tokens in the same memory. Stored k / k_scale and v / v_scale with the checkpoint's calibrated
+    # scales where it has them (llm-compressor's k_scale / v_scale), else 1.0.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
     num_kv_blocks: Optional[int] = None  # override the computed pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
@@ -108,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8", "none"):
             raise ValueError(f"quantization must be 'fp8' or 'none', got {self.quantization!r}")
         if not isinstance(self.enable_lora, bool):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from streamer.attention.base import AttentionMetadata, DecodeBatch, forward_context
+from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, forward_context
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
@@ -179,15 +179,16 @@ class ModelRunner:
         # Each batch row's last sampled token, on the device: async scheduling's next step reads its inputs here.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
+        self.kv_dtype = self._kv_dtype()
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
         shape = (2, self.num_blocks + 1, self.block_size, self.model.layers[0].self_attn.num_kv_heads,
                  model_cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(model_cfg.num_layers)]
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
-                    self.num_blocks * self.block_size, self.block_size, str(self.dtype).replace("torch.", ""),
+                    self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
         if self._cpu_packing():
             self.model.pack_head_for_cpu()
@@ -337,9 +338,24 @@ class ModelRunner:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         return torch.compile(self.model, dynamic=True, fullgraph=True)
 
+    def _kv_dtype(self) -> torch.dtype:
+        if self.config.kv_cache_dtype == "auto":
+            return self.dtype
+        if (self.attention_backend == "triton" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError("kv_cache_dtype='fp8' with the Triton attention backend needs a GPU with FP8 "
+                             f"conversions (compute capability 8.9+); this one is "
+                             f"{torch.cuda.get_device_capability(self.device)}")
+        scales = self.model.kv_scales
+        for layer, (k_scale, v_scale) in zip(self.model.layers, scales or []):
+            layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale = k_scale, v_scale
+        logger.info("FP8 KV cache (float8_e4m3fn), %s", "the checkpoint's k/v scales" if scales else
+                    "scales 1.0 (the checkpoint has no calibrated k_scale / v_scale)")
+        return FP8_KV_DTYPE
+
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.model_cfg.num_layers * self.block_size * attn.num_kv_heads * attn.head_dim * elem
 
     def _num_kv_blocks(self) -> int:

@@ -30,22 +30,24 @@ __all__ = [
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write key/value [T, Hkv, D] into key_cache/value_cache [num_blocks, block_size, Hkv, D] at slot_mapping
-    (int64 [T]; slot = block * block_size + offset; -1 = padding, skipped). key/value must have the cache dtype.
+    (int64 [T]; slot = block * block_size + offset; -1 = padding, skipped). key/value must have the cache dtype,
+    or the cache is FP8 (float8_e4m3fn): then it stores key / k_scale and value / v_scale, saturated at +-448.
     Only the first min(T, len(slot_mapping)) rows are written."""
     if use_triton(key):
         from streamer_kernels.cache import reshape_and_cache as impl
     else:
         impl = reference.reshape_and_cache
-    impl(key, value, key_cache, value_cache, slot_mapping)
+    impl(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> None:
+                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -56,14 +58,16 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     `out` past query_start_loc[B] are left untouched. num_kv_splits: None = automatic split-KV for decode
     batches; a power of two forces that many splits. logit_softcap: scaled scores s become tanh(s / cap) * cap
     before the softmax (Gemma 2's attention soft-capping); None or 0 = off. sinks: float32 [H] (gpt-oss), one more
-    logit per head in the softmax's denominator, with no value; None = off.
+    logit per head in the softmax's denominator, with no value; None = off. The caches may instead be FP8
+    (float8_e4m3fn), holding k / k_scale and v / v_scale (see reshape_and_cache).
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
     else:
         impl = reference.unified_attention
     impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
-         max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks)
+         max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
+         k_scale=k_scale, v_scale=v_scale)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

@@ -90,7 +90,7 @@ def _attend_tiles(
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
     window / end-of-context masks; unmasked tiles must be fully visible to every row. With USE_SOFTCAP, qk_scale
@@ -104,6 +104,9 @@ def _attend_tiles(
         kv_mask = in_ctx[:, None] & d_mask[None, :]
         k = _load(key_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)  # [TILE_N, BLOCK_D]
         v = _load(value_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)
+        if KV_FP8:  # widened to the queries' type; the scales are folded into qk_scale and the output
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -131,14 +134,14 @@ def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr, sinks_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, softcap_scale, sliding_window,
+    num_seqs, qk_scale, softcap_scale, sliding_window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -216,17 +219,19 @@ def _unified_attention_kernel(
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, key_end, sliding_window, qk_scale, softcap_scale, tile_lo, full_lo,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_lo, full_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
+                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_hi, tile_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
+    if KV_FP8:  # sums of v' = v / v_scale (linear: the split partials can carry it too)
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only invalid rows have l == 0; they are not stored
         o = acc / l_safe[:, None]
@@ -332,11 +337,12 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                      config: Optional[AttentionConfig] = None) -> None:
+                      config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
     `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
-    logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps)."""
+    logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps).
+    An FP8 (float8_e4m3fn) cache holds k / k_scale and v / v_scale."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -346,7 +352,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert value_cache.shape == key_cache.shape and value_cache.stride() == key_cache.stride(), \
         "key and value caches must share a layout (kv_cache[0] / kv_cache[1] do)"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and key_cache.stride(-1) == 1
-    assert out.shape == q.shape and key_cache.dtype == q.dtype
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    assert out.shape == q.shape and (key_cache.dtype == q.dtype or kv_fp8)
     assert query_start_loc.shape[0] == num_seqs + 1 and block_table.shape[0] >= num_seqs
     assert block_table.stride(1) == 1
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.dtype == torch.float32
@@ -355,7 +362,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = bool(logit_softcap)
     # Scores in log2 units: q.k * scale * log2(e), or with a cap tanh(q.k * scale / cap) * cap * log2(e).
-    qk_scale = softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E
+    qk_scale = (softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E) * (k_scale if kv_fp8 else 1.0)
     softcap_scale = logit_softcap * _LOG2E if use_softcap else 1.0
 
     cfg = config or attention_config(head_dim, group, max_query_len, q.dtype)
@@ -389,7 +396,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
         query_start_loc, seq_lens, block_table,
-        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
+        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
@@ -397,7 +404,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
         UPCAST=upcast,
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, KV_FP8=kv_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

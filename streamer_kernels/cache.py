@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+from streamer_kernels.reference import quantize_fp8
 
 check_interpreter_consistency()
 
@@ -41,7 +42,7 @@ def _reshape_and_cache_kernel(
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """See `streamer_kernels.reshape_and_cache`. Strided key/value views (e.g. slices of a fused qkv) are fine;
     the last dim of every tensor must be contiguous."""
     num_tokens = min(key.shape[0], slot_mapping.shape[0])
@@ -55,7 +56,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     assert key.dtype == value.dtype and key_cache.dtype == value_cache.dtype
     # bf16 -> bf16 is a plain copy; converting between float types inside the kernel is not worth a special case
     # for the interpreter (whose bf16 conversions truncate), so keep them equal.
-    assert key.dtype == key_cache.dtype, "key/value must already have the cache dtype"
+    if key_cache.dtype == torch.float8_e4m3fn and key.dtype != key_cache.dtype:
+        # Quantized by torch, then copied: one elementwise pass, and exact under the interpreter too (whose
+        # float -> fp8 conversion mis-rounds values that carry into the next exponent).
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
+    assert key.dtype == key_cache.dtype, "key/value must already have the cache dtype (or the cache be FP8)"
     assert slot_mapping.stride(0) == 1
 
     block_h = next_pow2(num_kv_heads)

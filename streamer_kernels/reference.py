@@ -25,11 +25,14 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------------------
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write key/value [T, Hkv, D] into the caches [num_blocks, block_size, Hkv, D] at `slot_mapping` (-1 = skip).
 
-    Only the first min(T, len(slot_mapping)) rows are considered.
+    Only the first min(T, len(slot_mapping)) rows are considered. An FP8 (float8_e4m3fn) cache stores
+    key / k_scale and value / v_scale, saturated at +-448.
     """
+    if key_cache.dtype == torch.float8_e4m3fn:
+        key, value = quantize_fp8(key, k_scale), quantize_fp8(value, v_scale)
     n = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:n].to(torch.long)
     keep = slots >= 0
@@ -39,6 +42,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     # Advanced indexing on the first two dims writes through to the (possibly strided) cache views.
     key_cache[blocks, offsets] = key[:n][keep].to(key_cache.dtype)
     value_cache[blocks, offsets] = value[:n][keep].to(value_cache.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8_e4m3fn, saturated at +-448 (its largest finite value): an outlier must not become NaN."""
+    y = x.float() / scale if scale != 1.0 else x.float()
+    return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -57,7 +66,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
-                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> None:
+                      logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
@@ -65,8 +75,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     With `logit_softcap` (Gemma 2), scaled scores s become tanh(s / cap) * cap before the softmax. `sinks` [H]
     (gpt-oss): each head's softmax gets one more logit, sinks[h], with no value to attend.
     `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
+    An FP8 cache holds k / k_scale and v / v_scale.
     """
     del max_query_len, max_seq_len, num_kv_splits
+    if key_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -77,8 +90,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_context(key_cache, block_table[b], seq_len).float()  # [S, Hkv, D]
-        v = _gather_context(value_cache, block_table[b], seq_len).float()
+        k = _gather_context(key_cache, block_table[b], seq_len).float() * k_scale  # [S, Hkv, D]
+        v = _gather_context(value_cache, block_table[b], seq_len).float() * v_scale
         qb = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("qhgd,khd->hgqk", qb, k) * softmax_scale  # [Hkv, G, q, S]
         if logit_softcap:

@@ -10,6 +10,10 @@ KV cache layout, per layer: `kv_cache[2, num_blocks, block_size, num_kv_heads, h
 
 Attention sinks (gpt-oss) are the layer's learned per-head logits, so they travel with each call (`sinks=`), not
 in the static `AttentionSpec`.
+
+FP8 KV cache (`kv_cache_dtype="fp8"`): the cache tensors are float8_e4m3fn; a backend stores k / k_scale and
+v / v_scale (saturated at +-448) and reads them back times the scale. The scales are per layer, set on the
+backend after loading (`KVScales`: the checkpoint's calibrated k_scale / v_scale, else 1.0).
 """
 from __future__ import annotations
 
@@ -55,6 +59,18 @@ class AttentionBackend(Protocol):
         sinks: float32 [num_heads] (gpt-oss): per head, one more logit in the softmax's denominator, with no value
         (the head may attend "nowhere"); None = off."""
         ...
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+
+
+class KVScales:
+    """A backend's per-layer FP8 cache scales (plain floats: constants to a compiled graph). Set before the
+    first step; without calibrated ones from the checkpoint they stay 1.0, which suits activations of the usual
+    magnitude (|k|, |v| < 448)."""
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass

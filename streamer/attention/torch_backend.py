@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from streamer.attention.base import AttentionMetadata, AttentionSpec, DecodeBatch
+from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
 from streamer.kv_cache import cdiv
+from streamer_kernels.reference import quantize_fp8
 
 logger = logging.getLogger("streamer")
 
@@ -122,8 +123,8 @@ def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     for i, (first, end) in enumerate(zip(first_pos.tolist(), seq_lens.tolist())):
         pos = torch.arange(first, end, device=q.device)
         slots = table[i, pos // bs] * bs + pos % bs
-        k = keys.index_select(0, slots).transpose(0, 1)  # [Hkv, L, D]
-        v = values.index_select(0, slots).transpose(0, 1)
+        k = keys.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D] (an FP8 cache's, widened)
+        v = values.index_select(0, slots).transpose(0, 1).to(q.dtype)
         qi = q[i].reshape(hkv * g, 1, d)
         if softcap or sinks is not None:
             o = _attend_explicit(qi, k, v, None, softcap, None if sinks is None else sinks.reshape(-1))
@@ -196,6 +197,13 @@ def decode_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int,
     return table
 
 
+def _store(cache_rows: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache_rows[slots] = rows, in place. FP8 through byte views: CPU torch has no index_copy_ for float8."""
+    if cache_rows.dtype == FP8_KV_DTYPE:
+        cache_rows, rows = cache_rows.view(torch.uint8), rows.view(torch.uint8)
+    cache_rows.index_copy_(0, slots, rows)
+
+
 @dataclass
 class _StepPlan:
     """What every layer of one step shares: derived once per step, not once per layer."""
@@ -247,7 +255,7 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
     return plan
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(KVScales):
     name = "torch"
 
     def __init__(self, spec: AttentionSpec, compile: bool = True) -> None:
@@ -268,12 +276,25 @@ class TorchAttentionBackend:
             self._prefill(q, k, v, kv_cache, meta, i, out, sinks)
         return out
 
-    @staticmethod
-    def _write(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
+    def _write(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan) -> None:
         n = len(plan.write_slots)
         k, v = (k[:n], v[:n]) if plan.write_rows is None else (k[plan.write_rows], v[plan.write_rows])
-        kv_cache[0].flatten(0, 1).index_copy_(0, plan.write_slots, k)
-        kv_cache[1].flatten(0, 1).index_copy_(0, plan.write_slots, v)
+        _store(kv_cache[0].flatten(0, 1), plan.write_slots, self._cached(k, kv_cache, self.k_scale))
+        _store(kv_cache[1].flatten(0, 1), plan.write_slots, self._cached(v, kv_cache, self.v_scale))
+
+    @staticmethod
+    def _cached(x: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """k or v as the cache stores it (FP8: divided by its scale and saturated)."""
+        return quantize_fp8(x, scale) if kv_cache.dtype == FP8_KV_DTYPE else x
+
+    def _scaled(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Queries times the softmax scale, and with an FP8 cache times k_scale: q.(k_scale k') = (k_scale q).k'."""
+        scale = self.spec.scale * (self.k_scale if kv_cache.dtype == FP8_KV_DTYPE else 1.0)
+        return q * scale
+
+    def _unscaled(self, out: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The attention output times v_scale (FP8 cache): softmax-weighted sums of v' = v / v_scale."""
+        return out * self.v_scale if kv_cache.dtype == FP8_KV_DTYPE and self.v_scale != 1.0 else out
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                        d: DecodeBatch, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -282,13 +303,14 @@ class TorchAttentionBackend:
         a `kv_cache[0]` view it would copy the whole cache every step)."""
         spec = self.spec
         n = q.shape[0]
-        kv_cache.view(-1, spec.num_kv_heads, spec.head_dim).index_copy_(0, d.write_slots, torch.cat([k, v]))
+        new = torch.cat([self._cached(k, kv_cache, self.k_scale), self._cached(v, kv_cache, self.v_scale)])
+        _store(kv_cache.view(-1, spec.num_kv_heads, spec.head_dim), d.write_slots, new)
         window = spec.sliding_window
         first = (d.seq_lens - window).clamp(min=0) if window else torch.zeros_like(d.seq_lens)
-        qb = (q * spec.scale).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
+        qb = self._scaled(q, kv_cache).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
         out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits,
                            spec.logit_softcap, self._head_sinks(sinks))
-        return out.view(n, spec.num_heads, spec.head_dim)
+        return self._unscaled(out, kv_cache).view(n, spec.num_heads, spec.head_dim)
 
     def _head_sinks(self, sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[H] -> [Hkv, G], the decode kernels' head layout."""
@@ -298,22 +320,24 @@ class TorchAttentionBackend:
                 sinks: Optional[torch.Tensor]) -> torch.Tensor:
         """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""
         b, spec = plan.num_decode, self.spec
-        qb = (q * spec.scale).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
+        qb = self._scaled(q, kv_cache).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
         if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
         o = run_decode_kernel(self.compile, qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos,
                               plan.splits, spec.logit_softcap, self._head_sinks(sinks))
-        return o[:b].view(b, spec.num_heads, spec.head_dim)
+        return self._unscaled(o[:b], kv_cache).view(b, spec.num_heads, spec.head_dim)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
                  meta: AttentionMetadata, i: int, out: torch.Tensor, sinks: Optional[torch.Tensor]) -> None:
         start, end = int(meta.query_start_loc_cpu[i]), int(meta.query_start_loc_cpu[i + 1])
         seq_len = int(meta.seq_lens_cpu[i])
         q_len = end - start
-        if seq_len == q_len:  # nothing cached before this chunk: its own k/v are the whole context
+        if seq_len == q_len and kv_cache.dtype != FP8_KV_DTYPE:
+            # Nothing cached before this chunk: its own k/v are the whole context. (Not with an FP8 cache: every
+            # read must see the stored values, or a prefix-cache hit would compute differently from a miss.)
             k, v = k_new[start:end], v_new[start:end]
         else:
-            k, v = self._gather(kv_cache, meta.block_table[i], seq_len)  # [L, Hkv, D]
+            k, v = self._gather(kv_cache, meta.block_table[i], seq_len, q.dtype)  # [L, Hkv, D]
         mask = None
         window = self.spec.sliding_window
         if seq_len != q_len or (window is not None and window < seq_len):
@@ -332,11 +356,14 @@ class TorchAttentionBackend:
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
-        """Contiguous [length, Hkv, D] keys and values of the blocks listed in `block_ids`."""
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Contiguous [length, Hkv, D] keys and values of the blocks listed in `block_ids`, in `dtype` (an FP8
+        cache's widened and scaled back)."""
         bs = kv_cache.shape[2]
         ids = block_ids[:cdiv(length, bs)]
         k = kv_cache[0][ids].flatten(0, 1)[:length]
         v = kv_cache[1][ids].flatten(0, 1)[:length]
+        if kv_cache.dtype == FP8_KV_DTYPE:
+            return (k.float() * self.k_scale).to(dtype), (v.float() * self.v_scale).to(dtype)
         return k, v

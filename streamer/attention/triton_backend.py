@@ -11,13 +11,13 @@ from typing import Optional
 
 import torch
 
-from streamer.attention.base import AttentionMetadata, AttentionSpec
+from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, KVScales
 from streamer_kernels import interpret_mode
 from streamer_kernels.attention import choose_num_kv_splits, unified_attention
 from streamer_kernels.cache import reshape_and_cache
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(KVScales):
     name = "triton"
 
     def __init__(self, spec: AttentionSpec) -> None:
@@ -31,9 +31,10 @@ class TritonAttentionBackend:
             raise RuntimeError("the triton attention backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                                "the engine starts to run on CPU")
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if k.dtype != key_cache.dtype:  # the kernels copy, they do not convert
+        fp8 = key_cache.dtype == FP8_KV_DTYPE  # (quantized by the kernel, which otherwise only copies)
+        if k.dtype != key_cache.dtype and not fp8:
             k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] > meta.num_tokens:
@@ -49,5 +50,5 @@ class TritonAttentionBackend:
         unified_attention(q, key_cache, value_cache, out, meta.query_start_loc[:meta.num_reqs + 1],
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
-                          logit_softcap=spec.logit_softcap, sinks=sinks)
+                          logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale)
         return out
