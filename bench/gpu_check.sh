@@ -54,6 +54,7 @@ if [ -z "$DRY" ]; then
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
         tests/test_kernels_backend.py tests/test_kernels_sampling.py tests/test_kernels_lora.py \
         tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
+        tests/test_fp8_kv_cache.py \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
@@ -61,6 +62,7 @@ else
         "tests/test_kernels_attention.py::test_unified_attention_random" \
         "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" \
         "tests/test_kernels_sampling.py::test_sampler_matches_reference" tests/test_kernels_lora.py \
+        "tests/test_fp8_kv_cache.py::test_unified_attention_reads_fp8_caches" \
         tests/test_cuda_graphs.py \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" >"$RES/tests.log" 2>&1
 fi

@@ -125,13 +125,16 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale:
 
 
 def bench_decode(timer: Timer, device: torch.device, copy_gbps: float, batch: int, ctx: int, target: bool,
-                 sweep: bool, force_splits: Optional[int] = None) -> None:
+                 sweep: bool, force_splits: Optional[int] = None, fp8_kv: bool = False) -> None:
+    """`fp8_kv`: the cache in float8_e4m3fn (kv_cache_dtype="fp8"): half the bytes to read."""
     from streamer_kernels.attention import AttentionConfig, choose_num_kv_splits, unified_attention
 
     H, HKV, D, BS = (32, 8, 128, 16) if not DRY else (4, 2, 64, 16)
     dtype = torch.bfloat16
     scale = D ** -0.5
     kv, table = paged_cache(batch, ctx, HKV, D, BS, device, dtype)
+    if fp8_kv:
+        kv = kv.to(torch.float8_e4m3fn)
     q = torch.randn(batch, H, D, dtype=dtype, device=device)
     out = torch.empty_like(q)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -144,13 +147,13 @@ def bench_decode(timer: Timer, device: torch.device, copy_gbps: float, batch: in
 
     kv_bytes = 2 * batch * ctx * HKV * D * kv.element_size()
     ms = timer(run)
-    k, v = contiguous_kv(kv, table, ctx)
+    k, v = contiguous_kv(kv.to(dtype), table, ctx)
     qs = q.view(batch, H, 1, D)
     expected = sdpa(qs, k, v, False, scale).view(batch, H, D)
     err = rel_err(out, expected)
     ms_sdpa = timer(lambda: sdpa(qs, k, v, False, scale))
     gbps = kv_bytes / ms / 1e6
-    name = f"decode {batch} x {ctx}"
+    name = f"decode {batch} x {ctx}" + (", fp8 KV" if fp8_kv else "")
     row("attention", name, ms, gbps=round(gbps, 1), pct_ceiling=round(100 * gbps / copy_gbps, 1),
         sdpa_ms=round(ms_sdpa, 4), vs_sdpa=round(ms_sdpa / ms, 2), splits=splits, rel_err=f"{err:.2e}",
         target=">=70% copy" if target else "", ok=(gbps >= 0.7 * copy_gbps) if target else None)
@@ -345,6 +348,8 @@ def main() -> int:
             ("decode 1x32768", lambda: bench_decode(timer, device, copy_gbps, 1, 32768, False, False)),
             ("decode 8x8192", lambda: bench_decode(timer, device, copy_gbps, 8, 8192, False, False)),
             ("decode 256x1024", lambda: bench_decode(timer, device, copy_gbps, 256, 1024, False, False)),
+            ("decode 64x4096 fp8 KV", lambda: bench_decode(timer, device, copy_gbps, 64, 4096, False, False,
+                                                           fp8_kv=True)),
             ("prefill 1x4096", lambda: bench_prefill(timer, device, mm_tflops, 1, 4096, True, sweep)),
             ("prefill 4x4096", lambda: bench_prefill(timer, device, mm_tflops, 4, 4096, False, False)),
         ]
@@ -352,6 +357,7 @@ def main() -> int:
         steps += [
             ("decode", lambda: bench_decode(timer, device, copy_gbps, 2, 40, True, sweep)),
             ("decode split", lambda: bench_decode(timer, device, copy_gbps, 1, 300, False, False, 4)),
+            ("decode fp8 KV", lambda: bench_decode(timer, device, copy_gbps, 2, 40, False, False, fp8_kv=True)),
             ("prefill", lambda: bench_prefill(timer, device, mm_tflops, 1, 40, True, False)),
         ]
     steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device)),
