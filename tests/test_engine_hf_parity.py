@@ -46,6 +46,8 @@ def test_family_matches_transformers(make_ckpt, family, batch16):
     for p, r in zip(batch16[:3], ref[:3]):  # and single prompts
         assert _greedy(llm, [p]) == [r]
     assert len({tuple(r) for r in ref}) > 4, "degenerate reference: the test would not discriminate"
+    # (nor would continuations that mostly repeat the prompt's last token, as a random tied head tends to)
+    assert sum(len(set(r)) for r in ref) > 2 * len(ref), "degenerate reference: continuations repeat one token"
     _assert_pool_whole(llm)
 
 
@@ -147,12 +149,15 @@ def test_prompt_logprobs_match_transformers(llama_dir, batch16, engine_args):
     _assert_pool_whole(llm)
 
 
-def _longrope_ckpt(make_ckpt):
-    half = 8  # head_dim 16
-    return make_ckpt("phi3_longrope", family="phi3", max_position_embeddings=64, sliding_window=None,
+def _longrope_ckpt(make_ckpt, partial_rotary_factor: float = 1.0):
+    """partial_rotary_factor < 1: Phi-4-mini's kind, the factors cover only the rotated dims."""
+    half = int(16 * partial_rotary_factor) // 2  # head_dim 16
+    name = "phi3_longrope" if partial_rotary_factor == 1.0 else f"phi3_longrope_partial{partial_rotary_factor}"
+    extra = {} if partial_rotary_factor == 1.0 else {"partial_rotary_factor": partial_rotary_factor}
+    return make_ckpt(name, family="phi3", max_position_embeddings=64, sliding_window=None,
                      original_max_position_embeddings=16,
                      rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
-                                   "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+                                   "long_factor": [1.0 + 2.0 * i for i in range(half)]}, **extra)
 
 
 def test_phi3_longrope_with_prefix_caching(make_ckpt):
@@ -176,11 +181,13 @@ def test_phi3_longrope_with_prefix_caching(make_ckpt):
         _assert_pool_whole(llm)
 
 
-def test_phi3_longrope(make_ckpt):
-    """LongRoPE (Phi-3 128k, Phi-3.5): sequences past original_max_position_embeddings rotate with the long
-    factors, decided as transformers decides, by the sequence's length when a token is computed. Prompts below,
-    across and past the 16-token threshold; decoding crosses it too; and one batch mixes them."""
-    path = _longrope_ckpt(make_ckpt)
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.5], ids=["full", "partial"])
+def test_phi3_longrope(make_ckpt, partial_rotary_factor):
+    """LongRoPE (Phi-3 128k, Phi-3.5; Phi-4-mini with partial rotary): sequences past original_max_position_embeddings
+    rotate with the long factors, decided as transformers decides, by the sequence's length when a token is
+    computed. Prompts below, across and past the 16-token threshold; decoding crosses it too; and one batch mixes
+    them."""
+    path = _longrope_ckpt(make_ckpt, partial_rotary_factor)
     prompts = [list(range(3, 3 + n)) for n in (4, 12, 17, 30)]
     ref = hf_greedy(path, prompts, 20)
     llm = LLM(str(path), dtype="float32")
@@ -188,15 +195,18 @@ def test_phi3_longrope(make_ckpt):
     assert [_greedy(llm, [p], 20)[0] for p in prompts] == ref
     # The long table matters here: the same model with the short factors everywhere differs.
     assert llm.engine.runner.model.long_rope == (16, 64)
+    assert llm.engine.runner.model.layers[0].self_attn.rotary.cos_sin_cache.shape[-1] == 16 * partial_rotary_factor
     _assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss", "olmo2", "phi4_mini",
+                                    "granite"])
 def test_compiled_with_drafts_matches_transformers(make_ckpt, family, batch16):
     """The families whose layers differ most from Llama's (Gemma 3: per-layer windows and rotary tables;
     Qwen3-MoE: the experts' custom op; Gemma 2: soft-capped attention, in the compiled decode kernel and in the
-    graph's inline decode of a lone request; gpt-oss: attention sinks there too, biased experts), compiled and with
-    speculative drafts at once."""
+    graph's inline decode of a lone request; gpt-oss: attention sinks there too, biased experts; OLMo 2: post-norms
+    and whole-projection q/k norms; Phi-4-mini: partial rotary with LongRoPE; Granite: its multipliers), compiled
+    and with speculative drafts at once."""
     path = make_ckpt(family, family=family)
     prompts = batch16[:6]
     llm = LLM(str(path), dtype="float32", enforce_eager=False, num_speculative_tokens=3, prompt_lookup_min=1)

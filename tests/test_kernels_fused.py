@@ -9,7 +9,7 @@ from streamer_kernels.testing import TOLERANCE, configure_for_tests, max_example
 DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from streamer_kernels import reference  # noqa: E402
@@ -60,17 +60,23 @@ def test_rms_norm_fp32_weight_on_half_input() -> None:
 @SETTINGS
 @given(dtype=st.sampled_from(DTYPES), num_tokens=st.integers(1, 9), num_heads=st.sampled_from([1, 4, 6]),
        num_kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 80, 96, 128, 256]),
-       partial=st.booleans(), is_neox=st.booleans(), fused=st.booleans(), cache_in_dtype=st.booleans(),
-       scaling=st.sampled_from([None, "llama3"]), seed=st.integers(0, 2**31 - 1))
+       partial=st.sampled_from([1.0, 0.5, 0.75]), is_neox=st.booleans(), fused=st.booleans(),
+       cache_in_dtype=st.booleans(), scaling=st.sampled_from([None, "llama3", "two_tables"]),
+       seed=st.integers(0, 2**31 - 1))
+@example(dtype=torch.bfloat16, num_tokens=5, num_heads=6, num_kv_heads=2, head_dim=128, partial=0.75, is_neox=True,
+         fused=True, cache_in_dtype=False, scaling="two_tables", seed=0)  # Phi-4-mini's heads (24 / 8 over 4 ranks)
 def test_rotary_embedding(dtype, num_tokens, num_heads, num_kv_heads, head_dim, partial, is_neox, fused,
                           cache_in_dtype, scaling, seed) -> None:
     g = torch.Generator().manual_seed(seed)
-    rot_dim = head_dim // 2 if partial else head_dim
+    rot_dim = int(head_dim * partial)  # partial rotary: 0.75 is Phi-4-mini's (96 of 128)
     max_pos = 300
-    rope_scaling = None if scaling is None else {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    cache = build_cos_sin_cache(rot_dim, max_pos, 10000.0, rope_scaling,
-                                dtype=dtype if cache_in_dtype else torch.float32).to(DEVICE)
+    rope_scaling = None if scaling != "llama3" else {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cache_dtype = dtype if cache_in_dtype else torch.float32
+    cache = build_cos_sin_cache(rot_dim, max_pos, 10000.0, rope_scaling, dtype=cache_dtype)
+    if scaling == "two_tables":  # LongRoPE's layout: a second table below the first, read at positions + max_pos
+        cache = torch.cat([cache, build_cos_sin_cache(rot_dim, max_pos, 500.0, dtype=cache_dtype)])
+    cache = cache.to(DEVICE)
     if fused:  # q and k as slices of one qkv tensor (non-contiguous rows)
         qkv = _randn((num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), dtype, g)
         q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
@@ -79,13 +85,14 @@ def test_rotary_embedding(dtype, num_tokens, num_heads, num_kv_heads, head_dim, 
     else:
         q = _randn((num_tokens, num_heads, head_dim), dtype, g)
         k = _randn((num_tokens, num_kv_heads, head_dim), dtype, g)
-    positions = torch.randint(0, max_pos, (num_tokens,), generator=g).to(DEVICE)
+    positions = torch.randint(0, cache.shape[0], (num_tokens,), generator=g).to(DEVICE)
     q_before, k_before = q.clone(), k.clone()
     q_out, k_out = rotary_embedding(positions, q, k, cache, is_neox)
     q_exp, k_exp = reference.rotary_embedding(positions, q, k, cache, is_neox)
     assert rel_err(q_out, q_exp) <= TOL[dtype] and rel_err(k_out, k_exp) <= TOL[dtype]
-    if partial:  # the un-rotated tail is copied exactly
-        assert torch.equal(q_out[..., rot_dim:], q[..., rot_dim:])
+    # The un-rotated tail is copied exactly; the rotated head is not (all positions 0 aside).
+    assert torch.equal(q_out[..., rot_dim:], q[..., rot_dim:]) and torch.equal(k_out[..., rot_dim:], k[..., rot_dim:])
+    assert positions.eq(0).all() or not torch.equal(q_out[..., :rot_dim], q[..., :rot_dim])
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
 
 
