@@ -1,7 +1,8 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
-embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 (fused checkpoint
-tensors, LongRoPE). The differences are config switches, not subclasses; Gemma 2 and 3 (models/gemma3.py) and
-gpt-oss (models/gpt_oss.py) reuse its attention and weight loading."""
+embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 / Phi-4-mini
+(fused checkpoint tensors, LongRoPE, partial rotary). The differences are config switches, not subclasses; Gemma 2
+and 3 (models/gemma3.py), gpt-oss (models/gpt_oss.py), Granite (models/granite.py) and OLMo 2 (models/olmo2.py)
+reuse its attention, layers and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
