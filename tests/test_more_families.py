@@ -57,10 +57,12 @@ def test_olmo2_whole_projection_qk_norm_matters(make_ckpt, refs, monkeypatch):
 
 
 def test_olmo2_refuses_tensor_parallelism(make_ckpt, monkeypatch):
-    cfg = ModelConfig.from_dir(make_ckpt("olmo2", family="olmo2"))
+    path = make_ckpt("olmo2", family="olmo2")
+    with pytest.raises(RuntimeError, match="OLMo 2 does not support tensor parallelism"):  # (a rank's error)
+        LLM(str(path), dtype="float32", tensor_parallel_size=2)
     monkeypatch.setattr(ParallelContext, "size", 2)
     with pytest.raises(ValueError, match="tensor parallelism"):
-        Olmo2ForCausalLM(cfg, None, 64)  # type: ignore[arg-type]  # (refused before any backend is built)
+        Olmo2ForCausalLM(ModelConfig.from_dir(path), None, 64)  # type: ignore[arg-type]  # (refused before any backend)
 
 
 def test_granite_logits_scaling(make_ckpt):
