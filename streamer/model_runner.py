@@ -24,7 +24,7 @@ from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
 from streamer.lora import LoRAAdapter
 from streamer.models import lora
-from streamer.models.config import ModelConfig
+from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.models.quant import fp8_supported
@@ -230,6 +230,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def _check_tp(self) -> None:
         tp = self.tp_size
+        why = NO_TENSOR_PARALLEL.get(self.model_cfg.architecture)
+        if why:
+            raise ValueError(f"{self.model_cfg.architecture} does not support tensor parallelism: {why}")
         if self.device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
         cfg = self.model_cfg

@@ -58,7 +58,7 @@ def test_olmo2_whole_projection_qk_norm_matters(make_ckpt, refs, monkeypatch):
 
 def test_olmo2_refuses_tensor_parallelism(make_ckpt, monkeypatch):
     path = make_ckpt("olmo2", family="olmo2")
-    with pytest.raises(RuntimeError, match="OLMo 2 does not support tensor parallelism"):  # (a rank's error)
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM does not support tensor parallelism"):  # before any worker
         LLM(str(path), dtype="float32", tensor_parallel_size=2)
     monkeypatch.setattr(ParallelContext, "size", 2)
     with pytest.raises(ValueError, match="tensor parallelism"):
