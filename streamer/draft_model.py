@@ -68,19 +68,21 @@ def _forward_step(tokens: np.ndarray, positions: np.ndarray, q_lens: np.ndarray,
 
 def plan_drafts(step: StepInputs, num_drafts: np.ndarray, tokens: np.ndarray, computed: np.ndarray,
                 block_size: int, budget: int) -> DraftPlan:
-    """The drafting for a target step. Per scheduled request: `num_drafts` (0: none), `tokens` its known tokens
-    (rows of the persistent batch, up to its last known one), `computed` its num_draft_computed. The catch-up
-    tokens go in chunks of at most `budget` tokens."""
+    """The drafting for a target step. Per scheduled request: `num_drafts` (0: none) and `computed` its
+    num_draft_computed; `tokens`: the persistent batch's token rows (read at `step.rows`, up to each one's last
+    known token; only the drafting requests' rows are gathered). The catch-up tokens go in chunks of at most
+    `budget` tokens."""
     who = np.flatnonzero(num_drafts)
     counts = num_drafts[who]
     qsl = step.query_start_loc
     last = step.seq_lens[who] - counts - 1  # position of each one's last known token (its drafts follow it)
     table = step.block_table[who]
-    catch_up = _catch_up(tokens[who], computed[who], last, table, block_size, budget)
+    rows = step.rows[who]
+    catch_up = _catch_up(tokens, rows, computed[who], last, table, block_size, budget)
     passes, members = [], []
     for j in range(int(counts.max())):
         m = np.flatnonzero(counts > j)
-        fed = tokens[who[m], last[m]] if j == 0 else np.zeros(len(m), dtype=np.int64)
+        fed = tokens[rows[m], last[m]] if j == 0 else np.zeros(len(m), dtype=np.int64)
         passes.append(_forward_step(fed, last[m] + j, np.ones(len(m), dtype=np.int64), table[m], block_size,
                                     None if j == 0 else m))
         members.append(m)
@@ -90,9 +92,10 @@ def plan_drafts(step: StepInputs, num_drafts: np.ndarray, tokens: np.ndarray, co
     return DraftPlan([step.req_ids[i] for i in who], counts, catch_up, passes, members, target_idx, source_idx)
 
 
-def _catch_up(tokens: np.ndarray, computed: np.ndarray, last: np.ndarray, table: np.ndarray, block_size: int,
-              budget: int) -> list[StepInputs]:
-    """Forward-only chunks over positions computed..last-1 of each request, at most `budget` tokens each."""
+def _catch_up(tokens: np.ndarray, rows: np.ndarray, computed: np.ndarray, last: np.ndarray, table: np.ndarray,
+              block_size: int, budget: int) -> list[StepInputs]:
+    """Forward-only chunks over positions computed..last-1 of each request (its tokens: row rows[r] of
+    `tokens`), at most `budget` tokens each."""
     spans = [(r, int(c), int(e)) for r, (c, e) in enumerate(zip(computed, last)) if c < e]
     chunks: list[StepInputs] = []
     while spans:
@@ -104,11 +107,11 @@ def _catch_up(tokens: np.ndarray, computed: np.ndarray, last: np.ndarray, table:
                 room -= take
             if lo + take < hi:
                 rest.append((r, lo + take, hi))
-        rows = np.array([r for r, _, _ in picked], dtype=np.int64)
+        reqs = np.array([r for r, _, _ in picked], dtype=np.int64)
         positions = np.concatenate([np.arange(lo, hi) for _, lo, hi in picked]).astype(np.int64)
-        ids = np.concatenate([tokens[r, lo:hi] for r, lo, hi in picked])
+        ids = np.concatenate([tokens[rows[r], lo:hi] for r, lo, hi in picked])
         q_lens = np.array([hi - lo for _, lo, hi in picked], dtype=np.int64)
-        chunks.append(_forward_step(ids, positions, q_lens, table[rows], block_size))
+        chunks.append(_forward_step(ids, positions, q_lens, table[reqs], block_size))
         spans = rest
     return chunks
 

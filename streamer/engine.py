@@ -385,7 +385,7 @@ class LLMEngine:
         sch = sched.scheduled
         counts = np.array([s.num_drafts for s in sch], dtype=np.int64)
         computed = np.array([s.req.num_draft_computed for s in sch], dtype=np.int64)
-        plan = plan_drafts(inputs, counts, self.batch.tokens[inputs.rows], computed, self.config.block_size,
+        plan = plan_drafts(inputs, counts, self.batch.tokens, computed, self.config.block_size,
                            self.config.max_num_batched_tokens)
         for s in sch:
             if s.num_drafts:

@@ -349,12 +349,16 @@ class ModelRunner:
             raise ValueError("kv_cache_dtype='fp8' with the Triton attention backend needs a GPU with FP8 "
                              f"conversions (compute capability 8.9+); this one is "
                              f"{torch.cuda.get_device_capability(self.device)}")
+        self._set_kv_scales()
+        return FP8_KV_DTYPE
+
+    def _set_kv_scales(self) -> None:
+        """Each layer's FP8 cache scales on its backend: the checkpoint's calibrated ones, else 1.0."""
         scales = self.model.kv_scales
         for layer, (k_scale, v_scale) in zip(self.model.layers, scales or []):
             layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale = k_scale, v_scale
         logger.info("FP8 KV cache (float8_e4m3fn), %s", "the checkpoint's k/v scales" if scales else
                     "scales 1.0 (the checkpoint has no calibrated k_scale / v_scale)")
-        return FP8_KV_DTYPE
 
     def kv_bytes_per_block(self) -> int:
         attn = self.model.layers[0].self_attn
