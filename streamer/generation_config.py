@@ -32,6 +32,8 @@ def sampling_defaults(source: str, model_dir: Path, overrides: Optional[dict[str
     found = _read(folder / "generation_config.json") if folder is not None else {}
     found.update(overrides or {})
     defaults = {name: found[key] for key, name in FIELDS.items() if found.get(key) is not None}
+    if defaults.get("top_k") == 0:  # transformers' (and the API's) "no top-k"
+        defaults["top_k"] = -1
     _check(defaults, source)
     if defaults:
         logger.info("default sampling parameters from %s: %s",

@@ -32,6 +32,8 @@ def test_defaults_read_from_the_file(tuned_dir: Path) -> None:
     # Overrides use the file's keys and win over it; they apply on top of "vllm" too.
     assert sampling_defaults("auto", tuned_dir, {"temperature": 0.0})["temperature"] == 0.0
     assert sampling_defaults("vllm", tuned_dir, {"max_new_tokens": 9}) == {"max_tokens": 9}
+    # top_k 0 is transformers' "off": the engine's -1, not a refusal to start.
+    assert sampling_defaults("auto", tuned_dir, {"top_k": 0})["top_k"] == -1
 
 
 def test_bad_generation_config_is_a_clear_error(tuned_dir: Path, tmp_path: Path) -> None:
