@@ -122,6 +122,8 @@ class DraftModel:
     def __init__(self, config: EngineConfig, target: "ModelRunner") -> None:
         from streamer.model_runner import ModelRunner
         path = Path(config.speculative_model).expanduser()  # type: ignore[arg-type]
+        if not path.is_dir():
+            raise FileNotFoundError(f"speculative_model folder not found: {path}")
         cfg = ModelConfig.from_dir(path)
         _check_compatible(path, cfg, config, target)
         draft_config = dataclasses.replace(
