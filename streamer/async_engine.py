@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Optional
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate
+from streamer.multimodal import ImagePrompts, check_truncation
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics
@@ -173,6 +174,11 @@ class AsyncEngine:
         return self._core.max_model_len
 
     @property
+    def image_prompts(self) -> Optional[ImagePrompts]:
+        """How the model takes images (None: it takes none)."""
+        return self._core.image_prompts
+
+    @property
     def num_overlapped_steps(self) -> int:
         return self._core.num_overlapped_steps
 
@@ -264,11 +270,15 @@ class AsyncEngine:
         params = params if params is not None else core.default_sampling_params()
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         if isinstance(prompt, str):
-            ids = await self.encode(prompt)
+            ids, images = core.place_images(await self.encode(prompt), None)
+        elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # (decoding and resizing images takes a while: off the loop)
+            text, ids, images = await asyncio.to_thread(core.process_prompt, prompt)
         else:
-            text, ids = core.tokenize_prompt(prompt)
+            text, ids, images = core.process_prompt(prompt)
         cut = truncate_prompt(ids, pooling if pooling is not None else params)
         if len(cut) < len(ids):
+            check_truncation(images)
             text, ids = None, cut  # (the text no longer matches the tokens)
         self._check_alive()
         limit = self.config.max_waiting
@@ -291,7 +301,7 @@ class AsyncEngine:
             self._check_alive()
         states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
                                   cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar,
-                                  lora_request=adapter, pooling=pooling)
+                                  lora_request=adapter, pooling=pooling, images=images)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, len(states), ids, queue)

@@ -70,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "own defaults) or a folder holding a generation_config.json")
     g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help='generation_config.json keys that win over the file, e.g. \'{"temperature": 0.5}\'')
+    im = p.add_argument_group("images (vision-language models)")
+    im.add_argument("--limit-images-per-prompt", type=int, default=16, help="most images one prompt may hold")
+    im.add_argument("--encoder-cache-bytes", type=int, default=512 << 20,
+                    help="bytes of image features kept for prompts still being computed (and repeated images)")
+    im.add_argument("--no-image-urls", dest="allow_image_urls", action="store_false",
+                    help="the server reads images only from data: URLs, never fetching http(s) ones")
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument("--enable-lora", action="store_true", help="let requests run with LoRA adapters")
     lo.add_argument("--max-loras", type=int, default=4, help="adapters the model holds at once")
@@ -82,7 +88,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model", "enable_lora", "max_loras", "max_lora_rank",
-                "quantization", "generation_config", "override_generation_config")
+                "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
+                "encoder_cache_bytes", "allow_image_urls")
 
 
 def _json_object(text: str) -> dict[str, Any]:

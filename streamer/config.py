@@ -79,6 +79,12 @@ class EngineConfig:
     # file's keys) wins over either.
     generation_config: str = "auto"
     override_generation_config: Optional[dict[str, Any]] = None
+    # Vision-language models (streamer/multimodal.py): at most this many images in one prompt; the encoder's
+    # output kept for images whose prompts are still being computed (and for repeats), up to this many bytes.
+    limit_images_per_prompt: int = 16
+    encoder_cache_bytes: int = 512 << 20
+    # Whether the server fetches http(s) image URLs in chat messages (data: URLs are always read).
+    allow_image_urls: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -122,6 +128,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("limit_images_per_prompt", "encoder_cache_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:

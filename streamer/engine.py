@@ -26,6 +26,7 @@ from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import PoolingParams, default_pooling, finish_embedding, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
+from streamer.multimodal import ImageInput, ImagePrompts, as_image_list, check_truncation
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
@@ -101,7 +102,9 @@ class LLMEngine:
         if config.max_model_len and config.max_model_len > limit:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                            config.max_model_len, limit)
+        self._check_multimodal()
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
+        self.image_prompts = self._image_prompts()  # None: the model takes no images
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
         self.prefix_caching = config.enable_prefix_caching
@@ -150,8 +153,59 @@ class LLMEngine:
     def resolve_lora(self, lora: LoRAType) -> Optional[LoRAAdapter]:
         return self.loras.resolve(lora)
 
+    # ------------------------------------------------------------------ images (streamer/multimodal.py)
+    def _check_multimodal(self) -> None:
+        if self.model_config.multimodal is None:
+            return
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("vision-language models do not run with tensor_parallel_size > 1 yet")
+        if self.config.speculative_model is not None:
+            raise ValueError("speculative_model does not run with a vision-language model yet")
+
+    def _image_prompts(self) -> Optional[ImagePrompts]:
+        cfg = self.model_config
+        if cfg.multimodal is None:
+            return None
+        token = cfg.image_token_id
+        assert token is not None
+        placeholder = self.tokenizer.id_to_token(token)
+        if placeholder is None:
+            raise ValueError(f"the model's image token id {token} is not in its tokenizer")
+        folder = self.model_dir
+        if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+            folder = Path(self.config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
+        return ImagePrompts(folder, token, self.runner.model.tokens_per_image, placeholder,
+                            self.config.limit_images_per_prompt)
+
+    def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;
+        None: no images, which a prompt with placeholders must then not have). ValueError for a mismatch."""
+        mm = self.image_prompts
+        if mm is None:
+            if data is not None:
+                raise ValueError("multi_modal_data: this model takes no images")
+            return token_ids, ()
+        images = as_image_list(data) if data is not None else []
+        if not images and mm.image_token_id not in token_ids:
+            return token_ids, ()
+        ids, inputs = mm.expand(token_ids, images)
+        return ids, tuple(inputs)
+
+    def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
+        """(text, token ids, images) of a prompt, images included (see `place_images`)."""
+        text, ids = self._tokenize(prompt)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        ids, images = self.place_images(ids, data)
+        return text, ids, images
+
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        """(text, token ids) of a prompt without images (`process_prompt` takes those)."""
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data (images) is only supported for generation (generate, chat, stream)")
+        return self._tokenize(prompt)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -208,10 +262,12 @@ class LLMEngine:
                     priority: int = 0, cache_salt: Optional[str] = None,
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
                     grammar: Optional[Grammar] = None, lora_request: LoRAType = None,
-                    pooling: Optional[PoolingParams] = None) -> list[SeqState]:
+                    pooling: Optional[PoolingParams] = None,
+                    images: Optional[tuple[ImageInput, ...]] = None) -> list[SeqState]:
         """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop).
         `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`). `pooling`: an embedding request
-        (streamer/pooling.py): `params` are ignored, nothing is generated."""
+        (streamer/pooling.py): `params` are ignored, nothing is generated. `images`: the prompt's images, placed
+        in `prompt_token_ids` already (`process_prompt`); None: taken from the prompt here."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -219,11 +275,14 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if prompt_token_ids is None:
-            text, prompt_token_ids = self.tokenize_prompt(prompt)
+            text, prompt_token_ids, images = self.process_prompt(prompt)
         else:
             text = prompt if isinstance(prompt, str) else None
+            if images is None:
+                prompt_token_ids, images = self.place_images(prompt_token_ids, None)
         cut = truncate_prompt(prompt_token_ids, pooling if pooling is not None else params)
         if len(cut) < len(prompt_token_ids):
+            check_truncation(images)
             text, prompt_token_ids = None, cut  # (the text no longer matches the tokens)
         if pooling is not None:
             params, pooling = SamplingParams(temperature=0.0), self.resolve_pooling(pooling)
@@ -241,7 +300,7 @@ class LLMEngine:
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
                           seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
-                          long_rope_threshold=self.long_rope_threshold)
+                          long_rope_threshold=self.long_rope_threshold, images=images)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from streamer.kv_cache import KVCacheManager
+from streamer.multimodal import ImageStep, image_step
 from streamer.pooling import POOL_CODE
 from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
@@ -107,6 +108,7 @@ class StepInputs:
     lora_loads: list = field(default_factory=list)
     pool: Optional[PoolTokens] = None  # embedding requests' hidden states to sum
     draft: Optional["DraftPlan"] = None  # speculative decoding with a draft model: its passes before this step
+    images: Optional[ImageStep] = None  # which tokens take image features instead of their embeddings
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -150,6 +152,7 @@ class InputBatch:
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.lora_slot = np.zeros(0, dtype=np.int64)  # 0 = no adapter
         self.pool_mode = np.zeros(0, dtype=np.int64)  # embedding requests: POOL_CODE of their pooling; 0 = none
+        self.has_images = np.zeros(0, dtype=bool)  # the prompt holds images (their features replace embeddings)
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -157,7 +160,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "epoch")
+                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "has_images", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -212,6 +215,7 @@ class InputBatch:
         self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pool_mode[row] = 0 if req.pooling is None else POOL_CODE[req.pooling.pooling]
+        self.has_images[row] = bool(req.images)
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -320,6 +324,7 @@ class InputBatch:
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         lora = self.lora_slot[rows]
         pooled = np.flatnonzero(self.pool_mode[rows])
+        with_images = np.flatnonzero(self.has_images[rows])
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
@@ -330,6 +335,8 @@ class InputBatch:
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             lora_slots=lora[req_of_token] if lora.any() else None,
             pool=self._pool_tokens(pooled, sch, rows, qsl, starts) if len(pooled) else None,
+            images=image_step([sch[i].req for i in with_images], qsl[with_images], starts[with_images],
+                              q_lens[with_images]) if len(with_images) else None,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
 
     def _prompt_logprob_tokens(self, wants: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
+from streamer.multimodal import check_truncation, load_image
 from streamer.outputs import EmbeddingOutput, RequestOutput
 from streamer.pooling import PoolingParams, truncate_prompt
 from streamer.sampling_params import SamplingParams
@@ -70,17 +71,20 @@ class LLM:
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
-        tokenized = [engine.tokenize_prompt(p) for p in prompts]
-        tokenized = [(text, truncate_prompt(ids, sp)) for (text, ids), sp in zip(tokenized, params)]
-        for (_, ids), sp in zip(tokenized, params):
-            engine.validate(ids, sp)
+        tokenized = [engine.process_prompt(p) for p in prompts]
+        for i, ((text, ids, images), sp) in enumerate(zip(tokenized, params)):
+            cut = truncate_prompt(ids, sp)
+            if len(cut) < len(ids):
+                check_truncation(images)
+                tokenized[i] = (text, cut, images)
+            engine.validate(cut, sp)
         adapters = [engine.resolve_lora(x) for x in loras]
         ids = []
         states: dict[str, list[SeqState]] = {}
-        for (text, token_ids), sp, prio, adapter in zip(tokenized, params, prios, adapters):
+        for (text, token_ids, images), sp, prio, adapter in zip(tokenized, params, prios, adapters):
             rid = f"offline-{next(engine._ids)}"
             states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
-                                             prompt_token_ids=token_ids, lora_request=adapter)
+                                             prompt_token_ids=token_ids, lora_request=adapter, images=images)
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]
@@ -104,19 +108,28 @@ class LLM:
              lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
         with the model's chat template as the server renders them (and as transformers' apply_chat_template does)."""
-        from streamer.server.protocol import APIError, parse_messages
+        from streamer.server.protocol import APIError, message_images, parse_messages
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         if self._chat_template is None:
             from streamer.server.chat_template import ChatTemplate
-            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer)
+            images = self.engine.image_prompts
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer,
+                                                              images.placeholder if images is not None else None)
         prompts: list[PromptType] = []
         for conv in convs:
             try:
-                text = self._chat_template.render(parse_messages(conv), add_generation_prompt,
+                parsed = parse_messages(conv)
+                text = self._chat_template.render(parsed, add_generation_prompt,
                                                   continue_final_message, tools, chat_template_kwargs)
             except APIError as e:  # (the server's error type: here a plain ValueError naming the problem)
                 raise ValueError(e.message) from None
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompt: dict = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            sources = message_images(parsed)
+            if sources:  # image_url parts (data: or http(s) URLs) or image_pil parts (PIL images)
+                allow = self.engine.config.allow_image_urls
+                prompt["multi_modal_data"] = {"image": [load_image(s, allow) if isinstance(s, str) else s
+                                                        for s in sources]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, lora_request=lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,

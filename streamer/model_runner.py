@@ -28,6 +28,7 @@ from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.models.quant import fp8_supported
+from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
@@ -140,6 +141,8 @@ class ModelRunner:
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
         self.drafter: Optional["DraftModel"] = None
+        # Vision-language models: image features by image, kept across a prompt's chunks (streamer/multimodal.py)
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         try:
             self._build(model_dir)
             if config.speculative_model is not None and tp_rank == 0:
@@ -503,7 +506,7 @@ class ModelRunner:
             self.tp_workers.send(step)
         for slot, adapter in step.lora_loads:  # queued in order behind the steps that still use the slot
             self.place_lora(slot, adapter)
-        if self.graphs is not None:
+        if self.graphs is not None and step.images is None:
             hidden = self.graphs.run(step, self.last_tokens, self._rope_positions(step))
             if hidden is not None:
                 return hidden
@@ -554,11 +557,31 @@ class ModelRunner:
     def _forward(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         dev = self.device
         input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
+        if step.images is not None:  # eagerly: a prefill chunk's matmuls dominate, and no graph takes embeddings
+            embeds = self._embeds_with_images(input_ids, step.images)
+            with forward_context(self._metadata(step)):
+                return self.model(input_ids, positions, self.kv_caches, inputs_embeds=embeds)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
         with forward_context(self._metadata(step)):
             return self.forward(input_ids, positions, self.kv_caches)
+
+    def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> torch.Tensor:
+        """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now
+        unless the encoder cache holds them)."""
+        cache, dev = self.encoder_cache, self.device
+        found = {im.hash: cache.get(im.hash) for im in images.images}
+        missing = [im for im in images.images if found[im.hash] is None]
+        if missing:
+            pixels = torch.stack([im.pixel_values for im in missing]).to(dev, non_blocking=True)
+            for im, feats in zip(missing, self.model.encode_images(pixels)):
+                found[im.hash] = feats
+                cache.put(im.hash, feats)
+        feats = torch.cat([found[im.hash] for im in images.images])  # type: ignore[misc]
+        x = self.model.embed(input_ids)
+        x[to_device(images.token_idx, dev)] = feats[to_device(images.rows, dev)].to(x.dtype)
+        return x
 
     def keep_last_tokens(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
         top = int(rows.max()) + 1

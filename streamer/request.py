@@ -57,6 +57,8 @@ class Request:
     # LongRoPE models: sequences longer than this rotate with the long factors (computed so from the start when the
     # prompt already is; see Scheduler)
     long_rope_threshold: Optional[int] = None
+    # Images in the prompt (streamer/multimodal.py ImageInput): their placeholders' positions and pixels' hashes
+    images: tuple = ()
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -129,6 +131,9 @@ class Request:
         for i in range(len(self.block_hashes), len(self.all_token_ids) // bs):
             parent = self.block_hashes[-1] if self.block_hashes else b""
             extra = self._first_block_extra() if i == 0 else b""
+            if self.images:  # a block's KV depends on the images whose features it holds
+                extra += b"".join(b"\x00img:" + im.hash for im in self.images
+                                  if im.offset < (i + 1) * bs and im.end > i * bs)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     def reset_computed(self) -> None:

@@ -168,3 +168,70 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+# A LLaVA-1.5-style chat template: content is a list of parts, images rendered as the image token.
+LLAVA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def make_llava_checkpoint(out_dir: Path, vision: str = "clip", text: str = "llama", seed: int = 0,
+                          chat_template: str | None = LLAVA_CHAT_TEMPLATE, **text_overrides: Any) -> Path:
+    """A tiny LlavaForConditionalGeneration (a CLIP or SigLIP encoder at 32x32 pixels, 8x8 patches: 16 image
+    tokens) over a tiny text model, with `<image>` as an added special token, the matching image processor's
+    preprocessor_config.json and a LLaVA-style chat template (None: the text models' string template)."""
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+    out_dir = Path(out_dir)
+    make_bytelevel_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    image_id = tok.token_to_id("<image>")
+    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
+    cfg_tok["added_tokens_decoder"][str(image_id)] = {"content": "<image>", "lstrip": False, "normalized": False,
+                                                      "rstrip": False, "single_word": False, "special": True}
+    if chat_template is not None:
+        cfg_tok["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
+    text_cfg = hf_config(text, tok.get_vocab_size(), **text_overrides)
+    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    text_cfg.bos_token_id, text_cfg.eos_token_id = ids.get("<|begin_of_text|>"), ids.get("<|end_of_text|>")
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32,
+                 patch_size=8)
+    if vision == "clip":
+        vision_cfg, strategy = tf.CLIPVisionConfig(**shape), "default"
+        processor = tf.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    else:
+        vision_cfg, strategy = tf.SiglipVisionConfig(**shape), "full"
+        processor = tf.SiglipImageProcessor(size={"height": 32, "width": 32})
+    cfg = tf.LlavaConfig(vision_config=vision_cfg, text_config=text_cfg, image_token_index=image_id,
+                         vision_feature_layer=-2, vision_feature_select_strategy=strategy, image_seq_length=16)
+    torch.manual_seed(seed)
+    model = tf.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # image features as large as token embeddings: the images then steer the output
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int,
+                    ) -> list[list[int]]:
+    """transformers' greedy continuation of each (expanded prompt ids, PIL images), fp32, its own processor."""
+    import transformers as tf
+    model = tf.LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = tf.AutoImageProcessor.from_pretrained(model_dir)
+    outs = []
+    with torch.no_grad():
+        for ids, images in prompts:
+            t = torch.tensor([ids])
+            kw = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs

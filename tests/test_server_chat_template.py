@@ -138,9 +138,13 @@ def test_text_parts_are_joined_and_other_parts_refused():
     req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                  {"type": "text", "text": "b"}]}]})
     assert req.messages == [{"role": "user", "content": "a\nb"}]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    req = parse_chat({"messages": [{"role": "user", "content": [image, {"type": "text", "text": "a"}]}]})
+    assert req.messages[0]["content"] == [{"type": "image", "image": image["image_url"]["url"]},
+                                          {"type": "text", "text": "a"}]  # images: kept as parts
     with pytest.raises(APIError) as e:
-        parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert e.value.param == "messages[0].content"
+        parse_chat({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]})
+    assert e.value.param == "messages[0].content[0]"
 
 
 def test_offline_chat_renders_as_transformers(llama_dir):

@@ -16,6 +16,22 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
              "Qwen3Model": "Qwen3ForCausalLM"}
 
+# Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
+# architecture -> the text families (by text_config.model_type) it may wrap.
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+# What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                    sliding_window=4096),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=32768),
+}
+
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 
@@ -61,6 +77,14 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     quantization: Optional[dict[str, Any]] = None  # an FP8 checkpoint's quantization_config (models/quant.py)
     partial_rotary_factor: float = 1.0  # the share of each head that rotates (Phi-4-mini: 0.75); the rest passes
+    # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/llava.py);
+    # everything above then describes its text model. None for a text-only model.
+    multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
+
+    @property
+    def image_token_id(self) -> Optional[int]:
+        mm = self.multimodal
+        return None if mm is None else int(mm.get("image_token_index", mm.get("image_token_id", 32000)))
 
     @property
     def rotary_dim(self) -> int:
@@ -81,6 +105,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
         archs = c.get("architectures") or []
+        if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
+            return cls._multimodal(c)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and any(a in BACKBONES for a in archs):
             arch = next(BACKBONES[a] for a in archs if a in BACKBONES)
@@ -137,3 +163,24 @@ class ModelConfig:
             quantization=_quantization(c.get("quantization_config")),
             partial_rotary_factor=partial,
         )
+
+    @classmethod
+    def _multimodal(cls, c: dict[str, Any]) -> "ModelConfig":
+        """A LLaVA-style config: the text model's own config (nested, with the defaults real configs leave out)
+        plus the outer one under `multimodal`."""
+        text = dict(c.get("text_config") or {})
+        model_type = text.get("model_type", "llama")
+        if model_type not in _TEXT_ARCHS:
+            raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
+                             f"{', '.join(_TEXT_ARCHS)}")
+        text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [_TEXT_ARCHS[model_type]]}
+        for key in ("torch_dtype", "dtype", "quantization_config"):  # the outer config's say for the whole model
+            if c.get(key) is not None:
+                text[key] = c[key]
+        vision = (c.get("vision_config") or {}).get("model_type", "clip_vision_model")
+        if vision not in ("clip_vision_model", "siglip_vision_model"):
+            raise ValueError(f"unsupported vision encoder {vision!r}; supported: clip_vision_model, "
+                             f"siglip_vision_model")
+        cfg = cls.from_dict(text)
+        cfg.multimodal = c
+        return cfg

@@ -174,11 +174,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+                decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample.
         The step's attention metadata comes from `streamer.attention.base.forward_context`; a decode-only step
-        may instead carry its own (`decode`), so that a backend that can attends inside the compiled graph."""
-        x = self.embed(input_ids)
+        may instead carry its own (`decode`), so that a backend that can attends inside the compiled graph.
+        `inputs_embeds`: the residual stream's start given (images' features placed among the tokens' embeddings;
+        only ever run eagerly, so the compiled graphs never see it)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv, decode)
@@ -214,6 +216,10 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, head.weight).float()
 
     # ------------------------------------------------------------------ weights
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensor names in the text families' spelling (a wrapper model renames its own)."""
+        return weights
+
     def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
         """Map a checkpoint tensor name to (our parameter name, shard id within a packed parameter)."""
         name = ckpt_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router

@@ -15,6 +15,7 @@ from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.llava import llava_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.quant import dequantizing
 
@@ -71,6 +72,8 @@ def _dummy_init(model: torch.nn.Module, seed: int) -> None:
 def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend_cls: type,
                max_positions: int, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
     model_cls = _MODEL_CLASSES[cfg.architecture]
+    if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
+        model_cls = llava_class(model_cls)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -84,7 +87,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     else:
         files = safetensors_files(folder)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = _taking_kv_scales(iter_safetensors(files, "cpu"), kv_scales)
+        weights = _taking_kv_scales(model.rename_weights(iter_safetensors(files, "cpu")), kv_scales)
         if cfg.quantization is not None:
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)

@@ -20,13 +20,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.async_engine import AsyncEngine
+from streamer.multimodal import load_image
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize)
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_images)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
@@ -77,7 +78,9 @@ class OpenAIServer:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
-        self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer)
+        images = engine.image_prompts
+        self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer,
+                                                         images.placeholder if images is not None else None)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ generation endpoints
@@ -133,10 +136,28 @@ class OpenAIServer:
             reasoning = reasoning_mode(self.reasoning_parser, text, req.template_kwargs,
                                        constrained=req.params.structured_outputs is not None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
-        gen = await self._start("chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], req, chat=True, lora=lora)
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        sources = message_images(req.messages)
+        if sources:
+            prompt["multi_modal_data"] = {"image": await self._load_images(sources)}
+        gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning)
         return gen, fmt
+
+    async def _load_images(self, sources: list[Any]) -> list[Any]:
+        """The chat's images, decoded (and fetched, for http(s) URLs the server may fetch) on worker threads."""
+        allow = self.engine.config.allow_image_urls
+        limit = self.engine.config.limit_images_per_prompt
+        if len(sources) > limit:
+            raise APIError(f"at most {limit} images per request, got {len(sources)}", param="messages")
+
+        async def one(src: Any) -> Any:
+            return src if not isinstance(src, str) else await asyncio.to_thread(load_image, src, allow)
+        try:
+            return list(await asyncio.gather(*(one(s) for s in sources)))
+        except ValueError as e:
+            raise APIError(str(e), param="messages", code="invalid_image") from None
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
                      chat: bool = False, lora: Optional[str] = None) -> Generation:

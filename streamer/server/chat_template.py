@@ -8,6 +8,7 @@ text it gives under transformers. The text is then tokenized without adding spec
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any, Optional
 
@@ -58,8 +59,13 @@ def compile_template(source: str) -> jinja2.Template:
 class ChatTemplate:
     """A model's chat template, compiled once. `render` raises APIError (400) for anything that goes wrong."""
 
-    def __init__(self, source: Optional[str], special_tokens: dict[str, Optional[str]]) -> None:
+    def __init__(self, source: Optional[str], special_tokens: dict[str, Optional[str]],
+                 image_placeholder: Optional[str] = None) -> None:
+        """image_placeholder: the text of the model's image token (vision-language models), written in place of
+        each image for templates that take string contents."""
         self.source = source
+        self.image_placeholder = image_placeholder
+        self.content_format = content_format(source)
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._template: Optional[jinja2.Template] = None
         self._error: Optional[str] = None
@@ -73,12 +79,13 @@ class ChatTemplate:
                 self._error = f"this model's chat template does not compile: {e}"
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "ChatTemplate":
+    def from_tokenizer(cls, tokenizer: Any, image_placeholder: Optional[str] = None) -> "ChatTemplate":
         def name(token_id: Optional[int]) -> Optional[str]:
             return tokenizer.id_to_token(token_id) if token_id is not None else None
         return cls(tokenizer.chat_template, {
             "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-            "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)})
+            "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)},
+            image_placeholder)
 
     @property
     def available(self) -> bool:
@@ -91,6 +98,7 @@ class ChatTemplate:
             raise APIError(self._error or "no chat template", param="messages", code="no_chat_template")
         # As HF: the caller's chat_template_kwargs override the special tokens (but not the named arguments).
         variables = {**self.special_tokens, **{k: v for k, v in (extra or {}).items() if k not in _RESERVED}}
+        messages = [self._shape(m) for m in messages]
         try:
             text = self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
@@ -100,8 +108,42 @@ class ChatTemplate:
             raise APIError(f"chat template error: {type(e).__name__}: {e}", param="messages",
                            code="chat_template_error") from None
         if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1]["content"])
+            final = messages[-1]["content"]
+            if isinstance(final, list):
+                final = "".join(p.get("text", "") for p in final)
+            text = _cut_after_final_message(text, final)
         return text
+
+    def _shape(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message's content as the template reads it: parts ({"type": "text"} / {"type": "image"}) for a
+        template that loops over them, else a string with the image placeholder first for each image (as vLLM
+        writes them). Text-only messages keep their string for templates that accept one."""
+        content = message["content"]
+        if isinstance(content, str):
+            if self.content_format == "openai" and content:
+                return {**message, "content": [{"type": "text", "text": content}]}
+            return message
+        images = sum(p["type"] == "image" for p in content)
+        if images and self.image_placeholder is None:
+            raise APIError("this model takes no images (its messages may only hold text)", param="messages",
+                           code="images_not_supported")
+        if self.content_format == "openai":
+            parts = [{"type": "image"} if p["type"] == "image" else p for p in content]
+            return {**message, "content": parts}
+        texts = [p["text"] for p in content if p["type"] == "text"]
+        return {**message, "content": "\n".join([self.image_placeholder] * images + texts)}
+
+
+# A loop over a message's content (as a list of parts), in templates that take OpenAI-style content.
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]content['\"]\s*\]|\.content)")
+
+
+def content_format(source: Optional[str]) -> str:
+    """"openai" when the template loops over each message's content parts and cannot take a string (LLaVA's),
+    else "string". Templates that test `is string` take either: they get strings unless a message has images."""
+    if source is None or not _CONTENT_LOOP.search(source):
+        return "string"
+    return "string" if re.search(r"is\s+string", source) else "openai"
 
 
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})

@@ -492,8 +492,11 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _content(c: Any, role: str, m: dict, param: str) -> str:
-    """A string, or an array of text parts (joined with newlines, as vLLM does for string templates)."""
+def _content(c: Any, role: str, m: dict, param: str) -> Union[str, list[dict[str, Any]]]:
+    """A string, or an array of parts: text parts alone are joined with newlines (as vLLM does for string
+    templates); with images, the parts stay a list of {"type": "text", "text"} and {"type": "image", "image":
+    source} (an image_url's URL, or a PIL image from `LLM.chat`), which `ChatTemplate.render` shapes for the
+    model's template and `message_images` collects."""
     if isinstance(c, str):
         return c
     if c is None:
@@ -501,14 +504,35 @@ def _content(c: Any, role: str, m: dict, param: str) -> str:
             return ""
         raise APIError(f"{param} is required", param=param)
     if isinstance(c, list) and c:
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"{param} parts must be {{\"type\": \"text\", \"text\": string}} (only text is "
-                               f"supported), got {_show(part)}", param=param)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise APIError(f"{param} must be a string or a non-empty array of text parts, got {_show(c)}", param=param)
+        parts = [content_part(part, f"{param}[{i}]") for i, part in enumerate(c)]
+        if all(p["type"] == "text" for p in parts):
+            return "\n".join(p["text"] for p in parts)
+        return parts
+    raise APIError(f"{param} must be a string or a non-empty array of content parts, got {_show(c)}", param=param)
+
+
+def content_part(part: Any, param: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind in ("image_url", "input_image"):  # chat's {"image_url": {"url"}} (or a bare string), Responses' string
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise APIError(f"{param}.image_url must be {{\"url\": string}} or a string, got {_show(part)}",
+                           param=param)
+        return {"type": "image", "image": url}
+    if kind == "image_pil" and type(part.get("image_pil")).__module__.startswith("PIL."):
+        return {"type": "image", "image": part["image_pil"]}
+    raise APIError(f"{param} must be a text part {{\"type\": \"text\", \"text\": string}} or an image part "
+                   f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}}, got {_show(part)}",
+                   param=param)
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """The images of a conversation's messages, in order (URLs or PIL images)."""
+    return [p["image"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "image"]
 
 
 def parse_tokenize(body: dict) -> tuple[Optional[str], Union[str, list[dict]], bool, bool]:

@@ -118,7 +118,14 @@ def _input_messages(items: list[Any], offset: int = 0) -> list[dict[str, Any]]:
             role = item.get("role")
             if role == "developer":
                 role = "system"
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"input[{i}].content")})
+            content = item.get("content")
+            if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                 for p in content):  # parse_chat reads the parts (a VLM's)
+                content = [dict(p, type="text") if isinstance(p, dict) and p.get("type") == "output_text" else p
+                           for p in content]
+            else:
+                content = _text_of(content, f"input[{i}].content")
+            messages.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}

@@ -1,0 +1,227 @@
+"""Images in prompts, for vision-language models (LLaVA-style: models/llava.py).
+
+An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
+encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
+are the image's features instead of the placeholder's embedding. So an image is:
+- `ImageInput` on the request: where its placeholders sit, its preprocessed pixels, and a hash of them. The hash
+  goes into the KV blocks' prefix-cache hashes (two prompts with the same text but other images share nothing
+  past the first image) and keys the runner's `EncoderCache` (an image is encoded once, however many chunks,
+  sequences or requests read it).
+- `ImageStep` on a step: which of the step's tokens take which feature rows. Chunked prefill may split an image
+  anywhere: each chunk reads the rows of its own positions.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import urllib.request
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from streamer.request import Request
+
+MAX_IMAGE_BYTES = 32 << 20  # a fetched or decoded image's encoded size
+FETCH_TIMEOUT_S = 15.0
+
+
+@dataclass(eq=False)
+class ImageInput:
+    offset: int  # the prompt position of its first placeholder token
+    length: int  # its placeholder tokens: the rows of features the encoder makes for it
+    pixel_values: torch.Tensor  # [3, H, W] float32 on the host, as the image processor made it
+    hash: bytes  # of the pixel values: equal images share prefix-cache blocks and encoder output
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def hash_pixels(pixels: torch.Tensor) -> bytes:
+    return hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16).digest()
+
+
+def as_image_list(data: Any) -> list["Image"]:
+    """A prompt's `multi_modal_data` ({"image": an image or a list of them}) as a list of PIL images."""
+    from PIL.Image import Image
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data must be {{'image': image or list of images}}, got "
+                         f"{type(data).__name__ if not isinstance(data, dict) else sorted(data)}")
+    images = data.get("image")
+    images = images if isinstance(images, (list, tuple)) else [images]
+    for im in images:
+        if not isinstance(im, Image):
+            raise ValueError(f"multi_modal_data['image'] must hold PIL images, got {type(im).__name__}")
+    return list(images)
+
+
+class ImagePrompts:
+    """Turns (prompt tokens, images) into the prompt the model reads: each image's placeholder expanded to its
+    feature rows, with an `ImageInput` per image."""
+
+    def __init__(self, model_dir: Path, image_token_id: int, tokens_per_image: int, placeholder: str,
+                 max_images: int) -> None:
+        from streamer.image_processor import ImageProcessor
+        self.processor = ImageProcessor.from_folder(model_dir)
+        self.image_token_id = image_token_id
+        self.tokens_per_image = tokens_per_image
+        self.placeholder = placeholder  # the image token's text, which chat templates write
+        self.max_images = max_images
+
+    def expand(self, token_ids: list[int], images: Sequence["Image"]) -> tuple[list[int], list[ImageInput]]:
+        """Each run of image tokens in the prompt is one image: a single token (what a chat template writes) is
+        expanded to the image's rows; a run already that long (a prompt expanded by the caller) is kept."""
+        if len(images) > self.max_images:
+            raise ValueError(f"at most {self.max_images} images per prompt (limit_images_per_prompt), "
+                             f"got {len(images)}")
+        runs = self._runs(token_ids)
+        if len(runs) != len(images):
+            raise ValueError(f"the prompt has {len(runs)} image placeholder(s) ({self.placeholder}) but "
+                             f"{len(images)} image(s) were given")
+        n = self.tokens_per_image
+        bad = [length for _, length in runs if length not in (1, n)]
+        if bad:
+            raise ValueError(f"a run of {bad[0]} image placeholder tokens: each image takes 1 (expanded here) or "
+                             f"exactly {n}")
+        pixels = self.processor(list(images)) if images else None
+        out: list[int] = []
+        inputs: list[ImageInput] = []
+        prev = 0
+        for k, (start, length) in enumerate(runs):
+            out += token_ids[prev:start]
+            assert pixels is not None
+            inputs.append(ImageInput(len(out), n, pixels[k], hash_pixels(pixels[k])))
+            out += [self.image_token_id] * n
+            prev = start + length
+        out += token_ids[prev:]
+        return out, inputs
+
+    def _runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each maximal run of image tokens."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        mask = np.concatenate([[False], ids == self.image_token_id, [False]])
+        edges = np.flatnonzero(mask[1:] != mask[:-1])
+        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+@dataclass
+class ImageStep:
+    """A step's image tokens: `token_idx` (int64 [M], rows of the step's flat token batch) take row `rows[m]` of
+    the `images`' features stacked in order."""
+
+    token_idx: np.ndarray
+    images: list[ImageInput]
+    rows: np.ndarray
+
+
+def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.ndarray,
+               q_lens: np.ndarray) -> Optional[ImageStep]:
+    """The image tokens among the given requests' scheduled chunks (request i computes positions
+    [starts[i], starts[i] + q_lens[i]), at rows token_starts[i]... of the step); None if there are none."""
+    base: dict[bytes, int] = {}
+    images: list[ImageInput] = []
+    idx, rows = [], []
+    total = 0
+    for req, t0, start, q in zip(reqs, token_starts.tolist(), starts.tolist(), q_lens.tolist()):
+        for img in req.images:
+            lo, hi = max(start, img.offset), min(start + q, img.end)
+            if lo >= hi:
+                continue
+            if img.hash not in base:
+                base[img.hash] = total
+                images.append(img)
+                total += img.length
+            idx.append(np.arange(lo - start + t0, hi - start + t0, dtype=np.int64))
+            rows.append(np.arange(lo - img.offset, hi - img.offset, dtype=np.int64) + base[img.hash])
+    if not idx:
+        return None
+    return ImageStep(np.concatenate(idx), images, np.concatenate(rows))
+
+
+class EncoderCache:
+    """Image features by image hash, least recently used first out past a byte budget. An image's features are
+    needed by every chunk that covers part of it (and again after a preemption, or by another request with the
+    same image): kept, they are computed once."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.num_encoded = 0  # images run through the encoder (a cache miss each)
+
+    def get(self, key: bytes) -> Optional[torch.Tensor]:
+        t = self.entries.get(key)
+        if t is not None:
+            self.entries.move_to_end(key)
+        return t
+
+    def put(self, key: bytes, features: torch.Tensor) -> None:
+        self.num_encoded += 1
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+        self.entries[key] = features
+        self.bytes += features.nbytes
+        while self.bytes > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= dropped.nbytes
+
+
+# ---------------------------------------------------------------------------------------------- fetching images
+def load_image(url: str, allow_remote: bool = True) -> "Image":
+    """An image from a chat message's `image_url`: a data: URL (base64) or, if allowed, an http(s) URL.
+    ValueError for anything else or anything that is not an image."""
+    if url.startswith("data:"):
+        head, _, payload = url.partition(",")
+        if ";base64" not in head:
+            raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
+        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise ValueError(f"image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("the image data URL is not valid base64") from None
+    elif url.startswith(("http://", "https://")):
+        if not allow_remote:
+            raise ValueError("this server does not fetch image URLs; send the image as a data: URL")
+        data = _fetch(url)
+    else:
+        raise ValueError(f"image_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
+    return decode_image(data)
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:  # noqa: S310 (http(s) only, above)
+            data = resp.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"could not fetch image {url[:200]}: {e}") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ValueError(f"image at {url[:200]} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+    return data
+
+
+def decode_image(data: bytes) -> "Image":
+    from PIL import Image, UnidentifiedImageError
+    try:
+        im = Image.open(io.BytesIO(data))
+        im.load()  # decode now: a truncated file fails here, not in the image processor
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
+        raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from None
+    return im
+
+
+def check_truncation(images: Sequence[ImageInput]) -> None:
+    """Truncating a prompt (truncate_prompt_tokens) keeps its end: refused when it holds images, whose
+    placeholders the cut could split."""
+    if images:
+        raise ValueError("truncate_prompt_tokens cannot be used with a prompt that holds images")

@@ -1,0 +1,255 @@
+"""Vision-language models (LLaVA): images in prompts, against transformers' LlavaForConditionalGeneration on the
+same tiny checkpoint, through the engine's whole path (placeholder expansion, chunked prefill across an image,
+the prefix cache, the encoder cache, preemption), the chat template and the live server."""
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from streamer import LLM, SamplingParams
+from tests.checkpoints import hf_llava_greedy, make_llava_checkpoint
+from tests.server_utils import LiveServer
+
+TOKENS = 16  # image tokens per image: (32 / 8) ** 2 patches (CLIP's class token dropped; SigLIP has none)
+PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def _dir(root: Path, name: str, **kw) -> Path:
+    path = root / name
+    if not (path / "config.json").exists():
+        make_llava_checkpoint(path, **kw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llava_dir(ckpt_root) -> Path:
+    return _dir(ckpt_root, "llava_clip")
+
+
+@pytest.fixture(scope="module")
+def llm(llava_dir) -> LLM:
+    return LLM(str(llava_dir), dtype="float32", num_kv_blocks=64)
+
+
+def images(n: int, seed: int = 0) -> list[Image.Image]:
+    """Random RGB images of assorted sizes (the processor resizes and crops them to 32x32)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (30 + 9 * i, 48 - 5 * i, 3), dtype=np.uint8)) for i in range(n)]
+
+
+def expanded(llm: LLM, text: str) -> list[int]:
+    """The prompt's ids with each image token repeated TOKENS times (what transformers' LlavaProcessor feeds)."""
+    image_id = llm.engine.model_config.image_token_id
+    return [x for t in llm.tokenizer.encode(text) for x in ([t] * TOKENS if t == image_id else [t])]
+
+
+def tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_freed(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_consistency()
+    assert kv.pool.num_free == kv.num_blocks
+
+
+def test_greedy_output_equals_transformers(llava_dir: Path, llm: LLM) -> None:
+    ims = images(3)
+    two = "USER: <image>\n<image>\nWhich one is brighter? ASSISTANT:"
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in ims]
+    prompts.append({"prompt": two, "multi_modal_data": {"image": ims[:2]}})
+    prompts.append({"prompt": "USER: no picture here ASSISTANT:"})
+    outs = llm.generate(prompts, GREEDY)
+    assert outs[0].prompt_token_ids == expanded(llm, PROMPT)
+    want = hf_llava_greedy(llava_dir, [(expanded(llm, PROMPT), [im]) for im in ims]
+                           + [(expanded(llm, two), ims[:2]), (expanded(llm, prompts[-1]["prompt"]), [])], 8)
+    assert tokens(outs) == want
+    assert len({tuple(t) for t in want[:3]}) > 1  # the images steer the output (same text, other tokens)
+    check_freed(llm)
+
+
+def test_an_image_split_over_chunks_and_evicted_features(llava_dir: Path) -> None:
+    """Prefill chunks of 8 tokens cut each image in two; an encoder cache too small to keep anything makes every
+    chunk encode its image again; few KV blocks preempt requests (recomputed from scratch)."""
+    llm = LLM(str(llava_dir), dtype="float32", max_num_batched_tokens=8, encoder_cache_bytes=0, num_kv_blocks=20,
+              block_size=4)
+    ims = images(4, seed=1)
+    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in ims],
+                        SamplingParams(max_tokens=12, temperature=0.0))
+    want = hf_llava_greedy(llava_dir, [(expanded(llm, PROMPT), [im]) for im in ims], 12)
+    assert tokens(outs) == want
+    assert llm.engine.runner.encoder_cache.num_encoded > len(ims)  # chunks re-encoded their images
+    assert llm.engine.scheduler.num_preemptions > 0
+    check_freed(llm)
+
+
+def test_prefix_cache_keys_on_the_image(llava_dir: Path, llm: LLM) -> None:
+    """The same text with another image must not reuse the first image's KV; the same image does."""
+    a, b = images(2, seed=2)
+    text = "USER: a long shared preamble before the picture, long enough for some blocks <image>\nAnd? ASSISTANT:"
+    run = lambda im: llm.generate({"prompt": text, "multi_modal_data": {"image": im}}, GREEDY)[0]  # noqa: E731
+    first, same, other = run(a), run(a), run(b)
+    before_image = expanded(llm, text).index(llm.engine.model_config.image_token_id)
+    assert same.num_cached_tokens > before_image  # blocks holding the image are reused for the same image
+    assert other.num_cached_tokens <= before_image  # ... but not for another one
+    assert tokens([same]) == tokens([first])
+    assert tokens([first, other]) == hf_llava_greedy(llava_dir, [(expanded(llm, text), [a]),
+                                                                 (expanded(llm, text), [b])], 8)
+
+
+def test_an_image_is_encoded_once(llm: LLM) -> None:
+    cache = llm.engine.runner.encoder_cache
+    before = cache.num_encoded
+    im = images(1, seed=3)[0]
+    outs = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": im}}, SamplingParams(n=3, max_tokens=4))
+    assert len(outs[0].outputs) == 3
+    assert cache.num_encoded == before + 1  # three sequences, one encoding
+
+
+def test_an_expanded_prompt_is_taken_as_is(llm: LLM) -> None:
+    im = images(1)[0]
+    ids = expanded(llm, PROMPT)
+    a = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": im}}, GREEDY)
+    b = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": im}}, GREEDY)
+    assert a[0].prompt_token_ids == ids and tokens(a) == tokens(b)
+
+
+@pytest.mark.parametrize("prompt, data, message", [
+    (PROMPT, {"image": []}, "1 image placeholder"),
+    ("USER: no placeholder ASSISTANT:", {"image": "img"}, "PIL images"),
+    (PROMPT, {"video": []}, "multi_modal_data must be"),
+    ("USER: <image><image> two in a row ASSISTANT:", {"image": "2"}, "a run of 2 image placeholder"),
+    (PROMPT, None, r"but 0 image\(s\)"),  # a placeholder typed into the text, no image given
+])
+def test_bad_image_prompts_are_clear_errors(llm: LLM, prompt: str, data, message: str) -> None:
+    if data == {"image": "2"}:
+        data = {"image": images(1)}
+    p = {"prompt": prompt} if data is None else {"prompt": prompt, "multi_modal_data": data}
+    with pytest.raises(ValueError, match=message):
+        llm.generate(p, GREEDY)
+    assert tokens(llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": images(1)[0]}}, GREEDY))
+    check_freed(llm)
+
+
+def test_limits_and_truncation(llava_dir: Path) -> None:
+    llm = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, limit_images_per_prompt=1)
+    two = "USER: <image>\n<image>\nWhich? ASSISTANT:"
+    with pytest.raises(ValueError, match="at most 1 images"):
+        llm.generate({"prompt": two, "multi_modal_data": {"image": images(2)}}, GREEDY)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": images(1)}},
+                     SamplingParams(max_tokens=4, truncate_prompt_tokens=10))
+    with pytest.raises(ValueError, match="only supported for generation"):
+        llm.embed({"prompt": PROMPT, "multi_modal_data": {"image": images(1)}})
+
+
+def test_text_models_refuse_images(llama_dir: Path) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt": "hello", "multi_modal_data": {"image": images(1)}}, GREEDY)
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": images(1)[0]},
+                                               {"type": "text", "text": "hi"}]}], GREEDY)
+
+
+def _data_url(im: Image.Image) -> str:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _conversation(image_part: dict) -> list[dict]:
+    return [{"role": "user", "content": [image_part, {"type": "text", "text": "What is in the picture?"}]}]
+
+
+def test_chat_renders_images_through_the_template(llm: LLM) -> None:
+    im = images(1, seed=4)[0]
+    by_pil = llm.chat(_conversation({"type": "image_pil", "image_pil": im}), GREEDY)
+    by_url = llm.chat(_conversation({"type": "image_url", "image_url": {"url": _data_url(im)}}), GREEDY)
+    text = "<|begin_of_text|>USER: <image>\nWhat is in the picture?\nASSISTANT:"  # (the template writes the bos)
+    direct = llm.generate({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False),
+                           "multi_modal_data": {"image": im}}, GREEDY)
+    assert by_pil[0].prompt_token_ids == direct[0].prompt_token_ids
+    assert tokens(by_pil) == tokens(by_url) == tokens(direct)
+
+
+def test_string_templates_get_the_placeholder(ckpt_root: Path) -> None:
+    """A template that prints content as a string gets "<image>\\n" before the text for each image."""
+    llm = LLM(str(_dir(ckpt_root, "llava_string_template", chat_template=None)), dtype="float32", num_kv_blocks=32)
+    out = llm.chat(_conversation({"type": "image_pil", "image_pil": images(1)[0]}), GREEDY)
+    text = llm.tokenizer.decode(out[0].prompt_token_ids, skip_special_tokens=False)
+    assert "<|user|>\n" + "<image>" * TOKENS + "\nWhat is in the picture?" in text
+
+
+def test_siglip_encoder_equals_transformers(ckpt_root: Path) -> None:
+    path = _dir(ckpt_root, "llava_siglip", vision="siglip", text="qwen2")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32)
+    ims = images(2, seed=5)
+    outs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in ims], GREEDY)
+    assert len(outs[0].prompt_token_ids) == len(expanded(llm, PROMPT))
+    assert tokens(outs) == hf_llava_greedy(path, [(expanded(llm, PROMPT), [im]) for im in ims], 8)
+
+
+def test_compiled_runner_equals_eager(llava_dir: Path, llm: LLM) -> None:
+    compiled = LLM(str(llava_dir), dtype="float32", num_kv_blocks=64, enforce_eager=False)
+    assert compiled.engine.runner.compiled
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in images(2, seed=6)]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    assert tokens(compiled.generate(prompts, params)) == tokens(llm.generate(prompts, params))
+
+
+def test_server_chat_with_images(llava_dir: Path, llm: LLM) -> None:
+    import openai
+    im = images(1, seed=7)[0]
+    want = llm.chat(_conversation({"type": "image_pil", "image_pil": im}), GREEDY)[0].outputs[0].text
+    with LiveServer(llava_dir, allow_image_urls=False) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        msgs = _conversation({"type": "image_url", "image_url": {"url": _data_url(im)}})
+        r = client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=8, temperature=0.0)
+        assert r.choices[0].message.content == want
+        assert r.usage.prompt_tokens == len(llm.chat(_conversation({"type": "image_pil", "image_pil": im}),
+                                                     GREEDY)[0].prompt_token_ids)
+        stream = client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=8,
+                                                temperature=0.0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+        bad = [("data:image/png;base64,!!!", "not valid base64"),
+               ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not a readable image"),
+               ("http://127.0.0.1:1/cat.png", "does not fetch image URLs"),
+               ("file:///etc/passwd", "data: URL or an http")]
+        for url, message in bad:
+            with pytest.raises(openai.BadRequestError, match=message) as e:
+                client.chat.completions.create(model=server.model_name, max_tokens=4, messages=_conversation(
+                    {"type": "image_url", "image_url": {"url": url}}))
+            assert e.value.status_code == 400
+        with pytest.raises(openai.BadRequestError, match="image_url"):
+            client.chat.completions.create(model=server.model_name, max_tokens=4, messages=_conversation(
+                {"type": "image_url", "image_url": {"link": "x"}}))
+        r = client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=8, temperature=0.0)
+        assert r.choices[0].message.content == want  # still serving
+
+
+def test_text_server_refuses_images(llama_dir: Path) -> None:
+    import openai
+    with LiveServer(llama_dir) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        with pytest.raises(openai.BadRequestError, match="takes no images"):
+            client.chat.completions.create(model=server.model_name, max_tokens=4, messages=_conversation(
+                {"type": "image_url", "image_url": {"url": _data_url(images(1)[0])}}))
+
+
+def test_responses_api_takes_input_images(llava_dir: Path, llm: LLM) -> None:
+    import openai
+    im = images(1, seed=8)[0]
+    want = llm.chat(_conversation({"type": "image_pil", "image_pil": im}), GREEDY)[0].outputs[0].text
+    with LiveServer(llava_dir) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        r = client.responses.create(model=server.model_name, max_output_tokens=8, temperature=0.0, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(im)},
+                                         {"type": "input_text", "text": "What is in the picture?"}]}])
+        assert r.output_text == want
