@@ -173,17 +173,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lora, kwargs["enable_lora"] = LoRARequest(Path(args.lora).name or "adapter", args.lora), True
 
     async def run() -> None:
+        prompt: Any = args.prompt
+        if args.image:  # a vision-language model: the prompt holds one image placeholder per --image
+            from streamer.multimodal import decode_image
+            prompt = {"prompt": args.prompt, "multi_modal_data": {"image": [
+                decode_image(Path(path).read_bytes()) for path in args.image]}}
         async with AsyncEngine(args.model, **kwargs) as engine:
-            sys.stdout.write(args.prompt)
-            sys.stdout.flush()
-            async for out in engine.stream(args.prompt, params, lora_request=lora):
-                sys.stdout.write(out.text)
+            echoed = False  # the prompt is echoed once the engine took it (a bad one is only an error)
+            async for out in engine.stream(prompt, params, lora_request=lora):
+                sys.stdout.write(out.text if echoed else args.prompt + out.text)
                 sys.stdout.flush()
+                echoed = True
             sys.stdout.write("\n")
 
     try:
         asyncio.run(run())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"streamer generate: error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -196,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded demo model)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--lora", default=None, metavar="PATH", help="run with this PEFT LoRA adapter folder")
+    gen.add_argument("--image", action="append", default=None, metavar="FILE",
+                     help="an image for a vision-language model (repeatable), in the order of the prompt's image "
+                          "placeholders (e.g. LLaVA's <image>)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

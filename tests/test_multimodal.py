@@ -253,3 +253,36 @@ def test_responses_api_takes_input_images(llava_dir: Path, llm: LLM) -> None:
             {"role": "user", "content": [{"type": "input_image", "image_url": _data_url(im)},
                                          {"type": "input_text", "text": "What is in the picture?"}]}])
         assert r.output_text == want
+
+
+# llava-hf/llava-1.5-7b-hf's config.json (transformers 4 era): the text model's sizes are left to LlamaConfig's
+# defaults, the vision encoder's partly to CLIPVisionConfig's.
+LLAVA_15_CONFIG = {
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+                    "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05,
+                    "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16", "vision_config": {
+        "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+        "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064}
+
+
+def test_a_real_llava_config_reads_with_the_defaults() -> None:
+    import torch
+
+    from streamer.models.config import ModelConfig
+    from streamer.models.vision import VisionTower
+    cfg = ModelConfig.from_dict(LLAVA_15_CONFIG)
+    assert (cfg.architecture, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+            cfg.num_kv_heads, cfg.vocab_size, cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.torch_dtype) == \
+        ("LlamaForCausalLM", 4096, 11008, 32, 32, 32, 32064, 4096, 1e-05, "float16")
+    assert cfg.image_token_id == 32000
+    with torch.device("meta"):
+        tower = VisionTower(LLAVA_15_CONFIG["vision_config"], -2, "default")
+    assert tower.num_tokens == 576 and tower.hidden_size == 1024  # (336 / 14)^2 patches, CLS dropped
+    assert len(tower.encoder.layers) == 23  # the last layer is never read
+    with pytest.raises(ValueError, match="unsupported text model"):
+        ModelConfig.from_dict({**LLAVA_15_CONFIG, "text_config": {"model_type": "mamba"}})

@@ -22,6 +22,11 @@ _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
                 "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
+# LlavaConfig's encoder for a config that names none: CLIP ViT-L/14 at 336 pixels (LLaVA-1.5's).
+DEFAULT_VISION_CONFIG = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                         "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
+
+
 class Projector(nn.Module):
     """Vision features -> the text model's hidden size: linear, activation, linear (LlavaMultiModalProjector)."""
 
@@ -43,7 +48,8 @@ class LlavaMixin(nn.Module):
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]  # the text model
         mm = cfg.multimodal
-        self.vision_tower = VisionTower(mm.get("vision_config") or {}, mm.get("vision_feature_layer", -2),
+        self.vision_tower = VisionTower(mm.get("vision_config") or DEFAULT_VISION_CONFIG,
+                                        mm.get("vision_feature_layer", -2),
                                         mm.get("vision_feature_select_strategy", "default"))
         self.multi_modal_projector = Projector(self.vision_tower.hidden_size, cfg.hidden_size,
                                                mm.get("projector_hidden_act", "gelu"),
