@@ -4,14 +4,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from streamer.lora import LoRARequest
-from streamer.outputs import CompletionOutput, EmbeddingOutput, Logprob, RequestOutput, StreamOutput
+from streamer.outputs import (ClassificationOutput, CompletionOutput, EmbeddingOutput, Logprob, RequestOutput,
+                              ScoringOutput, StreamOutput)
 from streamer.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
 from streamer.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
-           "RequestOutput", "CompletionOutput", "EmbeddingOutput", "Logprob", "StreamOutput", "EngineConfig"]
+           "RequestOutput", "CompletionOutput", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "Logprob",
+           "StreamOutput", "EngineConfig"]
 
 if TYPE_CHECKING:
     from streamer.async_engine import AsyncEngine

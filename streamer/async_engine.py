@@ -21,8 +21,8 @@ from streamer.multimodal import ImagePrompts, check_truncation
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics
-from streamer.outputs import CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
-from streamer.pooling import PoolingParams, truncate_prompt
+from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
+from streamer.pooling import Classifier, PoolingParams, encode_pair, truncate_prompt
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
 
@@ -179,6 +179,11 @@ class AsyncEngine:
         return self._core.image_prompts
 
     @property
+    def classifier(self) -> Optional[Classifier]:
+        """A sequence-classification model's labels and activations (None: the model is no classifier)."""
+        return self._core.classifier
+
+    @property
     def num_overlapped_steps(self) -> int:
         return self._core.num_overlapped_steps
 
@@ -200,18 +205,38 @@ class AsyncEngine:
                     request_id: Optional[str] = None, priority: int = 0, lora_request: LoRAType = None,
                     ) -> EmbeddingOutput:
         """The prompt's embedding: the model's final hidden states pooled (streamer/pooling.py)."""
+        rid, vec, ids, cached = await self._pool(prompt, (pooling or PoolingParams()).for_task("embed"), request_id,
+                                                 priority, lora_request)
+        return EmbeddingOutput(rid, vec, ids, cached)
+
+    async def classify(self, prompt: PromptType, pooling: Optional[PoolingParams] = None,
+                       request_id: Optional[str] = None, priority: int = 0, lora_request: LoRAType = None,
+                       ) -> ClassificationOutput:
+        """The prompt's label probabilities from a sequence-classification model (see `LLM.classify`)."""
+        rid, probs, ids, cached = await self._pool(prompt, (pooling or PoolingParams()).for_task("classify"),
+                                                   request_id, priority, lora_request)
+        return ClassificationOutput(rid, probs, self.classifier.label(probs), ids, cached)  # type: ignore[union-attr]
+
+    async def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """A cross-encoder's prompt for the pair (streamer/pooling.py's `encode_pair`), long texts off the loop."""
+        if len(text_1) + len(text_2) > _TOKENIZE_OFF_LOOP_CHARS:
+            return await asyncio.to_thread(encode_pair, self.tokenizer, text_1, text_2)
+        return encode_pair(self.tokenizer, text_1, text_2)
+
+    async def _pool(self, prompt: PromptType, pooling: PoolingParams, request_id: Optional[str], priority: int,
+                    lora_request: LoRAType) -> tuple[str, list[float], list[int], int]:
+        """Run one pooling request: (its id, its result, its prompt's token ids, how many of them were cached)."""
         stream = await self.add_request(prompt, None, request_id, priority, lora_request=lora_request,
-                                        pooling=pooling or PoolingParams())
+                                        pooling=pooling)
         try:
             async for item in stream:
                 if item.finished:
                     if item.embedding is None:  # aborted (shutdown)
-                        raise EngineDeadError(f"the embedding request was {item.finish_reason}ed")
-                    return EmbeddingOutput(stream.request_id, item.embedding, list(stream.prompt_token_ids),
-                                           stream.cached_tokens)
+                        raise EngineDeadError(f"the {pooling.task} request was {item.finish_reason}ed")
+                    return stream.request_id, item.embedding, list(stream.prompt_token_ids), stream.cached_tokens
         finally:
             stream.close()
-        raise EngineDeadError("the embedding request ended without a result")
+        raise EngineDeadError(f"the {pooling.task} request ended without a result")
 
     async def beam_search(self, prompt: PromptType, params: BeamSearchParams,
                           lora_request: LoRAType = None) -> BeamSearchOutput:

@@ -23,7 +23,7 @@ from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from streamer.pooling import PoolingParams, default_pooling, finish_embedding, truncate_prompt
+from streamer.pooling import Classifier, PoolingParams, default_pooling, finish_pooled, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
 from streamer.multimodal import ImageInput, ImagePrompts, as_image_list, check_truncation
@@ -63,9 +63,10 @@ class SeqState:
     logprobs: Optional[SampleLogprobs] = None
     cumulative_logprob: float = 0.0
     prompt_logprobs: Optional[PromptLogprobs] = None  # [None] + one entry per scored prompt token, if asked
-    pool_sum: Optional[Any] = None  # an embedding request's summed hidden states so far (float64 [hidden])
+    # A pooling request's summed hidden states so far (float64 [hidden]; a classifier's logits of them, [labels])
+    pool_sum: Optional[Any] = None
     pool_count: int = 0
-    embedding: Optional[list[float]] = None  # the result, once the prompt is done
+    embedding: Optional[list[float]] = None  # the result, once the prompt is done (a classifier's: its outputs)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
@@ -128,6 +129,8 @@ class LLMEngine:
         self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.runner.place_lora,
                                   self.scheduler.lora_slots)
         self.default_pooling = default_pooling(self.model_dir)  # for embedding requests that name none
+        # A sequence-classification model's labels and activations (None for other models): it only pools.
+        self.classifier = Classifier.from_config(self.model_config.raw, self.model_config.num_labels)
         # What unset request fields default to: the checkpoint's recommended sampling (generation_config.json).
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_dir,
                                                    config.override_generation_config)
@@ -222,6 +225,9 @@ class LLMEngine:
     def validate(self, token_ids: list[int], params: SamplingParams, pooling: bool = False) -> int:
         """Check one prompt against the model and the pool; returns the resolved max_tokens (0 for an embedding
         request, `pooling`, which may fill the whole context)."""
+        if not pooling and self.classifier is not None:
+            raise ValueError(f"{self.classifier.architecture} is a sequence-classification model: it has no LM head "
+                             "and cannot generate; classify prompts (or score pairs, with one label) instead")
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in token_ids):
@@ -265,9 +271,10 @@ class LLMEngine:
                     pooling: Optional[PoolingParams] = None,
                     images: Optional[tuple[ImageInput, ...]] = None) -> list[SeqState]:
         """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop).
-        `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`). `pooling`: an embedding request
-        (streamer/pooling.py): `params` are ignored, nothing is generated. `images`: the prompt's images, placed
-        in `prompt_token_ids` already (`process_prompt`); None: taken from the prompt here."""
+        `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`). `pooling`: a pooling request, an
+        embedding or a classification (streamer/pooling.py): `params` are ignored, nothing is generated. `images`:
+        the prompt's images, placed in `prompt_token_ids` already (`process_prompt`); None: taken from the prompt
+        here."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -314,13 +321,17 @@ class LLMEngine:
         return states
 
     def resolve_pooling(self, pooling: PoolingParams) -> PoolingParams:
-        """The request's pooling with the model's default filled in, checked against the model."""
+        """The request's pooling with the model's defaults (task, pooling method) filled in, checked against the
+        model: a sequence classifier classifies (or scores), any other model embeds."""
+        if self.classifier is not None:
+            return self.classifier.resolve(pooling)
+        if pooling.task not in (None, "embed"):
+            raise ValueError(f"task {pooling.task!r} needs a sequence-classification model "
+                             "(*ForSequenceClassification); this one makes embeddings")
         hidden = self.model_config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden:
             raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size {hidden}")
-        if pooling.pooling is None:
-            pooling = dataclasses.replace(pooling, pooling=self.default_pooling)
-        return pooling
+        return dataclasses.replace(pooling, task="embed", pooling=pooling.pooling or self.default_pooling)
 
     def abort(self, request_id: str) -> list[SeqState]:
         """Abort a user request (all of its sequences); returns the states that were still live."""
@@ -593,8 +604,9 @@ class LLMEngine:
             del self.groups[req.parent_id or req.request_id]
 
     def _record_pooled(self, owners: list, sums: Any, now: float) -> list[SeqUpdate]:
-        """Add each embedding request's chunk to its sum; a request whose prompt is done finishes with its
-        embedding. A chunk that starts at 0 starts the sum over (a preempted request recomputes its prompt)."""
+        """Add each pooling request's chunk to its sum; a request whose prompt is done finishes with its
+        embedding (or a classifier's output). A chunk that starts at 0 starts the sum over (a preempted request
+        recomputes its prompt)."""
         updates = []
         for j, (rid, start, count, done) in enumerate(owners):
             state = self.seqs.get(rid)
@@ -605,7 +617,8 @@ class LLMEngine:
             state.pool_sum += sums[j]
             state.pool_count += count
             if done:
-                embedding = state.embedding = finish_embedding(state.pool_sum, state.pool_count, state.req.pooling)
+                embedding = state.embedding = finish_pooled(state.pool_sum, state.pool_count, state.req.pooling,
+                                                            self.classifier)
                 state.metrics.first_token_time = state.metrics.finished_time = now
                 self._finish(state, RequestStatus.FINISHED_STOPPED)
                 updates.append(SeqUpdate(state, [], "", None, True, embedding=embedding))

@@ -8,8 +8,8 @@ from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.multimodal import check_truncation, load_image
-from streamer.outputs import EmbeddingOutput, RequestOutput
-from streamer.pooling import PoolingParams, truncate_prompt
+from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
+from streamer.pooling import PoolingParams, encode_pair, pair_up, truncate_prompt
 from streamer.sampling_params import SamplingParams
 
 
@@ -22,6 +22,14 @@ def _prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[Promp
     if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _texts(texts: Union[str, Sequence[str]], name: str) -> list[str]:
+    """One text or several (LLM.score's text_1 / text_2), as a non-empty list of strings."""
+    items = [texts] if isinstance(texts, str) else list(texts)
+    if not items or not all(isinstance(t, str) for t in items):
+        raise ValueError(f"{name} must be a string or a non-empty list of strings")
+    return items
 
 
 class LLM:
@@ -136,8 +144,43 @@ class LLM:
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:
         """Each prompt's embedding: the model's final hidden states pooled (default: the model's own pooling,
         normalised; streamer/pooling.py). Batched with each other as generation is."""
+        states = self._pool(prompts, (pooling or PoolingParams()).for_task("embed"), lora_request)
+        return [EmbeddingOutput(s.req.request_id, s.embedding, list(s.req.prompt_token_ids),  # type: ignore[arg-type]
+                                max(s.req.num_cached_tokens, 0)) for s in states]
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
+                 lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[ClassificationOutput]:
+        """Each prompt's label probabilities from a sequence-classification model (`*ForSequenceClassification`):
+        its score head over the last token's hidden state, then softmax over the labels (a sigmoid for one label;
+        the raw logits with `PoolingParams(activation=False)`)."""
+        states = self._pool(prompts, (pooling or PoolingParams()).for_task("classify"), lora_request)
+        label = self.engine.classifier.label  # type: ignore[union-attr]  # (only a classifier classifies)
+        return [ClassificationOutput(s.req.request_id, s.embedding, label(s.embedding),  # type: ignore[arg-type]
+                                     list(s.req.prompt_token_ids), max(s.req.num_cached_tokens, 0)) for s in states]
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]],
+              lora_request: LoRAType = None) -> list[ScoringOutput]:
+        """vLLM's scores of text pairs: the one text_1 with each text_2, or text_1[i] with text_2[i]. A cross-encoder
+        (a sequence classifier with one label) reads each pair as one prompt (the tokenizer's pair encoding) and
+        scores it with the sigmoid of its logit; an embedding model scores the cosine similarity of the two texts'
+        embeddings."""
+        first, second = _texts(text_1, "text_1"), _texts(text_2, "text_2")
+        pairs = pair_up(first, second)
+        if self.engine.classifier is not None:
+            prompts = [{"prompt_token_ids": encode_pair(self.tokenizer, a, b)} for a, b in pairs]
+            states = self._pool(prompts, PoolingParams(task="score"), lora_request)
+            return [ScoringOutput(s.req.request_id, s.embedding[0], list(s.req.prompt_token_ids))  # type: ignore
+                    for s in states]
+        vecs = self.embed(first + second, PoolingParams(task="embed"), lora_request)  # (normalised)
+        a, b = vecs[:len(first)], vecs[len(first):]
+        return [ScoringOutput(f"{x.request_id}+{y.request_id}", sum(p * q for p, q in zip(x.embedding, y.embedding)),
+                              x.prompt_token_ids + y.prompt_token_ids)
+                for x, y in zip(a * len(b) if len(a) == 1 else a, b)]
+
+    def _pool(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: PoolingParams,
+              lora_request: Union[LoRAType, Sequence[LoRAType]]) -> list[SeqState]:
+        """Run pooling requests (streamer/pooling.py) to the end; their states hold the results."""
         prompts = _prompt_list(prompts)
-        pooling = pooling or PoolingParams()
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         tokenized = [(text, truncate_prompt(ids, pooling)) for text, ids in map(engine.tokenize_prompt, prompts)]
@@ -147,12 +190,11 @@ class LLM:
         adapters = [engine.resolve_lora(x) for x in loras]
         states = []
         for (text, ids), adapter in zip(tokenized, adapters):
-            rid = f"embed-{next(engine._ids)}"
+            rid = f"{checked.task}-{next(engine._ids)}"
             states.append(engine.add_request(rid, text if text is not None else ids, SamplingParams(),
                                              prompt_token_ids=ids, lora_request=adapter, pooling=checked)[0])
         self._run()
-        return [EmbeddingOutput(s.req.request_id, s.embedding, list(s.req.prompt_token_ids),  # type: ignore[arg-type]
-                                max(s.req.num_cached_tokens, 0)) for s in states]
+        return states
 
     @staticmethod
     def _loras(lora_request: Union[LoRAType, Sequence[LoRAType]], n: int) -> list[LoRAType]:

@@ -103,7 +103,8 @@ class RunnerOutput:
     prompt_logprobs: Optional["PromptLogprobsOut"] = None
     has_drafts: bool = False  # speculative: some request has several consecutive entries
     drafts: Optional[dict[str, list[int]]] = None  # a draft model's proposals, by request (n-gram: the engine's)
-    # Embedding requests: (their PoolTokens.owners, the summed hidden states, float64 [owners, hidden])
+    # Pooling requests: (their PoolTokens.owners, the summed hidden states, float64 [owners, hidden]; a sequence
+    # classifier's logits of them, [owners, labels])
     pooled: Optional[tuple[list, np.ndarray]] = None
 
 
@@ -656,10 +657,15 @@ class ModelRunner:
 
     def _pool(self, hidden: torch.Tensor, pool: PoolTokens) -> tuple[list, np.ndarray]:
         """Each embedding request's sum of the hidden states it pools in this step (waits for the device, as
-        prompt logprobs do: embedding requests have no token to overlap)."""
+        prompt logprobs do: embedding requests have no token to overlap). A sequence classifier's requests get its
+        score head's logits of that sum instead, in fp32: the head has no bias, so a chunk that pools nothing
+        still adds nothing."""
         idx, seg = to_device(pool.token_idx, self.device), to_device(pool.segment, self.device)
         sums = torch.zeros(len(pool.owners), hidden.shape[-1], dtype=torch.float32, device=self.device)
         sums.index_add_(0, seg, hidden.index_select(0, idx).float())
+        head = getattr(self.model, "score", None)  # (a family class that builds no LlamaForCausalLM has none)
+        if head is not None:
+            sums = sums @ head.weight.float().T
         return pool.owners, sums.cpu().numpy().astype(np.float64)
 
     # Rows of prompt logits made at once: a long prompt's [tokens, vocab] logits would not fit in memory.

@@ -68,7 +68,8 @@ class StreamOutput:
     usage: Optional[dict] = field(default=None)
     prompt_logprobs: Optional[PromptLogprobs] = None  # with the sequence's first item, when asked for
     prompt_token_ids: Optional[list[int]] = None  # beside prompt_logprobs
-    embedding: Optional[list[float]] = None  # an embedding request's result, on its only (last) item
+    # A pooling request's result, on its only (last) item: the embedding, or a classifier's outputs
+    embedding: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -83,3 +84,31 @@ class EmbeddingOutput:
     embedding: list[float]
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    """A classification request's result (`LLM.classify`, `AsyncEngine.classify`): the probability of each label
+    (softmax over the labels, a sigmoid for one label; the raw logits with PoolingParams(activation=False)) and
+    the most likely label's name (config.json's id2label)."""
+
+    request_id: str
+    probs: list[float]
+    label: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (`LLM.score`): a cross-encoder's sigmoid of the pair's logit, or the cosine similarity of
+    an embedding model's two embeddings. `prompt_token_ids`: the pair's prompt (a cross-encoder's), or both
+    texts' prompts one after the other."""
+
+    request_id: str
+    score: float
+    prompt_token_ids: list[int]

@@ -235,3 +235,37 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kw)
             outs.append(gen[0, len(ids):].tolist())
     return outs
+
+
+
+def make_classifier_checkpoint(out_dir: Path, family: str = "llama", labels: tuple[str, ...] = ("negative", "neutral",
+                               "positive"), seed: int = 0, max_shard_size: str | None = None,
+                               **overrides: Any) -> Path:
+    """A tiny `*ForSequenceClassification` (transformers' class for the family: the decoder and a `score` head, no LM
+    head) with one label per name in `labels` (one: a cross-encoder / reward model), pad_token_id set (transformers
+    pools the last token that is not padding) and the byte-level tokenizer."""
+    import transformers as tf
+    out_dir = Path(out_dir)
+    make_bytelevel_tokenizer(out_dir)
+    tok = json.loads((out_dir / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + sum(1 for t in tok["added_tokens"] if t["id"] >= len(tok["model"]["vocab"]))
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    cfg = hf_config(family, vocab, id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
+                    pad_token_id=ids["<|pad|>"], bos_token_id=ids["<|begin_of_text|>"],
+                    eos_token_id=ids["<|end_of_text|>"], **overrides)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForSequenceClassification.from_config(cfg)
+    with torch.no_grad():  # logits of a few units: probabilities that differ between prompts
+        model.score.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return out_dir
+
+
+# Gemma 3's chat template, in short: string or parts, images written as <start_of_image>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)

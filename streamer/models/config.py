@@ -15,6 +15,13 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
              "Qwen3Model": "Qwen3ForCausalLM"}
+# Sequence classifiers (classifiers, reward models, cross-encoder rerankers): the family's decoder with a `score` head
+# [num_labels, hidden] in place of the LM head; they classify the last token's hidden state (streamer/pooling.py) and
+# cannot generate.
+SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                        "MistralForSequenceClassification": "MistralForCausalLM",
+                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
@@ -80,6 +87,7 @@ class ModelConfig:
     # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/llava.py);
     # everything above then describes its text model. None for a text-only model.
     multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
+    num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
 
     @property
     def image_token_id(self) -> Optional[int]:
@@ -111,9 +119,15 @@ class ModelConfig:
         if arch is None and any(a in BACKBONES for a in archs):
             arch = next(BACKBONES[a] for a in archs if a in BACKBONES)
             c = dict(c, tie_word_embeddings=True)
+        num_labels = None
+        if arch is None and any(a in SEQUENCE_CLASSIFIERS for a in archs):
+            arch = next(SEQUENCE_CLASSIFIERS[a] for a in archs if a in SEQUENCE_CLASSIFIERS)
+            c = dict(c, tie_word_embeddings=True)  # no LM head to load
+            # (transformers writes id2label, not num_labels, and neither for its default of 2)
+            num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS))}")
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}
@@ -162,6 +176,7 @@ class ModelConfig:
             raw=c,
             quantization=_quantization(c.get("quantization_config")),
             partial_rotary_factor=partial,
+            num_labels=num_labels,
         )
 
     @classmethod

@@ -172,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        # A sequence classifier's head (its config ties the embeddings: there is no LM head); the runner applies it
+        # to the pooled last-token hidden states.
+        self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -309,4 +312,4 @@ class LlamaForCausalLM(nn.Module):
             fused = {v: k for k, v in self.packed.items()}
             frag = fused[(name.split(".")[-2], shard)]
             name = name.replace(f".{name.split('.')[-2]}.", f".{frag}.")
-        return name if name.startswith("lm_head") else f"model.{name}"
+        return name if name.startswith(("lm_head", "score")) else f"model.{name}"

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from streamer.async_engine import AsyncEngine
 from streamer.multimodal import load_image
 from streamer.server.chat_template import ChatTemplate
-from streamer.server.embeddings import embeddings, rerank, score
+from streamer.server.embeddings import classify, embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
@@ -200,6 +200,9 @@ class OpenAIServer:
 
     async def embeddings(self, request: Request) -> Response:
         return await embeddings(self, request)
+
+    async def classify(self, request: Request) -> Response:
+        return await classify(self, request)
 
     async def score(self, request: Request) -> Response:
         return await score(self, request)
@@ -408,6 +411,8 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/v1/completions", s.completions, methods=["POST"]),
         Route("/v1/chat/completions", s.chat, methods=["POST"]),
         Route("/v1/embeddings", s.embeddings, methods=["POST"]),
+        Route("/v1/classify", s.classify, methods=["POST"]),
+        Route("/classify", s.classify, methods=["POST"]),
         Route("/v1/score", s.score, methods=["POST"]),
         Route("/score", s.score, methods=["POST"]),
         Route("/v1/rerank", s.rerank, methods=["POST"]),
