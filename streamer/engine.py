@@ -169,16 +169,30 @@ class LLMEngine:
         cfg = self.model_config
         if cfg.multimodal is None:
             return None
-        token = cfg.image_token_id
-        assert token is not None
-        placeholder = self.tokenizer.id_to_token(token)
-        if placeholder is None:
-            raise ValueError(f"the model's image token id {token} is not in its tokenizer")
+        model, mm, tok = self.runner.model, cfg.multimodal, self.tokenizer
+        n = model.tokens_per_image
+        if model.bidirectional_images and n > self.config.max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must hold a whole "
+                             f"image ({n} tokens): this model's images are computed in one piece")
+        image = cfg.image_token_id
+        assert image is not None
+
+        def text_of(token_id: int) -> str:
+            text = tok.id_to_token(token_id)
+            if text is None:
+                raise ValueError(f"the model's image token id {token_id} is not in its tokenizer")
+            return text
         folder = self.model_dir
         if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
             folder = Path(self.config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
-        return ImagePrompts(folder, token, self.runner.model.tokens_per_image, placeholder,
-                            self.config.limit_images_per_prompt)
+        limit = self.config.limit_images_per_prompt
+        if cfg.multimodal_architecture == "Gemma3ForConditionalGeneration":
+            boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
+            nl = tok.encode("\n\n", add_special_tokens=False)
+            full = f"\n\n{text_of(boi)}{text_of(image) * n}{text_of(eoi)}\n\n"
+            return ImagePrompts(folder, image, n, text_of(boi), limit, placeholder_id=boi, full_text=full,
+                                wrap=(nl + [boi], [eoi] + nl))
+        return ImagePrompts(folder, image, n, text_of(image), limit)
 
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;
@@ -189,15 +203,20 @@ class LLMEngine:
                 raise ValueError("multi_modal_data: this model takes no images")
             return token_ids, ()
         images = as_image_list(data) if data is not None else []
-        if not images and mm.image_token_id not in token_ids:
+        if not images and not mm.has_placeholders(token_ids):
             return token_ids, ()
         ids, inputs = mm.expand(token_ids, images)
         return ids, tuple(inputs)
 
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
         """(text, token ids, images) of a prompt, images included (see `place_images`)."""
-        text, ids = self._tokenize(prompt)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if (data is not None and self.image_prompts is not None and "prompt_token_ids" not in prompt  # type: ignore
+                and isinstance(prompt.get("prompt"), str)):  # type: ignore[union-attr]
+            text = prompt["prompt"]  # type: ignore[index]
+            ids = self.tokenizer.encode(self.image_prompts.expand_text(text))
+        else:
+            text, ids = self._tokenize(prompt)
         ids, images = self.place_images(ids, data)
         return text, ids, images
 
@@ -307,7 +326,8 @@ class LLMEngine:
                           max_tokens, self.eos_token_ids, arrival, priority, cache_salt,
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
                           seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
-                          long_rope_threshold=self.long_rope_threshold, images=images)
+                          long_rope_threshold=self.long_rope_threshold, images=images,
+                          whole_images=bool(images) and self.runner.model.bidirectional_images)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,

@@ -37,6 +37,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "CLIPFeatureExtractor": _CLIP,  # older CLIP checkpoints (openai/clip-vit-large-patch14-336) name only this
     "SiglipImageProcessor": _SIGLIP, "SiglipImageProcessorFast": _SIGLIP, "SiglipImageProcessorPil": _SIGLIP,
 }
+# Gemma 3's: SigLIP's with bilinear resizing (and pan-and-scan crops, off by default, refused here).
+_GEMMA3 = dict(_SIGLIP, resample=2, do_pan_and_scan=False)
+DEFAULTS.update({"Gemma3ImageProcessor": _GEMMA3, "Gemma3ImageProcessorFast": _GEMMA3,
+                 "Gemma3ImageProcessorPil": _GEMMA3})
 
 _SIZE_KEYS = ({"shortest_edge"}, {"shortest_edge", "longest_edge"}, {"height", "width"})
 
@@ -161,6 +165,8 @@ class ImageProcessor:
         c = {**DEFAULTS[kind], **{k: v for k, v in config.items() if v is not None}}
         if c["do_pad"]:
             raise ValueError(f"{kind} with do_pad is not supported")
+        if c.get("do_pan_and_scan"):
+            raise ValueError(f"{kind} with do_pan_and_scan is not supported")
         mean, std = c["image_mean"], c["image_std"]
         return cls(
             do_convert_rgb=bool(c["do_convert_rgb"]), do_resize=bool(c["do_resize"]),

@@ -131,8 +131,10 @@ class LLM:
                                                   continue_final_message, tools, chat_template_kwargs)
             except APIError as e:  # (the server's error type: here a plain ValueError naming the problem)
                 raise ValueError(e.message) from None
-            prompt: dict = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
             sources = message_images(parsed)
+            images = self.engine.image_prompts
+            shown = images.expand_text(text) if sources and images else text  # (Gemma 3's placeholders expand)
+            prompt: dict = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(shown, add_special_tokens=False)}
             if sources:  # image_url parts (data: or http(s) URLs) or image_pil parts (PIL images)
                 allow = self.engine.config.allow_image_urls
                 prompt["multi_modal_data"] = {"image": [load_image(s, allow) if isinstance(s, str) else s

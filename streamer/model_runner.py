@@ -379,7 +379,7 @@ class ModelRunner:
             # Leave room for activations of the largest step: a few hidden-size buffers per token plus logits.
             act = self.config.max_num_batched_tokens * (self.model_cfg.hidden_size * 16
                                                         + self.model_cfg.intermediate_size * 6)
-            act += self.config.max_num_seqs * self.model_cfg.vocab_size * 8
+            act += self.config.max_num_seqs * self.model_cfg.vocab_size * 8 + self._encoder_bytes()
             budget = int(total * self.config.gpu_memory_utilization) - used - act
         else:
             budget = self.config.kv_cache_memory or _CPU_KV_DEFAULT
@@ -394,16 +394,32 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) does not hold a single block of {per_block} bytes")
         return max(int(n), 1)
 
+    def _encoder_bytes(self) -> int:
+        """Vision-language models: the encoder cache's budget, plus the encoder's activations for the most images
+        one step can touch (its token budget's worth, and one more cut by a chunk boundary)."""
+        tower = getattr(self.model, "vision_tower", None)
+        if tower is None:
+            return 0
+        s = tower.spec
+        per_image = (s.image_size // s.patch_size) ** 2 * (s.hidden_size * 16 + s.intermediate_size * 6)
+        images = cdiv(self.config.max_num_batched_tokens, self.model.tokens_per_image) + 1
+        return self.config.encoder_cache_bytes + per_image * images
+
     # ------------------------------------------------------------------ one step
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
         dev = self.device
+        limit = None
+        if step.images is not None and self.model.bidirectional_images:
+            limit = step.positions.astype(np.int32)  # each image token sees up to its image's end
+            limit[step.images.token_idx] = step.images.last_pos
         return AttentionMetadata(
             num_reqs=step.num_reqs, num_tokens=step.num_tokens,
             query_start_loc=to_device(step.query_start_loc.astype(np.int32), dev),
             seq_lens=to_device(step.seq_lens.astype(np.int32), dev),
             block_table=to_device(step.block_table, dev), slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(np.diff(step.query_start_loc).max()), max_seq_len=int(step.seq_lens.max()),
-            query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens)
+            query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
+            causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit)
 
     def _sampling_batch(self, rows: SamplingRows) -> SamplingBatch:
         n = len(rows.temperature)

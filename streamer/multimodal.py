@@ -66,44 +66,65 @@ def as_image_list(data: Any) -> list["Image"]:
 
 class ImagePrompts:
     """Turns (prompt tokens, images) into the prompt the model reads: each image's placeholder expanded to its
-    feature rows, with an `ImageInput` per image."""
+    feature rows (wrapped in the tokens the model expects around them), with an `ImageInput` per image.
 
-    def __init__(self, model_dir: Path, image_token_id: int, tokens_per_image: int, placeholder: str,
-                 max_images: int) -> None:
+    LLaVA's templates write `<image>`, the image token itself: it becomes `tokens_per_image` of them. Gemma 3's
+    write `<start_of_image>` (`placeholder_id`), which its processor replaces by "\n\n<start_of_image>", the image
+    tokens and "<end_of_image>\n\n" (`full_text`): done on the text before tokenizing where there is text
+    (`expand_text`; the newlines then merge with their neighbours as in transformers), else on the tokens."""
+
+    def __init__(self, folder: Path, image_token_id: int, tokens_per_image: int, placeholder: str,
+                 max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
+                 wrap: tuple[list[int], list[int]] = ([], [])) -> None:
         from streamer.image_processor import ImageProcessor
-        self.processor = ImageProcessor.from_folder(model_dir)
+        self.processor = ImageProcessor.from_folder(folder)
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
-        self.placeholder = placeholder  # the image token's text, which chat templates write
+        self.placeholder = placeholder  # the text chat templates write for an image
+        self.placeholder_id = image_token_id if placeholder_id is None else placeholder_id
+        self.full_text = full_text
+        self.wrap = wrap  # the tokens before and after the image tokens that replace a placeholder token
         self.max_images = max_images
 
+    def expand_text(self, text: str) -> str:
+        return text.replace(self.placeholder, self.full_text) if self.full_text else text
+
+    def has_placeholders(self, token_ids: list[int]) -> bool:
+        return self.image_token_id in token_ids or self.placeholder_id in token_ids
+
     def expand(self, token_ids: list[int], images: Sequence["Image"]) -> tuple[list[int], list[ImageInput]]:
-        """Each run of image tokens in the prompt is one image: a single token (what a chat template writes) is
-        expanded to the image's rows; a run already that long (a prompt expanded by the caller) is kept."""
+        """Each run of image tokens in the prompt is one image: a lone placeholder is expanded here; a run
+        already `tokens_per_image` long (expanded text, or a prompt expanded by the caller) is kept."""
         if len(images) > self.max_images:
             raise ValueError(f"at most {self.max_images} images per prompt (limit_images_per_prompt), "
                              f"got {len(images)}")
+        token_ids = self._expand_placeholders(token_ids)
         runs = self._runs(token_ids)
         if len(runs) != len(images):
             raise ValueError(f"the prompt has {len(runs)} image placeholder(s) ({self.placeholder}) but "
                              f"{len(images)} image(s) were given")
         n = self.tokens_per_image
-        bad = [length for _, length in runs if length not in (1, n)]
+        bad = [length for _, length in runs if length != n]
         if bad:
-            raise ValueError(f"a run of {bad[0]} image placeholder tokens: each image takes 1 (expanded here) or "
-                             f"exactly {n}")
+            raise ValueError(f"a run of {bad[0]} image tokens: each image takes 1 placeholder ({self.placeholder}) "
+                             f"or exactly {n} image tokens")
         pixels = self.processor(list(images)) if images else None
+        return token_ids, [ImageInput(start, n, pixels[k], hash_pixels(pixels[k]))  # type: ignore[index]
+                           for k, (start, _) in enumerate(runs)]
+
+    def _expand_placeholders(self, token_ids: list[int]) -> list[int]:
+        """Lone placeholders (not followed by image tokens) as the wrapped run of image tokens."""
+        img, ph, n = self.image_token_id, self.placeholder_id, self.tokens_per_image
+        before, after = self.wrap
         out: list[int] = []
-        inputs: list[ImageInput] = []
-        prev = 0
-        for k, (start, length) in enumerate(runs):
-            out += token_ids[prev:start]
-            assert pixels is not None
-            inputs.append(ImageInput(len(out), n, pixels[k], hash_pixels(pixels[k])))
-            out += [self.image_token_id] * n
-            prev = start + length
-        out += token_ids[prev:]
-        return out, inputs
+        for i, t in enumerate(token_ids):
+            if ph == img:  # LLaVA: a run of one
+                lone = t == img and (i == 0 or token_ids[i - 1] != img) and (
+                    i + 1 == len(token_ids) or token_ids[i + 1] != img)
+            else:
+                lone = t == ph and (i + 1 == len(token_ids) or token_ids[i + 1] != img)
+            out += before + [img] * n + after if lone else [t]
+        return out
 
     def _runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(start, length) of each maximal run of image tokens."""
@@ -116,11 +137,13 @@ class ImagePrompts:
 @dataclass
 class ImageStep:
     """A step's image tokens: `token_idx` (int64 [M], rows of the step's flat token batch) take row `rows[m]` of
-    the `images`' features stacked in order."""
+    the `images`' features stacked in order; `last_pos[m]` is the last position of the token's image (a model
+    whose images attend both ways lets the token see that far)."""
 
     token_idx: np.ndarray
     images: list[ImageInput]
     rows: np.ndarray
+    last_pos: np.ndarray
 
 
 def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.ndarray,
@@ -129,7 +152,7 @@ def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.n
     [starts[i], starts[i] + q_lens[i]), at rows token_starts[i]... of the step); None if there are none."""
     base: dict[bytes, int] = {}
     images: list[ImageInput] = []
-    idx, rows = [], []
+    idx, rows, last = [], [], []
     total = 0
     for req, t0, start, q in zip(reqs, token_starts.tolist(), starts.tolist(), q_lens.tolist()):
         for img in req.images:
@@ -142,9 +165,10 @@ def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.n
                 total += img.length
             idx.append(np.arange(lo - start + t0, hi - start + t0, dtype=np.int64))
             rows.append(np.arange(lo - img.offset, hi - img.offset, dtype=np.int64) + base[img.hash])
+            last.append(np.full(hi - lo, img.end - 1, dtype=np.int64))
     if not idx:
         return None
-    return ImageStep(np.concatenate(idx), images, np.concatenate(rows))
+    return ImageStep(np.concatenate(idx), images, np.concatenate(rows), np.concatenate(last))
 
 
 class EncoderCache:

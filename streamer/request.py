@@ -59,6 +59,9 @@ class Request:
     long_rope_threshold: Optional[int] = None
     # Images in the prompt (streamer/multimodal.py ImageInput): their placeholders' positions and pixels' hashes
     images: tuple = ()
+    # The images attend to themselves both ways (Gemma 3): a prefill chunk may not end inside one (its later
+    # tokens' keys would be missing).
+    whole_images: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -135,6 +138,16 @@ class Request:
                 extra += b"".join(b"\x00img:" + im.hash for im in self.images
                                   if im.offset < (i + 1) * bs and im.end > i * bs)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    def fit_chunk(self, start: int, n: int) -> int:
+        """How many of n tokens from `start` one chunk may compute: all, or (with `whole_images`) up to the start
+        of an image it would end inside (0: not this step)."""
+        if self.whole_images:
+            end = start + n
+            for im in self.images:
+                if im.offset < end < im.end:
+                    return max(im.offset - start, 0)
+        return n
 
     def reset_computed(self) -> None:
         """The KV is gone (preempted, or to be recomputed in fresh blocks): everything is computed again, by

@@ -198,6 +198,8 @@ class Scheduler:
             if spec and req.draft_token_ids:
                 want += len(req.draft_token_ids)
             n = min(want, budget)
+            if req.whole_images:
+                n = req.fit_chunk(req.num_computed_tokens, n)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
                 continue
@@ -252,8 +254,8 @@ class Scheduler:
                 req.pooling is not None and req.pooling.pooling != "last")
             hits, num_hit = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            n = req.fit_chunk(num_hit, min(req.num_tokens - num_hit, budget))
+            if n == 0 or not self.kv.allocate_slots(req, n, hits):  # (0: its next image does not fit this step)
                 self._release_lora(req)
                 break
             self.waiting.pop()

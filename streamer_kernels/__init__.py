@@ -47,7 +47,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      causal_limit: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -59,7 +60,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     batches; a power of two forces that many splits. logit_softcap: scaled scores s become tanh(s / cap) * cap
     before the softmax (Gemma 2's attention soft-capping); None or 0 = off. sinks: float32 [H] (gpt-oss), one more
     logit per head in the softmax's denominator, with no value; None = off. The caches may instead be FP8
-    (float8_e4m3fn), holding k / k_scale and v / v_scale (see reshape_and_cache).
+    (float8_e4m3fn), holding k / k_scale and v / v_scale (see reshape_and_cache). causal_limit: int32 [T], the
+    last position each query may see (at least its own, within its request's context), in place of its own: a span
+    of queries given its end sees itself both ways (Gemma 3's images); None = plain causal.
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
@@ -67,7 +70,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         impl = reference.unified_attention
     impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
          max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-         k_scale=k_scale, v_scale=v_scale)
+         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

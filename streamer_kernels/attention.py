@@ -85,7 +85,7 @@ def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
     stride_c_block, stride_c_slot,
-    q_pos, key_end, sliding_window, qk_scale, softcap_scale,
+    q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale,
     tile_start, tile_stop,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
@@ -93,7 +93,8 @@ def _attend_tiles(
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
-    window / end-of-context masks; unmasked tiles must be fully visible to every row. With USE_SOFTCAP, qk_scale
+    window / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit moves
+    it further); unmasked tiles must be fully visible to every row. With USE_SOFTCAP, qk_scale
     is scale / cap and softcap_scale is cap * log2(e): scores become tanh(q.k * scale / cap) * cap (log2 units)."""
     for j in range(tile_start, tile_stop):
         k_pos = j * TILE_N + offs_n
@@ -115,7 +116,7 @@ def _attend_tiles(
         if USE_SOFTCAP:
             s = _tanh(s) * softcap_scale
         if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
+            visible = (k_pos[None, :] <= q_last[:, None]) & in_ctx[None, :]
             if USE_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(visible, s, float("-inf"))
@@ -132,7 +133,7 @@ def _attend_tiles(
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, sinks_ptr,
+    part_acc_ptr, part_ml_ptr, sinks_ptr, limit_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     num_seqs, qk_scale, softcap_scale, sliding_window, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -141,7 +142,7 @@ def _unified_attention_kernel(
     NUM_HEADS: tl.constexpr, QPK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_LIMIT: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -182,6 +183,10 @@ def _unified_attention_kernel(
     q_lo = q_block * BLOCK_Q
     q_hi = tl.minimum(q_lo + BLOCK_Q, q_len)
     key_end = ctx_len + q_hi
+    q_last = q_pos
+    if USE_LIMIT:  # rows that see past themselves (a span seeing itself both ways): the keys extend to theirs
+        q_last = tl.maximum(tl.load(limit_ptr + token, mask=row_valid, other=0), q_pos)
+        key_end = tl.minimum(tl.maximum(key_end, tl.max(tl.where(row_valid, q_last, 0), axis=0) + 1), seq_len)
     tile_lo = 0
     if USE_WINDOW:
         tile_lo = tl.maximum(ctx_len + q_lo - sliding_window + 1, 0) // TILE_N
@@ -217,15 +222,15 @@ def _unified_attention_kernel(
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, tile_lo, full_lo,
+                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, tile_lo, full_lo,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_lo, full_hi,
+                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, full_lo, full_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, key_end, sliding_window, qk_scale, softcap_scale, full_hi, tile_hi,
+                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, full_hi, tile_hi,
                                   offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
 
@@ -337,12 +342,14 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                      config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                      causal_limit: Optional[torch.Tensor] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
     `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
     logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps).
-    An FP8 (float8_e4m3fn) cache holds k / k_scale and v / v_scale."""
+    An FP8 (float8_e4m3fn) cache holds k / k_scale and v / v_scale. `causal_limit` (int32 [T], None = off): the
+    last position each query sees."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -358,6 +365,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert block_table.stride(1) == 1
     assert sinks is None or (sinks.shape == (num_heads,) and sinks.dtype == torch.float32
                              and sinks.is_contiguous()), "sinks: contiguous float32 [num_heads]"
+    assert causal_limit is None or (causal_limit.dtype == torch.int32 and causal_limit.is_contiguous()
+                                    and causal_limit.shape[0] >= num_tokens), "causal_limit: contiguous int32 [T]"
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
     use_softcap = bool(logit_softcap)
@@ -395,6 +404,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
+        query_start_loc if causal_limit is None else causal_limit,
         query_start_loc, seq_lens, block_table,
         num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -404,7 +414,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
         UPCAST=upcast,
-        DOT_PRECISION=precision, KV_FP8=kv_fp8,
+        DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

@@ -67,7 +67,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       softmax_scale: float, max_query_len: int, max_seq_len: int,
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      causal_limit: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
@@ -75,7 +76,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     With `logit_softcap` (Gemma 2), scaled scores s become tanh(s / cap) * cap before the softmax. `sinks` [H]
     (gpt-oss): each head's softmax gets one more logit, sinks[h], with no value to attend.
     `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
-    An FP8 cache holds k / k_scale and v / v_scale.
+    An FP8 cache holds k / k_scale and v / v_scale. `causal_limit` [T] (absolute positions, >= each query's own):
+    the last key each query sees, in place of its own position (Gemma 3's images see themselves both ways).
     """
     del max_query_len, max_seq_len, num_kv_splits
     if key_cache.dtype != torch.float8_e4m3fn:
@@ -98,7 +100,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        allowed = k_pos <= q_pos
+        last = q_pos if causal_limit is None else causal_limit[q_start:q_end].to(q_pos)[:, None]
+        allowed = k_pos <= last
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))

@@ -237,7 +237,6 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
     return outs
 
 
-
 def make_classifier_checkpoint(out_dir: Path, family: str = "llama", labels: tuple[str, ...] = ("negative", "neutral",
                                "positive"), seed: int = 0, max_shard_size: str | None = None,
                                **overrides: Any) -> Path:
@@ -269,3 +268,69 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
     "{{ '<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
+
+
+def make_gemma3_vlm_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """A tiny Gemma3ForConditionalGeneration: SigLIP at 32x32 pixels, 4x4 patches (64), pooled to 16 image tokens,
+    over a two-layer Gemma 3 text model (a sliding layer, a global one), with <start_of_image>, <end_of_image> and
+    <image_soft_token> as added special tokens, Gemma 3's image processor config and a Gemma 3-style template."""
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+    out_dir = Path(out_dir)
+    make_bytelevel_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    specials = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(out_dir / "tokenizer.json"))
+    boi, eoi, image = (tok.token_to_id(t) for t in specials)
+    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for t in specials:
+        cfg_tok["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    cfg_tok["chat_template"] = GEMMA3_CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
+    # (no final soft-capping: real Gemma 3 configs have none, and transformers' Gemma3ForConditionalGeneration,
+    # unlike its Gemma3ForCausalLM, would not apply one)
+    text_cfg = hf_config("gemma3", tok.get_vocab_size(), final_logit_softcapping=None)
+    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    text_cfg.bos_token_id, text_cfg.eos_token_id = ids.get("<|begin_of_text|>"), ids.get("<|end_of_text|>")
+    vision_cfg = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, image_size=32, patch_size=4)
+    cfg = tf.Gemma3Config(text_config=text_cfg, vision_config=vision_cfg, mm_tokens_per_image=16,
+                          boi_token_index=boi, eoi_token_index=eoi, image_token_index=image)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "vision" not in name:  # Gemma's norms start at zero (a scale of 1 + w)
+                p.normal_(0.0, 0.3)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.5)  # features that matter
+    model.save_pretrained(out_dir)
+    tf.Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_gemma3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int,
+                     ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuation of each (expanded prompt ids, PIL images), with each token's logprob:
+    token_type_ids mark the image tokens, whose attention within each image is bidirectional."""
+    import transformers as tf
+    model = tf.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    processor = tf.AutoImageProcessor.from_pretrained(model_dir)
+    image_id = model.config.image_token_index
+    outs = []
+    with torch.no_grad():
+        for ids, images in prompts:
+            t = torch.tensor([ids])
+            kw = {}
+            if images:
+                kw = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"],
+                      "token_type_ids": (t == image_id).long()}
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True, **kw)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
+            outs.append((tokens, lps))
+    return outs

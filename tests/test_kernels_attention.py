@@ -239,3 +239,50 @@ def test_engine_gpt_oss_triton_backend_matches_torch_backend(request) -> None:
         return [o.outputs[0].token_ids for o in outs]
 
     assert greedy("triton") == greedy("torch")
+
+
+def _limits(batch, spans: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """int32 [T]: each query's own position, or for a query inside one of its request's [start, end) spans (absolute
+    positions), end - 1: the span sees itself both ways (Gemma 3's images)."""
+    qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    limit = []
+    for b in range(len(lens)):
+        q_len = qsl[b + 1] - qsl[b]
+        for pos in range(lens[b] - q_len, lens[b]):
+            limit.append(next((e - 1 for s, e in spans[b] if s <= pos < e), pos))
+    return torch.tensor(limit + [0] * (batch.q.shape[0] - len(limit)), dtype=torch.int32, device=batch.q.device)
+
+
+@settings(SETTINGS, max_examples=max_examples(25, 8))
+@given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([16, 32]),
+       window=st.one_of(st.none(), st.integers(4, 40)), splits=st.sampled_from([None, 2]),
+       lens=st.lists(st.tuples(st.integers(2, 60), st.integers(0, 40)), min_size=1, max_size=3),
+       seed=st.integers(0, 2**31 - 1))
+def test_causal_limit_spans(dtype, group, block_size, window, splits, lens, seed) -> None:
+    """Queries inside a span see the whole span (keys after them too), within the window; others stay causal."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens, ctx_lens = [q for q, _ in lens], [c for _, c in lens]
+    batch = make_paged_batch(q_lens, ctx_lens, 2 * group, 2, 64, block_size, dtype, DEVICE, num_pad_tokens=2,
+                             generator=g)
+    # One span per request inside its chunk (a chunk never ends inside one): a random [start, end).
+    spans = []
+    for q, c in lens:
+        s = c + int(torch.randint(0, q - 1, (1,), generator=g))
+        spans.append([(s, s + 1 + int(torch.randint(1, c + q - s, (1,), generator=g)))])
+    limit = _limits(batch, spans)
+    out = torch.full_like(batch.q, float("nan"))
+    unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
+                      batch.block_table, 0.125, batch.max_query_len, batch.max_seq_len, window,
+                      num_kv_splits=splits, causal_limit=limit)
+    expected = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, 0.125, 0, 0, window, causal_limit=limit)
+    n = batch.num_tokens
+    assert rel_err(out[:n], expected[:n]) <= TOLERANCE[dtype]
+    causal = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, causal, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, 0.125, 0, 0, window)
+    moved = limit[:n] > _limits(batch, [[] for _ in lens])[:n]
+    if moved.any():  # the limit changes exactly the queries it moves
+        assert not torch.allclose(expected[:n][moved], causal[:n][moved])
+    assert torch.equal(expected[:n][~moved], causal[:n][~moved])

@@ -136,3 +136,59 @@ def test_engine_triton_backend_gemma2_softcap(request) -> None:
     args = dict(max_num_batched_tokens=8, block_size=8)
     assert (_greedy(path, prompts, attention_backend="triton", **args)
             == _greedy(path, prompts, attention_backend="torch", **args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_limit_on_both_backends(dtype) -> None:
+    """Query spans that see themselves both ways (a causal limit past their own positions) attend alike on the
+    Triton backend, the torch backend and the reference; decode rows stay plainly causal."""
+    q_lens, ctx_lens = [20, 1, 13], [5, 30, 0]
+    batch = make_paged_batch(q_lens, ctx_lens, 4, 2, 64, 16, dtype, DEVICE, write_new=True,
+                             generator=torch.Generator().manual_seed(3))
+    spec = AttentionSpec(4, 2, 64, 0.125, None)
+    positions = np.concatenate([np.arange(c, c + q) for q, c in zip(q_lens, ctx_lens)])
+    limit = positions.astype(np.int32)
+    limit[3:11] = 5 + 10  # request 0: positions 8..15 see up to 15
+    limit[21:30] = 12  # request 2: positions 0..8 see up to 12
+    meta = _meta(batch, 3)
+    meta.causal_limit, meta.causal_limit_cpu = torch.from_numpy(limit).to(DEVICE), limit
+    expected = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, spec.scale, 0, 0, None,
+                                causal_limit=meta.causal_limit)
+    kv = batch.kv_cache.clone()
+    out = TritonAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v, kv, meta)
+    n = batch.num_tokens
+    assert rel_err(out[:n], expected[:n]) <= TOLERANCE[dtype]
+    meta.backend_cache.clear()
+    out_torch = TorchAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v,
+                                                    torch.nan_to_num(batch.kv_cache, nan=0.0), meta)
+    assert rel_err(out_torch[:n], expected[:n]) <= 2 * TOLERANCE[dtype]
+    plain = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, plain, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, spec.scale, 0, 0, None)
+    assert not torch.allclose(expected[3:11], plain[3:11]) and torch.equal(expected[11:21], plain[11:21])
+
+
+def test_engine_triton_backend_gemma3_images(request) -> None:
+    """Gemma 3's images (attending both ways: the kernel's causal limit) through the engine on the Triton backend
+    give the torch backend's tokens and logprobs (which tests/test_multimodal.py holds to transformers')."""
+    pytest.importorskip("transformers")
+    import numpy as np
+    from PIL import Image
+
+    from streamer import LLM, SamplingParams
+    from tests.checkpoints import make_gemma3_vlm_checkpoint
+    path = request.getfixturevalue("ckpt_root") / "gemma3_vlm"
+    if not (path / "config.json").exists():
+        make_gemma3_vlm_checkpoint(path)
+    image = Image.fromarray(np.random.default_rng(11).integers(0, 256, (40, 30, 3), dtype=np.uint8))
+    prompt = {"prompt": "<start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n<start_of_turn>model\n",
+              "multi_modal_data": {"image": image}}
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=0)
+    kw = dict(dtype="float32", num_kv_blocks=32, max_num_batched_tokens=20, block_size=16)
+    outs = [LLM(str(path), attention_backend=b, **kw).generate(prompt, params)[0].outputs[0]
+            for b in ("torch", "triton")]
+    assert outs[0].token_ids == outs[1].token_ids
+    lps = [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] for o in outs]
+    assert np.allclose(lps[0], lps[1], atol=1e-4)

@@ -124,7 +124,7 @@ def test_an_expanded_prompt_is_taken_as_is(llm: LLM) -> None:
     (PROMPT, {"image": []}, "1 image placeholder"),
     ("USER: no placeholder ASSISTANT:", {"image": "img"}, "PIL images"),
     (PROMPT, {"video": []}, "multi_modal_data must be"),
-    ("USER: <image><image> two in a row ASSISTANT:", {"image": "2"}, "a run of 2 image placeholder"),
+    ("USER: <image><image> two in a row ASSISTANT:", {"image": "2"}, "a run of 2 image tokens"),
     (PROMPT, None, r"but 0 image\(s\)"),  # a placeholder typed into the text, no image given
 ])
 def test_bad_image_prompts_are_clear_errors(llm: LLM, prompt: str, data, message: str) -> None:
@@ -286,3 +286,101 @@ def test_a_real_llava_config_reads_with_the_defaults() -> None:
     assert len(tower.encoder.layers) == 23  # the last layer is never read
     with pytest.raises(ValueError, match="unsupported text model"):
         ModelConfig.from_dict({**LLAVA_15_CONFIG, "text_config": {"model_type": "mamba"}})
+
+
+# ------------------------------------------------------------------------------------------------ Gemma 3
+GEMMA_PROMPT = "<start_of_turn>user\n<start_of_image>What is in the picture?<end_of_turn>\n<start_of_turn>model\n"
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(ckpt_root) -> Path:
+    from tests.checkpoints import make_gemma3_vlm_checkpoint
+    path = ckpt_root / "gemma3_vlm"
+    if not (path / "config.json").exists():
+        make_gemma3_vlm_checkpoint(path)
+    return path
+
+
+def _with_logprobs(outs) -> list[tuple[list[int], list[float]]]:
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def _assert_matches(got, want, atol: float = 2e-4) -> None:
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
+
+
+def test_gemma3_images_attend_both_ways_as_in_transformers(gemma3_dir: Path, monkeypatch) -> None:
+    """Gemma 3's image tokens see their whole image (transformers' token_type_ids mask): tokens and logprobs equal
+    transformers', with whole and chunked prefill (a chunk never ends inside an image) and a prefix-cache hit; the
+    same engine with plain causal attention over the images is measurably off, so the check can fail."""
+    from tests.checkpoints import hf_gemma3_greedy
+    ims = images(3, seed=9)
+    prompts = [{"prompt": GEMMA_PROMPT, "multi_modal_data": {"image": im}} for im in ims]
+    prompts.append({"prompt": "<start_of_turn>user\nno picture<end_of_turn>\n<start_of_turn>model\n"})
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
+    llm = LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64)
+    outs = llm.generate(prompts, params)
+    text = GEMMA_PROMPT.replace("<start_of_image>", "\n\n<start_of_image>" + "<image_soft_token>" * TOKENS
+                                + "<end_of_image>\n\n")  # what Gemma3Processor feeds the model
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode(text)
+    want = hf_gemma3_greedy(gemma3_dir, [(o.prompt_token_ids, [im]) for o, im in zip(outs, ims)]
+                            + [(outs[-1].prompt_token_ids, [])], 4)
+    _assert_matches(_with_logprobs(outs), want)
+    chunked = LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=TOKENS + 4,
+                  block_size=4)
+    _assert_matches(_with_logprobs(chunked.generate(prompts, params)), want)
+    again = chunked.generate(prompts[:1], params)
+    assert again[0].num_cached_tokens > 0
+    _assert_matches(_with_logprobs(again), want[:1])
+    check_freed(chunked)
+    from streamer.models.vlm import Gemma3VisionMixin
+    monkeypatch.setattr(Gemma3VisionMixin, "bidirectional_images", False)
+    causal = _with_logprobs(LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
+    assert any(not np.allclose(lp, w, atol=2e-3) for (_, lp), (_, w) in zip(causal, want))
+
+
+def test_gemma3_chat_and_limits(gemma3_dir: Path) -> None:
+    llm = LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64)
+    im = images(1, seed=10)[0]
+    chat = llm.chat(_conversation({"type": "image_pil", "image_pil": im}), GREEDY)
+    direct = llm.generate({"prompt": "<|begin_of_text|>" + GEMMA_PROMPT, "multi_modal_data": {"image": im}}, GREEDY)
+    assert chat[0].prompt_token_ids == direct[0].prompt_token_ids[1:] or \
+        chat[0].prompt_token_ids == direct[0].prompt_token_ids  # (the template writes the bos itself)
+    assert tokens(chat) == tokens(direct)
+    with pytest.raises(ValueError, match="must hold a whole image"):
+        LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=TOKENS - 1)
+
+
+
+# google/gemma-3-4b-it's config.json: the text model's heads, vocabulary and layer pattern are left to
+# Gemma3TextConfig's defaults.
+GEMMA3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3", "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "vision_config": {
+        "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+        "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_a_real_gemma3_config_reads_with_the_defaults() -> None:
+    import torch
+
+    from streamer.models.config import ModelConfig
+    from streamer.models.vlm import Gemma3Projector
+    from streamer.models.vision import VisionTower
+    cfg = ModelConfig.from_dict(GEMMA3_4B_CONFIG)
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.vocab_size, cfg.tie_word_embeddings, cfg.eos_token_id, cfg.torch_dtype) == \
+        ("Gemma3ForCausalLM", 2560, 34, 8, 4, 256, 262208, True, [1, 106], "bfloat16")
+    assert cfg.raw["query_pre_attn_scalar"] == 256 and cfg.raw["sliding_window"] == 1024
+    assert cfg.image_token_id == 262144 and cfg.multimodal_architecture == "Gemma3ForConditionalGeneration"
+    with torch.device("meta"):
+        tower = VisionTower(GEMMA3_4B_CONFIG["vision_config"], -1, "full", post_norm=True)
+        projector = Gemma3Projector(1152, 2560, 896 // 14, 256, 1e-6)
+    assert tower.num_tokens == 4096 and len(tower.encoder.layers) == 27 and projector.kernel == 4

@@ -38,6 +38,10 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray
     # What a backend derives from this step's metadata once and reuses in every layer (see torch_backend).
     backend_cache: dict = field(default_factory=dict)
+    # The last position each query token sees, int32 [num_tokens] (host copy beside it), where some see past
+    # themselves: Gemma 3's image tokens see their whole image. None: every query is plainly causal.
+    causal_limit: Optional[torch.Tensor] = None
+    causal_limit_cpu: Optional[np.ndarray] = None
 
 
 class DecodeBatch(NamedTuple):

@@ -340,10 +340,12 @@ class TorchAttentionBackend(KVScales):
             k, v = self._gather(kv_cache, meta.block_table[i], seq_len, q.dtype)  # [L, Hkv, D]
         mask = None
         window = self.spec.sliding_window
-        if seq_len != q_len or (window is not None and window < seq_len):
+        limit = None if meta.causal_limit_cpu is None else meta.causal_limit_cpu[start:end]
+        if seq_len != q_len or (window is not None and window < seq_len) or limit is not None:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
+            last = q_pos if limit is None else torch.from_numpy(limit).to(q.device, torch.int64).unsqueeze(1)
+            mask = k_pos <= last
             if window is not None:
                 mask &= k_pos > q_pos - window
         qi, k, v = q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

@@ -50,5 +50,6 @@ class TritonAttentionBackend(KVScales):
         unified_attention(q, key_cache, value_cache, out, meta.query_start_loc[:meta.num_reqs + 1],
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
-                          logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale)
+                          logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
+                          causal_limit=meta.causal_limit)
         return out

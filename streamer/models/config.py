@@ -25,9 +25,9 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -37,7 +37,14 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                     sliding_window=4096),
     "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=32768),
+    # (gemma-3-4b-it's text_config, for one, gives only its hidden/intermediate sizes, layers and window)
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                        query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0,
+                        rope_local_base_freq=10_000.0, tie_word_embeddings=True),
 }
+# The image token each architecture's config defaults to.
+_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144}
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -84,15 +91,22 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
     quantization: Optional[dict[str, Any]] = None  # an FP8 checkpoint's quantization_config (models/quant.py)
     partial_rotary_factor: float = 1.0  # the share of each head that rotates (Phi-4-mini: 0.75); the rest passes
-    # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/llava.py);
+    # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/vlm.py);
     # everything above then describes its text model. None for a text-only model.
     multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
 
     @property
-    def image_token_id(self) -> Optional[int]:
+    def multimodal_architecture(self) -> Optional[str]:
         mm = self.multimodal
-        return None if mm is None else int(mm.get("image_token_index", mm.get("image_token_id", 32000)))
+        return None if mm is None else next(a for a in mm["architectures"] if a in MULTIMODAL_ARCHITECTURES)
+
+    @property
+    def image_token_id(self) -> Optional[int]:
+        mm, arch = self.multimodal, self.multimodal_architecture
+        if mm is None or arch is None:
+            return None
+        return int(mm.get("image_token_index", mm.get("image_token_id", _IMAGE_TOKEN[arch])))
 
     @property
     def rotary_dim(self) -> int:
@@ -189,8 +203,9 @@ class ModelConfig:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
                              f"{', '.join(_TEXT_ARCHS)}")
         text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [_TEXT_ARCHS[model_type]]}
-        for key in ("torch_dtype", "dtype", "quantization_config"):  # the outer config's say for the whole model
-            if c.get(key) is not None:
+        for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
+                    "bos_token_id"):
+            if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
         vision = (c.get("vision_config") or {}).get("model_type", "clip_vision_model")
         if vision not in ("clip_vision_model", "siglip_vision_model"):

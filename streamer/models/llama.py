@@ -196,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
     packed_head: Optional[torch.Tensor] = None
     long_rope: Optional[tuple[int, int]] = None
+    bidirectional_images = False  # (vision-language models: models/vlm.py)
 
     def use_kernels(self, on: bool) -> None:
         """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""

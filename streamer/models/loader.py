@@ -15,7 +15,7 @@ from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
-from streamer.models.llava import llava_class
+from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.quant import dequantizing
 
@@ -73,7 +73,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
                max_positions: int, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
     model_cls = _MODEL_CLASSES[cfg.architecture]
     if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
-        model_cls = llava_class(model_cls)
+        model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -202,11 +202,13 @@ _UNUSED = ("post_layernorm.", "head.", "embeddings.position_ids")
 
 
 class VisionTower(nn.Module):
-    def __init__(self, vision_config: dict[str, Any], feature_layers: int | list[int], strategy: str) -> None:
+    def __init__(self, vision_config: dict[str, Any], feature_layers: int | list[int], strategy: str,
+                 post_norm: bool = False) -> None:
         """feature_layers: LLaVA's vision_feature_layer, an index into the encoder's hidden states (0: the
         embeddings, i: the output of layer i; negative from the end), or a list of them whose states are
         concatenated. strategy: vision_feature_select_strategy, "default" (drop the first token: CLIP's class
-        token) or "full"."""
+        token) or "full". post_norm: the encoder's last_hidden_state instead (after post_layernorm; Gemma 3's):
+        feature_layers must then be -1."""
         super().__init__()
         spec = VisionSpec.from_config(vision_config)
         if strategy not in STRATEGIES:
@@ -219,6 +221,11 @@ class VisionTower(nn.Module):
         self.embeddings = Embeddings(spec)
         self.pre_layrnorm = LayerNorm(spec.hidden_size, spec.eps) if spec.is_clip else None  # (sic: CLIP's name)
         self.encoder = Encoder(spec, max(self.feature_layers))
+        self.post_layernorm = None
+        if post_norm:
+            if self.feature_layers != [spec.num_layers]:
+                raise ValueError("post_norm reads the last layer's output: feature_layers must be -1")
+            self.post_layernorm = LayerNorm(spec.hidden_size, spec.eps)
 
     def _resolve(self, index: int) -> int:
         """The hidden state `index` refers to, as a count of layers run (hidden_states has num_layers + 1)."""
@@ -252,6 +259,8 @@ class VisionTower(nn.Module):
             if i in self.feature_layers:
                 states[i] = x
         picked = [states[i] for i in self.feature_layers]
+        if self.post_layernorm is not None:
+            picked = [self.post_layernorm(picked[0])]
         if self.strategy == "default":
             picked = [s[:, 1:] for s in picked]
         return torch.cat(picked, dim=-1) if len(picked) > 1 else picked[0]
@@ -284,7 +293,7 @@ class VisionTower(nn.Module):
 
     def _target(self, name: str) -> tuple[str | None, int | None]:
         """(our parameter name, q/k/v block) for a checkpoint name; (None, None) for one to skip."""
-        if name.startswith(_UNUSED):
+        if name.startswith(_UNUSED) and not (name.startswith("post_layernorm.") and self.post_layernorm is not None):
             return None, None
         parts = name.split(".")
         if name.startswith("encoder.layers.") and len(parts) > 2 and parts[2].isdigit():

@@ -126,7 +126,11 @@ class OpenAIServer:
         lora = self._check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
-        ids = await self.engine.encode(text, add_special_tokens=False)  # the template placed the specials
+        sources = message_images(req.messages)
+        images = self.engine.image_prompts
+        # (the template placed the specials; a model's image placeholders may expand to text first: Gemma 3's)
+        ids = await self.engine.encode(images.expand_text(text) if sources and images else text,
+                                       add_special_tokens=False)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
         if parse_tools and self.tool_call_parser == "mistral" and req.forced_tool is None:
             # As vLLM: [TOOL_CALLS] is a special token, which the text would otherwise leave out.
@@ -137,7 +141,6 @@ class OpenAIServer:
                                        constrained=req.params.structured_outputs is not None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-        sources = message_images(req.messages)
         if sources:
             prompt["multi_modal_data"] = {"image": await self._load_images(sources)}
         gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora)

@@ -127,7 +127,7 @@ class ChatTemplate:
         if images and self.image_placeholder is None:
             raise APIError("this model takes no images (its messages may only hold text)", param="messages",
                            code="images_not_supported")
-        if self.content_format == "openai":
+        if self.content_format != "string":
             parts = [{"type": "image"} if p["type"] == "image" else p for p in content]
             return {**message, "content": parts}
         texts = [p["text"] for p in content if p["type"] == "text"]
@@ -139,11 +139,12 @@ _CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]cont
 
 
 def content_format(source: Optional[str]) -> str:
-    """"openai" when the template loops over each message's content parts and cannot take a string (LLaVA's),
-    else "string". Templates that test `is string` take either: they get strings unless a message has images."""
+    """How a template reads message contents: "openai" when it loops over content parts and cannot take a string
+    (LLaVA's: every content goes as parts), "both" when it also tests `is string` (Gemma 3's, Qwen2-VL's: a
+    message gets what the client sent, as transformers renders it), else "string" (images become placeholder text)."""
     if source is None or not _CONTENT_LOOP.search(source):
         return "string"
-    return "string" if re.search(r"is\s+string", source) else "openai"
+    return "both" if re.search(r"is\s+string", source) else "openai"
 
 
 _RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})

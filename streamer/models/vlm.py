@@ -1,0 +1,169 @@
+"""Vision-language models: a vision encoder and a projector in front of a text model of one of the supported
+families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector) and Gemma 3
+(Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection).
+
+The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
+encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
+replace the image placeholders' embeddings (ModelRunner, streamer/multimodal.py); from there on the decoder runs
+as for text (with Gemma 3's image tokens attending to each other both ways: `bidirectional_images`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.models.gemma3 import GemmaRMSNorm
+from streamer.models.vision import VisionTower
+
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
+                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
+
+
+# LlavaConfig's encoder for a config that names none: CLIP ViT-L/14 at 336 pixels (LLaVA-1.5's).
+DEFAULT_VISION_CONFIG = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                         "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336, "patch_size": 14}
+
+
+class Projector(nn.Module):
+    """Vision features -> the text model's hidden size: linear, activation, linear (LlavaMultiModalProjector)."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool) -> None:
+        super().__init__()
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported projector_hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class Gemma3Projector(nn.Module):
+    """Gemma 3's: the patch grid average-pooled to mm_tokens_per_image, Gemma's RMSNorm, one projection."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, patches_per_side: int, tokens_per_image: int,
+                 eps: float) -> None:
+        super().__init__()
+        side = math.isqrt(tokens_per_image)
+        if side * side != tokens_per_image or patches_per_side % side:
+            raise ValueError(f"mm_tokens_per_image {tokens_per_image} does not pool a {patches_per_side}x"
+                             f"{patches_per_side} patch grid")
+        self.kernel = patches_per_side // side
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_hidden, text_hidden), requires_grad=False)
+        self.mm_soft_emb_norm = GemmaRMSNorm(vision_hidden, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, p, h = x.shape
+        side = math.isqrt(p)
+        grid = x.transpose(1, 2).reshape(n, h, side, side)
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).type_as(x)
+
+
+class VisionLanguageMixin(nn.Module):
+    """Mixed in before a text model class (see `vlm_class`): what every vision-language model shares."""
+
+    vision_tower: VisionTower
+    multi_modal_projector: nn.Module
+    bidirectional_images = False  # image tokens attend to each other both ways (Gemma 3)
+
+    @property
+    def tokens_per_image(self) -> int:
+        raise NotImplementedError
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> [N, tokens_per_image, hidden]: what each image's placeholders read as embeddings."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    # ------------------------------------------------------------------ weights
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's names (both transformers 4's `language_model.model.*` and 5's `model.language_model.*`)
+        as the text model's, the encoder's under `vision_tower.` (without the vision model's `vision_model.`)."""
+        for name, t in weights:
+            name = name.removeprefix("model.") if name.startswith("model.language_model.") or \
+                name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) else name
+            if name.startswith("language_model."):
+                name = name.removeprefix("language_model.")
+                if not name.startswith(("model.", "lm_head.")):  # (transformers 5 in memory: language_model.layers)
+                    name = "model." + name
+            elif name.startswith("vision_tower."):
+                name = "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
+            yield name, t
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        vision: list[tuple[str, torch.Tensor]] = []
+        projector: list[tuple[str, torch.Tensor]] = []
+
+        def text() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if name.startswith("vision_tower."):
+                    vision.append((name.removeprefix("vision_tower."), t))
+                elif name.startswith("multi_modal_projector."):
+                    projector.append((name, t))
+                else:
+                    yield name, t
+
+        loaded = super().load_weights(text())  # type: ignore[misc]  # the text model's
+        loaded |= {f"vision_tower.{n}" for n in self.vision_tower.load_weights(vision)}
+        params = dict(self.named_parameters())
+        for name, t in projector:
+            param = params.get(name)
+            if param is None or param.shape != t.shape:
+                raise ValueError(f"unexpected tensor {name!r} {tuple(t.shape)} in the checkpoint")
+            param.data.copy_(t)
+            loaded.add(name)
+        return loaded
+
+
+class LlavaMixin(VisionLanguageMixin):
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]  # the text model
+        mm = cfg.multimodal
+        self.vision_tower = VisionTower(mm.get("vision_config") or DEFAULT_VISION_CONFIG,
+                                        mm.get("vision_feature_layer", -2),
+                                        mm.get("vision_feature_select_strategy", "default"))
+        self.multi_modal_projector = Projector(self.vision_tower.hidden_size, cfg.hidden_size,
+                                               mm.get("projector_hidden_act", "gelu"),
+                                               bool(mm.get("multimodal_projector_bias", True)))
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.vision_tower.num_tokens
+
+
+# Gemma3Config's encoder for a config that names none (SiglipVisionConfig's defaults otherwise).
+GEMMA3_VISION_CONFIG = {"model_type": "siglip_vision_model"}
+
+
+class Gemma3VisionMixin(VisionLanguageMixin):
+    bidirectional_images = True
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        mm = cfg.multimodal
+        self.vision_tower = VisionTower(mm.get("vision_config") or GEMMA3_VISION_CONFIG, -1, "full", post_norm=True)
+        spec = self.vision_tower.spec
+        self.mm_tokens = int(mm.get("mm_tokens_per_image", 256))
+        self.multi_modal_projector = Gemma3Projector(spec.hidden_size, cfg.hidden_size,
+                                                     spec.image_size // spec.patch_size, self.mm_tokens, spec.eps)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.mm_tokens
+
+
+_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin}
+
+
+@functools.cache
+def vlm_class(architecture: str, text_cls: type) -> type:
+    """The text family's model class with the vision-language architecture's encoder and projector."""
+    mixin = _MIXINS[architecture]
+    return type(f"{architecture.removesuffix('ForConditionalGeneration')}{text_cls.__name__}", (mixin, text_cls), {})
