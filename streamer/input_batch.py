@@ -152,7 +152,9 @@ class InputBatch:
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.lora_slot = np.zeros(0, dtype=np.int64)  # 0 = no adapter
         self.pool_mode = np.zeros(0, dtype=np.int64)  # embedding requests: POOL_CODE of their pooling; 0 = none
-        self.has_images = np.zeros(0, dtype=bool)  # the prompt holds images (their features replace embeddings)
+        # Where the prompt's last image ends (0: no images): chunks before it may hold image tokens, whose
+        # embeddings the images' features replace.
+        self.images_end = np.zeros(0, dtype=np.int64)
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -160,7 +162,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "has_images", "epoch")
+                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -215,7 +217,7 @@ class InputBatch:
         self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pool_mode[row] = 0 if req.pooling is None else POOL_CODE[req.pooling.pooling]
-        self.has_images[row] = bool(req.images)
+        self.images_end[row] = max((im.end for im in req.images), default=0)
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -324,7 +326,7 @@ class InputBatch:
         wants = np.flatnonzero(self.prompt_logprobs[rows] >= 0)
         lora = self.lora_slot[rows]
         pooled = np.flatnonzero(self.pool_mode[rows])
-        with_images = np.flatnonzero(self.has_images[rows])
+        with_images = np.flatnonzero(self.images_end[rows] > starts)  # (decode steps skip them all)
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,

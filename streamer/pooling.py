@@ -200,18 +200,11 @@ def _score_activation(raw: dict[str, Any], own: str) -> Optional[str]:
 
 
 def encode_pair(tokenizer: "Tokenizer", text_1: str, text_2: str) -> list[int]:
-    """A cross-encoder's prompt: both texts as one sequence, as transformers' `tokenizer(text_1, text_2)` makes it:
-    the post-processor's pair template, or, where tokenizer_config's add_bos/eos_token flags rule the special
-    tokens, each text between them (the pair template HF's `update_post_processor` writes)."""
+    """A cross-encoder's prompt: both texts as one sequence (`Tokenizer.encode_pair`)."""
     for name, text in (("text_1", text_1), ("text_2", text_2)):
         if not isinstance(text, str):
             raise ValueError(f"{name} must be a string, got {type(text).__name__}")
-    template = getattr(tokenizer, "_template", None)  # (prefix, suffix) ids when those flags rule (tokenizer.py)
-    if template is None:
-        return tokenizer.backend.encode(text_1, text_2).ids
-    prefix, suffix = template
-    first, second = tokenizer.encode_batch([text_1, text_2], add_special_tokens=False)
-    return prefix + first + suffix + prefix + second + suffix
+    return tokenizer.encode_pair(text_1, text_2)
 
 
 def pair_up(text_1: list[str], text_2: list[str]) -> list[tuple[str, str]]:

@@ -137,6 +137,16 @@ class Tokenizer:
             return prefix + self._tok.encode(text, add_special_tokens=False).ids + suffix
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """Two texts as one sequence, as transformers' `tokenizer(text_1, text_2)` makes it (a cross-encoder's
+        input): the post-processor's pair template, or, where tokenizer_config's add_bos/eos_token flags rule the
+        special tokens, each text between them (the pair template transformers' `update_post_processor` writes)."""
+        if self._template is None:
+            return self._tok.encode(text_1, text_2).ids
+        prefix, suffix = self._template
+        first, second = (e.ids for e in self._tok.encode_batch([text_1, text_2], add_special_tokens=False))
+        return prefix + first + suffix + prefix + second + suffix
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("encode_batch() needs a list of str")
