@@ -113,7 +113,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
-                                config.block_size, self.model_config.vocab_size)
+                                config.block_size, self.model_config.vocab_size,
+                                mrope=self.model_config.mrope_section is not None)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
@@ -186,6 +187,11 @@ class LLMEngine:
         if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
             folder = Path(self.config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
         limit = self.config.limit_images_per_prompt
+        if cfg.multimodal_architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+            start = int(mm.get("vision_start_token_id", 151652))
+            end = int(mm.get("vision_end_token_id", 151653))
+            return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
+                                merge=model.vision_tower.spatial_merge_size)
         if cfg.multimodal_architecture == "Gemma3ForConditionalGeneration":
             boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
             nl = tok.encode("\n\n", add_special_tokens=False)

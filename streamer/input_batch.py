@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from streamer.kv_cache import KVCacheManager
-from streamer.multimodal import ImageStep, image_step
+from streamer.multimodal import ImageStep, image_step, rope_shifts
 from streamer.pooling import POOL_CODE
 from streamer.request import Request
 from streamer.scheduler import SchedulerOutput
@@ -109,6 +109,7 @@ class StepInputs:
     pool: Optional[PoolTokens] = None  # embedding requests' hidden states to sum
     draft: Optional["DraftPlan"] = None  # speculative decoding with a draft model: its passes before this step
     images: Optional[ImageStep] = None  # which tokens take image features instead of their embeddings
+    rope_positions: Optional[np.ndarray] = None  # M-RoPE: positions shifted by the images before them (int64 [T])
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -125,7 +126,10 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, mrope: bool = False) -> None:
+        """mrope: the model places tokens by M-RoPE (Qwen2-VL): a prompt's images shift the positions of the tokens
+        after them (`StepInputs.rope_positions`)."""
+        self.mrope = mrope
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -155,6 +159,7 @@ class InputBatch:
         # Where the prompt's last image ends (0: no images): chunks before it may hold image tokens, whose
         # embeddings the images' features replace.
         self.images_end = np.zeros(0, dtype=np.int64)
+        self.rope_delta = np.zeros(0, dtype=np.int64)  # M-RoPE: the shift of tokens after the last image
         self.epoch = np.zeros(0, dtype=np.int64)
         self._epochs = 0
         self._grow_rows(max_num_seqs)
@@ -162,7 +167,8 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
-                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "epoch")
+                   "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "rope_delta",
+                   "epoch")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -218,6 +224,7 @@ class InputBatch:
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pool_mode[row] = 0 if req.pooling is None else POOL_CODE[req.pooling.pooling]
         self.images_end[row] = max((im.end for im in req.images), default=0)
+        self.rope_delta[row] = req.images[-1].rope_shift if req.images else 0
         return row
 
     def _remove(self, request_id: str) -> None:
@@ -327,6 +334,8 @@ class InputBatch:
         lora = self.lora_slot[rows]
         pooled = np.flatnonzero(self.pool_mode[rows])
         with_images = np.flatnonzero(self.images_end[rows] > starts)  # (decode steps skip them all)
+        rope = self._rope_positions(sch, rows, token_rows, positions, with_images, qsl, starts, q_lens) \
+            if self.mrope else None
         return StepInputs(
             req_ids=[s.req.request_id for s in sch], rows=rows, epochs=self.epoch[rows], input_ids=input_ids,
             positions=positions,
@@ -338,8 +347,22 @@ class InputBatch:
             lora_slots=lora[req_of_token] if lora.any() else None,
             pool=self._pool_tokens(pooled, sch, rows, qsl, starts) if len(pooled) else None,
             images=image_step([sch[i].req for i in with_images], qsl[with_images], starts[with_images],
-                              q_lens[with_images]) if len(with_images) else None,
+                              q_lens[with_images]) if len(with_images) else None, rope_positions=rope,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
+
+    def _rope_positions(self, sch: list, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
+                        with_images: np.ndarray, qsl: np.ndarray, starts: np.ndarray,
+                        q_lens: np.ndarray) -> Optional[np.ndarray]:
+        """M-RoPE's 1-D positions: each token's index plus the shift of the images before it (a request's last
+        shift for tokens past all its images; per token within the chunks that reach back among them)."""
+        delta = self.rope_delta[token_rows]
+        if not delta.any() and not len(with_images):
+            return None
+        rope = positions + np.where(positions >= self.images_end[token_rows], delta, 0)
+        for i in with_images:
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            rope[a:b] = positions[a:b] + rope_shifts(sch[i].req, positions[a:b])
+        return rope
 
     def _prompt_logprob_tokens(self, wants: np.ndarray, sch: list, rows: np.ndarray, qsl: np.ndarray,
                                starts: np.ndarray, q_lens: np.ndarray) -> Optional[PromptLogprobTokens]:

@@ -397,13 +397,9 @@ class ModelRunner:
     def _encoder_bytes(self) -> int:
         """Vision-language models: the encoder cache's budget, plus the encoder's activations for the most images
         one step can touch (its token budget's worth, and one more cut by a chunk boundary)."""
-        tower = getattr(self.model, "vision_tower", None)
-        if tower is None:
+        if getattr(self.model, "vision_tower", None) is None:
             return 0
-        s = tower.spec
-        per_image = (s.image_size // s.patch_size) ** 2 * (s.hidden_size * 16 + s.intermediate_size * 6)
-        images = cdiv(self.config.max_num_batched_tokens, self.model.tokens_per_image) + 1
-        return self.config.encoder_cache_bytes + per_image * images
+        return self.config.encoder_cache_bytes + self.model.encoder_bytes(self.config.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ one step
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
@@ -562,6 +558,8 @@ class ModelRunner:
     def _rope_positions(self, step: StepInputs) -> np.ndarray:
         """The positions the rotary embedding reads: LongRoPE moves those of sequences longer than the
         pretraining length to its long table (RotaryEmbedding); for everything else, the positions."""
+        if step.rope_positions is not None:  # M-RoPE: shifted by the images before them
+            return step.rope_positions
         long = self.model.long_rope
         if long is None or step.num_known is None:
             return step.positions
@@ -576,6 +574,10 @@ class ModelRunner:
         input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
         if step.images is not None:  # eagerly: a prefill chunk's matmuls dominate, and no graph takes embeddings
             embeds = self._embeds_with_images(input_ids, step.images)
+            if step.images.mrope is not None:  # M-RoPE: [3, T], the image tokens at their (t, h, w) positions
+                rows = np.repeat(self._rope_positions(step)[None], 3, axis=0)
+                rows[:, step.images.token_idx] = step.images.mrope
+                positions = to_device(rows, dev)
             with forward_context(self._metadata(step)):
                 return self.model(input_ids, positions, self.kv_caches, inputs_embeds=embeds)
         decode = self._decode_inputs(step)
@@ -591,8 +593,7 @@ class ModelRunner:
         found = {im.hash: cache.get(im.hash) for im in images.images}
         missing = [im for im in images.images if found[im.hash] is None]
         if missing:
-            pixels = torch.stack([im.pixel_values for im in missing]).to(dev, non_blocking=True)
-            for im, feats in zip(missing, self.model.encode_images(pixels)):
+            for im, feats in zip(missing, self.model.encode(missing, dev)):
                 found[im.hash] = feats
                 cache.put(im.hash, feats)
         feats = torch.cat([found[im.hash] for im in images.images])  # type: ignore[misc]

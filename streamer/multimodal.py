@@ -38,8 +38,13 @@ FETCH_TIMEOUT_S = 15.0
 class ImageInput:
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens: the rows of features the encoder makes for it
-    pixel_values: torch.Tensor  # [3, H, W] float32 on the host, as the image processor made it
+    pixel_values: torch.Tensor  # float32 on the host, as the image processor made it ([3, H, W]; Qwen: patches)
     hash: bytes  # of the pixel values: equal images share prefix-cache blocks and encoder output
+    grid: Optional[tuple[int, int, int]] = None  # Qwen2-VL: its patches' (t, h, w) grid
+    # M-RoPE (Qwen2-VL): the [3, length] (temporal, height, width) positions of its tokens, and what a token after
+    # it adds to its index to get its position (the image takes max(h, w) positions for h * w tokens)
+    mrope: Optional[np.ndarray] = None
+    rope_shift: int = 0
 
     @property
     def end(self) -> int:
@@ -47,7 +52,9 @@ class ImageInput:
 
 
 def hash_pixels(pixels: torch.Tensor) -> bytes:
-    return hashlib.blake2b(pixels.contiguous().numpy().tobytes(), digest_size=16).digest()
+    h = hashlib.blake2b(np.asarray(pixels.shape, dtype=np.int64).tobytes(), digest_size=16)
+    h.update(pixels.contiguous().numpy().tobytes())
+    return h.digest()
 
 
 def as_image_list(data: Any) -> list["Image"]:
@@ -71,15 +78,17 @@ class ImagePrompts:
     LLaVA's templates write `<image>`, the image token itself: it becomes `tokens_per_image` of them. Gemma 3's
     write `<start_of_image>` (`placeholder_id`), which its processor replaces by "\n\n<start_of_image>", the image
     tokens and "<end_of_image>\n\n" (`full_text`): done on the text before tokenizing where there is text
-    (`expand_text`; the newlines then merge with their neighbours as in transformers), else on the tokens."""
+    (`expand_text`; the newlines then merge with their neighbours as in transformers), else on the tokens.
+    Qwen2-VL's write `<|image_pad|>` inside `<|vision_start|>...<|vision_end|>`; its images take as many tokens as
+    their size asks (`merge`: the encoder merges merge x merge patches into one token), at M-RoPE positions."""
 
-    def __init__(self, folder: Path, image_token_id: int, tokens_per_image: int, placeholder: str,
+    def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
                  max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
-                 wrap: tuple[list[int], list[int]] = ([], [])) -> None:
-        from streamer.image_processor import ImageProcessor
-        self.processor = ImageProcessor.from_folder(folder)
+                 wrap: tuple[list[int], list[int]] = ([], []), merge: Optional[int] = None) -> None:
+        self.merge = merge
+        self.processor = _qwen_processor(folder) if merge else _processor(folder)
         self.image_token_id = image_token_id
-        self.tokens_per_image = tokens_per_image
+        self.tokens_per_image = tokens_per_image  # None: each image's own (Qwen2-VL)
         self.placeholder = placeholder  # the text chat templates write for an image
         self.placeholder_id = image_token_id if placeholder_id is None else placeholder_id
         self.full_text = full_text
@@ -94,44 +103,86 @@ class ImagePrompts:
 
     def expand(self, token_ids: list[int], images: Sequence["Image"]) -> tuple[list[int], list[ImageInput]]:
         """Each run of image tokens in the prompt is one image: a lone placeholder is expanded here; a run
-        already `tokens_per_image` long (expanded text, or a prompt expanded by the caller) is kept."""
+        already as long as its image's tokens (expanded text, or a prompt expanded by the caller) is kept."""
         if len(images) > self.max_images:
             raise ValueError(f"at most {self.max_images} images per prompt (limit_images_per_prompt), "
                              f"got {len(images)}")
-        token_ids = self._expand_placeholders(token_ids)
         runs = self._runs(token_ids)
         if len(runs) != len(images):
             raise ValueError(f"the prompt has {len(runs)} image placeholder(s) ({self.placeholder}) but "
                              f"{len(images)} image(s) were given")
-        n = self.tokens_per_image
-        bad = [length for _, length in runs if length != n]
-        if bad:
-            raise ValueError(f"a run of {bad[0]} image tokens: each image takes 1 placeholder ({self.placeholder}) "
-                             f"or exactly {n} image tokens")
-        pixels = self.processor(list(images)) if images else None
-        return token_ids, [ImageInput(start, n, pixels[k], hash_pixels(pixels[k]))  # type: ignore[index]
-                           for k, (start, _) in enumerate(runs)]
-
-    def _expand_placeholders(self, token_ids: list[int]) -> list[int]:
-        """Lone placeholders (not followed by image tokens) as the wrapped run of image tokens."""
-        img, ph, n = self.image_token_id, self.placeholder_id, self.tokens_per_image
-        before, after = self.wrap
+        processed = self._process(images)
         out: list[int] = []
-        for i, t in enumerate(token_ids):
-            if ph == img:  # LLaVA: a run of one
-                lone = t == img and (i == 0 or token_ids[i - 1] != img) and (
-                    i + 1 == len(token_ids) or token_ids[i + 1] != img)
-            else:
-                lone = t == ph and (i + 1 == len(token_ids) or token_ids[i + 1] != img)
-            out += before + [img] * n + after if lone else [t]
-        return out
+        inputs: list[ImageInput] = []
+        prev = 0
+        for (start, length, lone), (pixels, n, grid) in zip(runs, processed):
+            if not lone and length != n:
+                raise ValueError(f"a run of {length} image tokens: each image takes 1 placeholder "
+                                 f"({self.placeholder}) or exactly its {n} image tokens")
+            out += token_ids[prev:start] + (self.wrap[0] if lone else [])
+            inputs.append(ImageInput(len(out), n, pixels, hash_pixels(pixels), grid))
+            out += [self.image_token_id] * n + (self.wrap[1] if lone else [])
+            prev = start + length
+        out += token_ids[prev:]
+        if self.merge:
+            _place_mrope(inputs, self.merge)
+        return out, inputs
 
-    def _runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(start, length) of each maximal run of image tokens."""
+    def _process(self, images: Sequence["Image"]) -> list[tuple[torch.Tensor, int, Optional[tuple[int, int, int]]]]:
+        """Each image's (pixel values, tokens, patch grid)."""
+        if not images:
+            return []
+        if not self.merge:
+            assert self.tokens_per_image is not None
+            return [(px, self.tokens_per_image, None) for px in self.processor(list(images))]
+        pixels, grids = self.processor(list(images))
+        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
+        return [(px, size // self.merge ** 2, tuple(g)) for px, size, g in
+                zip(pixels.split(sizes), sizes, grids.tolist())]
+
+    def _runs(self, token_ids: list[int]) -> list[tuple[int, int, bool]]:
+        """(start, length, lone) of each image in the prompt: a lone placeholder (not followed by image tokens)
+        or a maximal run of image tokens."""
         ids = np.asarray(token_ids, dtype=np.int64)
-        mask = np.concatenate([[False], ids == self.image_token_id, [False]])
+        img, ph = self.image_token_id, self.placeholder_id
+        mask = np.concatenate([[False], ids == img, [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])
-        return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
+        runs = [(int(a), int(b - a), False) for a, b in zip(edges[::2], edges[1::2])]
+        if ph != img:  # lone placeholders (Gemma 3's <start_of_image> not followed by its image tokens)
+            nxt = np.concatenate([ids[1:], [-1]])
+            runs += [(int(i), 1, True) for i in np.flatnonzero((ids == ph) & (nxt != img))]
+        else:  # LLaVA / Qwen: a run of one image token is a placeholder to expand
+            runs = [(a, n, True) if n == 1 else (a, n, False) for a, n, _ in runs]
+        return sorted(runs)
+
+
+def _processor(folder: Path) -> Any:
+    from streamer.image_processor import ImageProcessor
+    return ImageProcessor.from_folder(folder)
+
+
+def _qwen_processor(folder: Path) -> Any:
+    import json
+
+    from streamer.qwen_image_processor import QwenImageProcessor
+    path = folder / "preprocessor_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no preprocessor_config.json in {folder}: the model's image processor is unknown")
+    return QwenImageProcessor.from_config(json.loads(path.read_text()))
+
+
+def _place_mrope(inputs: list[ImageInput], merge: int) -> None:
+    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index, for images): an image's tokens sit at (t, h, w)
+    offsets from the position after the text before it; the text after it continues past the largest."""
+    shift = 0
+    for im in inputs:
+        assert im.grid is not None
+        t, h, w = im.grid[0], im.grid[1] // merge, im.grid[2] // merge
+        base = im.offset + shift
+        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        im.mrope = grid.astype(np.int64) + base
+        shift += max(t, h, w) - im.length
+        im.rope_shift = shift
 
 
 @dataclass
@@ -144,6 +195,7 @@ class ImageStep:
     images: list[ImageInput]
     rows: np.ndarray
     last_pos: np.ndarray
+    mrope: Optional[np.ndarray] = None  # M-RoPE: [3, M] the tokens' (temporal, height, width) positions
 
 
 def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.ndarray,
@@ -152,7 +204,7 @@ def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.n
     [starts[i], starts[i] + q_lens[i]), at rows token_starts[i]... of the step); None if there are none."""
     base: dict[bytes, int] = {}
     images: list[ImageInput] = []
-    idx, rows, last = [], [], []
+    idx, rows, last, mrope = [], [], [], []
     total = 0
     for req, t0, start, q in zip(reqs, token_starts.tolist(), starts.tolist(), q_lens.tolist()):
         for img in req.images:
@@ -166,9 +218,20 @@ def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.n
             idx.append(np.arange(lo - start + t0, hi - start + t0, dtype=np.int64))
             rows.append(np.arange(lo - img.offset, hi - img.offset, dtype=np.int64) + base[img.hash])
             last.append(np.full(hi - lo, img.end - 1, dtype=np.int64))
+            if img.mrope is not None:
+                mrope.append(img.mrope[:, lo - img.offset:hi - img.offset])
     if not idx:
         return None
-    return ImageStep(np.concatenate(idx), images, np.concatenate(rows), np.concatenate(last))
+    return ImageStep(np.concatenate(idx), images, np.concatenate(rows), np.concatenate(last),
+                     np.concatenate(mrope, axis=1) if mrope else None)
+
+
+def rope_shifts(req: "Request", positions: np.ndarray) -> np.ndarray:
+    """M-RoPE: what each of the request's token positions adds to its index (the shift of the last image that
+    ends at or before it; image tokens themselves take their [3] positions from `ImageInput.mrope`)."""
+    ends = np.array([im.end for im in req.images], dtype=np.int64)
+    shifts = np.array([0] + [im.rope_shift for im in req.images], dtype=np.int64)
+    return shifts[np.searchsorted(ends, positions, side="right")]
 
 
 class EncoderCache:

@@ -334,3 +334,85 @@ def hf_gemma3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max
             lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
             outs.append((tokens, lps))
     return outs
+
+
+# Qwen2-VL's chat template, in short: string or parts, each image as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_qwen_vl_checkpoint(out_dir: Path, version: str = "qwen2_vl", seed: int = 0) -> Path:
+    """A tiny Qwen2-VL (or Qwen2.5-VL): 4x4-pixel patches, 2x2 merged into one token (so a 32x32 image takes 16
+    tokens; other sizes other counts), over a two-layer Qwen2 text model with M-RoPE, with the vision tokens as
+    added special tokens, Qwen2VLImageProcessor's config (small min/max pixels) and a Qwen2-VL-style template."""
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+    out_dir = Path(out_dir)
+    make_bytelevel_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_start|>", "<|im_end|>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(out_dir / "tokenizer.json"))
+    start, end, image = (tok.token_to_id(t) for t in specials[:3])
+    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for t in specials:
+        cfg_tok["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    cfg_tok["chat_template"] = QWEN_VL_CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
+    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=tok.get_vocab_size(), max_position_embeddings=512,
+                rms_norm_eps=1e-6, bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+    if version == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=4, mlp_ratio=2)
+        cls, cfg_cls = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLConfig
+    else:
+        vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=4,
+                      window_size=16, fullatt_block_indexes=[1])
+        cls, cfg_cls = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLConfig
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=image, vision_start_token_id=start,
+                  vision_end_token_id=end, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(out_dir)
+    tf.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48}).save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_qwen_vl_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int,
+                      ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuation (and each token's logprob) of each (expanded prompt ids, PIL images)."""
+    import transformers as tf
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    model = getattr(tf, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = tf.AutoImageProcessor.from_pretrained(model_dir)
+    outs = []
+    with torch.no_grad():
+        for ids, images in prompts:
+            t = torch.tensor([ids])
+            kw = {}
+            if images:
+                px = processor(images=images, return_tensors="pt")
+                kw = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"],
+                      # (what its processor returns beside the ids: which tokens are image tokens, for M-RoPE)
+                      "mm_token_type_ids": (t == model.config.image_token_id).int()}
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True, **kw)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
+            outs.append((tokens, lps))
+    return outs

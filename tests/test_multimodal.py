@@ -384,3 +384,98 @@ def test_a_real_gemma3_config_reads_with_the_defaults() -> None:
         tower = VisionTower(GEMMA3_4B_CONFIG["vision_config"], -1, "full", post_norm=True)
         projector = Gemma3Projector(1152, 2560, 896 // 14, 256, 1e-6)
     assert tower.num_tokens == 4096 and len(tower.encoder.layers) == 27 and projector.kernel == 4
+
+
+# ------------------------------------------------------------------------------------------------ Qwen2-VL
+QWEN_PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
+               "<|im_start|>assistant\n")
+QWEN_TWO = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and<|vision_start|><|image_pad|>"
+            "<|vision_end|>Which?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _qwen_dir(root: Path, version: str) -> Path:
+    from tests.checkpoints import make_qwen_vl_checkpoint
+    path = root / version
+    if not (path / "config.json").exists():
+        make_qwen_vl_checkpoint(path, version)
+    return path
+
+
+def _sized(sizes: list[tuple[int, int]], seed: int) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+@pytest.mark.parametrize("version", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_vl_equals_transformers(ckpt_root: Path, version: str, monkeypatch) -> None:
+    """Images of several sizes (so several token counts) at M-RoPE positions, the text after them shifted: tokens
+    and logprobs equal transformers', whole, chunked and from the prefix cache; without M-RoPE they would not."""
+    from tests.checkpoints import hf_qwen_vl_greedy
+    path = _qwen_dir(ckpt_root, version)
+    ims = _sized([(30, 48), (40, 40), (20, 64)], seed=12)
+    prompts = [{"prompt": QWEN_PROMPT, "multi_modal_data": {"image": im}} for im in ims[:2]]
+    prompts.append({"prompt": QWEN_TWO, "multi_modal_data": {"image": [ims[2], ims[0]]}})
+    prompts.append({"prompt": "<|im_start|>user\nno picture<|im_end|>\n<|im_start|>assistant\n"})
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    outs = llm.generate(prompts, params)
+    lengths = {len(o.prompt_token_ids) for o in outs[:2]}
+    assert len(lengths) == 2  # two image sizes, two token counts
+    want = hf_qwen_vl_greedy(path, [(o.prompt_token_ids, [im]) for o, im in zip(outs, ims[:2])]
+                             + [(outs[2].prompt_token_ids, [ims[2], ims[0]]), (outs[3].prompt_token_ids, [])], 5)
+    _assert_matches(_with_logprobs(outs), want)
+    chunked = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, block_size=4)
+    _assert_matches(_with_logprobs(chunked.generate(prompts, params)), want)
+    again = chunked.generate(prompts[2:3], params)
+    assert again[0].num_cached_tokens > 0
+    _assert_matches(_with_logprobs(again), want[2:3])
+    check_freed(chunked)
+    import streamer.multimodal as mm
+
+    def plain(inputs, merge):  # positions = indices: no M-RoPE
+        for im in inputs:
+            im.mrope = np.repeat(np.arange(im.offset, im.end)[None], 3, axis=0)
+    monkeypatch.setattr(mm, "_place_mrope", plain)
+    off = _with_logprobs(LLM(str(path), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
+    gap = max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(off, want))
+    assert gap > 5e-4, gap  # (the tiny model's positions matter little, but well past the tolerance above)
+
+
+def test_qwen_vl_chat(ckpt_root: Path) -> None:
+    llm = LLM(str(_qwen_dir(ckpt_root, "qwen2_vl")), dtype="float32", num_kv_blocks=64)
+    im = _sized([(36, 36)], seed=13)[0]
+    chat = llm.chat(_conversation({"type": "image_pil", "image_pil": im}), GREEDY)
+    text = QWEN_PROMPT.replace("What is it?", "What is in the picture?")  # (the template writes no bos)
+    direct = llm.generate({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False),
+                           "multi_modal_data": {"image": im}}, GREEDY)
+    assert chat[0].prompt_token_ids == direct[0].prompt_token_ids and tokens(chat) == tokens(direct)
+
+
+# Qwen/Qwen2-VL-7B-Instruct's config.json (transformers 4.41 era: the text model's fields at the top level).
+QWEN2_VL_7B_CONFIG = {
+    "architectures": ["Qwen2VLForConditionalGeneration"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "model_type": "qwen2_vl", "num_attention_heads": 28, "num_hidden_layers": 28,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16, "in_chans": 3,
+                      "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+                      "temporal_patch_size": 2},
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "vocab_size": 152064}
+
+
+def test_a_real_qwen2_vl_config_reads() -> None:
+    import torch
+
+    from streamer.models.config import ModelConfig
+    from streamer.models.qwen_vision import QwenVisionTower
+    cfg = ModelConfig.from_dict(QWEN2_VL_7B_CONFIG)
+    assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.vocab_size, cfg.sliding_window, cfg.rope_scaling, cfg.mrope_section, cfg.rope_theta) == \
+        ("Qwen2ForCausalLM", 3584, 28, 28, 4, 128, 152064, None, None, [16, 24, 24], 1e6)
+    assert cfg.image_token_id == 151655 and cfg.attention_bias
+    with torch.device("meta"):
+        tower = QwenVisionTower(QWEN2_VL_7B_CONFIG["vision_config"], "qwen2_vl")
+    assert (tower.spec.width, tower.spec.out_hidden, tower.spec.depth, tower.spatial_merge_size) == (1280, 3584, 32, 2)

@@ -25,9 +25,17 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration")
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
+               "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
+               "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+_VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
+                 "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
+                 "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
+                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision")}
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -44,7 +52,8 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                         rope_local_base_freq=10_000.0, tie_word_embeddings=True),
 }
 # The image token each architecture's config defaults to.
-_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144}
+_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144,
+                "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655}
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -54,6 +63,8 @@ def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Op
     """The rope scaling to apply, from the older `rope_scaling` or transformers-5 `rope_parameters`, with its kind
     under "rope_type"; None for plain rotary."""
     scaling = legacy or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "mrope":
+        return None  # M-RoPE's table is plain rotary's (ModelConfig.mrope_section says how positions share it)
     if scaling is None:
         return None
     scaling = dict(scaling)
@@ -94,6 +105,8 @@ class ModelConfig:
     # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/vlm.py);
     # everything above then describes its text model. None for a text-only model.
     multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
+    # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions
+    mrope_section: Optional[list[int]] = None
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
 
     @property
@@ -197,7 +210,10 @@ class ModelConfig:
     def _multimodal(cls, c: dict[str, Any]) -> "ModelConfig":
         """A LLaVA-style config: the text model's own config (nested, with the defaults real configs leave out)
         plus the outer one under `multimodal`."""
-        text = dict(c.get("text_config") or {})
+        arch = next(a for a in c["architectures"] if a in MULTIMODAL_ARCHITECTURES)
+        # (older Qwen2-VL configs keep the text model's fields at the top level)
+        text = dict(c.get("text_config") or ({k: v for k, v in c.items() if k != "vision_config"}
+                                             if arch.startswith("Qwen2") else {}))
         model_type = text.get("model_type", "llama")
         if model_type not in _TEXT_ARCHS:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
@@ -207,10 +223,13 @@ class ModelConfig:
                     "bos_token_id"):
             if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
-        vision = (c.get("vision_config") or {}).get("model_type", "clip_vision_model")
-        if vision not in ("clip_vision_model", "siglip_vision_model"):
-            raise ValueError(f"unsupported vision encoder {vision!r}; supported: clip_vision_model, "
-                             f"siglip_vision_model")
+        kinds = _VISION_TYPES[arch]
+        vision = (c.get("vision_config") or {}).get("model_type", kinds[0])
+        if vision not in kinds:
+            raise ValueError(f"unsupported vision encoder {vision!r} for {arch}; supported: {', '.join(kinds)}")
         cfg = cls.from_dict(text)
         cfg.multimodal = c
+        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        if rope.get("mrope_section"):
+            cfg.mrope_section = [int(x) for x in rope["mrope_section"]]
         return cfg

@@ -363,12 +363,32 @@ class RotaryEmbedding(nn.Module, KernelSwitch):
         self.long_threshold: Optional[int] = (scaling or {}).get("original_max_position_embeddings") \
             if kind in ("longrope", "su") else None
         self.long_offset = max_positions
+        self.register_buffer("mrope_select", None, persistent=False)
+
+    def use_mrope(self, section: list[int]) -> None:
+        """M-RoPE (Qwen2-VL): positions may come as [3, T] (temporal, height, width); frequency i takes its angle
+        from the row its section names (the sections split the rotary_dim / 2 frequencies in order)."""
+        half = self.cos_sin_cache.shape[-1] // 2
+        if sum(section) != half:
+            raise ValueError(f"mrope_section {section} must add up to rotary_dim / 2 = {half}")
+        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        self.register_buffer("mrope_select", rows.to(self.cos_sin_cache.device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 2:  # [3, T] M-RoPE positions (steps with image tokens only: eager, torch maths)
+            cos, sin = self._mrope_cos_sin(positions)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.use_kernel:
             return K.rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _mrope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mrope_select is None:
+            raise ValueError("[3, T] positions need M-RoPE (use_mrope)")
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [3, T, R/2] each
+        idx = self.mrope_select.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return cos.gather(0, idx)[0], sin.gather(0, idx)[0]
 
 
 WeightLoader = Callable[..., None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.vision import VisionTower
+
+if TYPE_CHECKING:
+    from streamer.multimodal import ImageInput
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
                 "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
@@ -75,12 +78,25 @@ class VisionLanguageMixin(nn.Module):
     bidirectional_images = False  # image tokens attend to each other both ways (Gemma 3)
 
     @property
-    def tokens_per_image(self) -> int:
+    def tokens_per_image(self) -> Optional[int]:
+        """Tokens every image takes (None: each image's own, by its size)."""
         raise NotImplementedError
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        """A bound on the encoder's activations for a step of `max_tokens` tokens: the most images it can touch
+        (its budget's worth, and one more cut by a chunk boundary), a few hidden-size buffers per patch."""
+        s = self.vision_tower.spec
+        per_image = (s.image_size // s.patch_size) ** 2 * (s.hidden_size * 16 + s.intermediate_size * 6)
+        return per_image * (-(-max_tokens // self.tokens_per_image) + 1)  # type: ignore[operator]
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens_per_image, hidden]: what each image's placeholders read as embeddings."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each image's features [its tokens, hidden], encoded in one batch."""
+        pixels = torch.stack([im.pixel_values for im in images]).to(device, non_blocking=True)
+        return list(self.encode_images(pixels))
 
     # ------------------------------------------------------------------ weights
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,7 +175,48 @@ class Gemma3VisionMixin(VisionLanguageMixin):
         return self.mm_tokens
 
 
-_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin}
+class QwenVLMixin(VisionLanguageMixin):
+    """Qwen2-VL / Qwen2.5-VL: the encoder (streamer/models/qwen_vision.py) ends in its own patch merger, which
+    projects to the text model's width; images take as many tokens as their size asks, at M-RoPE positions
+    (ModelConfig.mrope_section, streamer/multimodal.py)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        from streamer.models.qwen_vision import QwenVisionTower
+        version = "qwen2_5_vl" if cfg.multimodal_architecture.startswith("Qwen2_5") else "qwen2_vl"
+        self.vision_tower = QwenVisionTower(dict(cfg.multimodal.get("vision_config") or {}), version)
+        self.multi_modal_projector = nn.Identity()
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        # A step's image tokens come from at most max_tokens * merge^2 patches (and one more image's worth at a
+        # chunk boundary: counted twice over, a bound); a few buffers of the encoder's width per patch.
+        spec = self.vision_tower.spec
+        patches = 2 * max_tokens * spec.merge_size ** 2
+        return patches * (spec.width * 16 + spec.mlp_hidden * 6)
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        pixels = torch.cat([im.pixel_values for im in images]).to(device, non_blocking=True)
+        grid = torch.tensor([im.grid for im in images], dtype=torch.int64)
+        return list(self.vision_tower(pixels, grid).split([im.length for im in images]))
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The encoder sits under `visual.` (transformers 4) or `model.visual.` (5)."""
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                for prefix in ("model.visual.", "visual."):
+                    if name.startswith(prefix):
+                        name = "vision_tower." + name.removeprefix(prefix)
+                        break
+                yield name, t
+        return super().rename_weights(renamed())
+
+
+_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
+           "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin}
 
 
 @functools.cache
