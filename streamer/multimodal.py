@@ -1,4 +1,4 @@
-"""Images in prompts, for vision-language models (LLaVA-style: models/llava.py).
+"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / Qwen2.5-VL).
 
 An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
 encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
@@ -8,7 +8,8 @@ are the image's features instead of the placeholder's embedding. So an image is:
   past the first image) and keys the runner's `EncoderCache` (an image is encoded once, however many chunks,
   sequences or requests read it).
 - `ImageStep` on a step: which of the step's tokens take which feature rows. Chunked prefill may split an image
-  anywhere: each chunk reads the rows of its own positions.
+  anywhere (except Gemma 3's, whose tokens attend both ways: `Request.fit_chunk`): each chunk reads the rows of
+  its own positions.
 """
 from __future__ import annotations
 
@@ -162,13 +163,8 @@ def _processor(folder: Path) -> Any:
 
 
 def _qwen_processor(folder: Path) -> Any:
-    import json
-
     from streamer.qwen_image_processor import QwenImageProcessor
-    path = folder / "preprocessor_config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no preprocessor_config.json in {folder}: the model's image processor is unknown")
-    return QwenImageProcessor.from_config(json.loads(path.read_text()))
+    return QwenImageProcessor.from_folder(folder)
 
 
 def _place_mrope(inputs: list[ImageInput], merge: int) -> None:
