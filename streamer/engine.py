@@ -26,7 +26,7 @@ from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import Classifier, PoolingParams, default_pooling, finish_pooled, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ModelConfig
-from streamer.multimodal import ImageInput, ImagePrompts, as_image_list, check_truncation
+from streamer.multimodal import ImageInput, as_image_list, check_truncation, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
@@ -105,7 +105,9 @@ class LLMEngine:
                            config.max_model_len, limit)
         self._check_multimodal()
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
-        self.image_prompts = self._image_prompts()  # None: the model takes no images
+        # How the model takes images (None: it takes none)
+        self.image_prompts = image_prompts_for(self.model_config, self.runner.model, self.tokenizer, self.model_dir,
+                                               config)
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
         self.prefix_caching = config.enable_prefix_caching
@@ -166,40 +168,6 @@ class LLMEngine:
         if self.config.speculative_model is not None:
             raise ValueError("speculative_model does not run with a vision-language model yet")
 
-    def _image_prompts(self) -> Optional[ImagePrompts]:
-        cfg = self.model_config
-        if cfg.multimodal is None:
-            return None
-        model, mm, tok = self.runner.model, cfg.multimodal, self.tokenizer
-        n = model.tokens_per_image
-        if model.bidirectional_images and n > self.config.max_num_batched_tokens:
-            raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must hold a whole "
-                             f"image ({n} tokens): this model's images are computed in one piece")
-        image = cfg.image_token_id
-        assert image is not None
-
-        def text_of(token_id: int) -> str:
-            text = tok.id_to_token(token_id)
-            if text is None:
-                raise ValueError(f"the model's image token id {token_id} is not in its tokenizer")
-            return text
-        folder = self.model_dir
-        if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
-            folder = Path(self.config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
-        limit = self.config.limit_images_per_prompt
-        if cfg.multimodal_architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
-            start = int(mm.get("vision_start_token_id", 151652))
-            end = int(mm.get("vision_end_token_id", 151653))
-            return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
-                                merge=model.vision_tower.spatial_merge_size)
-        if cfg.multimodal_architecture == "Gemma3ForConditionalGeneration":
-            boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
-            nl = tok.encode("\n\n", add_special_tokens=False)
-            full = f"\n\n{text_of(boi)}{text_of(image) * n}{text_of(eoi)}\n\n"
-            return ImagePrompts(folder, image, n, text_of(boi), limit, placeholder_id=boi, full_text=full,
-                                wrap=(nl + [boi], [eoi] + nl))
-        return ImagePrompts(folder, image, n, text_of(image), limit)
-
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;
         None: no images, which a prompt with placeholders must then not have). ValueError for a mismatch."""
@@ -215,11 +183,11 @@ class LLMEngine:
         return ids, tuple(inputs)
 
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
-        """(text, token ids, images) of a prompt, images included (see `place_images`)."""
+        """(text, token ids, images) of a prompt, images included (see `place_images`). A text prompt with images
+        has its placeholders expanded before it is tokenized (Gemma 3's: `ImagePrompts.expand_text`)."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        if (data is not None and self.image_prompts is not None and "prompt_token_ids" not in prompt  # type: ignore
-                and isinstance(prompt.get("prompt"), str)):  # type: ignore[union-attr]
-            text = prompt["prompt"]  # type: ignore[index]
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None
+        if data is not None and self.image_prompts is not None and isinstance(text, str):
             ids = self.tokenizer.encode(self.image_prompts.expand_text(text))
         else:
             text, ids = self._tokenize(prompt)
@@ -228,9 +196,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        """(text, token ids) of a prompt without images (`process_prompt` takes those)."""
+        """(text, token ids) of a prompt without images (beam search's; `process_prompt` takes images)."""
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            raise ValueError("multi_modal_data (images) is only supported for generation (generate, chat, stream)")
+            raise ValueError("multi_modal_data (images) is not supported by beam search")
         return self._tokenize(prompt)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:

@@ -185,16 +185,22 @@ class LLM:
         prompts = _prompt_list(prompts)
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
-        tokenized = [(text, truncate_prompt(ids, pooling)) for text, ids in map(engine.tokenize_prompt, prompts)]
+        tokenized = []
+        for text, ids, images in map(engine.process_prompt, prompts):  # (images too: a VLM embeds them)
+            cut = truncate_prompt(ids, pooling)
+            if len(cut) < len(ids):
+                check_truncation(images)
+            tokenized.append((text, cut, images))
         checked = engine.resolve_pooling(pooling)
-        for _, ids in tokenized:  # everything first, so one bad prompt adds nothing
+        for _, ids, _ in tokenized:  # everything first, so one bad prompt adds nothing
             engine.validate(ids, SamplingParams(), pooling=True)
         adapters = [engine.resolve_lora(x) for x in loras]
         states = []
-        for (text, ids), adapter in zip(tokenized, adapters):
+        for (text, ids, images), adapter in zip(tokenized, adapters):
             rid = f"{checked.task}-{next(engine._ids)}"
             states.append(engine.add_request(rid, text if text is not None else ids, SamplingParams(),
-                                             prompt_token_ids=ids, lora_request=adapter, pooling=checked)[0])
+                                             prompt_token_ids=ids, lora_request=adapter, pooling=checked,
+                                             images=images)[0])
         self._run()
         return states
 

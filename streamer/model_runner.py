@@ -556,8 +556,9 @@ class ModelRunner:
         return lora.LoRAStep(to_device(slots, dev), groups)
 
     def _rope_positions(self, step: StepInputs) -> np.ndarray:
-        """The positions the rotary embedding reads: LongRoPE moves those of sequences longer than the
-        pretraining length to its long table (RotaryEmbedding); for everything else, the positions."""
+        """The positions the rotary embedding reads: M-RoPE shifts those after a prompt's images (InputBatch);
+        LongRoPE moves those of sequences longer than the pretraining length to its long table
+        (RotaryEmbedding); for everything else, the positions."""
         if step.rope_positions is not None:  # M-RoPE: shifted by the images before them
             return step.rope_positions
         long = self.model.long_rope

@@ -29,6 +29,8 @@ import torch
 if TYPE_CHECKING:
     from PIL.Image import Image
 
+    from streamer.config import EngineConfig
+    from streamer.models.config import ModelConfig
     from streamer.request import Request
 
 MAX_IMAGE_BYTES = 32 << 20  # a fetched or decoded image's encoded size
@@ -155,6 +157,40 @@ class ImagePrompts:
         else:  # LLaVA / Qwen: a run of one image token is a placeholder to expand
             runs = [(a, n, True) if n == 1 else (a, n, False) for a, n, _ in runs]
         return sorted(runs)
+
+
+def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir: Path,
+                      config: "EngineConfig") -> Optional[ImagePrompts]:
+    """How a model takes images (None: a text model): its placeholder tokens, as its processor expands them."""
+    if cfg.multimodal is None:
+        return None
+    mm, arch, image = cfg.multimodal, cfg.multimodal_architecture, cfg.image_token_id
+    assert image is not None
+    n = model.tokens_per_image
+    if model.bidirectional_images and n > config.max_num_batched_tokens:
+        raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold a whole image ({n} "
+                         f"tokens): this model's images are computed in one piece")
+
+    def text_of(token_id: int) -> str:
+        text = tokenizer.id_to_token(token_id)
+        if text is None:
+            raise ValueError(f"the model's image token id {token_id} is not in its tokenizer")
+        return text
+    folder = model_dir
+    if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        folder = Path(config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
+    limit = config.limit_images_per_prompt
+    if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+        start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
+        return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
+                            merge=model.vision_tower.spatial_merge_size)
+    if arch == "Gemma3ForConditionalGeneration":
+        boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
+        nl = tokenizer.encode("\n\n", add_special_tokens=False)
+        full = f"\n\n{text_of(boi)}{text_of(image) * n}{text_of(eoi)}\n\n"
+        return ImagePrompts(folder, image, n, text_of(boi), limit, placeholder_id=boi, full_text=full,
+                            wrap=(nl + [boi], [eoi] + nl))
+    return ImagePrompts(folder, image, n, text_of(image), limit)
 
 
 def _processor(folder: Path) -> Any:

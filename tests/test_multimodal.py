@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from streamer import LLM, SamplingParams
+from streamer import LLM, PoolingParams, SamplingParams
 from tests.checkpoints import hf_llava_greedy, make_llava_checkpoint
 from tests.server_utils import LiveServer
 
@@ -145,8 +145,28 @@ def test_limits_and_truncation(llava_dir: Path) -> None:
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": images(1)}},
                      SamplingParams(max_tokens=4, truncate_prompt_tokens=10))
-    with pytest.raises(ValueError, match="only supported for generation"):
-        llm.embed({"prompt": PROMPT, "multi_modal_data": {"image": images(1)}})
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.embed({"prompt": PROMPT, "multi_modal_data": {"image": images(1)}},
+                  PoolingParams(truncate_prompt_tokens=10))
+
+
+def test_embeddings_of_image_prompts(llm: LLM) -> None:
+    """A VLM embeds prompts with images (last-token pooling sees the image through attention): other images,
+    other embeddings; the same image, the same one; LLM and AsyncEngine agree."""
+    import asyncio
+
+    from streamer import AsyncEngine
+    a, b = images(2, seed=14)
+    outs = llm.embed([{"prompt": PROMPT, "multi_modal_data": {"image": im}} for im in (a, b, a)])
+    assert len(outs[0].prompt_token_ids) == len(expanded(llm, PROMPT))
+    assert np.allclose(outs[0].embedding, outs[2].embedding, atol=1e-6)
+    assert not np.allclose(outs[0].embedding, outs[1].embedding, atol=1e-3)
+
+    async def run() -> list[float]:
+        async with AsyncEngine(llm.engine.config.model, dtype="float32", num_kv_blocks=64) as engine:
+            return (await engine.embed({"prompt": PROMPT, "multi_modal_data": {"image": b}})).embedding
+    assert np.allclose(asyncio.run(run()), outs[1].embedding, atol=1e-5)
+    check_freed(llm)
 
 
 def test_text_models_refuse_images(llama_dir: Path) -> None:
