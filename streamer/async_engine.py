@@ -173,6 +173,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self._core.max_model_len
 
+    def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple]:
+        """See `LLMEngine.place_images` (thread-safe: it reads the model's image settings only)."""
+        return self._core.place_images(token_ids, data)
+
     @property
     def image_prompts(self) -> Optional[ImagePrompts]:
         """How the model takes images (None: it takes none)."""

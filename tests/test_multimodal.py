@@ -252,6 +252,9 @@ def test_server_chat_with_images(llava_dir: Path, llm: LLM) -> None:
                 {"type": "image_url", "image_url": {"link": "x"}}))
         r = client.chat.completions.create(model=server.model_name, messages=msgs, max_tokens=8, temperature=0.0)
         assert r.choices[0].message.content == want  # still serving
+        import httpx
+        counted = httpx.post(server.url + "/tokenize", json={"model": server.model_name, "messages": msgs}).json()
+        assert counted["count"] == r.usage.prompt_tokens  # the image's tokens counted as the model reads them
 
 
 def test_text_server_refuses_images(llama_dir: Path) -> None:

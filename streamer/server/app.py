@@ -257,11 +257,21 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> Response:
         model, prompt, add_special, add_gen = parse_tokenize(await self._json(request))
         self._check_model(model)
+        sources = []
         if isinstance(prompt, list):  # chat messages
             text = self.chat_template.render(prompt, add_generation_prompt=add_gen)
+            sources = message_images(prompt)
         else:
             text = prompt
-        tokens = await self.engine.encode(text, add_special_tokens=add_special)
+        images = self.engine.image_prompts
+        tokens = await self.engine.encode(images.expand_text(text) if sources and images else text,
+                                          add_special_tokens=add_special)
+        if sources:  # the tokens the model reads: each image's placeholder expanded (its size decides, for some)
+            loaded = await self._load_images(sources)
+            try:
+                tokens, _ = await asyncio.to_thread(self.engine.place_images, tokens, {"image": loaded})
+            except ValueError as e:
+                raise APIError(str(e), param="messages") from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})
 
     async def detokenize(self, request: Request) -> Response:
