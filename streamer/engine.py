@@ -163,8 +163,6 @@ class LLMEngine:
     def _check_multimodal(self) -> None:
         if self.model_config.multimodal is None:
             return
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("vision-language models do not run with tensor_parallel_size > 1 yet")
         if self.config.speculative_model is not None:
             raise ValueError("speculative_model does not run with a vision-language model yet")
 

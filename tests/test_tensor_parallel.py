@@ -139,3 +139,38 @@ def test_tp_bad_arguments(llama_dir) -> None:
     # 4 attention heads do not split over 3 ranks: refused before any worker starts.
     with pytest.raises(ValueError, match="tensor_parallel_size 3"):
         LLM(str(llama_dir), dtype="float32", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+def test_tp2_vision_language_matches_one_process(ckpt_root, kind) -> None:
+    """Images under tensor parallelism: every rank encodes the step's images with its replicated encoder and
+    places the features itself (Gemma 3: attending both ways, chunked; Qwen2.5-VL: M-RoPE positions); tokens and
+    logprobs equal the single-process engine's."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.checkpoints import make_gemma3_vlm_checkpoint, make_qwen_vl_checkpoint
+    if kind == "gemma3":
+        path = ckpt_root / "gemma3_vlm"
+        build = make_gemma3_vlm_checkpoint
+        prompt = "<start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n<start_of_turn>model\n"
+    else:
+        path = ckpt_root / kind
+        build = lambda p: make_qwen_vl_checkpoint(p, kind)  # noqa: E731
+        prompt = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+    if not (path / "config.json").exists():
+        build(path)
+    rng = np.random.default_rng(21)
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": Image.fromarray(
+        rng.integers(0, 256, (h, w, 3), dtype=np.uint8))}} for h, w in ((30, 48), (40, 40))]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+
+    def run(**kw) -> list[tuple[list[int], list[float]]]:
+        with LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24, **kw) as llm:
+            outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
+                                                                          o.outputs[0].logprobs)]) for o in outs]
+    one, two = run(), run(tensor_parallel_size=2)
+    assert [t for t, _ in two] == [t for t, _ in one]
+    assert np.allclose([x for _, lp in two for x in lp], [x for _, lp in one for x in lp], atol=1e-4)
