@@ -45,6 +45,22 @@ DEFAULTS.update({"Gemma3ImageProcessor": _GEMMA3, "Gemma3ImageProcessorFast": _G
 _SIZE_KEYS = ({"shortest_edge"}, {"shortest_edge", "longest_edge"}, {"height", "width"})
 
 
+def read_processor_config(folder: Path) -> dict[str, Any]:
+    """A checkpoint's image processor settings: preprocessor_config.json, or processor_config.json's
+    "image_processor" entry (transformers 5 may save the whole processor in that one file)."""
+    folder = Path(folder)
+    pre, proc = folder / "preprocessor_config.json", folder / "processor_config.json"
+    if pre.exists():
+        return json.loads(pre.read_text())
+    if proc.exists():
+        config = json.loads(proc.read_text()).get("image_processor")
+        if not isinstance(config, dict):
+            raise ValueError(f"{proc} has no image_processor entry")
+        return config
+    raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor processor_config.json: "
+                            "the image processor's settings are missing")
+
+
 def size_dict(size: Any, default_to_square: bool, name: str) -> dict[str, int]:
     """A config's size in dict form, as transformers' get_size_dict reads the older spellings: an int is the
     shortest edge (or a square, with default_to_square), a pair is (height, width)."""
@@ -181,19 +197,7 @@ class ImageProcessor:
 
     @classmethod
     def from_folder(cls, folder: Path) -> ImageProcessor:
-        """From preprocessor_config.json, or processor_config.json's "image_processor" entry (transformers 5 may
-        save the whole processor in that one file)."""
-        folder = Path(folder)
-        pre, proc = folder / "preprocessor_config.json", folder / "processor_config.json"
-        if pre.exists():
-            return cls.from_config(json.loads(pre.read_text()))
-        if proc.exists():
-            config = json.loads(proc.read_text()).get("image_processor")
-            if not isinstance(config, dict):
-                raise ValueError(f"{proc} has no image_processor entry")
-            return cls.from_config(config)
-        raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor processor_config.json: "
-                                "the image processor's settings are missing")
+        return cls.from_config(read_processor_config(folder))
 
     def __call__(self, images: Sequence[Image.Image]) -> torch.Tensor:
         """[N, 3, H, W] float32."""

@@ -10,7 +10,6 @@ temporal_patch_size times (a still image is a video of identical frames) and fla
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, to_rgb
+from streamer.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, read_processor_config, to_rgb
 
 KINDS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 # The class defaults (transformers' Qwen2VLImageProcessorPil); a field left out of the config, or null, takes these.
@@ -131,17 +130,7 @@ class QwenImageProcessor:
     @classmethod
     def from_folder(cls, folder: Path) -> QwenImageProcessor:
         """From preprocessor_config.json, or processor_config.json's "image_processor" entry."""
-        folder = Path(folder)
-        pre, proc = folder / "preprocessor_config.json", folder / "processor_config.json"
-        if pre.exists():
-            return cls.from_config(json.loads(pre.read_text()))
-        if proc.exists():
-            config = json.loads(proc.read_text()).get("image_processor")
-            if not isinstance(config, dict):
-                raise ValueError(f"{proc} has no image_processor entry")
-            return cls.from_config(config)
-        raise FileNotFoundError(f"{folder} has neither preprocessor_config.json nor processor_config.json: "
-                                "the image processor's settings are missing")
+        return cls.from_config(read_processor_config(folder))
 
     def __call__(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [total_patches, 3 * temporal_patch_size * patch_size**2] float32, image_grid_thw int64

@@ -170,6 +170,44 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
+def _vlm_tokenizer(out_dir: Path, specials: list[str], chat_template: str | None) -> dict[str, int]:
+    """The byte-level test tokenizer with `specials` added as special tokens (also in tokenizer_config.json) and
+    the given chat template (None: keep the text models'); returns every added token's id."""
+    from tokenizers import AddedToken, Tokenizer
+    make_bytelevel_tokenizer(out_dir)
+    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
+    for t in specials:
+        cfg_tok["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    if chat_template is not None:
+        cfg_tok["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
+    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    ids["vocab_size"] = tok.get_vocab_size()
+    return ids
+
+
+def _hf_greedy_with_logprobs(model, prompts: list[tuple[list[int], list]], max_new_tokens: int,
+                             inputs) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuation and each token's logprob; inputs(ids tensor, images) gives the model's
+    image inputs."""
+    outs = []
+    with torch.no_grad():
+        for ids, images in prompts:
+            t = torch.tensor([ids])
+            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 **(inputs(t, images) if images else {}))
+            tokens = gen.sequences[0, len(ids):].tolist()
+            lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
+            outs.append((tokens, lps))
+    return outs
+
+
 # A LLaVA-1.5-style chat template: content is a list of parts, images rendered as the image token.
 LLAVA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ message['role'].upper() + ': ' }}"
@@ -185,21 +223,10 @@ def make_llava_checkpoint(out_dir: Path, vision: str = "clip", text: str = "llam
     tokens) over a tiny text model, with `<image>` as an added special token, the matching image processor's
     preprocessor_config.json and a LLaVA-style chat template (None: the text models' string template)."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer
     out_dir = Path(out_dir)
-    make_bytelevel_tokenizer(out_dir)
-    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
-    tok.save(str(out_dir / "tokenizer.json"))
-    image_id = tok.token_to_id("<image>")
-    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
-    cfg_tok["added_tokens_decoder"][str(image_id)] = {"content": "<image>", "lstrip": False, "normalized": False,
-                                                      "rstrip": False, "single_word": False, "special": True}
-    if chat_template is not None:
-        cfg_tok["chat_template"] = chat_template
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
-    text_cfg = hf_config(text, tok.get_vocab_size(), **text_overrides)
-    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    ids = _vlm_tokenizer(out_dir, ["<image>"], chat_template)
+    image_id = ids["<image>"]
+    text_cfg = hf_config(text, ids["vocab_size"], **text_overrides)
     text_cfg.bos_token_id, text_cfg.eos_token_id = ids.get("<|begin_of_text|>"), ids.get("<|end_of_text|>")
     shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=32,
                  patch_size=8)
@@ -275,24 +302,13 @@ def make_gemma3_vlm_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     over a two-layer Gemma 3 text model (a sliding layer, a global one), with <start_of_image>, <end_of_image> and
     <image_soft_token> as added special tokens, Gemma 3's image processor config and a Gemma 3-style template."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer
     out_dir = Path(out_dir)
-    make_bytelevel_tokenizer(out_dir)
-    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    specials = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok.save(str(out_dir / "tokenizer.json"))
-    boi, eoi, image = (tok.token_to_id(t) for t in specials)
-    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
-    for t in specials:
-        cfg_tok["added_tokens_decoder"][str(tok.token_to_id(t))] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    cfg_tok["chat_template"] = GEMMA3_CHAT_TEMPLATE
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
+    ids = _vlm_tokenizer(out_dir, ["<start_of_image>", "<end_of_image>", "<image_soft_token>"],
+                         GEMMA3_CHAT_TEMPLATE)
+    boi, eoi, image = ids["<start_of_image>"], ids["<end_of_image>"], ids["<image_soft_token>"]
     # (no final soft-capping: real Gemma 3 configs have none, and transformers' Gemma3ForConditionalGeneration,
     # unlike its Gemma3ForCausalLM, would not apply one)
-    text_cfg = hf_config("gemma3", tok.get_vocab_size(), final_logit_softcapping=None)
-    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    text_cfg = hf_config("gemma3", ids["vocab_size"], final_logit_softcapping=None)
     text_cfg.bos_token_id, text_cfg.eos_token_id = ids.get("<|begin_of_text|>"), ids.get("<|end_of_text|>")
     vision_cfg = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, image_size=32, patch_size=4)
@@ -319,21 +335,9 @@ def hf_gemma3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max
                                                               attn_implementation="eager").eval()
     processor = tf.AutoImageProcessor.from_pretrained(model_dir)
     image_id = model.config.image_token_index
-    outs = []
-    with torch.no_grad():
-        for ids, images in prompts:
-            t = torch.tensor([ids])
-            kw = {}
-            if images:
-                kw = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"],
-                      "token_type_ids": (t == image_id).long()}
-            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True, **kw)
-            tokens = gen.sequences[0, len(ids):].tolist()
-            lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
-            outs.append((tokens, lps))
-    return outs
+    return _hf_greedy_with_logprobs(model, prompts, max_new_tokens, lambda t, images: {
+        "pixel_values": processor(images=images, return_tensors="pt")["pixel_values"],
+        "token_type_ids": (t == image_id).long()})
 
 
 # Qwen2-VL's chat template, in short: string or parts, each image as <|vision_start|><|image_pad|><|vision_end|>.
@@ -352,23 +356,12 @@ def make_qwen_vl_checkpoint(out_dir: Path, version: str = "qwen2_vl", seed: int 
     tokens; other sizes other counts), over a two-layer Qwen2 text model with M-RoPE, with the vision tokens as
     added special tokens, Qwen2VLImageProcessor's config (small min/max pixels) and a Qwen2-VL-style template."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer
     out_dir = Path(out_dir)
-    make_bytelevel_tokenizer(out_dir)
-    tok = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_start|>", "<|im_end|>"]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok.save(str(out_dir / "tokenizer.json"))
-    start, end, image = (tok.token_to_id(t) for t in specials[:3])
-    cfg_tok = json.loads((out_dir / "tokenizer_config.json").read_text())
-    for t in specials:
-        cfg_tok["added_tokens_decoder"][str(tok.token_to_id(t))] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    cfg_tok["chat_template"] = QWEN_VL_CHAT_TEMPLATE
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg_tok, indent=2) + "\n")
-    ids = {t.content: i for i, t in tok.get_added_tokens_decoder().items()}
+    ids = _vlm_tokenizer(out_dir, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_start|>",
+                                   "<|im_end|>"], QWEN_VL_CHAT_TEMPLATE)
+    start, end, image = ids["<|vision_start|>"], ids["<|vision_end|>"], ids["<|image_pad|>"]
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=tok.get_vocab_size(), max_position_embeddings=512,
+                num_key_value_heads=2, vocab_size=ids["vocab_size"], max_position_embeddings=512,
                 rms_norm_eps=1e-6, bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
     if version == "qwen2_vl":
@@ -399,20 +392,10 @@ def hf_qwen_vl_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], ma
     arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
     model = getattr(tf, arch).from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = tf.AutoImageProcessor.from_pretrained(model_dir)
-    outs = []
-    with torch.no_grad():
-        for ids, images in prompts:
-            t = torch.tensor([ids])
-            kw = {}
-            if images:
-                px = processor(images=images, return_tensors="pt")
-                kw = {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"],
-                      # (what its processor returns beside the ids: which tokens are image tokens, for M-RoPE)
-                      "mm_token_type_ids": (t == model.config.image_token_id).int()}
-            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True, **kw)
-            tokens = gen.sequences[0, len(ids):].tolist()
-            lps = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, tokens)]
-            outs.append((tokens, lps))
-    return outs
+
+    def inputs(t: torch.Tensor, images: list) -> dict:
+        px = processor(images=images, return_tensors="pt")
+        # (what its processor returns beside the ids: which tokens are image tokens, for M-RoPE)
+        return {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"],
+                "mm_token_type_ids": (t == model.config.image_token_id).int()}
+    return _hf_greedy_with_logprobs(model, prompts, max_new_tokens, inputs)
