@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from tokenizers import Tokenizer
 
 from streamer.bench import report
-from streamer.bench.datasets import SampleRequest, file_requests, load_tokenizer, synthetic_requests
+from streamer.bench.datasets import SampleRequest, add_images, file_requests, load_tokenizer, synthetic_requests
 from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
 from streamer.bench.runner import BenchError, RunConfig, RunOutput, discover_model, run
@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-prefixes", type=_int_at_least(1), default=10,
                    help="groups (distinct prefixes) of the prefix dataset")
     g.add_argument("--no-shuffle", action="store_true", help="keep the order of a prompt file")
+    g.add_argument("--images-per-request", type=_int_at_least(0), default=0,
+                   help="random-pixel images sent with each request as image_url parts (vision-language models; "
+                        "needs --endpoint chat); each request gets its own")
+    g.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
+                   help="the images' size in pixels (default 512x512)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_positive_float, default=math.inf,
@@ -149,6 +154,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dataset-path is only for --dataset file, not {args.dataset}")
     if args.dataset == "prefix" and args.prefix_len < 1:
         p.error("--dataset prefix needs --prefix-len >= 1")
+    if args.images_per_request and args.endpoint != "chat":
+        p.error("--images-per-request needs --endpoint chat (images travel as chat content parts)")
     if args.plot and not report.plot_available():
         p.error("--plot needs matplotlib: pip install 'streamer[plot]'")
     for f in (args.save_result, args.plot):
@@ -194,13 +201,28 @@ def _demo_tokenizer_if_served(args: argparse.Namespace) -> Optional[str]:
 
 def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
     if args.dataset == "file":
-        return file_requests(args.dataset_path, args.num_prompts, tok=tok, output_len=args.output_len,
-                             seed=args.seed, shuffle=not args.no_shuffle)
-    assert tok is not None
-    grouped = args.dataset == "prefix"
-    return synthetic_requests(tok, args.num_prompts, input_len=args.input_len, output_len=args.output_len or 128,
-                              range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-                              num_prefixes=args.num_prefixes if grouped else 1, seed=args.seed, shuffle=grouped)
+        requests = file_requests(args.dataset_path, args.num_prompts, tok=tok, output_len=args.output_len,
+                                 seed=args.seed, shuffle=not args.no_shuffle)
+    else:
+        assert tok is not None
+        grouped = args.dataset == "prefix"
+        requests = synthetic_requests(tok, args.num_prompts, input_len=args.input_len,
+                                      output_len=args.output_len or 128, range_ratio=args.range_ratio,
+                                      prefix_len=args.prefix_len, num_prefixes=args.num_prefixes if grouped else 1,
+                                      seed=args.seed, shuffle=grouped)
+    if args.images_per_request:
+        add_images(requests, args.images_per_request, *args.image_size, seed=args.seed)
+    return requests
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT, e.g. 512x384, got {text!r}") from None
+    if not (0 < w <= 8192 and 0 < h <= 8192):
+        raise argparse.ArgumentTypeError(f"each side must be in [1, 8192], got {text!r}")
+    return w, h
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +26,29 @@ class SampleRequest:
     prompt: str
     prompt_len: int  # tokens without special tokens; 0 = unknown (no tokenizer)
     output_len: int  # max_tokens asked of the server
+    images: list[str] = field(default_factory=list)  # data: URLs sent as image_url parts (chat endpoint)
+
+
+def random_image_urls(num: int, width: int, height: int, seed: int) -> list[str]:
+    """`num` distinct random-pixel PNG images as data: URLs (distinct, so no server cache can skip one)."""
+    import base64
+    import io
+
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    urls = []
+    for _ in range(num):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="PNG")
+        urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+    return urls
+
+
+def add_images(requests: list[SampleRequest], per_request: int, width: int, height: int, seed: int) -> None:
+    """Give every request `per_request` images of its own."""
+    urls = random_image_urls(len(requests) * per_request, width, height, seed + 7919)
+    for i, req in enumerate(requests):
+        req.images = urls[i * per_request:(i + 1) * per_request]
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

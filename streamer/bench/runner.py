@@ -60,7 +60,11 @@ def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
     body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
                             "temperature": cfg.temperature}
     if cfg.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content: Any = req.prompt
+        if req.images:  # OpenAI's content parts: the images, then the text
+            content = [{"type": "image_url", "image_url": {"url": u}} for u in req.images]
+            content.append({"type": "text", "text": req.prompt})
+        body["messages"] = [{"role": "user", "content": content}]
         body["max_completion_tokens"] = req.output_len
     else:
         body["prompt"] = req.prompt
