@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Optional
+
+import torch
 
 from hypothesis import given, settings, strategies as st
 
 from streamer.config import EngineConfig
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter
+from streamer.multimodal import ImageInput
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler
@@ -43,7 +47,10 @@ class Sim:
         self.rng = random.Random(0)
         self.n = 0
 
-    def add(self, prompt_len: int, max_tokens: int, prefix: int, prio: int, lora: int = 0) -> None:
+    def add(self, prompt_len: int, max_tokens: int, prefix: int, prio: int, lora: int = 0,
+            image: Optional[tuple[int, int, int]] = None) -> None:
+        """image: (offset, length, which of three images) of an image attending to itself both ways (Gemma 3's),
+        which no chunk may end inside."""
         bs = self.cfg.block_size
         if cdiv(prompt_len + max_tokens, bs) > self.kv.num_blocks:
             return  # the engine rejects these up front
@@ -51,8 +58,14 @@ class Sim:
         shared = [prefix * 1000 + i for i in range(min(prompt_len, (prefix + 1) * 5))]
         prompt = shared + [self.rng.randrange(50_000) for _ in range(prompt_len - len(shared))]
         adapter = self.adapters[lora] if self.cfg.enable_lora else None
+        images: tuple = ()
+        if image is not None and image[0] + image[1] <= prompt_len:
+            offset, length, kind = image
+            prompt[offset:offset + length] = [7] * length  # (the image token)
+            images = (ImageInput(offset, length, torch.zeros(1), bytes([kind]) * 16),)
         req = Request(f"r{self.n}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, block_size=bs,
-                      hash_blocks=self.cfg.enable_prefix_caching, priority=prio, lora=adapter)
+                      hash_blocks=self.cfg.enable_prefix_caching, priority=prio, lora=adapter, images=images,
+                      whole_images=bool(images))
         self.n += 1
         self.sched.add(req)
         self.live.append(req)
@@ -73,6 +86,8 @@ class Sim:
         for s in out.scheduled:
             blocks = self.kv.blocks_of(s.req.request_id)
             assert len(blocks) * bs >= s.start + s.num_tokens
+            end = s.start + s.num_tokens
+            assert not any(im.offset < end < im.end for im in s.req.images), "a chunk ends inside a whole image"
             for pos in range(s.start, s.start + s.num_tokens):  # (KV depends on the adapter too)
                 self.slots[blocks[pos // bs] * bs + pos % bs] = (s.req.all_token_ids[pos], id(s.req.lora))
         for s in out.scheduled:  # "attention": every context slot holds this request's token
@@ -136,6 +151,34 @@ def test_random_interleavings(ops, block_size, num_blocks, budget, max_seqs, cac
     for op in ops:
         if op[0] == "add":
             sim.add(*op[1:])
+        elif op[0] == "step":
+            sim.step()
+        else:
+            sim.abort(op[1])
+    sim.drain()
+
+
+image_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(2, 40), st.integers(1, 8), st.integers(0, 2), st.integers(0, 30),
+              st.integers(1, 12), st.integers(0, 2)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 1000)),
+), min_size=1, max_size=50)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=image_ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(8, 40),
+       budget=st.integers(12, 48), max_seqs=st.integers(1, 6), caching=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_whole_images_are_never_split(ops, block_size, num_blocks, budget, max_seqs, caching, policy):
+    """Images that attend to themselves both ways (no longer than the step budget, as the engine checks): no chunk
+    ends inside one, whatever the prefix-cache hits (the same three images recur), preemptions and aborts; every
+    request still finishes and nothing leaks."""
+    sim = Sim(block_size, num_blocks, budget, max_seqs, caching, policy)
+    for op in ops:
+        if op[0] == "add":
+            prompt_len, max_tokens, prefix, offset, length, kind = op[1:]
+            sim.add(prompt_len, max_tokens, prefix, 0, image=(offset, length, kind))
         elif op[0] == "step":
             sim.step()
         else:
