@@ -116,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
+        if not isinstance(self.allow_image_urls, bool):
+            raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.models.vision import ACTIVATIONS as _VIT_ACTIVATIONS
-from streamer.models.vision import LayerNorm, Linear, _copy, _param
+from streamer.models.vision import ACTIVATIONS, MLP, LayerNorm, Linear, _copy, _param
 
 VERSIONS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -41,7 +40,6 @@ QWEN_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 ROPE_THETA = 10000.0  # the vision configs' rope_parameters["rope_theta"] default
 _ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}  # transformers' attribute_map
-ACTIVATIONS = {**_VIT_ACTIVATIONS, "silu": F.silu}
 
 
 @dataclass(frozen=True)
@@ -170,19 +168,6 @@ class Attention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-class MLP(nn.Module):
-    """Qwen2-VL's fc1 -> act -> fc2."""
-
-    def __init__(self, spec: QwenVisionSpec) -> None:
-        super().__init__()
-        self.act = ACTIVATIONS[spec.act]
-        self.fc1 = Linear(spec.width, spec.mlp_hidden)
-        self.fc2 = Linear(spec.mlp_hidden, spec.width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class GatedMLP(nn.Module):
     """Qwen2.5-VL's down(act(gate(x)) * up(x)), with biases."""
 
@@ -203,7 +188,7 @@ class Block(nn.Module):
         self.norm1 = _norm(spec, spec.width)
         self.norm2 = _norm(spec, spec.width)
         self.attn = Attention(spec)
-        self.mlp = MLP(spec) if spec.version == "qwen2_vl" else GatedMLP(spec)
+        self.mlp = MLP(spec.width, spec.mlp_hidden, spec.act) if spec.version == "qwen2_vl" else GatedMLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)

@@ -43,6 +43,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": _gelu_new,
+    "silu": F.silu,  # (Qwen2.5-VL's encoder)
+    "relu": F.relu,
 }
 
 
@@ -167,11 +169,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
+    """fc1 -> act -> fc2 (CLIP's, SigLIP's and Qwen2-VL's encoders)."""
+
+    def __init__(self, width: int, hidden: int, act: str) -> None:
         super().__init__()
-        self.act = ACTIVATIONS[spec.act]
-        self.fc1 = Linear(spec.hidden_size, spec.intermediate_size)
-        self.fc2 = Linear(spec.intermediate_size, spec.hidden_size)
+        self.act = ACTIVATIONS[act]
+        self.fc1 = Linear(width, hidden)
+        self.fc2 = Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -183,7 +187,7 @@ class EncoderLayer(nn.Module):
         self.layer_norm1 = LayerNorm(spec.hidden_size, spec.eps)
         self.self_attn = Attention(spec)
         self.layer_norm2 = LayerNorm(spec.hidden_size, spec.eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size, spec.act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))

@@ -18,15 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.models.gemma3 import GemmaRMSNorm
-from streamer.models.vision import VisionTower
+from streamer.models.vision import ACTIVATIONS, VisionTower
 
 if TYPE_CHECKING:
     from streamer.multimodal import ImageInput
-
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
-                "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-                "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
-
 
 # LlavaConfig's encoder for a config that names none: CLIP ViT-L/14 at 336 pixels (LLaVA-1.5's).
 DEFAULT_VISION_CONFIG = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
@@ -38,11 +33,11 @@ class Projector(nn.Module):
 
     def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool) -> None:
         super().__init__()
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported projector_hidden_act {act!r}; supported: {', '.join(_ACTIVATIONS)}")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported projector_hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
-        self.act = _ACTIVATIONS[act]
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
