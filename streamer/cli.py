@@ -62,8 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
-    g.add_argument("--quantization", default=None, choices=["fp8", "none"],
-                   help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them)")
+    g.add_argument("--quantization", default=None, choices=["fp8", "int4", "none"],
+                   help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them); "
+                        "int4: weights rounded to 4 bits, int4 kernels (GPTQ/AWQ 4-bit checkpoints stay 4-bit "
+                        "unless fp8 or none); none: dequantize any quantized checkpoint")
     g.add_argument("--generation-config", default="auto",
                    help="where unset request fields take defaults from: auto (the model's generation_config.json: "
                         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (the API's "

@@ -68,7 +68,11 @@ class EngineConfig:
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
     # activations quantized per token): half the weight memory and bandwidth. Any checkpoint may be quantized this
     # way at load. None: FP8 checkpoints compute in FP8 on GPUs with row-wise scaled FP8 matmuls (compute
-    # capability 9.0+), otherwise they are dequantized to the compute dtype; "none": always dequantize.
+    # capability 9.0+), otherwise they are dequantized to the compute dtype. "int4": linear weights rounded to 4 bits
+    # (asymmetric, a scale and zero per 128 input columns) and multiplied by torch's int4 kernels: a quarter of
+    # bf16's memory; on CPU decode of one or a few sequences is faster and batches of many tokens slower
+    # (bench/RESULTS.md). 4-bit GPTQ / AWQ / pack-quantized checkpoints stay 4-bit unless this is "fp8" or "none".
+    # "none": always dequantize.
     quantization: Optional[str] = None
     enable_lora: bool = False
     max_loras: int = 4
@@ -122,8 +126,8 @@ class EngineConfig:
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.quantization not in (None, "fp8", "none"):
-            raise ValueError(f"quantization must be 'fp8' or 'none', got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int4", "none"):
+            raise ValueError(f"quantization must be 'fp8', 'int4' or 'none', got {self.quantization!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         for name in ("max_loras", "max_lora_rank"):

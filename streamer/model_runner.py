@@ -28,6 +28,7 @@ from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.models.quant import fp8_supported
+from streamer.models.woq import parse_int_quant
 from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
@@ -167,10 +168,11 @@ class ModelRunner:
             backend_cls = functools.partial(backend_cls, compile=config.enforce_eager is not True)
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
-                                config.load_format, config.seed)
+                                config.load_format, config.seed, keep_int4=config.quantization in (None, "int4"))
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
+        self._use_int4()
         self.fp8 = self._use_fp8()
         if self.fp8:  # (after LoRA, whose slots take the layers' shapes and compute dtype)
             for module in self.model.modules():
@@ -263,6 +265,20 @@ class ModelRunner:
                     "captured CUDA graphs for" if capture else "set up graph buffers for", len(sizes), max(sizes),
                     time.perf_counter() - t)
 
+    def _use_int4(self) -> None:
+        """Pack a 4-bit checkpoint's linears for the int4 kernels; with quantization="int4", round every other
+        linear's weight to 4 bits first."""
+        linears = [m for m in self.model.modules() if isinstance(m, PackableLinear)]
+        for m in linears:
+            if m.compute_dtype is not None:
+                m.finish_int4()
+        if self.config.quantization == "int4":
+            for m in linears:
+                m.quantize_int4()
+        n = sum(m.int4 is not None for m in linears)
+        if n:
+            logger.info("%d of %d linear layers compute with 4-bit weights (int4 kernels)", n, len(linears))
+
     def _use_fp8(self) -> bool:
         q = self.config.quantization
         if q == "fp8" and self.device.type == "cuda" and not fp8_supported(self.device):
@@ -273,7 +289,8 @@ class ModelRunner:
         # FP8 checkpoints compute in FP8 where the GPU can; MXFP4 ones (gpt-oss's experts) are dequantized, and
         # their bf16 attention weights stay bf16.
         qc = self.model_cfg.quantization
-        return qc is not None and qc.get("quant_method") in ("fp8", "compressed-tensors") and fp8_supported(self.device)
+        return (qc is not None and qc.get("quant_method") in ("fp8", "compressed-tensors")
+                and parse_int_quant(qc) is None and fp8_supported(self.device))
 
     def _cpu_packing(self) -> bool:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)

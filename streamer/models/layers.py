@@ -19,6 +19,7 @@ from torch import nn
 import streamer_kernels as K
 from streamer.models.lora import add_lora, lora_add_
 from streamer.models.quant import fp8_linear
+from streamer.models.woq import Int4Weight, Unpacked, int4_supported, kernel_group, pack_int4, quantize_rtn
 
 
 class ParallelContext:
@@ -57,6 +58,56 @@ class PackableLinear(nn.Module):
     lora_id: Optional[int] = None
     lora_op = False  # a compiled model adds the LoRA output through the opaque `lora_add_` op
     fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 compute: (weight [in, out], scales [1, out])
+    int4: Optional[Int4Weight] = None  # 4-bit weight-only compute (models/woq.py)
+    compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4-bit codes
+
+    def prepare_int4(self, group_size: int) -> bool:
+        """Load a checkpoint's 4-bit weight instead of a float one: `weight` becomes its uint8 codes, beside
+        `weight_scale` and `weight_zero` per group of `group_size` input columns (-1: one group per row), each
+        loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them. False (and
+        nothing changes) when this rank's columns would split a group."""
+        w = self.weight
+        out, cols = w.shape
+        if group_size != -1 and cols % group_size:
+            return False
+        groups = 1 if group_size == -1 else cols // group_size
+        self.compute_dtype = w.dtype
+        self.weight = nn.Parameter(torch.empty(out, cols, dtype=torch.uint8, device=w.device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out, groups, device=w.device), requires_grad=False)
+        self.weight_zero = nn.Parameter(torch.empty(out, groups, device=w.device), requires_grad=False)
+        for p in (self.weight, self.weight_scale, self.weight_zero):
+            p.weight_loader = self._load  # type: ignore[attr-defined]
+        return True
+
+    def finish_int4(self) -> None:
+        """Pack the loaded codes for the int4 kernels, or dequantize them where the kernels refuse the shape
+        (or, on CUDA, a compute dtype other than bf16)."""
+        dtype = self.compute_dtype
+        assert dtype is not None, "finish_int4 without prepare_int4"
+        u = Unpacked(self.weight.data, self.weight_scale.data.float(), self.weight_zero.data.float())
+        out, cols = u.codes.shape
+        group = cols // u.scale.shape[1] if u.scale.shape[1] > 1 else -1
+        if int4_supported(out, cols, group, dtype, self.weight.device):
+            self.int4, self.out_features = pack_int4(u, dtype, self.weight.device), out
+            self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(u.dequantize(dtype), requires_grad=False)
+        del self.weight_scale, self.weight_zero
+        self.compute_dtype = None
+
+    def quantize_int4(self, group_size: int = 128) -> bool:
+        """`quantization="int4"`: round this layer's float weight to 4 bits (asymmetric, per group of input
+        columns) and compute with the int4 kernels. False (the weight stays) where they refuse the shape."""
+        if self.int4 is not None or self.fp8 is not None:
+            return self.int4 is not None
+        w = self.weight.detach()
+        out, cols = w.shape
+        group = kernel_group(cols, group_size)
+        if self.packed is not None or group is None or not int4_supported(out, cols, group, w.dtype, w.device):
+            return False
+        self.int4, self.out_features = pack_int4(quantize_rtn(w, group), w.dtype, w.device), out
+        self.weight.data = w.new_empty(0)
+        return True
 
     def quantize_fp8(self) -> None:
         """Keep the weight in FP8 (half of bf16's memory and bandwidth) with a scale per output channel; the plain
@@ -72,8 +123,8 @@ class PackableLinear(nn.Module):
         """as_op: a compiled model calls the packed matmul through a custom op, so that no weight is part of its
         graphs (Inductor cannot lower a packed weight unless it freezes the graph, and a frozen graph cannot go
         in its on-disk cache)."""
-        if self.fp8 is not None:
-            return  # FP8 weights run through _scaled_mm
+        if self.fp8 is not None or self.int4 is not None:
+            return  # FP8 weights run through _scaled_mm, 4-bit ones through the int4 kernels
         if self.packed is None:
             self.out_features = self.weight.shape[0]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
@@ -85,7 +136,11 @@ class PackableLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:
             return packed_linear(x, self.op_id, bias is not None)  # adds the LoRA output itself
-        if self.fp8 is not None:
+        if self.int4 is not None:
+            y = self.int4.matmul(x)
+            if bias is not None:
+                y = y + bias
+        elif self.fp8 is not None:
             y = fp8_linear(x, *self.fp8, bias)
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -201,7 +256,10 @@ class RowParallelLinear(PackableLinear):
             self.register_parameter("bias", None)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
-        rank, n = ParallelContext.rank, self.input_size
+        rank, n = ParallelContext.rank, param.shape[1]  # (the weight's columns, or a 4-bit weight's groups)
+        if n == 1 and loaded.dim() == 2 and loaded.shape == param.shape:
+            param.data.copy_(loaded)  # one scale for a whole row: every rank's
+            return
         _check_shape(name, torch.empty(param.shape[0], n * ParallelContext.size, device="meta"), loaded)
         param.data.copy_(loaded[:, rank * n:(rank + 1) * n])
 

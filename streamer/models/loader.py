@@ -17,7 +17,9 @@ from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.quant import dequantizing
+from streamer.models.woq import IntQuant, int_weights, parse_int_quant
 
 logger = logging.getLogger("streamer")
 
@@ -70,7 +72,10 @@ def _dummy_init(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend_cls: type,
-               max_positions: int, load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               max_positions: int, load_format: str = "auto", seed: int = 0, keep_int4: bool = True,
+               ) -> LlamaForCausalLM:
+    """keep_int4: a 4-bit checkpoint's linears stay 4-bit (their layers' `finish_int4` packs them once anything
+    else that takes their shapes, LoRA, is attached); otherwise they are dequantized as they load."""
     model_cls = _MODEL_CLASSES[cfg.architecture]
     if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
         model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
@@ -88,7 +93,11 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         files = safetensors_files(folder)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = _taking_kv_scales(model.rename_weights(iter_safetensors(files, "cpu")), kv_scales)
-        if cfg.quantization is not None:
+        iq = parse_int_quant(cfg.quantization) if cfg.quantization is not None else None
+        if iq is not None:
+            keep = _prepare_int4(model, iq, files) if keep_int4 else set()
+            weights = int_weights(weights, iq, dtype, keep.__contains__)
+        elif cfg.quantization is not None:
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)
         missing = model.expected_weights() - loaded
@@ -98,6 +107,39 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
                              + (" ..." if len(names) > 8 else ""))
         model.kv_scales = _per_layer(kv_scales, cfg.num_layers)
     return model.eval()
+
+
+def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> set[str]:
+    """Make every linear whose checkpoint weight is 4-bit (all its parts, for a layer that packs several) take the
+    4-bit codes; returns their checkpoint names. Read from the files' headers: what a config says it left
+    unquantized (`ignore`, `modules_to_not_convert`) is simply what is stored in full precision."""
+    if iq.bits != 4 or iq.act_order:
+        return set()
+    codes = iq.parts()[0][0]
+    names = (n for n, _ in model.rename_weights((n, None) for n in _tensor_names(files)))
+    by_module: dict[str, list[tuple[str, object]]] = {}
+    for base in (n[:-len(codes)] for n in names if n.endswith(codes)):
+        name, shard = model.param_name(f"{base}.weight")
+        by_module.setdefault(name.removesuffix(".weight"), []).append((base, shard))
+    modules = dict(model.named_modules())
+    keep: set[str] = set()
+    for name, parts in by_module.items():
+        m = modules.get(name)
+        if not isinstance(m, PackableLinear):
+            continue  # (MoE experts, vision encoders, the LM head: dequantized)
+        whole = any(shard is None for _, shard in parts) or not isinstance(m, ColumnParallelLinear) \
+            or len(parts) == len(m.shard_names)
+        if whole and m.prepare_int4(iq.group_size):
+            keep.update(base for base, _ in parts)
+    if by_module and not keep:
+        logger.info("no layer of this checkpoint can stay 4-bit: its weights are dequantized")
+    return keep
+
+
+def _tensor_names(files: list[Path]) -> Iterator[str]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            yield from f.keys()
 
 
 # An FP8 KV cache's calibrated scales, as llm-compressor (self_attn.k_scale / v_scale), older AutoFP8

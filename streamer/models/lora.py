@@ -72,8 +72,9 @@ class LoRAWeights:
         self.sub_sizes = [w.shape[0]] if self.row else list(layer.output_sizes)  # type: ignore[attr-defined]
         self.rank = rank
         n = len(self.sub_sizes)
-        self.a = torch.zeros(slots, n * rank, w.shape[1], dtype=w.dtype, device=w.device)
-        self.b = torch.zeros(slots, w.shape[0], n * rank, dtype=w.dtype, device=w.device)
+        dtype = layer.compute_dtype or w.dtype  # (a 4-bit layer's weight holds its codes until it is packed)
+        self.a = torch.zeros(slots, n * rank, w.shape[1], dtype=dtype, device=w.device)
+        self.b = torch.zeros(slots, w.shape[0], n * rank, dtype=dtype, device=w.device)
         # Per-slot views (A, and B transposed), made once: a decode step calls `add_lora` for every linear, and
         # indexing the stacks there cost as much as the matmuls.
         self.a_of = list(self.a.unbind(0))

@@ -31,6 +31,9 @@ def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     """The checkpoint's quantization_config, if streamer can load it (ValueError naming what it cannot)."""
     if not qc:
         return None
+    from streamer.models.woq import parse_int_quant
+    if parse_int_quant(qc) is not None:  # GPTQ, AWQ, pack-quantized: integer weights (models/woq.py)
+        return qc
     method = qc.get("quant_method")
     if method == "fp8":
         block = qc.get("weight_block_size")
@@ -40,17 +43,20 @@ def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     if method == "compressed-tensors":
         fmt = qc.get("format")
         if fmt not in (None, "float-quantized", "naive-quantized"):
-            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (FP8 'float-quantized' is)")
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (FP8 'float-quantized' and integer "
+                             "'pack-quantized' are)")
         for name, group in (qc.get("config_groups") or {}).items():
             w = (group or {}).get("weights") or {}
             if w.get("type", "float") != "float" or w.get("num_bits", 8) != 8:
                 raise ValueError(f"compressed-tensors group {name!r} quantizes weights to {w.get('num_bits')}-bit "
-                                 f"{w.get('type')}: only 8-bit float (FP8) weights are supported")
+                                 f"{w.get('type')}: 8-bit float (FP8) weights are supported, and integer ones in "
+                                 "the 'pack-quantized' format")
         return qc
     if method == "mxfp4":
         return qc
-    raise ValueError(f"quantization method {method!r} is not supported: streamer loads FP8 checkpoints ('fp8', "
-                     "'compressed-tensors') and MXFP4 ones ('mxfp4'), dequantized to the compute dtype")
+    raise ValueError(f"quantization method {method!r} is not supported: streamer loads FP8 ('fp8', "
+                     "'compressed-tensors'), MXFP4 ('mxfp4') and 4- or 8-bit integer ('gptq', 'awq', "
+                     "'compressed-tensors' pack-quantized) checkpoints")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str, block: Optional[list[int]] = None,

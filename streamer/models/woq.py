@@ -1,0 +1,295 @@
+"""Integer weight-only quantization (W4A16): GPTQ, AWQ and llm-compressor's pack-quantized checkpoints, and
+`quantization="int4"` for any checkpoint.
+
+A quantized linear stores small integer codes q, and per group of `group_size` input columns of each output row a
+scale s and a zero point z: w = (q - z) * s. The three on-disk layouts, as the Hub ships them:
+- GPTQ (AutoGPTQ / GPTQModel, `quant_method: "gptq"`): `X.qweight` int32 [in / (32 / bits), out], packed along
+  the input dimension (value j of an int32 in bits [j * bits, (j + 1) * bits)); `X.qzeros` int32 [groups, out / (32 /
+  bits)], packed along the output dimension, holding z - 1 in the original ("gptq", v1) format (z itself in
+  "gptq_v2"); `X.scales` [groups, out]; `X.g_idx` int32 [in], each input column's group (act-order checkpoints,
+  `desc_act`, assign columns to groups out of order).
+- AWQ (AutoAWQ GEMM, `quant_method: "awq"`): `X.qweight` int32 [in, out / 8] and `X.qzeros` int32 [groups, out / 8],
+  both packed along the output dimension in AWQ's interleaved order (the j-th nibble holds column
+  [0, 2, 4, 6, 1, 3, 5, 7][j] of its eight); `X.scales` [groups, out].
+- compressed-tensors `format: "pack-quantized"` (llm-compressor W4A16 / W8A16): `X.weight_packed` int32
+  [out, in / (32 / bits)], packed along the input dimension, each value stored as its signed self + 2^(bits-1);
+  `X.weight_scale` [out, groups]; `X.weight_zero_point` (asymmetric only) packed along the output dimension the same
+  way; `X.weight_shape`; `X.weight_g_idx` (actorder "group").
+
+Every layout is first unpacked to one form, `Unpacked` (codes [out, in], scale and zero [out, groups]). 4-bit
+weights of the decoder's linears whose groups are contiguous then stay 4-bit: the layer multiplies with torch's
+int4 kernels (`_weight_int4pack_mm_for_cpu` on CPU, tinygemm's `_weight_int4pack_mm` for bf16 on CUDA), a quarter
+of bf16's memory and bandwidth. Everything else (8-bit codes, act-order groups, MoE experts, layers whose shapes the
+kernels refuse) is dequantized to the compute dtype as it loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import logging
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+logger = logging.getLogger("streamer")
+
+KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes torch's int4 kernels take
+_AWQ_COLUMN_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of eight sits in nibble _AWQ_COLUMN_NIBBLE[c]
+
+
+@dataclass(frozen=True)
+class IntQuant:
+    """What a checkpoint's quantization_config says about its integer weights."""
+
+    method: str  # "gptq" | "awq" | "compressed-tensors"
+    bits: int
+    group_size: int  # -1: one group per output row ("channel")
+    sym: bool
+    act_order: bool  # groups assigned by g_idx, not contiguous
+    zero_minus_one: bool  # GPTQ v1 stores z - 1
+
+    def parts(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(required, optional) tensor-name suffixes of one quantized linear."""
+        if self.method == "gptq":
+            return (".qweight", ".qzeros", ".scales"), (".g_idx",)
+        if self.method == "awq":
+            return (".qweight", ".qzeros", ".scales"), ()
+        zp = () if self.sym else (".weight_zero_point",)
+        return (".weight_packed", ".weight_scale", ".weight_shape") + zp, (".weight_g_idx",)
+
+
+def parse_int_quant(qc: dict[str, Any]) -> Optional[IntQuant]:
+    """The IntQuant of a GPTQ / AWQ / pack-quantized config (ValueError naming what streamer cannot load); None
+    for other methods."""
+    method = qc.get("quant_method")
+    if method == "gptq":
+        bits, group = qc.get("bits", 4), qc.get("group_size", 128)
+        fmt = qc.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported ('gptq' and 'gptq_v2' are)")
+        _check_bits_group(bits, group)
+        return IntQuant("gptq", bits, group, bool(qc.get("sym", True)), bool(qc.get("desc_act", False)),
+                        zero_minus_one=fmt == "gptq")
+    if method == "awq":
+        bits, group = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ version {version!r} is not supported (the GEMM layout, 'gemm', is)")
+        if bits != 4:
+            raise ValueError(f"AWQ checkpoints with bits={bits!r} are not supported (4-bit ones are)")
+        if not qc.get("zero_point", True):
+            raise ValueError("AWQ checkpoints without zero points (zero_point: false) are not supported")
+        _check_bits_group(bits, group)
+        return IntQuant("awq", 4, group, False, False, False)
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        groups = list((qc.get("config_groups") or {}).values())
+        weights = [(g or {}).get("weights") or {} for g in groups]
+        if len(weights) != 1:
+            raise ValueError(f"pack-quantized checkpoints with {len(weights)} config groups are not supported "
+                             "(one group is)")
+        w = weights[0]
+        if w.get("type", "int") != "int":
+            raise ValueError(f"pack-quantized weights of type {w.get('type')!r} are not supported (int ones are)")
+        strategy = w.get("strategy", "group")
+        if strategy not in ("group", "channel"):
+            raise ValueError(f"pack-quantized strategy {strategy!r} is not supported ('group' and 'channel' are)")
+        bits, group = w.get("num_bits", 4), (w.get("group_size") if strategy == "group" else -1)
+        _check_bits_group(bits, group)
+        return IntQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)),
+                        w.get("actorder") == "group", False)
+    return None
+
+
+def _check_bits_group(bits: Any, group: Any) -> None:
+    if bits not in (4, 8):
+        raise ValueError(f"{bits!r}-bit integer weights are not supported (4- and 8-bit ones are)")
+    if not isinstance(group, int) or (group < 1 and group != -1):
+        raise ValueError(f"group_size must be a positive integer or -1 (one group per row), got {group!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unpacking
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Unpacked:
+    """One linear's weight as w[o, i] = (codes[o, i] - zero[o, g]) * scale[o, g], g = g_idx[i] (or i // group)."""
+
+    codes: torch.Tensor  # uint8 [out, in]
+    scale: torch.Tensor  # float32 [out, groups]
+    zero: torch.Tensor  # float32 [out, groups], in code units
+    g_idx: Optional[torch.Tensor] = None  # int64 [in]; None: contiguous groups
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        groups = self.scale.shape[1]
+        idx = self.g_idx if self.g_idx is not None else torch.arange(self.codes.shape[1]) // -(-self.codes.shape[1]
+                                                                                                // groups)
+        w = (self.codes.float() - self.zero[:, idx]) * self.scale[:, idx]
+        return w.to(dtype)
+
+
+def _nibbles(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 values packed along `dim` (value j in bits [j * bits, (j + 1) * bits)) -> uint8 codes, that dim grown
+    32 / bits times. (Right shifts of int32 are arithmetic: the mask drops the sign bits.)"""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    p = packed.to(torch.int32).movedim(dim, -1)
+    codes = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., n, per]
+    return codes.flatten(-2).movedim(-1, dim).to(torch.uint8)
+
+
+def _check(cond: bool, name: str, what: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {what}")
+
+
+def unpack(iq: IntQuant, parts: dict[str, torch.Tensor], name: str) -> Unpacked:
+    """One linear's checkpoint tensors (by suffix) in the canonical form."""
+    if iq.method == "gptq":
+        codes = _nibbles(parts[".qweight"], iq.bits, 0).t()  # [in, out] -> [out, in]
+        zeros = _nibbles(parts[".qzeros"], iq.bits, 1).to(torch.int32)  # [groups, out]
+        if iq.zero_minus_one:  # v1 stores z - 1, wrapping around: z = 0 reads back as 2^bits - 1
+            zeros = (zeros + 1) & ((1 << iq.bits) - 1)
+        scale, g_idx = parts[".scales"], parts.get(".g_idx")
+    elif iq.method == "awq":
+        order = torch.tensor(_AWQ_COLUMN_NIBBLE)
+        def columns(p: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [rows, out] in column order
+            n = _nibbles(p, 4, 1)
+            return n.view(n.shape[0], -1, 8)[:, :, order].flatten(1)
+        codes, zeros = columns(parts[".qweight"]).t(), columns(parts[".qzeros"]).to(torch.int32)
+        scale, g_idx = parts[".scales"], None
+    else:
+        out, cols = (int(v) for v in parts[".weight_shape"].tolist())
+        codes = _nibbles(parts[".weight_packed"], iq.bits, 1)[:, :cols]
+        offset = 1 << (iq.bits - 1)  # stored = signed + offset
+        scale = parts[".weight_scale"].t()  # -> [groups, out], as the others
+        zp = parts.get(".weight_zero_point")
+        if zp is None:
+            zeros = torch.full_like(scale, offset, dtype=torch.int32)
+        elif zp.dtype == torch.int32 and zp.shape[0] == -(-out // (32 // iq.bits)):  # packed along the rows
+            zeros = (_nibbles(zp, iq.bits, 0)[:out].to(torch.int32)).t()
+        else:  # unpacked signed zero points
+            zeros = (zp.to(torch.int32) + offset).t()
+        g_idx = parts.get(".weight_g_idx")
+    codes = codes.contiguous()
+    scale_t, zero_t = scale.float().t().contiguous(), zeros.float().t().contiguous()  # [out, groups]
+    out, cols = codes.shape
+    _check(scale_t.shape[0] == out and zero_t.shape == scale_t.shape, name,
+           f"codes {tuple(codes.shape)}, scales {tuple(scale_t.shape)} and zeros {tuple(zero_t.shape)} "
+           "(as [out, groups]) do not fit together")
+    groups = scale_t.shape[1]
+    if g_idx is not None:
+        g_idx = g_idx.long()
+        _check(g_idx.shape == (cols,) and int(g_idx.min()) >= 0 and int(g_idx.max()) < groups, name,
+               f"g_idx must hold a group in [0, {groups}) for each of the {cols} input columns")
+        if torch.equal(g_idx, torch.arange(cols) // -(-cols // groups)):
+            g_idx = None  # contiguous after all (what non-act-order GPTQ writes)
+    if g_idx is None:
+        _check(cols % groups == 0, name, f"{cols} input columns do not split into {groups} groups")
+    return Unpacked(codes, scale_t, zero_t, g_idx)
+
+
+def int_weights(weights: Iterable[tuple[str, torch.Tensor]], iq: IntQuant, dtype: torch.dtype,
+                keep: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each quantized linear `X` (its parts in any order, from any shard) replaced by
+    either its 4-bit form, when keep(X) — `X.weight` (uint8 codes), `X.weight_scale`, `X.weight_zero` — or its
+    dequantized `X.weight` in `dtype`."""
+    required, optional = iq.parts()
+    suffixes = required + optional
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+
+    def done(base: str) -> Iterator[tuple[str, torch.Tensor]]:
+        u = unpack(iq, waiting.pop(base), base)
+        if keep(base) and iq.bits == 4 and u.g_idx is None:
+            yield f"{base}.weight", u.codes
+            yield f"{base}.weight_scale", u.scale
+            yield f"{base}.weight_zero", u.zero
+        else:
+            yield f"{base}.weight", u.dequantize(dtype)
+
+    for name, t in weights:
+        suffix = next((s for s in suffixes if name.endswith(s)), None)
+        if suffix is None:
+            yield name, t
+            continue
+        base = name[:-len(suffix)]
+        got = waiting.setdefault(base, {})
+        got[suffix] = t
+        if len(got) == len(suffixes):
+            yield from done(base)
+    for base in sorted(waiting):  # those without their optional parts (older GPTQ files have no g_idx)
+        missing = [s for s in required if s not in waiting[base]]
+        if missing:
+            raise ValueError(f"quantized weight {base!r} lacks {', '.join(base + s for s in missing)}")
+        yield from done(base)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Computing with 4-bit weights
+# ---------------------------------------------------------------------------------------------------------------
+
+def quantize_rtn(w: torch.Tensor, group_size: int = 128) -> Unpacked:
+    """Round-to-nearest asymmetric 4-bit quantization of a [out, in] weight, per group of input columns (what
+    `quantization="int4"` does at load): each group's minimum and maximum land on codes 0 and 15."""
+    out, cols = w.shape
+    g = w.float().reshape(out, cols // group_size, group_size)
+    lo, hi = g.amin(-1).clamp(max=0.0), g.amax(-1).clamp(min=0.0)  # (zero stays exactly representable)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = (-lo / scale).round().clamp(0, 15)
+    codes = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(out, cols)
+    return Unpacked(codes, scale, zero)
+
+
+def kernel_group(cols: int, group_size: int) -> Optional[int]:
+    """The group size the int4 kernels run `cols`-wide rows with, for a checkpoint's `group_size` (-1: the whole
+    row): the largest they take that divides both (a coarser group's scale repeats over its finer groups)."""
+    size = cols if group_size == -1 else group_size
+    return next((g for g in KERNEL_GROUPS if size % g == 0 and cols % g == 0), None)
+
+
+@dataclass
+class Int4Weight:
+    """A linear's 4-bit weight in the layout of torch's int4 kernels: w = (q - 8) * s + m, per group of input
+    columns (what the kernels call scale and zero: m = (8 - z) * s)."""
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor  # [groups, out, 2], the activations' dtype
+    group_size: int
+    out_features: int
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.is_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int4_supported(out: int, cols: int, group_size: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch's int4 kernels take this weight: rows a multiple of 16 (CPU) or 8 (CUDA), a group size they
+    take; on CUDA bf16 activations only (tinygemm) and rows of a multiple of 32 input columns."""
+    g = kernel_group(cols, group_size)
+    if g is None:
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and out % 8 == 0 and cols % 32 == 0
+    return device.type == "cpu" and out % 16 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_int4(u: Unpacked, dtype: torch.dtype, device: torch.device) -> Int4Weight:
+    """The kernels' layout of a contiguous-group 4-bit weight (check `int4_supported` first)."""
+    out, cols = u.codes.shape
+    groups = u.scale.shape[1]
+    g = kernel_group(cols, cols // groups if groups > 1 else -1)
+    assert g is not None
+    repeat = cols // groups // g  # a coarser checkpoint group: its scale and zero over each of its kernel groups
+    scale = u.scale.repeat_interleave(repeat, 1).to(device)
+    zero = u.zero.repeat_interleave(repeat, 1).to(device)
+    sz = torch.stack([scale, (8 - zero) * scale], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [groups, out, 2]
+    codes = u.codes.to(device)
+    if device.type == "cuda":
+        tiles = next(t for t in (8, 4, 2) if cols % (t * 16) == 0)
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous()  # two codes a byte, the even column high
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+    return Int4Weight(packed, sz, g, out)

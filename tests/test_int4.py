@@ -1,0 +1,116 @@
+"""4-bit weight-only compute (streamer/models/woq.py): torch's int4 kernels in the engine's layout against the
+dequantized weights, and `quantization="int4"` against transformers (and PEFT) running the same rounded weights.
+The checkpoint formats (GPTQ, AWQ, pack-quantized) are tested in test_int_checkpoints.py."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("transformers")
+
+from streamer import LLM, LoRARequest, SamplingParams  # noqa: E402
+from streamer.models.layers import PackableLinear  # noqa: E402
+from streamer.models.woq import Unpacked, kernel_group, pack_int4, quantize_rtn  # noqa: E402
+from tests.checkpoints import hf_greedy  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, list(range(60, 100))]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)
+
+
+def _random_unpacked(out: int, cols: int, groups: int, seed: int) -> Unpacked:
+    g = torch.Generator().manual_seed(seed)
+    return Unpacked(codes=torch.randint(0, 16, (out, cols), generator=g, dtype=torch.uint8),
+                    scale=torch.rand(out, groups, generator=g) * 0.02 + 0.001,
+                    zero=torch.randint(0, 16, (out, groups), generator=g).float())
+
+
+@pytest.mark.parametrize("out,cols,groups", [(16, 64, 2), (48, 128, 2), (32, 256, 1), (64, 512, 1), (32, 96, 3),
+                                             (16, 1024, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_matches_the_dequantized_weight(out, cols, groups, dtype):
+    """Group sizes the kernels take directly (32, 64) and coarser ones they run as repeated finer groups (a whole
+    row of 256 or 96, 512-column groups); a 3-D input and a single row."""
+    u = _random_unpacked(out, cols, groups, seed=out + cols)
+    w = pack_int4(u, dtype, torch.device("cpu"))
+    assert w.group_size == kernel_group(cols, cols // groups if groups > 1 else -1)
+    ref_w = u.dequantize(torch.float32)
+    for shape in ((2, 3, cols), (1, cols)):
+        x = torch.randn(*shape).to(dtype)
+        got = w.matmul(x).float()
+        want = x.float() @ ref_w.t()
+        assert got.shape == (*shape[:-1], out)
+        err = (got - want).norm() / want.norm()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+def test_rtn_rounding_hits_the_group_extremes():
+    w = torch.randn(16, 64)
+    u = quantize_rtn(w, 32)
+    assert u.codes.dtype == torch.uint8 and int(u.codes.max()) <= 15
+    err = (u.dequantize(torch.float32) - w).abs()
+    step = u.scale.repeat_interleave(32, 1)
+    assert bool((err <= step / 2 + 1e-6).all()), "every weight within half a step of its rounded value"
+    assert bool((u.codes.view(16, 2, 32).amax(-1) == 15).all()), "each group's maximum maps to the top code"
+
+
+@pytest.fixture(scope="module")
+def rounded_dir(llama_dir, tmp_path_factory) -> Path:
+    """The llama checkpoint with every decoder linear replaced by what quantization="int4" computes with (the
+    group the kernels take for 128 columns: 64 for the 64-wide inputs), as plain fp32 weights."""
+    ref = tmp_path_factory.mktemp("int4") / "rounded"
+    shutil.copytree(llama_dir, ref)
+    state = load_file(str(llama_dir / "model.safetensors"))
+    for name, w in state.items():
+        if name.endswith("_proj.weight"):
+            state[name] = quantize_rtn(w, kernel_group(w.shape[1], 128)).dequantize(torch.float32)
+    save_file(state, str(ref / "model.safetensors"))
+    return ref
+
+
+def _int4_bytes(llm: LLM) -> int:
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+    assert linears and all(m.int4 is not None and m.weight.numel() == 0 for m in linears)
+    return sum(m.int4.packed.numel() * m.int4.packed.element_size() for m in linears)
+
+
+def test_quantization_int4_matches_transformers_on_the_rounded_weights(llama_dir, rounded_dir):
+    want = hf_greedy(rounded_dir, PROMPTS, 8)
+    assert want != hf_greedy(llama_dir, PROMPTS, 8), "rounding to 4 bits must change something to prove much"
+    with LLM(str(llama_dir), dtype="float32", quantization="int4", max_num_batched_tokens=16) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        packed = _int4_bytes(llm)
+    assert got == want
+    state = load_file(str(llama_dir / "model.safetensors"))
+    fp32 = sum(w.numel() * 4 for name, w in state.items() if name.endswith("_proj.weight"))
+    assert packed * 8 == fp32, "4 bits a weight, against fp32's 32"
+
+
+def test_int4_compiled_equals_eager(llama_dir):
+    outs = []
+    for eager in (True, False):
+        with LLM(str(llama_dir), dtype="float32", quantization="int4", enforce_eager=eager) as llm:
+            outs.append([o.outputs[0].token_ids
+                         for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)])
+    assert outs[0] == outs[1]
+
+
+def test_lora_adapters_on_int4_weights(llama_dir, rounded_dir, tmp_path):
+    """An adapter over 4-bit weights gives what PEFT gives over the same rounded weights."""
+    pytest.importorskip("peft")
+    from tests.lora_adapters import ALL_LINEARS, make_adapter, peft_greedy
+    adapter = make_adapter(llama_dir, tmp_path / "adapter", seed=3, r=4, alpha=8, targets=ALL_LINEARS, std=0.2)
+    want = peft_greedy(rounded_dir, adapter, PROMPTS, 8)
+    assert want != hf_greedy(rounded_dir, PROMPTS, 8), "the adapter must change something to prove much"
+    with LLM(str(llama_dir), dtype="float32", quantization="int4", enable_lora=True, max_lora_rank=8) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=LoRARequest("a", str(adapter)))]
+    assert got == want
+
+
+def test_int4_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4' or 'none'"):
+        LLM(quantization="int3")
