@@ -47,6 +47,25 @@ def test_int4_kernel_matches_the_dequantized_weight(out, cols, groups, dtype):
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_int4_kernel_on_cuda(llama_dir):
+    """tinygemm's layout (two codes a byte, the even column high) and its scale/zero pairs, against the
+    dequantized weight; then the engine on the GPU with every linear 4-bit."""
+    dev = torch.device("cuda")
+    for out, cols, groups in ((64, 128, 2), (256, 1024, 8), (128, 4096, 1)):
+        u = _random_unpacked(out, cols, groups, seed=cols)
+        w = pack_int4(u, torch.bfloat16, dev)
+        x = torch.randn(5, cols, device=dev).bfloat16()
+        want = x.float() @ u.dequantize(torch.float32).to(dev).t()
+        err = (w.matmul(x).float() - want).norm() / want.norm()
+        assert err < 2e-2, (out, cols, groups, err)
+    with LLM(str(llama_dir), dtype="bfloat16", quantization="int4") as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+        assert all(m.int4 is not None and m.int4.packed.is_cuda for m in linears)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
 def test_rtn_rounding_hits_the_group_extremes():
     w = torch.randn(16, 64)
     u = quantize_rtn(w, 32)
