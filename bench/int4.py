@@ -3,15 +3,16 @@ and how long greedy output stays the same.
 
     python bench/int4.py [--models 90m,1b] [--rounds 3] [--compile]
 
-Models: "90m", the shared bf16 bench checkpoint (bench/make_bench_model.py); "1b", a Llama-3.2-1B-shaped decoder
+Models: "demo", the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says
+much); "90m", the shared bf16 bench checkpoint (bench/make_bench_model.py); "1b", a Llama-3.2-1B-shaped decoder
 (hidden 2048, 16 layers, 32 heads / 8 kv heads, intermediate 8192) with the bench tokenizer's 8k vocabulary and
 random (dummy) weights, big enough that decode reads ~2 GB of bf16 weights a step. Per model, two engines with the
 same settings, rounds alternating between them:
 - prefill: one 512-token prompt, 1 output token (time to first token);
 - decode tok/s at batch 1 and batch 16: 64 greedy tokens after 128-token prompts, timed from the last first token
   to the last token by the engine's request metrics.
-Agreement: the leading greedy tokens (of 64, batch 16) the int4 engine shares with bf16 — on random weights a
-rough measure only: the logits of a random model are nearly flat, so small errors flip ties early.
+Agreement: the leading greedy tokens (of 64, batch 16) the int4 engine shares with bf16 — on random weights it
+says little: a random model's logits are nearly flat, so the rounding flips near-ties at once.
 """
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def model_folder(name: str) -> tuple[Path, dict]:
         raise SystemExit(f"run `python bench/make_bench_model.py` first ({bench_90m} is missing)")
     if name == "90m":
         return bench_90m, {}
+    if name == "demo":  # trained weights: the one model here whose greedy agreement means something
+        from streamer.demo_model import default_model_path
+        return default_model_path(), {}
     folder = BENCH / "llama-1b-shape"
     folder.mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
