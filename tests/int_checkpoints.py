@@ -144,13 +144,18 @@ def _quantized_tensors(fmt: str, base: str, bits: int, q: torch.Tensor, scale: t
     return out
 
 
+SAME_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
 def write_int_checkpoint(src: Path, out_dir: Path, ref_dir: Path, fmt: str, bits: int = 4,
                          group_size: int | None = 32, sym: bool = True, desc_act: bool = False, sharded: bool = False,
-                         seed: int = 0) -> None:
+                         seed: int = 0, shared_order: bool = False) -> None:
     """Quantize the fp32 checkpoint `src` into `out_dir` in `fmt` ("gptq", "awq", "compressed-tensors"), with bits
     4 or 8 (AWQ: 4), groups of `group_size` input columns (None: one per output channel), symmetric or not (AWQ:
     asymmetric), act-order groups (gptq desc_act / compressed-tensors actorder "group") and two shards if asked, the
-    parts of each linear spread over both. `ref_dir` gets the dequantized fp32 twin."""
+    parts of each linear spread over both. `ref_dir` gets the dequantized fp32 twin. `shared_order`: linears that
+    read the same input (q/k/v, gate/up) share one act-order permutation, as real GPTQ gives them (one Hessian, the
+    same input's); otherwise each linear draws its own."""
     assert fmt in FORMATS and bits in (4, 8)
     assert fmt != "awq" or (bits == 4 and not sym and not desc_act), "AutoAWQ GEMM: 4-bit, zero_point, no act-order"
     assert fmt != "compressed-tensors" or not desc_act or group_size, "actorder 'group' needs the group strategy"
@@ -159,12 +164,16 @@ def write_int_checkpoint(src: Path, out_dir: Path, ref_dir: Path, fmt: str, bits
     gen = torch.Generator().manual_seed(seed)
     scale_dtype = torch.float32 if fmt == "compressed-tensors" else torch.float16
     quant, ref = {}, {}
+    orders: dict[tuple[str, str], torch.Tensor] = {}
     for name, w in state.items():
         base, _, leaf = name.rpartition(".")
         if leaf != "weight" or base.rpartition(".")[2] not in LINEARS:
             quant[name] = ref[name] = w
             continue
-        g_idx = group_index(w.shape[1], group_size, desc_act, gen)
+        layer, _, proj = base.rpartition(".")
+        key = (layer, SAME_INPUT.get(proj, proj)) if shared_order else (base, "")
+        g_idx = orders[key] if key in orders else orders.setdefault(key, group_index(w.shape[1], group_size, desc_act,
+                                                                                     gen))
         q, scale, zero = quantize_rtn(w.float(), bits, g_idx, sym, scale_dtype, min_zero=1 if fmt == "gptq" else 0)
         ref[name] = (q - zero[:, g_idx]).float() * scale.float()[:, g_idx]
         quant.update(_quantized_tensors(fmt, base, bits, q, scale, zero, g_idx, sym, desc_act))

@@ -133,3 +133,21 @@ def test_lora_adapters_on_int4_weights(llama_dir, rounded_dir, tmp_path):
 def test_int4_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4' or 'none'"):
         LLM(quantization="int3")
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_checkpoint_over_two_ranks(llama_dir, tmp_path, act_order):
+    """Each rank takes its rows (q/k/v, gate/up) or its groups of columns (o_proj, down_proj) of the codes, scales
+    and zeros. An act-order row-parallel layer cannot permute a slice of its input: it is dequantized instead."""
+    from tests.int_checkpoints import write_int_checkpoint
+    out_dir, ref_dir = tmp_path / "gptq", tmp_path / "ref"
+    write_int_checkpoint(llama_dir, out_dir, ref_dir, "gptq", group_size=32, sym=False, desc_act=act_order,
+                         shared_order=True)
+    want = hf_greedy(ref_dir, PROMPTS, 8)
+    with LLM(str(out_dir), dtype="float32", tensor_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        linears = {n.rsplit(".", 1)[-1]: m for n, m in llm.engine.runner.model.named_modules()
+                   if isinstance(m, PackableLinear)}
+    assert got == want
+    assert {n: m.int4 is not None for n, m in linears.items()} == {
+        "qkv_proj": True, "gate_up_proj": True, "o_proj": not act_order, "down_proj": not act_order}

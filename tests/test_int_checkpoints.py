@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 from streamer import LLM, SamplingParams  # noqa: E402
+from streamer.models.layers import PackableLinear  # noqa: E402
 from tests.checkpoints import hf_greedy  # noqa: E402
 from tests.int_checkpoints import AWQ_ORDER, LINEARS, pack, write_int_checkpoint  # noqa: E402
 
@@ -25,14 +26,19 @@ CASES = {
     "gptq-4bit-channel": dict(fmt="gptq", bits=4, group_size=None, sym=True),
     # asymmetric: the zero points as well as the scales follow g_idx
     "gptq-4bit-desc-act": dict(fmt="gptq", bits=4, group_size=32, sym=False, desc_act=True),
+    # q/k/v (and gate/up) in one act order, as GPTQ gives linears with the same input: those stay 4-bit too
+    "gptq-4bit-desc-act-shared": dict(fmt="gptq", bits=4, group_size=32, sym=True, desc_act=True, shared_order=True),
     "gptq-8bit-sym-g32": dict(fmt="gptq", bits=8, group_size=32, sym=True),
     "awq-g32": dict(fmt="awq", group_size=32, sym=False),
     "awq-g64-sharded": dict(fmt="awq", group_size=64, sym=False, sharded=True),
     "ct-sym-g32": dict(fmt="compressed-tensors", group_size=32, sym=True),
     "ct-asym-g32": dict(fmt="compressed-tensors", group_size=32, sym=False),
     "ct-channel": dict(fmt="compressed-tensors", group_size=None, sym=True),
-    "ct-actorder-group": dict(fmt="compressed-tensors", group_size=32, sym=True, desc_act=True),
+    "ct-actorder-group": dict(fmt="compressed-tensors", group_size=32, sym=True, desc_act=True, shared_order=True),
 }
+# Which linears compute in 4 bits: all, but none of 8-bit checkpoints, and where q/k/v (gate/up) each have their own
+# act order, only o_proj and down_proj (one input order cannot serve the fused qkv / gate_up layer: dequantized).
+INT4_SHARE = {"gptq-8bit-sym-g32": 0.0, "gptq-4bit-desc-act": 0.5}
 # AutoAWQ's unpacker (awq/utils/packing_utils.py): output column j of a run of 8 sits in nibble AWQ_REVERSE_ORDER[j].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -75,6 +81,9 @@ def test_int_checkpoint_matches_transformers_on_dequantized_weights(llama_dir, t
         params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
         got_lp = _prompt_logprobs(llm)
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+        int4 = sum(m.int4 is not None for m in linears)
+    assert int4 == len(linears) * INT4_SHARE.get(case, 1.0), "4-bit layers compute in 4 bits"
     assert got == want
     err = (got_lp - want_lp).abs().max().item()
     assert err < 1e-3, err

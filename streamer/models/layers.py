@@ -61,15 +61,21 @@ class PackableLinear(nn.Module):
     int4: Optional[Int4Weight] = None  # 4-bit weight-only compute (models/woq.py)
     compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4-bit codes
 
-    def prepare_int4(self, group_size: int) -> bool:
+    act_perm: Optional[torch.Tensor] = None  # act-order 4-bit weights: the input-column order they are stored in
+
+    def prepare_int4(self, group_size: int, order: Optional[torch.Tensor] = None) -> bool:
         """Load a checkpoint's 4-bit weight instead of a float one: `weight` becomes its uint8 codes, beside
         `weight_scale` and `weight_zero` per group of `group_size` input columns (-1: one group per row), each
-        loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them. False (and
-        nothing changes) when this rank's columns would split a group."""
+        loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them. `order`:
+        an act-order checkpoint's input-column order (models/woq.group_order). False (and nothing changes) when
+        this rank's columns would split a group, or hold a slice of an act-order input."""
         w = self.weight
         out, cols = w.shape
         if group_size != -1 and cols % group_size:
             return False
+        if order is not None and self.tp_size > 1 and isinstance(self, RowParallelLinear):
+            return False
+        self.act_perm = None if order is None else order.to(w.device)
         groups = 1 if group_size == -1 else cols // group_size
         self.compute_dtype = w.dtype
         self.weight = nn.Parameter(torch.empty(out, cols, dtype=torch.uint8, device=w.device), requires_grad=False)
@@ -137,7 +143,7 @@ class PackableLinear(nn.Module):
         if self.op_id is not None:
             return packed_linear(x, self.op_id, bias is not None)  # adds the LoRA output itself
         if self.int4 is not None:
-            y = self.int4.matmul(x)
+            y = self.int4.matmul(x if self.act_perm is None else x.index_select(-1, self.act_perm))
             if bias is not None:
                 y = y + bias
         elif self.fp8 is not None:

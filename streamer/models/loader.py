@@ -19,7 +19,7 @@ from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.quant import dequantizing
-from streamer.models.woq import IntQuant, int_weights, parse_int_quant
+from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 
 logger = logging.getLogger("streamer")
 
@@ -113,12 +113,13 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
     """Make every linear whose checkpoint weight is 4-bit (all its parts, for a layer that packs several) take the
     4-bit codes; returns their checkpoint names. Read from the files' headers: what a config says it left
     unquantized (`ignore`, `modules_to_not_convert`) is simply what is stored in full precision."""
-    if iq.bits != 4 or iq.act_order:
+    if iq.bits != 4:
         return set()
+    where = {name: path for path in files for name in _tensor_names(path)}
+    original = dict(model.rename_weights((n, n) for n in where))  # our spelling -> the checkpoint's
     codes = iq.parts()[0][0]
-    names = (n for n, _ in model.rename_weights((n, None) for n in _tensor_names(files)))
     by_module: dict[str, list[tuple[str, object]]] = {}
-    for base in (n[:-len(codes)] for n in names if n.endswith(codes)):
+    for base in (n[:-len(codes)] for n in original if n.endswith(codes)):
         name, shard = model.param_name(f"{base}.weight")
         by_module.setdefault(name.removesuffix(".weight"), []).append((base, shard))
     modules = dict(model.named_modules())
@@ -129,17 +130,39 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
             continue  # (MoE experts, vision encoders, the LM head: dequantized)
         whole = any(shard is None for _, shard in parts) or not isinstance(m, ColumnParallelLinear) \
             or len(parts) == len(m.shard_names)
-        if whole and m.prepare_int4(iq.group_size):
+        g_idx = [_read(where, original, f"{base}{iq.parts()[1][0]}") for base, _ in parts] if iq.act_order else []
+        order = _act_order(g_idx, iq.group_size, name)
+        if whole and order is not False and m.prepare_int4(iq.group_size, order):
             keep.update(base for base, _ in parts)
     if by_module and not keep:
         logger.info("no layer of this checkpoint can stay 4-bit: its weights are dequantized")
     return keep
 
 
-def _tensor_names(files: list[Path]) -> Iterator[str]:
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            yield from f.keys()
+def _act_order(g_idx: list[Optional[torch.Tensor]], group_size: int, name: str,
+               ) -> "Optional[torch.Tensor] | bool":
+    """The input-column order of a layer whose parts share one act-order grouping (None: contiguous groups);
+    False when its parts group their columns differently (one input order cannot serve them all)."""
+    found = [g.long() for g in g_idx if g is not None]
+    if not found or group_size == -1:
+        return None
+    if any(not torch.equal(g, found[0]) for g in found[1:]) or len(found) != len(g_idx):
+        return False
+    if torch.equal(found[0], torch.arange(found[0].numel()) // group_size):
+        return None
+    return group_order(found[0], -(-found[0].numel() // group_size), name)
+
+
+def _read(where: dict[str, Path], original: dict[str, str], name: str) -> Optional[torch.Tensor]:
+    if name not in original:
+        return None
+    with safe_open(str(where[original[name]]), framework="pt", device="cpu") as f:
+        return f.get_tensor(original[name])
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return list(f.keys())
 
 
 # An FP8 KV cache's calibrated scales, as llm-compressor (self_attn.k_scale / v_scale), older AutoFP8

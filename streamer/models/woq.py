@@ -19,8 +19,9 @@ scale s and a zero point z: w = (q - z) * s. The three on-disk layouts, as the H
 Every layout is first unpacked to one form, `Unpacked` (codes [out, in], scale and zero [out, groups]). 4-bit
 weights of the decoder's linears whose groups are contiguous then stay 4-bit: the layer multiplies with torch's
 int4 kernels (`_weight_int4pack_mm_for_cpu` on CPU, tinygemm's `_weight_int4pack_mm` for bf16 on CUDA), a quarter
-of bf16's memory and bandwidth. Everything else (8-bit codes, act-order groups, MoE experts, layers whose shapes the
-kernels refuse) is dequantized to the compute dtype as it loads.
+of bf16's memory and bandwidth; act-order groups are made contiguous by permuting the weight's input columns (and
+the layer's input alike). Everything else (8-bit codes, MoE experts, layers whose shapes the kernels refuse) is
+dequantized to the compute dtype as it loads.
 """
 from __future__ import annotations
 
@@ -198,8 +199,10 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], iq: IntQuant, dtype
 
     def done(base: str) -> Iterator[tuple[str, torch.Tensor]]:
         u = unpack(iq, waiting.pop(base), base)
-        if keep(base) and iq.bits == 4 and u.g_idx is None:
-            yield f"{base}.weight", u.codes
+        if keep(base) and iq.bits == 4:
+            # Act-order groups made contiguous: the layer permutes its input the same way (its `act_perm`).
+            codes = u.codes if u.g_idx is None else u.codes[:, group_order(u.g_idx, u.scale.shape[1], base)]
+            yield f"{base}.weight", codes
             yield f"{base}.weight_scale", u.scale
             yield f"{base}.weight_zero", u.zero
         else:
@@ -220,6 +223,14 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], iq: IntQuant, dtype
         if missing:
             raise ValueError(f"quantized weight {base!r} lacks {', '.join(base + s for s in missing)}")
         yield from done(base)
+
+
+def group_order(g_idx: torch.Tensor, groups: int, name: str) -> torch.Tensor:
+    """The input-column order that makes act-order groups contiguous (each group's columns in their own order).
+    Act-order GPTQ gives every group the same number of columns; the kernels need that."""
+    counts = torch.bincount(g_idx.long(), minlength=groups)
+    _check(bool((counts == counts[0]).all()), name, "act-order groups of unequal sizes")
+    return torch.argsort(g_idx.long(), stable=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
