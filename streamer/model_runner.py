@@ -28,6 +28,7 @@ from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import load_model
 from streamer.models.quant import fp8_supported
+from streamer.models.moe import SparseMoE
 from streamer.models.woq import parse_int_quant
 from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
@@ -268,7 +269,7 @@ class ModelRunner:
     def _use_int4(self) -> None:
         """Pack a 4-bit checkpoint's linears for the int4 kernels; with quantization="int4", round every other
         linear's weight to 4 bits first."""
-        linears = [m for m in self.model.modules() if isinstance(m, PackableLinear)]
+        linears = [m for m in self.model.modules() if isinstance(m, (PackableLinear, SparseMoE))]
         for m in linears:
             if m.compute_dtype is not None:
                 m.finish_int4()
@@ -277,7 +278,8 @@ class ModelRunner:
                 m.quantize_int4()
         n = sum(m.int4 is not None for m in linears)
         if n:
-            logger.info("%d of %d linear layers compute with 4-bit weights (int4 kernels)", n, len(linears))
+            logger.info("%d of %d linear layers (sparse MLPs counted as one) compute with 4-bit weights (int4 "
+                        "kernels)", n, len(linears))
 
     def _use_fp8(self) -> bool:
         q = self.config.quantization

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The quantized linears: attention and MLP projections, and each MoE expert's (Qwen3-MoE's experts.E.gate_proj...,
+# Mixtral's block_sparse_moe.experts.E.w1 / w3 / w2); routers, embeddings, norms and the LM head stay as they are.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 # AutoAWQ packs eight output columns c0..c7 of one int32 as nibbles (low to high) c0 c2 c4 c6 c1 c3 c5 c7
 # (WQLinear_GEMM.from_linear: order_map = [0, 2, 4, 6, 1, 3, 5, 7]; its unpacker undoes it with
 # AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]).

@@ -76,18 +76,21 @@ def test_rtn_rounding_hits_the_group_extremes():
     assert bool((u.codes.view(16, 2, 32).amax(-1) == 15).all()), "each group's maximum maps to the top code"
 
 
-@pytest.fixture(scope="module")
-def rounded_dir(llama_dir, tmp_path_factory) -> Path:
-    """The llama checkpoint with every decoder linear replaced by what quantization="int4" computes with (the
+def _rounded(src: Path, ref: Path) -> Path:
+    """`src` with every decoder linear (MoE experts' too) replaced by what quantization="int4" computes with (the
     group the kernels take for 128 columns: 64 for the 64-wide inputs), as plain fp32 weights."""
-    ref = tmp_path_factory.mktemp("int4") / "rounded"
-    shutil.copytree(llama_dir, ref)
-    state = load_file(str(llama_dir / "model.safetensors"))
+    shutil.copytree(src, ref)
+    state = load_file(str(src / "model.safetensors"))
     for name, w in state.items():
         if name.endswith("_proj.weight"):
             state[name] = quantize_rtn(w, kernel_group(w.shape[1], 128)).dequantize(torch.float32)
     save_file(state, str(ref / "model.safetensors"))
     return ref
+
+
+@pytest.fixture(scope="module")
+def rounded_dir(llama_dir, tmp_path_factory) -> Path:
+    return _rounded(llama_dir, tmp_path_factory.mktemp("int4") / "rounded")
 
 
 def _int4_bytes(llm: LLM) -> int:
@@ -151,3 +154,30 @@ def test_int4_checkpoint_over_two_ranks(llama_dir, tmp_path, act_order):
     assert got == want
     assert {n: m.int4 is not None for n, m in linears.items()} == {
         "qkv_proj": True, "gate_up_proj": True, "o_proj": not act_order, "down_proj": not act_order}
+
+
+def test_quantization_int4_rounds_moe_experts(make_ckpt, tmp_path):
+    from streamer.models.moe import SparseMoE
+    src = make_ckpt("qwen3_moe", family="qwen3_moe")
+    ref = _rounded(src, tmp_path / "rounded")
+    want = hf_greedy(ref, PROMPTS, 8)
+    with LLM(str(src), dtype="float32", quantization="int4") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.int4 is not None for m in moes)
+    assert got == want
+
+
+def test_int4_moe_checkpoint_over_two_ranks(make_ckpt, tmp_path):
+    """Each rank holds its slice of every 4-bit expert (I = 64: 32 columns of down_proj a rank, one group)."""
+    from streamer.models.moe import SparseMoE
+    from tests.int_checkpoints import write_int_checkpoint
+    src = make_ckpt("qwen3_moe_i64", family="qwen3_moe", moe_intermediate_size=64)
+    out_dir, ref_dir = tmp_path / "gptq", tmp_path / "ref"
+    write_int_checkpoint(src, out_dir, ref_dir, "gptq", group_size=32, sym=False)
+    want = hf_greedy(ref_dir, PROMPTS, 8)
+    with LLM(str(out_dir), dtype="float32", tensor_parallel_size=2) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert moes and all(m.int4 is not None for m in moes)
+    assert got == want

@@ -73,6 +73,27 @@ def unquantized(llama_dir):
     return hf_greedy(llama_dir, PROMPTS, 8), _hf_prompt_logprobs(llama_dir)
 
 
+@pytest.mark.parametrize("family,fmt", [("qwen3_moe", "gptq"), ("mixtral", "awq")])
+def test_moe_experts_stay_4bit(make_ckpt, tmp_path, family, fmt):
+    """A sparse MLP whose experts are all 4-bit computes with them (one int4 matmul pair per expert with tokens)
+    and matches transformers on the dequantized experts; Qwen3-MoE's dense layer and the attention too."""
+    from streamer.models.moe import SparseMoE
+    src = make_ckpt(family, family=family)
+    out_dir, ref_dir = tmp_path / "quant", tmp_path / "ref"
+    write_int_checkpoint(src, out_dir, ref_dir, fmt, group_size=32, sym=False)
+    want = hf_greedy(ref_dir, PROMPTS, 8)
+    assert want != hf_greedy(src, PROMPTS, 8), "quantization must change something to prove much"
+    with LLM(str(out_dir), dtype="float32", max_num_batched_tokens=16) as llm:  # chunks: many tokens per expert
+        params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+        model = llm.engine.runner.model
+        moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    assert got == want
+    assert moes and all(m.int4 is not None and m.w13.numel() == 0 for m in moes)
+    assert all(m.int4 is not None for m in linears)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_int_checkpoint_matches_transformers_on_dequantized_weights(llama_dir, tmp_path, unquantized, case):
     out_dir, ref_dir = _write(llama_dir, tmp_path, case)

@@ -118,9 +118,11 @@ def test_unsupported_or_broken_quantization_is_refused(llama_dir, tmp_path):
         save_file(state, str(d / "model.safetensors"))
         return d
     fp8 = {"quant_method": "fp8", "weight_block_size": [32, 32]}
-    cases = [(folder("gptq", {"quant_method": "gptq", "bits": 4}), "quantization method 'gptq' is not supported"),
-             (folder("int4", {"quant_method": "compressed-tensors", "format": "pack-quantized"}),
-              "format 'pack-quantized' is not supported"),
+    cases = [(folder("bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
+              "quantization method 'bitsandbytes' is not supported"),
+             (folder("gptq3", {"quant_method": "gptq", "bits": 3}), "3-bit integer weights are not supported"),
+             (folder("marlin", {"quant_method": "compressed-tensors", "format": "marlin-24"}),
+              "format 'marlin-24' is not supported"),
              (folder("noscale", fp8, drop="model.layers.0.self_attn.q_proj.weight_scale_inv"),
               "FP8 weight.*without a scale: model.layers.0.self_attn.q_proj"),
              (folder("blocks", {**fp8, "weight_block_size": [16, 16]}), "do not fit a \\(64, 64\\) weight in 16 x 16")]
@@ -174,5 +176,5 @@ def test_fp8_checkpoint_computes_in_fp8_on_request(llama_dir, tmp_path):
         assert llm.engine.runner.fp8
         diff = (_prompt_logprobs(llm) - ref).abs()
     assert diff.max() < 0.3 and diff.mean() < 0.05
-    with pytest.raises(ValueError, match="quantization must be 'fp8' or 'none'"):
-        LLM(str(llama_dir), quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4' or 'none'"):
+        LLM(str(llama_dir), quantization="int8")

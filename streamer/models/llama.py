@@ -19,7 +19,7 @@ from streamer.attention.base import (
 )
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
-from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
+from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, INT4_PARTS, SparseMoE
 from streamer.models.layers import (
     ColumnParallelLinear,
     KernelSwitch,
@@ -245,9 +245,9 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: some checkpoints still store a copy of the embedding
             expert = EXPERT_WEIGHT.match(ckpt_name.removeprefix("model."))
             if expert is not None:  # one expert's matrix of a sparse MLP: into its slot of the stacked weights
-                prefix, e, proj = expert.groups()
+                prefix, e, proj, part = expert.groups()
                 proj = EXPERT_PROJ.get(proj, proj)
-                name = f"{prefix}.mlp.{'w2' if proj == 'down_proj' else 'w13'}"
+                name = f"{prefix}.mlp.{'w2' if proj == 'down_proj' else 'w13'}{part or ''}"
                 param = params.get(name)
                 if param is None:
                     raise ValueError(f"unexpected tensor {ckpt_name!r} in checkpoint for {self.cfg.architecture}")
@@ -293,8 +293,8 @@ class LlamaForCausalLM(nn.Module):
         for name, param in self.named_parameters():
             owner_name, attr = name.rsplit(".", 1)
             owner = self.get_submodule(owner_name)
-            if isinstance(owner, SparseMoE) and attr in ("w13", "w2"):
-                names.update(f"{name}:{piece}" for piece in owner.expected_shards()[attr])
+            if isinstance(owner, SparseMoE) and attr in INT4_PARTS:
+                names.update(f"{name}:{piece}" for piece in owner.expected_shards()[attr.split("_")[0]])
             elif isinstance(owner, ColumnParallelLinear):
                 names.update(f"{name}:{s}" if len(owner.shard_names) > 1 else name for s in owner.shard_names)
             else:
@@ -304,13 +304,14 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, internal: str) -> str:
         """Inverse of param_name, for error messages."""
         name, _, shard = internal.partition(":")
-        if shard and name.endswith((".w13", ".w2")):
+        if shard and name.rsplit(".", 1)[-1] in INT4_PARTS:
             e, proj = shard.split(".")
-            layer = name.rsplit(".", 2)[0]
+            layer, part = name.rsplit(".", 2)[0], name.rsplit(".", 1)[-1].partition("_")[2]
+            suffix = f"weight_{part}" if part else "weight"
             if self.cfg.architecture == "MixtralForCausalLM":
                 w = {v: k for k, v in EXPERT_PROJ.items()}[proj]
-                return f"model.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
-            return f"model.{layer}.mlp.experts.{e}.{proj}.weight"
+                return f"model.{layer}.block_sparse_moe.experts.{e}.{w}.{suffix}"
+            return f"model.{layer}.mlp.experts.{e}.{proj}.{suffix}"
         if shard:
             fused = {v: k for k, v in self.packed.items()}
             frag = fused[(name.split(".")[-2], shard)]

@@ -18,6 +18,7 @@ from streamer.models.llama import LlamaForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
+from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
 from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 
@@ -120,14 +121,25 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
     codes = iq.parts()[0][0]
     by_module: dict[str, list[tuple[str, object]]] = {}
     for base in (n[:-len(codes)] for n in original if n.endswith(codes)):
+        expert = EXPERT_WEIGHT.match(f"{base}.weight".removeprefix("model."))
+        if expert is not None:  # one expert's matrix: the layer's whole sparse MLP goes 4-bit, or none of it
+            prefix, e, proj, _ = expert.groups()
+            by_module.setdefault(f"{prefix}.mlp", []).append((base, f"{e}.{EXPERT_PROJ.get(proj, proj)}"))
+            continue
         name, shard = model.param_name(f"{base}.weight")
         by_module.setdefault(name.removesuffix(".weight"), []).append((base, shard))
     modules = dict(model.named_modules())
     keep: set[str] = set()
     for name, parts in by_module.items():
         m = modules.get(name)
+        if isinstance(m, SparseMoE):
+            pieces = {shard for _, shard in parts}
+            expected = {p for ps in m.expected_shards().values() for p in ps}
+            if not iq.act_order and pieces == expected and m.prepare_int4(iq.group_size):
+                keep.update(base for base, _ in parts)
+            continue
         if not isinstance(m, PackableLinear):
-            continue  # (MoE experts, vision encoders, the LM head: dequantized)
+            continue  # (vision encoders, the LM head: dequantized)
         whole = any(shard is None for _, shard in parts) or not isinstance(m, ColumnParallelLinear) \
             or len(parts) == len(m.shard_names)
         g_idx = [_read(where, original, f"{base}{iq.parts()[1][0]}") for base, _ in parts] if iq.act_order else []

@@ -12,6 +12,7 @@ loop over experts).
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Optional
 
 import torch
@@ -19,11 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.models.layers import ParallelContext
+from streamer.models.woq import Int4Weight, Unpacked, int4_supported, kernel_group, pack_int4, quantize_rtn
+
+
+def _int4_fits(u: Unpacked, dtype: torch.dtype, device: torch.device) -> bool:
+    out, cols = u.codes.shape
+    groups = u.scale.shape[1]
+    return int4_supported(out, cols, cols // groups if groups > 1 else -1, dtype, device)
 
 # One expert's matrix in a checkpoint: Qwen3-MoE's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
-# `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
+# `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
+# `weight_zero` (models/woq.py).
 EXPERT_WEIGHT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
-                           r"\.weight$")
+                           r"\.weight(_scale|_zero)?$")
+INT4_PARTS = ("w13", "w2", "w13_scale", "w13_zero", "w2_scale", "w2_zero")  # a 4-bit layer's loaded parameters
 EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -76,11 +86,50 @@ def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.
     return torch.empty_like(x)
 
 
+_int4_layers: list[weakref.ref["SparseMoE"]] = []  # the op takes its layer by index: Int4Weights are not tensors
+
+
+@torch.library.custom_op("streamer::moe_experts_int4", mutates_args=())
+def moe_experts_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """moe_experts with 4-bit experts: one int4 matmul pair per expert that has tokens (a lone token's int4
+    matmul is cheap: it reads a quarter of the bytes)."""
+    m = _int4_layers[layer]()
+    assert m is not None and m.int4 is not None, "moe_experts_int4 called for a layer that is gone"
+    w13, w2 = m.int4
+    tokens, k = topk_ids.shape
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=m.num_experts).tolist()
+    token_of = order // k
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel, rows = order[start:start + n], token_of[start:start + n]
+        start += n
+        h = w13[e].matmul(x[rows])
+        if m.w13_bias is not None:
+            h = h + m.w13_bias[e]
+        y = w2[e].matmul(_gated(h, m.activation, m.alpha, m.limit)) * topk_weights.reshape(-1)[sel].unsqueeze(-1)
+        out.index_add_(0, rows, y.to(x.dtype))
+    return out
+
+
+@moe_experts_int4.register_fake
+def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class SparseMoE(nn.Module):
     # gpt-oss's (models/gpt_oss.py sets them): per-expert biases of gate/up [E, 2I] and down [E, H], the activation
     w13_bias: Optional[nn.Parameter]
     w2_bias: Optional[nn.Parameter]
     activation, alpha, limit = "silu", 1.0, 0.0
+
+    int4: Optional[tuple[list[Int4Weight], list[Int4Weight]]] = None  # 4-bit experts (gate/up, down), packed
+    int4_id: Optional[int] = None
+    compute_dtype: Optional[torch.dtype] = None  # set while w13 / w2 hold a checkpoint's 4-bit codes
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, fp32_weights: bool = False, router_bias: bool = False) -> None:
@@ -108,12 +157,17 @@ class SparseMoE(nn.Module):
         return {"w13": [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate_proj", "up_proj")],
                 "w2": [f"{e}.down_proj" for e in range(self.num_experts)]}
 
-    def _slice(self, loaded: torch.Tensor, dim: int, name: str) -> torch.Tensor:
-        full = self.inter * self.tp_size
+    def _slice(self, loaded: torch.Tensor, dim: int, name: str, n: Optional[int] = None) -> torch.Tensor:
+        """This rank's `n` (default: its share of I) of `loaded`'s `dim`; a lone scale (4-bit, one group per row)
+        is every rank's."""
+        n = self.inter if n is None else n
+        if n == 1 and loaded.shape[dim] == 1:
+            return loaded
+        full = n * self.tp_size
         if loaded.shape[dim] != full:
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}: expected {full} along dim {dim}")
         rank = ParallelContext.rank
-        return loaded.narrow(dim, rank * self.inter, self.inter)
+        return loaded.narrow(dim, rank * n, n)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
         expert, proj = shard.split(".")  # type: ignore[union-attr]
@@ -121,7 +175,72 @@ class SparseMoE(nn.Module):
         param.data[int(expert), offset:offset + self.inter].copy_(self._slice(loaded, 0, name))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
-        param.data[int(shard.split(".")[0])].copy_(self._slice(loaded, 1, name))  # type: ignore[union-attr]
+        e = int(shard.split(".")[0])  # type: ignore[union-attr]
+        param.data[e].copy_(self._slice(loaded, 1, name, param.shape[-1]))
+
+    # ------------------------------------------------------------------ 4-bit experts (models/woq.py)
+    def prepare_int4(self, group_size: int) -> bool:
+        """Load a checkpoint's 4-bit experts: w13 / w2 become uint8 codes beside per-group scales and zeros
+        (`w13_scale`, ...), split over ranks as the weights are; `finish_int4` packs them. False (nothing changes)
+        when this rank's share of I would split a group."""
+        (e, i2, hidden), inter = self.w13.shape, self.inter
+        if group_size != -1 and (hidden % group_size or inter % group_size):
+            return False
+        groups = (1, 1) if group_size == -1 else (hidden // group_size, inter // group_size)
+        self.compute_dtype, device = self.w13.dtype, self.w13.device
+        shapes = {"w13": (e, i2, hidden), "w2": (e, hidden, inter)}
+        for w, cols in zip(("w13", "w2"), groups):
+            loader = self._load_w13 if w == "w13" else self._load_w2
+            params = {w: torch.empty(shapes[w], dtype=torch.uint8, device=device),
+                      f"{w}_scale": torch.empty(*shapes[w][:2], cols, device=device),
+                      f"{w}_zero": torch.empty(*shapes[w][:2], cols, device=device)}
+            for name, t in params.items():
+                p = nn.Parameter(t, requires_grad=False)
+                p.weight_loader = loader  # type: ignore[attr-defined]
+                setattr(self, name, p)
+        return True
+
+    def finish_int4(self) -> None:
+        """Pack each expert's codes for the int4 kernels, or dequantize them all where the kernels refuse a shape."""
+        dtype, device = self.compute_dtype, self.w13.device
+        assert dtype is not None, "finish_int4 without prepare_int4"
+        experts = {w: [Unpacked(getattr(self, w).data[e], getattr(self, f"{w}_scale").data[e],
+                                getattr(self, f"{w}_zero").data[e]) for e in range(self.num_experts)]
+                   for w in ("w13", "w2")}
+        for w in ("w13", "w2"):
+            delattr(self, f"{w}_scale")
+            delattr(self, f"{w}_zero")
+        self.compute_dtype = None
+        if all(_int4_fits(u, dtype, device) for u in (experts["w13"][0], experts["w2"][0])):
+            self._use_int4([pack_int4(u, dtype, device) for u in experts["w13"]],
+                           [pack_int4(u, dtype, device) for u in experts["w2"]])
+        else:
+            for w in ("w13", "w2"):
+                setattr(self, w, nn.Parameter(torch.stack([u.dequantize(dtype) for u in experts[w]]),
+                                              requires_grad=False))
+
+    def quantize_int4(self, group_size: int = 128) -> bool:
+        """quantization="int4": round each expert to 4 bits (models/woq.quantize_rtn); False where the kernels
+        refuse the shapes (the experts stay as they are)."""
+        if self.int4 is not None:
+            return True
+        if self.w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        w13, w2 = self.w13.data, self.w2.data
+        groups = [kernel_group(w.shape[-1], group_size) for w in (w13, w2)]
+        if None in groups or not all(int4_supported(w.shape[1], w.shape[2], g, w.dtype, w.device)
+                                     for w, g in zip((w13, w2), groups)):
+            return False
+        self._use_int4(*[[pack_int4(quantize_rtn(w[e], g), w.dtype, w.device) for e in range(self.num_experts)]
+                         for w, g in zip((w13, w2), groups)])
+        return True
+
+    def _use_int4(self, w13: list[Int4Weight], w2: list[Int4Weight]) -> None:
+        self.int4 = (w13, w2)
+        for w in ("w13", "w2"):
+            setattr(self, w, nn.Parameter(getattr(self, w).data.new_empty(0), requires_grad=False))
+        _int4_layers.append(weakref.ref(self))
+        self.int4_id = len(_int4_layers) - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.linear(x, self.gate.weight, self.gate.bias).softmax(dim=-1, dtype=torch.float32)
@@ -130,7 +249,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_weights:
             weights = weights.to(x.dtype)
-        out = moe_experts(x, self.w13, self.w2, weights, ids, self.w13_bias, self.activation, self.alpha, self.limit)
+        if self.int4_id is not None:
+            out = moe_experts_int4(x, weights, ids, self.int4_id)
+        else:
+            out = moe_experts(x, self.w13, self.w2, weights, ids, self.w13_bias, self.activation, self.alpha,
+                              self.limit)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         if self.w2_bias is not None:  # after the all-reduce: every rank holds all of it
