@@ -4,7 +4,7 @@
 #   bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
 #   bench/gpu_check.sh --cpu-dry-run   # CPU smoke test of the same script (tiny shapes, Triton interpreter)
 #
-# Steps, each under its own time limit so one hang cannot eat the budget (worst case ~7.6 min):
+# Steps, each under its own time limit so one hang cannot eat the budget (worst case ~7.8 min):
 #   1. kernel tests on CUDA (tests/test_kernels_*.py, compiled, no interpreter) and the CUDA-graph
 #      decode test (tests/test_cuda_graphs.py: captured graphs vs plain steps, same tokens), and the
 #      draft model's device path (tests/test_draft_model.py, the target as its own draft), Gemma 3's
@@ -12,7 +12,8 @@
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, sweep      <= 110 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256, and 1 / 32
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
-#      the torch and on the Triton sampler, then batch 32 eager with bf16 vs FP8 weights          <= 170 s
+#      the torch and on the Triton sampler, then eager: bf16 vs int4 weights at batch 1, int4 at 32,
+#      bf16 vs FP8 weights at 32                                                                  <= 180 s
 #   4. bench/gpu_report.py: the summary table
 # Raw logs and JSON land in $OUT/gpu_check (or a temp dir), so they come back with the run.
 set -u
@@ -78,7 +79,7 @@ timeout -k 10 110 $PY bench/gpu_kernels.py $DRY --out "$RES/kernels.json" 2>&1 |
 # 3. End to end, with the measured copy bandwidth for the roofline column.
 stamp "end-to-end decode"
 COPY=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['copy_gbps'])" "$RES/kernels.json" 2>/dev/null)
-timeout -k 10 170 $PY bench/gpu_e2e.py $DRY ${COPY:+--copy-gbps "$COPY"} --out "$RES/e2e.json" 2>&1 \
+timeout -k 10 180 $PY bench/gpu_e2e.py $DRY ${COPY:+--copy-gbps "$COPY"} --out "$RES/e2e.json" 2>&1 \
     | tee "$RES/e2e.log"
 
 # 4. The table, last.

@@ -10,7 +10,9 @@ and prefix caching is off, so every run pays the same prefill.
 Decode step time = (t(gen + 1 tokens) - t(1 token)) / gen for the same batch shape: the prefill and the first
 token cancel out. After the default rows, batches <= 32 run again without CUDA graphs and without async
 scheduling (toggled on the same engine), so each one's gain shows side by side; last, the largest batch samples
-with top-k/top-p/min-p on the torch sampler and then on the Triton one (`sampling_backend`). Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
+with top-k/top-p/min-p on the torch sampler and then on the Triton one (`sampling_backend`); then, eager and
+without graphs, bf16 against 4-bit weights (tinygemm, quantization="int4") at batch 1 and 4-bit at 32, and bf16
+against FP8 weights at batch 32. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
 row also shows the memory roofline of a step: weights + the batch's KV cache read once.
 """
 from __future__ import annotations
@@ -174,9 +176,31 @@ def main() -> int:
         # without graphs (the graphs and the compiled model hold the bf16 weights): the weights are quantized in
         # place between the two rows, which also frees the bf16 copies.
         from streamer.models.layers import PackableLinear
+        from streamer.models.woq import kernel_group, pack_int4, quantize_rtn
         runner._use_eager()
         runner.graphs = None
         batch = min(32, max(batches))
+        linears = [m for m in runner.model.modules()
+                   if isinstance(m, PackableLinear) and m.fp8 is None and m.packed is None]  # (CPU dry run: packed)
+        # 4-bit weights (quantization="int4": tinygemm) beside the bf16 ones, kept for the FP8 rows after.
+        for b, label in ((min(batches), "bf16"), (min(batches), "int4"), (batch, "int4")):
+            for m in linears:
+                w = m.weight.detach()
+                m.int4 = None if label == "bf16" else pack_int4(quantize_rtn(w, kernel_group(w.shape[1], 128)),
+                                                                 w.dtype, w.device)
+                m.out_features = w.shape[0]
+            run(b, 2)
+            t_first = run(b, 1)
+            step_s = max(run(b, gen + 1) - t_first, 1e-9) / gen
+            r = {"section": "e2e", "name": f"decode batch {b}, eager, no graphs, {label} weights"
+                 + (f" ({len(linears)} layers)" if label == "int4" else ""),
+                 "ms": round(step_s * 1e3, 3), "tok_per_s": round(b / step_s, 1), "prefill_s": round(t_first, 3)}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps({"rows": rows}))
+        for m in linears:
+            m.int4 = None
         for label in ("bf16", "fp8"):
             if label == "fp8":
                 for m in runner.model.modules():
