@@ -121,11 +121,14 @@ class Unpacked:
     g_idx: Optional[torch.Tensor] = None  # int64 [in]; None: contiguous groups
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        groups = self.scale.shape[1]
-        idx = self.g_idx if self.g_idx is not None else torch.arange(self.codes.shape[1]) // -(-self.codes.shape[1]
-                                                                                                // groups)
-        w = (self.codes.float() - self.zero[:, idx]) * self.scale[:, idx]
-        return w.to(dtype)
+        idx = self.g_idx if self.g_idx is not None else contiguous_groups(self.codes.shape[1], self.scale.shape[1])
+        idx = idx.to(self.codes.device)
+        return ((self.codes.float() - self.zero[:, idx]) * self.scale[:, idx]).to(dtype)
+
+
+def contiguous_groups(cols: int, groups: int) -> torch.Tensor:
+    """Each input column's group when `groups` groups take the columns in order."""
+    return torch.arange(cols) // -(-cols // groups)
 
 
 def _nibbles(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -144,48 +147,48 @@ def _check(cond: bool, name: str, what: str) -> None:
 
 def unpack(iq: IntQuant, parts: dict[str, torch.Tensor], name: str) -> Unpacked:
     """One linear's checkpoint tensors (by suffix) in the canonical form."""
+    mask = (1 << iq.bits) - 1
     if iq.method == "gptq":
         codes = _nibbles(parts[".qweight"], iq.bits, 0).t()  # [in, out] -> [out, in]
-        zeros = _nibbles(parts[".qzeros"], iq.bits, 1).to(torch.int32)  # [groups, out]
+        zeros = _nibbles(parts[".qzeros"], iq.bits, 1).t().to(torch.int32)  # [groups, out] -> [out, groups]
         if iq.zero_minus_one:  # v1 stores z - 1, wrapping around: z = 0 reads back as 2^bits - 1
-            zeros = (zeros + 1) & ((1 << iq.bits) - 1)
-        scale, g_idx = parts[".scales"], parts.get(".g_idx")
+            zeros = (zeros + 1) & mask
+        scale, g_idx = parts[".scales"].t(), parts.get(".g_idx")
     elif iq.method == "awq":
         order = torch.tensor(_AWQ_COLUMN_NIBBLE)
-        def columns(p: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [rows, out] in column order
+
+        def columns(p: torch.Tensor) -> torch.Tensor:  # [rows, out / 8] -> [out, rows], columns in order
             n = _nibbles(p, 4, 1)
-            return n.view(n.shape[0], -1, 8)[:, :, order].flatten(1)
-        codes, zeros = columns(parts[".qweight"]).t(), columns(parts[".qzeros"]).to(torch.int32)
-        scale, g_idx = parts[".scales"], None
+            return n.view(n.shape[0], -1, 8)[:, :, order].flatten(1).t()
+        codes, zeros = columns(parts[".qweight"]), columns(parts[".qzeros"]).to(torch.int32)
+        scale, g_idx = parts[".scales"].t(), None
     else:
         out, cols = (int(v) for v in parts[".weight_shape"].tolist())
         codes = _nibbles(parts[".weight_packed"], iq.bits, 1)[:, :cols]
-        offset = 1 << (iq.bits - 1)  # stored = signed + offset
-        scale = parts[".weight_scale"].t()  # -> [groups, out], as the others
-        zp = parts.get(".weight_zero_point")
-        if zp is None:
-            zeros = torch.full_like(scale, offset, dtype=torch.int32)
+        scale, zp = parts[".weight_scale"], parts.get(".weight_zero_point")  # [out, groups]
+        offset = 1 << (iq.bits - 1)  # stored = signed + offset, so w = (stored - (signed zero + offset)) * s
+        if zp is None:  # symmetric
+            zeros = torch.full(scale.shape, offset, dtype=torch.int32)
         elif zp.dtype == torch.int32 and zp.shape[0] == -(-out // (32 // iq.bits)):  # packed along the rows
-            zeros = (_nibbles(zp, iq.bits, 0)[:out].to(torch.int32)).t()
+            zeros = _nibbles(zp, iq.bits, 0)[:out].to(torch.int32)
         else:  # unpacked signed zero points
-            zeros = (zp.to(torch.int32) + offset).t()
+            zeros = zp.to(torch.int32) + offset
         g_idx = parts.get(".weight_g_idx")
-    codes = codes.contiguous()
-    scale_t, zero_t = scale.float().t().contiguous(), zeros.float().t().contiguous()  # [out, groups]
+    codes, scale, zero = codes.contiguous(), scale.float().contiguous(), zeros.float().contiguous()
     out, cols = codes.shape
-    _check(scale_t.shape[0] == out and zero_t.shape == scale_t.shape, name,
-           f"codes {tuple(codes.shape)}, scales {tuple(scale_t.shape)} and zeros {tuple(zero_t.shape)} "
+    _check(scale.shape[0] == out and zero.shape == scale.shape, name,
+           f"codes {tuple(codes.shape)}, scales {tuple(scale.shape)} and zeros {tuple(zero.shape)} "
            "(as [out, groups]) do not fit together")
-    groups = scale_t.shape[1]
+    groups = scale.shape[1]
     if g_idx is not None:
         g_idx = g_idx.long()
         _check(g_idx.shape == (cols,) and int(g_idx.min()) >= 0 and int(g_idx.max()) < groups, name,
                f"g_idx must hold a group in [0, {groups}) for each of the {cols} input columns")
-        if torch.equal(g_idx, torch.arange(cols) // -(-cols // groups)):
+        if torch.equal(g_idx, contiguous_groups(cols, groups)):
             g_idx = None  # contiguous after all (what non-act-order GPTQ writes)
     if g_idx is None:
         _check(cols % groups == 0, name, f"{cols} input columns do not split into {groups} groups")
-    return Unpacked(codes, scale_t, zero_t, g_idx)
+    return Unpacked(codes, scale, zero, g_idx)
 
 
 def int_weights(weights: Iterable[tuple[str, torch.Tensor]], iq: IntQuant, dtype: torch.dtype,
