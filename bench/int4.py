@@ -3,21 +3,23 @@ and how long greedy output stays the same.
 
     python bench/int4.py [--models 90m,1b] [--rounds 3] [--compile]
 
-Models: "demo", the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says
+Models ("8b": Llama-3-8B's decoder shapes, 8k vocabulary, dummy weights; ~14 GiB in bf16, so the int4 engine is
+built first and its float weights are gone before the bf16 one fills its own): "demo", the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says
 much); "90m", the shared bf16 bench checkpoint (bench/make_bench_model.py); "1b", a Llama-3.2-1B-shaped decoder
 (hidden 2048, 16 layers, 32 heads / 8 kv heads, intermediate 8192) with the bench tokenizer's 8k vocabulary and
 random (dummy) weights, big enough that decode reads ~2 GB of bf16 weights a step. Per model, two engines with the
 same settings, rounds alternating between them:
 - prefill: one 512-token prompt, 1 output token (time to first token);
-- decode tok/s at batch 1 and batch 16: 64 greedy tokens after 128-token prompts, timed from the last first token
+- decode tok/s at batch 1 and batch 16: `--tokens` (64) greedy tokens after 128-token prompts, timed from the last first token
   to the last token by the engine's request metrics.
-Agreement: the leading greedy tokens (of 64, batch 16) the int4 engine shares with bf16 — on random weights it
+Agreement: the leading greedy tokens (of `--tokens`, batch 16) the int4 engine shares with bf16 — on random weights it
 says little: a random model's logits are nearly flat, so the rounding flips near-ties at once.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -32,6 +34,8 @@ from streamer import LLM, SamplingParams  # noqa: E402
 from streamer.models.layers import PackableLinear  # noqa: E402
 
 BENCH = Path.home() / ".cache" / "streamer-bench"
+LLAMA_8B_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 LLAMA_1B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=8192,
                 max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
@@ -47,14 +51,20 @@ def model_folder(name: str) -> tuple[Path, dict]:
     if name == "demo":  # trained weights: the one model here whose greedy agreement means something
         from streamer.demo_model import default_model_path
         return default_model_path(), {}
-    folder = BENCH / "llama-1b-shape"
+    folder = BENCH / f"llama-{name}-shape"
     folder.mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bench_90m / f, folder / f)
     cfg = json.loads((bench_90m / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(dict(LLAMA_1B, bos_token_id=cfg.get("bos_token_id"),
+    shape = dict(LLAMA_1B, **(LLAMA_8B_SHAPE if name == "8b" else {}))
+    (folder / "config.json").write_text(json.dumps(dict(shape, bos_token_id=cfg.get("bos_token_id"),
                                                         eos_token_id=cfg.get("eos_token_id")), indent=1))
     return folder, {"load_format": "dummy"}
+
+
+def rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 30)
 
 
 def linear_bytes(llm: LLM) -> int:
@@ -81,15 +91,18 @@ def prefill_time(llm: LLM, prompt: dict) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(name: str, rounds: int, compile_: bool) -> None:
+def bench_model(name: str, rounds: int, compile_: bool, tokens: int) -> None:
     folder, extra = model_folder(name)
     common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
-                  kv_cache_memory=1 << 30, enforce_eager=not compile_, **extra)
+                  kv_cache_memory=(1 << 30) if name != "8b" else (1 << 29), enforce_eager=not compile_, **extra)
     engines = {}
-    for q in ("bf16", "int4"):
-        t0 = time.perf_counter()
+    for q in ("int4", "bf16"):  # int4 first: its float weights are gone before the bf16 engine fills its own
+        t0, rss0 = time.perf_counter(), rss_gib()
         engines[q] = LLM(str(folder), quantization="int4" if q == "int4" else None, **common)
-        print(f"[{name}] {q} engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"[{name}] {q} engine ready in {time.perf_counter() - t0:.1f} s, process memory "
+              f"+{rss_gib() - rss0:.2f} GiB (KV cache {common['kv_cache_memory'] / (1 << 30):.2f} GiB of it)",
+              flush=True)
+    engines = {"bf16": engines["bf16"], "int4": engines["int4"]}
     rng = random.Random(0)
     vocab = engines["bf16"].engine.vocab_size
     long_prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(512)]}
@@ -102,8 +115,8 @@ def bench_model(name: str, rounds: int, compile_: bool) -> None:
     for _ in range(rounds):
         for q, llm in engines.items():
             res[q]["prefill"].append(prefill_time(llm, long_prompt))
-            res[q]["b1"].append(decode_rate(llm, prompts[:1], 64)[0])
-            rate, outs[q] = decode_rate(llm, prompts, 64)
+            res[q]["b1"].append(decode_rate(llm, prompts[:1], tokens)[0])
+            rate, outs[q] = decode_rate(llm, prompts, tokens)
             res[q]["b16"].append(rate)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(outs["int4"], outs["bf16"])]
@@ -120,7 +133,7 @@ def bench_model(name: str, rounds: int, compile_: bool) -> None:
                          if k == "prefill" else
                          f"{med[q][k]:.1f} ({min(res[q][k]):.1f}-{max(res[q][k]):.1f}) {ratio:.2f}x")
         print(f"| {q} | {linear_bytes(llm) / (1 << 20):.0f} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\nleading greedy tokens int4 shares with bf16 (of 64, batch 16): min {min(agree)}, median "
+    print(f"\nleading greedy tokens int4 shares with bf16 (of {tokens}, batch 16): min {min(agree)}, median "
           f"{statistics.median(agree):.0f}, max {max(agree)}\n", flush=True)
     for llm in engines.values():
         llm.close()
@@ -131,9 +144,10 @@ def main() -> None:
     ap.add_argument("--models", default="90m,1b")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile both engines (as `streamer serve` does)")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode run")
     args = ap.parse_args()
     for name in args.models.split(","):
-        bench_model(name, args.rounds, args.compile)
+        bench_model(name, args.rounds, args.compile, args.tokens)
 
 
 if __name__ == "__main__":
