@@ -1,19 +1,21 @@
 """4-bit weights (quantization="int4") vs the bf16 model, side by side: weight memory, prefill and decode speed,
 and how long greedy output stays the same.
 
-    python bench/int4.py [--models 90m,1b] [--rounds 3] [--compile]
+    python bench/int4.py [--models 90m,1b] [--rounds 3] [--tokens 64] [--compile]
 
-Models ("8b": Llama-3-8B's decoder shapes, 8k vocabulary, dummy weights; ~14 GiB in bf16, so the int4 engine is
-built first and its float weights are gone before the bf16 one fills its own): "demo", the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says
-much); "90m", the shared bf16 bench checkpoint (bench/make_bench_model.py); "1b", a Llama-3.2-1B-shaped decoder
-(hidden 2048, 16 layers, 32 heads / 8 kv heads, intermediate 8192) with the bench tokenizer's 8k vocabulary and
-random (dummy) weights, big enough that decode reads ~2 GB of bf16 weights a step. Per model, two engines with the
-same settings, rounds alternating between them:
+Models:
+- "demo": the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says much);
+- "90m": the shared bf16 bench checkpoint (bench/make_bench_model.py);
+- "1b": a Llama-3.2-1B-shaped decoder (hidden 2048, 16 layers, 32 heads / 8 kv heads, intermediate 8192) with the
+  bench tokenizer's 8k vocabulary and random (dummy) weights: decode reads ~2 GB of bf16 weights a step;
+- "8b": Llama-3-8B's decoder shapes, 8k vocabulary, dummy weights (~14 GiB in bf16: the int4 engine is built
+  first, so that its float weights are gone before the bf16 one fills its own).
+Per model, two engines with the same settings, rounds alternating between them:
 - prefill: one 512-token prompt, 1 output token (time to first token);
-- decode tok/s at batch 1 and batch 16: `--tokens` (64) greedy tokens after 128-token prompts, timed from the last first token
-  to the last token by the engine's request metrics.
-Agreement: the leading greedy tokens (of `--tokens`, batch 16) the int4 engine shares with bf16 — on random weights it
-says little: a random model's logits are nearly flat, so the rounding flips near-ties at once.
+- decode tok/s at batch 1 and batch 16: `--tokens` greedy tokens after 128-token prompts, timed from the last
+  first token to the last token by the engine's request metrics.
+Agreement: the leading greedy tokens (of `--tokens`, batch 16) the int4 engine shares with bf16. On random weights
+it says little: a random model's logits are nearly flat, so the rounding flips near-ties at once.
 """
 from __future__ import annotations
 
