@@ -101,6 +101,33 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "olmo2":  # post-norms, whole-projection q/k norms (their weights randomised: see below)
         kw.setdefault("pad_token_id", 0)
         return tf.Olmo2Config(**kw)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        # MLA with small ranks (V: 12 dims beside K's 16 + 8, padded in the cache), 3 layers: a dense one
+        # (first_k_dense_replace), then sparse ones of 8 experts top 2 plus shared experts. V2: no q LoRA (V2-Lite),
+        # softmax "greedy" routing (or group_limited_greedy when asked); V3: q LoRA, sigmoid + correction bias (random:
+        # see below) within the best 2 of 4 groups, interleaved rope.
+        v3 = family == "deepseek_v3"
+        kw.update(num_key_value_heads=kw["num_attention_heads"])  # (MLA ignores it; V3's config defaults to 128)
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 3)
+        kw.setdefault("q_lora_rank", 24 if v3 else None)
+        kw.setdefault("kv_lora_rank", 16)
+        kw.setdefault("qk_nope_head_dim", 16)
+        kw.setdefault("qk_rope_head_dim", 8)
+        kw.setdefault("v_head_dim", 12)
+        kw.setdefault("n_routed_experts", 8)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("moe_intermediate_size", 16)
+        kw.setdefault("n_shared_experts", 1 if v3 else 2)
+        kw.setdefault("first_k_dense_replace", 1)
+        kw.setdefault("routed_scaling_factor", 2.5 if v3 else 1.5)
+        if v3:
+            kw.setdefault("n_group", 4)
+            kw.setdefault("topk_group", 2)
+            kw.setdefault("norm_topk_prob", True)
+            kw.setdefault("rope_interleave", True)
+            return tf.DeepseekV3Config(**kw)
+        kw.setdefault("topk_method", "greedy")
+        return tf.DeepseekV2Config(**kw)
     raise ValueError(family)
 
 
@@ -147,6 +174,13 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     p.normal_(0.0, 0.3)
                 elif name.endswith("sinks"):
                     p.normal_(0.0, 1.5)
+    if family == "deepseek_v3":
+        # transformers starts the routers' correction biases at zero: random ones (about the spread of the
+        # sigmoid scores) change which experts some tokens choose, and show that the bias only chooses.
+        with torch.no_grad():
+            for name, p in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    p.normal_(0.0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir

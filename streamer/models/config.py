@@ -8,7 +8,10 @@ from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
-                           "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
+                           "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
@@ -72,6 +75,33 @@ def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Op
     return None if scaling["rope_type"] == "default" else scaling
 
 
+@dataclass
+class MLADims:
+    """Multi-head latent attention's sizes (DeepSeek-V2 / V3): q = q_b(norm(q_a(x))) (or q_proj(x) without
+    `q_lora_rank`); kv_a(x) = a `kv_lora_rank` latent + a `qk_rope_head_dim` rope key shared by every head; kv_b(norm(
+    latent)) = per head a `qk_nope_head_dim` key part and a `v_head_dim` value."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> "MLADims":
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not isinstance(c.get(key), int) or c[key] <= 0:
+                raise ValueError(f"a DeepSeek config needs a positive integer {key} (got {c.get(key)!r})")
+        if c["qk_rope_head_dim"] % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (got {c['qk_rope_head_dim']})")
+        return cls(c.get("q_lora_rank") or None, c["kv_lora_rank"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
+                   c["v_head_dim"])
+
+
 def _quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     from streamer.models.quant import check_quantization  # (imports torch: this module does not)
     return check_quantization(qc)
@@ -108,6 +138,8 @@ class ModelConfig:
     # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions
     mrope_section: Optional[list[int]] = None
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
+    # DeepSeek's latent attention; head_dim is then the KV cache's per-head width, max(qk_head_dim, v_head_dim)
+    mla: Optional[MLADims] = None
 
     @property
     def multimodal_architecture(self) -> Optional[str]:
@@ -123,7 +155,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many leading dims of each head rotary rotates (as transformers: int(head_dim * factor))."""
+        """How many leading dims of each head rotary rotates (as transformers: int(head_dim * factor)); MLA: the
+        rope part's width (models/deepseek.py rotates only that part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
@@ -172,6 +207,7 @@ class ModelConfig:
             scaling.setdefault("max_position_embeddings", length)
         partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
         eos = c.get("eos_token_id")
+        mla = MLADims.from_dict(c) if arch in MLA_ARCHITECTURES else None
         is_qwen2 = arch == "Qwen2ForCausalLM"
         attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS
                                       and bool(c.get("attention_bias", arch == "GptOssForCausalLM")))
@@ -186,8 +222,10 @@ class ModelConfig:
             intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=c.get("num_key_value_heads") or num_heads,
-            head_dim=c.get("head_dim") or hidden // num_heads,
+            # MLA: every head has its own K and V (num_key_value_heads, 128 in V3's config, plays no part), cached at
+            # one width (config.json's head_dim is the rope part's there)
+            num_kv_heads=num_heads if mla else c.get("num_key_value_heads") or num_heads,
+            head_dim=max(mla.qk_head_dim, mla.v_head_dim) if mla else c.get("head_dim") or hidden // num_heads,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
@@ -204,6 +242,7 @@ class ModelConfig:
             quantization=_quantization(c.get("quantization_config")),
             partial_rotary_factor=partial,
             num_labels=num_labels,
+            mla=mla,
         )
 
     @classmethod

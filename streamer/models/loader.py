@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from streamer.models.deepseek import DeepseekForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
@@ -32,6 +33,8 @@ _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
 _MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
 _MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
+_MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
+_MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

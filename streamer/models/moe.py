@@ -1,6 +1,7 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss): a router picks each token's top-k experts; their SwiGLU
-outputs, weighted by the router's probabilities, are summed. gpt-oss (models/gpt_oss.py) adds biases (router, experts)
-and its clamped SwiGLU (`activation="swiglu_oai"`).
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek): a router picks each token's top-k experts;
+their SwiGLU outputs, weighted by the router's probabilities, are summed. gpt-oss (models/gpt_oss.py) adds biases
+(router, experts) and its clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py) its own routers
+(`route`) and shared experts.
 
 The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).
@@ -28,7 +29,7 @@ def _int4_fits(u: Unpacked, dtype: torch.dtype, device: torch.device) -> bool:
     groups = u.scale.shape[1]
     return int4_supported(out, cols, cols // groups if groups > 1 else -1, dtype, device)
 
-# One expert's matrix in a checkpoint: Qwen3-MoE's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
+# One expert's matrix in a checkpoint: Qwen3-MoE's and DeepSeek's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 # `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
 # `weight_zero` (models/woq.py).
 EXPERT_WEIGHT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
@@ -242,13 +243,19 @@ class SparseMoE(nn.Module):
         _int4_layers.append(weakref.ref(self))
         self.int4_id = len(_int4_layers) - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights: (weights [T, k], expert ids [T, k]). Softmax over the router's
+        logits, top-k; DeepSeek's routers (models/deepseek.py) override this."""
         probs = F.linear(x, self.gate.weight, self.gate.bias).softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:  # (= a softmax over the top-k logits: gpt-oss's routing)
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.fp32_weights:
             weights = weights.to(x.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
         if self.int4_id is not None:
             out = moe_experts_int4(x, weights, ids, self.int4_id)
         else:
