@@ -8,7 +8,8 @@
 #   1. kernel tests on CUDA (tests/test_kernels_*.py, compiled, no interpreter) and the CUDA-graph
 #      decode test (tests/test_cuda_graphs.py: captured graphs vs plain steps, same tokens), and the
 #      draft model's device path (tests/test_draft_model.py, the target as its own draft), Gemma 3's
-#      images on the device (tests/test_multimodal.py, against transformers)                     <= 160 s
+#      images on the device (tests/test_multimodal.py, against transformers), 4-bit weights
+#      (tests/test_int4.py), DeepSeek-V3's 24-wide heads (tests/test_deepseek.py)                  <= 160 s
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, sweep      <= 110 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256, and 1 / 32
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
@@ -58,7 +59,8 @@ if [ -z "$DRY" ]; then
         tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
         tests/test_fp8_kv_cache.py "tests/test_multimodal.py::test_gemma3_images_attend_both_ways_as_in_transformers" \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" \
-        "tests/test_int4.py::test_int4_kernel_on_cuda" >"$RES/tests.log" 2>&1
+        "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3]" \
+        >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
         -W ignore::DeprecationWarning tests/test_kernels_cache.py tests/test_kernels_fused.py \
