@@ -73,6 +73,25 @@ def unquantized(llama_dir):
     return hf_greedy(llama_dir, PROMPTS, 8), _hf_prompt_logprobs(llama_dir)
 
 
+def test_zero_biases_of_old_gptq_writers_are_dropped(llama_dir, tmp_path):
+    """Older AutoGPTQ versions wrote a zero `bias` for every quantized linear, even for models without biases
+    (TheBloke's Llama checkpoints): they load; a non-zero bias with no place in the model is still refused."""
+    from safetensors.torch import save_file
+    out_dir, ref_dir = _write(llama_dir, tmp_path, "gptq-4bit-sym-g32")
+    state = load_file(str(out_dir / "model.safetensors"))
+    scales = [n for n in state if n.endswith(".scales")]
+    state.update({n.replace(".scales", ".bias"): torch.zeros(state[n].shape[1], dtype=torch.float16) for n in scales})
+    save_file(state, str(out_dir / "model.safetensors"))
+    with LLM(str(out_dir), dtype="float32") as llm:
+        params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=8)
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert got == hf_greedy(ref_dir, PROMPTS, 8)
+    state[scales[0].replace(".scales", ".bias")][0] = 1.0
+    save_file(state, str(out_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected tensor.*bias"):
+        LLM(str(out_dir), dtype="float32")
+
+
 @pytest.mark.parametrize("family,fmt", [("qwen3_moe", "gptq"), ("mixtral", "awq")])
 def test_moe_experts_stay_4bit(make_ckpt, tmp_path, family, fmt):
     """A sparse MLP whose experts are all 4-bit computes with them (one int4 matmul pair per expert with tokens)

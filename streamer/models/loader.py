@@ -100,7 +100,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         iq = parse_int_quant(cfg.quantization) if cfg.quantization is not None else None
         if iq is not None:
             keep = _prepare_int4(model, iq, files) if keep_int4 else set()
-            weights = int_weights(weights, iq, dtype, keep.__contains__)
+            weights = int_weights(_without_zero_biases(weights, model), iq, dtype, keep.__contains__)
         elif cfg.quantization is not None:
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)
@@ -152,6 +152,17 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
     if by_module and not keep:
         logger.info("no layer of this checkpoint can stay 4-bit: its weights are dequantized")
     return keep
+
+
+def _without_zero_biases(weights: Iterator[tuple[str, torch.Tensor]], model: LlamaForCausalLM,
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Older GPTQ writers stored a bias for every quantized linear, zeros where the model has none: those are
+    dropped (a non-zero bias the model has no place for still fails the load)."""
+    params = {name for name, _ in model.named_parameters()}
+    for name, t in weights:
+        if name.endswith(".bias") and model.param_name(name)[0] not in params and not bool(t.any()):
+            continue
+        yield name, t
 
 
 def _act_order(g_idx: list[Optional[torch.Tensor]], group_size: int, name: str,
