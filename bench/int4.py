@@ -12,9 +12,9 @@ Models:
   first, so that its float weights are gone before the bf16 one fills its own).
 Per model, two engines with the same settings, rounds alternating between them:
 - prefill: one 512-token prompt, 1 output token (time to first token);
-- decode tok/s at batch 1 and batch 16: `--tokens` greedy tokens after 128-token prompts, timed from the last
+- decode tok/s at batch 1 and `--batch` (16): `--tokens` greedy tokens after 128-token prompts, timed from the last
   first token to the last token by the engine's request metrics.
-Agreement: the leading greedy tokens (of `--tokens`, batch 16) the int4 engine shares with bf16. On random weights
+Agreement: the leading greedy tokens (of `--tokens`, the larger batch) the int4 engine shares with bf16. On random weights
 it says little: a random model's logits are nearly flat, so the rounding flips near-ties at once.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def prefill_time(llm: LLM, prompt: dict) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(name: str, rounds: int, compile_: bool, tokens: int) -> None:
+def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int) -> None:
     folder, extra = model_folder(name)
     common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
                   kv_cache_memory=(1 << 30) if name != "8b" else (1 << 29), enforce_eager=not compile_, **extra)
@@ -108,34 +108,34 @@ def bench_model(name: str, rounds: int, compile_: bool, tokens: int) -> None:
     rng = random.Random(0)
     vocab = engines["bf16"].engine.vocab_size
     long_prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(512)]}
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(128)]} for _ in range(16)]
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(128)]} for _ in range(batch)]
     for llm in engines.values():  # warm-up: every shape the rounds use (the CPU decode kernel compiles per kind)
         for batch in (prompts[:1], prompts, [long_prompt]):
             llm.generate(batch, SamplingParams(max_tokens=4, temperature=0.0))
-    res: dict[str, dict[str, list[float]]] = {q: {"prefill": [], "b1": [], "b16": []} for q in engines}
+    res: dict[str, dict[str, list[float]]] = {q: {"prefill": [], "b1": [], "bN": []} for q in engines}
     outs: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
         for q, llm in engines.items():
             res[q]["prefill"].append(prefill_time(llm, long_prompt))
             res[q]["b1"].append(decode_rate(llm, prompts[:1], tokens)[0])
             rate, outs[q] = decode_rate(llm, prompts, tokens)
-            res[q]["b16"].append(rate)
+            res[q]["bN"].append(rate)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(outs["int4"], outs["bf16"])]
     print(f"\n{name} ({folder.name}), bf16 activations, {'compiled' if compile_ else 'eager'}, {rounds} alternating "
           "rounds, medians (range)\n")
-    print("| weights | linear weight MiB | prefill 512 tok, s | decode tok/s, batch 1 | decode tok/s, batch 16 |")
+    print(f"| weights | linear weight MiB | prefill 512 tok, s | decode tok/s, batch 1 | decode tok/s, batch {batch} |")
     print("|---|---:|---:|---:|---:|")
     med = {q: {k: statistics.median(v) for k, v in r.items()} for q, r in res.items()}
     for q, llm in engines.items():
         cells = []
-        for k in ("prefill", "b1", "b16"):
+        for k in ("prefill", "b1", "bN"):
             ratio = med[q][k] / med["bf16"][k]
             cells.append(f"{med[q][k]:.3f} ({min(res[q][k]):.3f}-{max(res[q][k]):.3f}) {ratio:.2f}x"
                          if k == "prefill" else
                          f"{med[q][k]:.1f} ({min(res[q][k]):.1f}-{max(res[q][k]):.1f}) {ratio:.2f}x")
         print(f"| {q} | {linear_bytes(llm) / (1 << 20):.0f} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\nleading greedy tokens int4 shares with bf16 (of {tokens}, batch 16): min {min(agree)}, median "
+    print(f"\nleading greedy tokens int4 shares with bf16 (of {tokens}, batch {batch}): min {min(agree)}, median "
           f"{statistics.median(agree):.0f}, max {max(agree)}\n", flush=True)
     for llm in engines.values():
         llm.close()
@@ -147,9 +147,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="compile both engines (as `streamer serve` does)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode run")
+    ap.add_argument("--batch", type=int, default=16, help="the larger decode batch")
     args = ap.parse_args()
     for name in args.models.split(","):
-        bench_model(name, args.rounds, args.compile, args.tokens)
+        bench_model(name, args.rounds, args.compile, args.tokens, args.batch)
 
 
 if __name__ == "__main__":
