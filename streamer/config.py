@@ -24,6 +24,10 @@ class EngineConfig:
     # twice the tokens in the same memory. Stored k / k_scale and v / v_scale with the checkpoint's calibrated
     # scales where it has them (llm-compressor's k_scale / v_scale), else 1.0.
     kv_cache_dtype: str = "auto"
+    # DeepSeek-V2 / V3 (multi-head latent attention): cache the shared latent, one kv head of kv_lora_rank +
+    # qk_rope_head_dim (kv_b_proj absorbed into queries and output); False: every head's K and V, plain MHA
+    # (5.3x (V2-Lite) to 42.7x (V3) the latent cache's bytes a token). Other models ignore it.
+    mla_latent_cache: bool = True
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
     num_kv_blocks: Optional[int] = None  # override the computed pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
@@ -124,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if not isinstance(self.mla_latent_cache, bool):
+            raise ValueError(f"mla_latent_cache must be True or False, got {self.mla_latent_cache!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8", "int4", "none"):

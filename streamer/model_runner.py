@@ -127,7 +127,8 @@ class ModelRunner:
                  tp_rank: int = 0) -> None:
         """tp_rank > 0: a tensor-parallel worker's shard (streamer/parallel.py), which only runs forwards."""
         self.config = config
-        self.model_cfg = model_cfg
+        # (DeepSeek: the KV cache's geometry follows the latent-or-MHA switch; every rank applies it alike)
+        self.model_cfg = model_cfg = model_cfg.with_mla_cache(config.mla_latent_cache)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
@@ -173,6 +174,11 @@ class ModelRunner:
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
+        # A model's own steps on its loaded float weights, before anything is rounded or packed (DeepSeek: kv_b_proj
+        # absorbed into the latent cache's query and output weights)
+        post_load = getattr(self.model, "post_load", None)
+        if post_load is not None:
+            post_load()
         self._use_int4()
         self.fp8 = self._use_fp8()
         if self.fp8:  # (after LoRA, whose slots take the layers' shapes and compute dtype)
@@ -190,8 +196,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
-        shape = (2, self.num_blocks + 1, self.block_size, self.model.layers[0].self_attn.num_kv_heads,
-                 model_cfg.head_dim)
+        attn = self.model.layers[0].self_attn  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
+        shape = (2, self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(model_cfg.num_layers)]
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,

@@ -11,6 +11,7 @@ import math
 import random
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -88,22 +89,30 @@ def _assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]]) -> No
 
 
 # ------------------------------------------------------------------------------------------------ parity
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_transformers(ckpt, refs, name) -> None:
+@pytest.mark.parametrize("name,latent", [(name, True) for name in CASES] + [("v3", False)])
+def test_matches_transformers(ckpt, refs, name, latent) -> None:
     """Greedy tokens and prompt logprobs, prompts prefilled in chunks of at most 16 tokens over blocks of 8 (chunks
-    attend their cached context) beside other requests' decodes."""
+    attend their cached context) beside other requests' decodes: with the latent cache (the default), and once with
+    the per-head MHA cache (`mla_latent_cache=False`), so that both forms are shown to agree with transformers."""
     path = ckpt(name)
     ref = refs(name)
     assert len({tuple(r) for r in ref}) == len(ref) and sum(len(set(r)) for r in ref) > 6 * len(ref), \
         "degenerate reference: the test would not discriminate"
-    with LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8) as llm:
+    with LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8, mla_latent_cache=latent) as llm:
         assert _greedy(llm, PROMPTS) == ref
         _assert_logprobs_match(llm, path, PROMPTS[:3])
         runner = llm.engine.runner
-        # The cache: every head's K (16 + 8) and V (12, padded to 24), per layer: 2 * 4 * 24 values a token, 8x the
-        # latent cache's kv_lora_rank + qk_rope_head_dim = 24
-        assert runner.kv_caches[0].shape[2:] == (8, 4, 24)
-        assert runner.kv_bytes_per_block() == 3 * 8 * (2 * 4 * 24) * 4
+        attn = runner.model.layers[0].self_attn
+        if latent:
+            # One kv head per token and layer: K = [normed latent (16), rope(k_pe) (8)], V the same (a copy)
+            assert runner.kv_caches[0].shape[2:] == (8, 1, 16 + 8)
+            assert runner.kv_bytes_per_block() == 3 * 8 * (2 * 1 * 24) * 4
+            assert attn.kv_b_proj is None and attn.w_uk.shape == (4, 16, 16) and attn.w_uv.shape == (4, 16, 12)
+        else:
+            # Every head's K (16 + 8) and V (12, padded to 24): 2 * 4 * 24 values a token, 4x the latent cache's
+            assert runner.kv_caches[0].shape[2:] == (8, 4, 24)
+            assert runner.kv_bytes_per_block() == 3 * 8 * (2 * 4 * 24) * 4
+            assert attn.kv_b_proj is not None and attn.w_uk is None
 
 
 @pytest.mark.parametrize("name,mutation", [
@@ -157,8 +166,9 @@ def test_features_matter(ckpt, refs, name, mutation, monkeypatch) -> None:
 
 
 def test_tp2_matches_transformers(ckpt, refs) -> None:
-    """Heads split over two ranks (q_b_proj / q_proj and kv_b_proj by rows, o_proj by columns), the latent
-    projections replicated, every expert and the shared and dense MLPs split along their intermediate size."""
+    """Heads split over two ranks (q_b_proj / q_proj and kv_b_proj by rows, so each rank's absorbed W_UK / W_UV are
+    its heads', o_proj by columns), the latent projections and the latent cache replicated, every expert and the
+    shared and dense MLPs split along their intermediate size."""
     for name in ("v3", "v2"):
         # (eager: the CPU decode kernel's compiled form is the parity tests', and compiling it on each rank is slow)
         with LLM(str(ckpt(name)), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16,
@@ -166,7 +176,10 @@ def test_tp2_matches_transformers(ckpt, refs) -> None:
             model = llm.engine.runner.model
             attn, moe = model.layers[1].self_attn, model.layers[1].mlp
             # (the linears' plain weights are gone, prepacked for oneDNN: their sizes remain)
-            assert attn.num_heads == 2 and attn.kv_b_proj.out_features == 2 * (16 + 12)
+            # each rank absorbs its heads' halves of kv_b_proj; the latent cache is whole on every rank
+            assert attn.num_heads == 2 and attn.kv_b_proj is None
+            assert attn.w_uk.shape == (2, 16, 16) and attn.w_uv.shape == (2, 16, 12)
+            assert llm.engine.runner.kv_caches[0].shape[2:] == (16, 1, 16 + 8)
             assert attn.o_proj.input_size == 2 * 12
             assert attn.kv_a_proj_with_mqa.out_features == 16 + 8  # whole on every rank
             q_out = attn.q_b_proj.out_features if name == "v3" else attn.q_proj.out_features
@@ -204,8 +217,8 @@ def test_multi_token_prediction_layers_are_skipped(ckpt, refs, tmp_path) -> None
 
 
 def _round_like_int4(src: Path, out: Path) -> Path:
-    """`src` with every weight that quantization="int4" rounds (the linears and sparse MLPs the int4 kernels take)
-    replaced by its rounded value, in fp32: what transformers must compute to agree with the engine."""
+    """`src` with every weight that quantization="int4" rounds (the linears and sparse MLPs the int4 kernels take,
+    but kv_b_proj, kept in float for MLA's absorption) replaced by its rounded value, in fp32: what transformers must compute to agree with the engine."""
     shutil.copytree(src, out)
     state = load_file(str(src / "model.safetensors"))
     cfg = json.loads((src / "config.json").read_text())
@@ -217,8 +230,8 @@ def _round_like_int4(src: Path, out: Path) -> Path:
         return g is not None and int4_supported(rows, cols, g, torch.float32, cpu)
     experts_round = takes(2 * inter, hidden) and takes(hidden, inter)
     for name, w in state.items():
-        if not name.endswith("_proj.weight"):
-            continue
+        if not name.endswith("_proj.weight") or name.endswith("kv_b_proj.weight"):
+            continue  # (kv_b_proj stays float: MLA absorbs it)
         if ".experts." in name:  # (a sparse MLP's experts go 4-bit all together or not at all)
             ok = experts_round
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):  # halves of a packed gate_up_proj
@@ -233,17 +246,25 @@ def _round_like_int4(src: Path, out: Path) -> Path:
 
 def test_int4_experts_match_transformers_on_the_rounded_weights(make_ckpt, tmp_path) -> None:
     """quantization="int4": the sparse MLPs' experts (moe_experts_int4, routed by DeepSeek's router), shared experts
-    and dense MLPs compute with 4-bit weights; transformers running the same rounded weights agrees."""
-    src = make_ckpt("deepseek_v3_i32", family="deepseek_v3", moe_intermediate_size=32)
+    and dense MLPs compute with 4-bit weights; kv_b_proj (kv_lora_rank 32: a shape the int4 kernels take) stays in
+    float, absorbed by the latent form and used as is by the MHA form; transformers running the same rounded weights
+    agrees with both."""
+    src = make_ckpt("deepseek_v3_i32_r32", family="deepseek_v3", moe_intermediate_size=32, kv_lora_rank=32)
     want = hf_greedy(_round_like_int4(src, tmp_path / "rounded"), PROMPTS[:4], MAX_NEW)
     assert want != hf_greedy(src, PROMPTS[:4], MAX_NEW), "rounding must change something to prove much"
-    with LLM(str(src), dtype="float32", quantization="int4") as llm:
-        model = llm.engine.runner.model
-        moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
-        assert moes and all(m.int4 is not None for m in moes)
-        assert all(m.shared_experts.gate_up_proj.int4 is not None for m in moes)
-        assert model.layers[0].mlp.down_proj.int4 is not None  # (the dense layer's)
-        assert _greedy(llm, PROMPTS[:4]) == want
+    for latent in (True, False):
+        with LLM(str(src), dtype="float32", quantization="int4", mla_latent_cache=latent) as llm:
+            model = llm.engine.runner.model
+            moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
+            assert moes and all(m.int4 is not None for m in moes)
+            assert all(m.shared_experts.gate_up_proj.int4 is not None for m in moes)
+            assert model.layers[0].mlp.down_proj.int4 is not None  # (the dense layer's)
+            attn = model.layers[0].self_attn
+            if latent:
+                assert attn.kv_b_proj is None and attn.w_uk.dtype == torch.float32
+            else:
+                assert attn.kv_b_proj.int4 is None and not attn.kv_b_proj.prepare_int4(32)
+            assert _greedy(llm, PROMPTS[:4]) == want, latent
 
 
 # --------------------------------------------------------------------------------------------- config and maths
@@ -265,7 +286,8 @@ def _v3_config(**over: Any) -> dict[str, Any]:
 
 def test_config_spellings_and_softmax_scale() -> None:
     """V3's shipped config (transformers-4 `rope_scaling`) and the same in transformers-5 `rope_parameters` read
-    alike: the cache's head width 192 = 128 + 64 (V 128, padded), 128 K/V heads, 64 rotating dims, YaRN; the softmax
+    alike: the latent cache's one kv head of 576 = 512 + 64 (the MHA cache's: 192 = 128 + 64, V 128 padded, 128 K/V
+    heads), 64 rotating dims, YaRN; the softmax
     scale is transformers' (192 ** -0.5 times mscale(40, 1) ** 2)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
     legacy = ModelConfig.from_dict(_v3_config())
@@ -275,7 +297,11 @@ def test_config_spellings_and_softmax_scale() -> None:
     del v5_dict["rope_parameters"]["type"]
     v5 = ModelConfig.from_dict(v5_dict)
     for cfg in (legacy, v5):
-        assert (cfg.head_dim, cfg.num_kv_heads, cfg.rotary_dim) == (192, 128, 64)
+        # the latent cache: one kv head of kv_lora_rank + qk_rope_head_dim; the MHA cache's: 128 heads of 192
+        assert (cfg.head_dim, cfg.num_kv_heads, cfg.rotary_dim) == (512 + 64, 1, 64)
+        mha = cfg.with_mla_cache(False)
+        assert (mha.head_dim, mha.num_kv_heads, mha.rotary_dim) == (192, 128, 64)
+        assert mha.with_mla_cache(True) == cfg
         assert cfg.mla is not None and (cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank) == (1536, 512)
         assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "yarn"
         assert cfg.rope_scaling["factor"] == 40 and cfg.rope_scaling["mscale_all_dim"] == 1.0
@@ -287,7 +313,38 @@ def test_config_spellings_and_softmax_scale() -> None:
     # V2-Lite: no q LoRA; V and the nope part both 128
     lite = ModelConfig.from_dict(_v3_config(architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None,
                                             num_attention_heads=16, topk_method="greedy", scoring_func="softmax"))
-    assert lite.mla is not None and lite.mla.q_lora_rank is None and lite.head_dim == 192
+    assert lite.mla is not None and lite.mla.q_lora_rank is None and lite.head_dim == 576
+    assert lite.with_mla_cache(False).head_dim == 192
+
+
+@pytest.mark.parametrize("name,over,mha_bytes,latent_bytes", [
+    # (MHA: 2 * 128 heads * 192 * 2 bytes * 61 layers; latent: 2 * (512 + 64) * 2 * 61: 42.7x fewer)
+    ("V3", {}, 5_996_544, 140_544),
+    # (MHA: 2 * 16 * 192 * 2 * 27; latent: 2 * 576 * 2 * 27: 5.3x fewer)
+    ("V2-Lite", dict(architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None, num_attention_heads=16,
+                     num_key_value_heads=16, num_hidden_layers=27, hidden_size=2048, intermediate_size=10944,
+                     moe_intermediate_size=1408, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                     first_k_dense_replace=1, topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
+                     routed_scaling_factor=1.0, n_group=1, topk_group=1, vocab_size=102400, rope_scaling=None),
+     331_776, 62_208),
+])
+def test_cache_bytes_per_token_at_real_sizes(name, over, mha_bytes, latent_bytes) -> None:
+    """The runner's KV cache bytes per token (all layers, bf16) for the real models, built on the meta device: the
+    latent cache (one kv head of 576, stored as K and V) against every head's K and V."""
+    from streamer.attention.torch_backend import TorchAttentionBackend
+    from streamer.model_runner import ModelRunner
+    from streamer.models.deepseek import DeepseekForCausalLM
+    cfg = ModelConfig.from_dict(_v3_config(**over))
+    got = {}
+    for latent in (True, False):
+        c = cfg.with_mla_cache(latent)
+        with torch.device("meta"):
+            model = DeepseekForCausalLM(c, TorchAttentionBackend, 4096)
+        attn = model.layers[0].self_attn
+        assert (attn.num_kv_heads, attn.head_dim) == (c.num_kv_heads, c.head_dim)
+        runner = SimpleNamespace(model=model, model_cfg=c, block_size=1, kv_dtype=torch.bfloat16)
+        got[latent] = ModelRunner.kv_bytes_per_block(runner)  # type: ignore[arg-type]
+    assert (got[False], got[True]) == (mha_bytes, latent_bytes), name
 
 
 def test_routing_layers() -> None:

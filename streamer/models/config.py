@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -86,10 +86,20 @@ class MLADims:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    # The KV cache holds the latent (one kv head of kv_lora_rank + qk_rope_head_dim, kv_b_proj absorbed into the
+    # queries and the output: models/deepseek.py); False: every head's K and V, attention as plain MHA
+    latent_cache: bool = True
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def cache_geometry(self, num_heads: int) -> tuple[int, int]:
+        """(kv heads, head_dim) of the KV cache: latent, 1 x (kv_lora_rank + qk_rope_head_dim), shared by every
+        head (and whole on every rank); MHA, every head at one width, max(qk_head_dim, v_head_dim)."""
+        if self.latent_cache:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return num_heads, max(self.qk_head_dim, self.v_head_dim)
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "MLADims":
@@ -138,8 +148,17 @@ class ModelConfig:
     # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions
     mrope_section: Optional[list[int]] = None
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
-    # DeepSeek's latent attention; head_dim is then the KV cache's per-head width, max(qk_head_dim, v_head_dim)
+    # DeepSeek's latent attention; num_kv_heads and head_dim are then the KV cache's (MLADims.cache_geometry)
     mla: Optional[MLADims] = None
+
+    def with_mla_cache(self, latent: bool) -> "ModelConfig":
+        """This config with DeepSeek's latent KV cache (True) or the per-head MHA cache (False), and the cache
+        geometry that goes with it; any other model's config unchanged."""
+        if self.mla is None or self.mla.latent_cache == latent:
+            return self
+        mla = replace(self.mla, latent_cache=latent)
+        kv_heads, head_dim = mla.cache_geometry(self.num_heads)
+        return replace(self, mla=mla, num_kv_heads=kv_heads, head_dim=head_dim)
 
     @property
     def multimodal_architecture(self) -> Optional[str]:
@@ -215,6 +234,7 @@ class ModelConfig:
         if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen configs carry a sliding_window value that only applies when use_sliding_window is set.
             sliding = sliding if c.get("use_sliding_window", False) else None
+        mla_kv_heads, mla_head_dim = mla.cache_geometry(num_heads) if mla else (0, 0)
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -222,10 +242,10 @@ class ModelConfig:
             intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"],
             num_heads=num_heads,
-            # MLA: every head has its own K and V (num_key_value_heads, 128 in V3's config, plays no part), cached at
-            # one width (config.json's head_dim is the rope part's there)
-            num_kv_heads=num_heads if mla else c.get("num_key_value_heads") or num_heads,
-            head_dim=max(mla.qk_head_dim, mla.v_head_dim) if mla else c.get("head_dim") or hidden // num_heads,
+            # MLA: the cache's geometry (config.json's num_key_value_heads, 128 in V3's, plays no part, and its
+            # head_dim is the rope part's)
+            num_kv_heads=mla_kv_heads if mla else c.get("num_key_value_heads") or num_heads,
+            head_dim=mla_head_dim if mla else c.get("head_dim") or hidden // num_heads,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),

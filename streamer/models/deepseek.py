@@ -4,10 +4,14 @@ Moonlight, Kimi-K2). The Llama decoder's skeleton (pre-norms, fused residual add
 - **Multi-head latent attention (MLA).** q = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x))) with `q_lora_rank`;
   kv_a_proj_with_mqa(x) = a `kv_lora_rank` latent and a `qk_rope_head_dim` rope key shared by every head;
   kv_b_proj(kv_a_layernorm(latent)) = per head a `qk_nope_head_dim` key part and a `v_head_dim` value. Each head's
-  key is [k_nope, rope(k_pe)] and its query [q_nope, rope(q_pe)]. Here MLA is computed as ordinary multi-head
-  attention over the paged cache: the cache holds every head's K and V, V padded with zeros to K's width (the
-  backends and the cache take one head_dim), and the attention output is sliced back to v_head_dim. The softmax
-  scale is qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under rope scaling, as transformers has it.
+  key is [k_nope, rope(k_pe)] and its query [q_nope, rope(q_pe)]. By default (`MLADims.latent_cache`) the paged
+  cache holds only the normed latent and rope(k_pe), one kv "head" of kv_lora_rank + qk_rope_head_dim shared by
+  every query head, and kv_b_proj is absorbed ("absorbed attention"): q_nope . k_nope = (q_nope W_UK) . latent, so
+  each head's query is [q_nope W_UK, rope(q_pe)] over that one kv head, and its output, a weighted sum of latents,
+  goes through W_UV to v_head_dim. Otherwise (`mla_latent_cache=False`) MLA is computed as ordinary multi-head
+  attention: the cache holds every head's K and V, V padded with zeros to K's width (the backends and the cache
+  take one head_dim), and the output is sliced back to v_head_dim. Either way the softmax scale is
+  qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under rope scaling, as transformers has it.
 - **DeepSeekMoE.** The first `first_k_dense_replace` layers (and those off the `moe_layer_freq` beat) keep a dense
   MLP; the others have `n_shared_experts` shared experts (one dense MLP, n_shared * moe_intermediate_size wide)
   added to the routed experts' output. The routed experts are models/moe.py's stacked experts; only the router
@@ -23,12 +27,14 @@ Rotary: DeepSeek's rope dims rotate in interleaved pairs (x0, x1), (x2, x3), ...
 half-split rotary: the same numbers as transformers' V3 interleaved path, and V2's complex product with the pair
 (real, imaginary) stored apart instead of side by side, which no dot product of q with k can tell.
 
-Tensor parallelism splits the heads (q_proj / q_b_proj and kv_b_proj column-parallel, o_proj row-parallel); the
-down-projections q_a_proj and kv_a_proj_with_mqa and their norms are small and replicated (every head needs all of
-their output); experts split along their intermediate size as every sparse MLP's do.
+Tensor parallelism splits the heads (q_proj / q_b_proj and kv_b_proj column-parallel, so each rank absorbs its own
+heads' W_UK / W_UV; o_proj row-parallel); the down-projections q_a_proj and kv_a_proj_with_mqa and their norms are
+small and replicated (every head needs all of their output), and so is the latent cache (each rank writes and reads
+the same latents for its heads' queries); experts split along their intermediate size as every sparse MLP's do.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, replace
@@ -52,6 +58,8 @@ from streamer.models.layers import (
 )
 from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from streamer.models.moe import SparseMoE
+
+logger = logging.getLogger("streamer")
 
 V3 = "DeepseekV3ForCausalLM"
 # transformers' config defaults, for keys a config.json leaves out (they differ between V2 and V3)
@@ -177,15 +185,19 @@ class ReplicatedLinear(PackableLinear):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention as plain multi-head attention over the paged cache (see the module docstring).
+    """Multi-head latent attention over the paged cache (see the module docstring), in one of two forms.
 
-    The cache holds, per token and layer, every head's K (qk_nope + qk_rope dims) and V padded to that width:
-    2 * heads * max(qk_head_dim, v_head_dim) values, against kv_lora_rank + qk_rope_head_dim for a latent cache (the
-    normed latent and the rotated k_pe, with kv_b_proj absorbed into the query and output projections): 2 * 128 *
-    192 = 49152 vs 576 for DeepSeek-V3 (85x; 5.72 MiB vs 68.6 KiB a token over 61 layers in bf16; V's padding alone
-    is a fifth of it), 2 * 16 * 192 = 6144 vs 576 for V2-Lite (10.7x). Tensor parallelism divides this cache by the
-    ranks (a latent cache would be whole on each). The latent cache is the memory-efficient follow-up; it needs
-    attention kernels whose K and V widths differ (576 vs 512)."""
+    Latent cache (the default): per token and layer one kv head [latent, rope(k_pe)] of kv_lora_rank + qk_rope_head_dim
+    values as K, and the same tensor as V (the output's rope dims are a weighted sum of rope keys, dropped: only the
+    first kv_lora_rank dims, the weighted latents, go through W_UV). The cache stores V as a second copy of K because
+    the backends take a K and a V of one width: 2 * 576 values a token for V3, twice the minimal latent cache; a
+    backend that read V from K's first kv_lora_rank dims would halve it. Every rank holds the whole latent cache.
+    MHA (`mla_latent_cache=False`): every head's K (qk_nope + qk_rope dims) and V padded to that width,
+    2 * heads * max(qk_head_dim, v_head_dim) values a token: 2 * 128 * 192 = 49152 for V3 (42.7x the latent form's
+    1152; 85x the minimal 576), 2 * 16 * 192 = 6144 for V2-Lite (5.3x), divided by the ranks under tensor parallelism.
+
+    Absorbed, attention costs more arithmetic per (query, key) pair (576 against 192 dims, for H heads over one kv
+    head) and reads far fewer bytes: a win for decode, which is bound by reading the cache; prefill pays it."""
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding) -> None:
@@ -197,8 +209,9 @@ class MLAttention(nn.Module):
             raise ValueError(f"{cfg.num_heads} attention heads do not split over {tp} ranks")
         heads = cfg.num_heads
         self.num_heads = heads // tp
-        self.num_kv_heads = self.num_heads  # (the runner sizes the cache by these two)
-        self.head_dim = cfg.head_dim  # the cache's width: max(qk_head_dim, v_head_dim)
+        self.latent = mla.latent_cache
+        # (the runner sizes and shapes the cache by these two: latent, 1 x (kv_lora_rank + qk_rope) on every rank)
+        self.num_kv_heads, self.head_dim = mla.cache_geometry(self.num_heads)
         self.nope, self.rope, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.qk_dim, self.kv_lora_rank = mla.qk_head_dim, mla.kv_lora_rank
         self.interleaved = cfg.architecture != V3 or bool(cfg.raw.get("rope_interleave", True))
@@ -216,14 +229,36 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [heads * self.qk_dim])
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        # rows head by head, [k_nope, v] each: splitting the rows over ranks splits the heads
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [heads * (self.nope + self.v_dim)])
+        # rows head by head, [k_nope, v] each: splitting the rows over ranks splits the heads. Kept in float (never
+        # 4-bit or FP8, a 4-bit checkpoint's dequantized) in both forms: the latent form absorbs it (`absorb`) and
+        # then drops it; the MHA form computes the same rounding-free maths, so the two agree under quantization.
+        self.kv_b_proj: Optional[ColumnParallelLinear] = ColumnParallelLinear(
+            self.kv_lora_rank, [heads * (self.nope + self.v_dim)])
+        self.kv_b_proj.keep_float = True
+        # kv_b_proj's key half per head [h, nope, kv_lora_rank] and value half transposed [h, kv_lora_rank, v_dim]
+        # (this rank's heads), in the compute dtype: built by `absorb` after loading (latent form only)
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.rotary = rotary
         spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim, softmax_scale(cfg))
         self.attn: AttentionBackend = backend_cls(spec)
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op
+
+    @torch.no_grad()
+    def absorb(self) -> None:
+        """Latent form: split kv_b_proj's loaded float weight into W_UK and W_UV, then drop kv_b_proj (the forward
+        pass never uses it; keeping it would double these weights' memory). Called once, after loading."""
+        if not self.latent or self.kv_b_proj is None:
+            return
+        w = self.kv_b_proj.weight.detach()
+        if not w.is_floating_point() or w.numel() == 0:  # (keep_float keeps it so; a guard against a change)
+            raise RuntimeError("MLA absorption needs kv_b_proj's float weight")
+        w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, :self.nope].contiguous()
+        self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
+        self.kv_b_proj = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 decode: Optional[DecodeBatch] = None) -> torch.Tensor:
@@ -234,12 +269,24 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # type: ignore[misc]
         q_nope, q_pe = q.view(t, h, self.qk_dim).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(t, h, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
         k_pe = k_pe.unsqueeze(1)  # [T, 1, rope]: one rope key for every head
         if self.interleaved:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        if self.latent:
+            assert self.w_uk is not None and self.w_uv is not None, "MLAttention.absorb was not called"
+            # per head q_nope [T, nope] @ W_UK [nope, kv_lora_rank]: q_lat . latent == q_nope . k_nope
+            q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+            q = torch.cat([q_lat, q_pe], dim=-1)  # [T, h, kv_lora_rank + rope]
+            k = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)  # [T, 1, kv_lora_rank + rope]
+            out = self._attend(q, k, k, kv_cache, decode)  # V = K: see the class docstring
+            # per head the weighted latents [T, kv_lora_rank] @ W_UV^T [kv_lora_rank, v_dim]
+            out = torch.bmm(out[..., :self.kv_lora_rank].transpose(0, 1), self.w_uv).transpose(0, 1)
+            return self.o_proj(out.reshape(t, h * self.v_dim))
+        assert self.kv_b_proj is not None
+        kv = self.kv_b_proj(latent).view(t, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(t, h, self.rope)], dim=-1)
         # One width for K and V in the cache: pad the narrower with zeros (zero q/k dims add nothing to a score,
@@ -248,13 +295,16 @@ class MLAttention(nn.Module):
             q, k = (F.pad(a, (0, self.head_dim - self.qk_dim)) for a in (q, k))
         if self.v_dim < self.head_dim:
             v = F.pad(v, (0, self.head_dim - self.v_dim))
-        if decode is not None:
-            out = self.attn.forward_decode(q, k, v, kv_cache, decode)  # type: ignore[attr-defined]
-        elif self.use_op:
-            out = paged_attention(q, k, v, kv_cache, self.layer_id)
-        else:
-            out = self.attn.forward(q, k, v, kv_cache, current_metadata())
+        out = self._attend(q, k, v, kv_cache, decode)
         return self.o_proj(out[..., :self.v_dim].reshape(t, h * self.v_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                decode: Optional[DecodeBatch]) -> torch.Tensor:
+        if decode is not None:
+            return self.attn.forward_decode(q, k, v, kv_cache, decode)  # type: ignore[attr-defined]
+        if self.use_op:
+            return paged_attention(q, k, v, kv_cache, self.layer_id)
+        return self.attn.forward(q, k, v, kv_cache, current_metadata())
 
 
 class DeepseekMoE(SparseMoE):
@@ -346,3 +396,15 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                 if m is None or int(m.group(1)) < n:
                     yield name, t
         return super().load_weights(decoder_only())
+
+    def post_load(self) -> None:
+        """After loading (the runner calls it before anything is rounded or packed): the latent form's absorbed
+        weights. A checkpoint's calibrated FP8 k_scale / v_scale describe per-head K and V, not the latent: they
+        are not used for a latent cache (scales 1.0)."""
+        latent = False
+        for layer in self.layers:
+            layer.self_attn.absorb()
+            latent = layer.self_attn.latent
+        if latent and getattr(self, "kv_scales", None):
+            logger.info("DeepSeek latent KV cache: the checkpoint's k/v scales (per-head K and V) are not used")
+            self.kv_scales = None

@@ -62,6 +62,9 @@ class PackableLinear(nn.Module):
     compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4-bit codes
 
     act_perm: Optional[torch.Tensor] = None  # act-order 4-bit weights: the input-column order they are stored in
+    # Never 4-bit or FP8: the weight is needed in float after loading (DeepSeek's kv_b_proj, absorbed into other
+    # weights); a 4-bit checkpoint's codes are dequantized as they load
+    keep_float = False
 
     def prepare_int4(self, group_size: int, order: Optional[torch.Tensor] = None) -> bool:
         """Load a checkpoint's 4-bit weight instead of a float one: `weight` becomes its uint8 codes, beside
@@ -69,6 +72,8 @@ class PackableLinear(nn.Module):
         loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them. `order`:
         an act-order checkpoint's input-column order (models/woq.group_order). False (and nothing changes) when
         this rank's columns would split a group, or hold a slice of an act-order input."""
+        if self.keep_float:
+            return False
         w = self.weight
         out, cols = w.shape
         if group_size != -1 and cols % group_size:
@@ -106,6 +111,8 @@ class PackableLinear(nn.Module):
         columns) and compute with the int4 kernels. False (the weight stays) where they refuse the shape."""
         if self.int4 is not None or self.fp8 is not None:
             return self.int4 is not None
+        if self.keep_float:
+            return False
         w = self.weight.detach()
         out, cols = w.shape
         group = kernel_group(cols, group_size)
@@ -119,6 +126,8 @@ class PackableLinear(nn.Module):
         """Keep the weight in FP8 (half of bf16's memory and bandwidth) with a scale per output channel; the plain
         weight is freed (models/quant.py)."""
         from streamer.models.quant import quantize_weight_fp8
+        if self.keep_float:
+            return
         if self.packed is not None:
             raise RuntimeError("quantize_fp8 needs the plain weight; this layer's is prepacked for oneDNN")
         self.out_features = self.weight.shape[0]
