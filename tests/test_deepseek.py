@@ -1,8 +1,9 @@
 """DeepSeek-V2 / V3 (streamer/models/deepseek.py) against transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausalLM
 (fp32, tiny random checkpoints: tests/checkpoints.py's "deepseek_v2" / "deepseek_v3" families): greedy tokens and
-prompt logprobs with chunked prefill, over two ranks, compiled; the rotary layout and the softmax scale against
-transformers' own functions; and, so that those tests can fail, each of DeepSeek's differences undone in the loaded
-model changes the tokens."""
+prompt logprobs with chunked prefill, over two ranks, compiled, 4-bit, with the latent KV cache (the default) and
+the per-head MHA one; the cache's bytes per token at V3's and V2-Lite's real sizes; the rotary layout and the
+softmax scale against transformers' own functions; and, so that those tests can fail, each of DeepSeek's
+differences undone in the loaded model changes the tokens."""
 from __future__ import annotations
 
 import dataclasses
