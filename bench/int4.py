@@ -110,8 +110,8 @@ def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int)
     long_prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(512)]}
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(128)]} for _ in range(batch)]
     for llm in engines.values():  # warm-up: every shape the rounds use (the CPU decode kernel compiles per kind)
-        for batch in (prompts[:1], prompts, [long_prompt]):
-            llm.generate(batch, SamplingParams(max_tokens=4, temperature=0.0))
+        for warm in (prompts[:1], prompts, [long_prompt]):
+            llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0))
     res: dict[str, dict[str, list[float]]] = {q: {"prefill": [], "b1": [], "bN": []} for q in engines}
     outs: dict[str, list[list[int]]] = {}
     for _ in range(rounds):
