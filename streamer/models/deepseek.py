@@ -49,12 +49,11 @@ from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
 from streamer.models.layers import (
     ColumnParallelLinear,
-    PackableLinear,
     ParallelContext,
     RMSNorm,
     RotaryEmbedding,
+    ReplicatedLinear,
     RowParallelLinear,
-    default_weight_loader,
 )
 from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 from streamer.models.moe import SparseMoE
@@ -160,28 +159,6 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]: interleaved rope pairs laid out for the
     half-split rotary."""
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
-class ReplicatedLinear(PackableLinear):
-    """y = x W^T (+ b) with the whole weight on every rank (MLA's down-projections). A PackableLinear, so it packs
-    for oneDNN, goes FP8 or 4-bit like the others."""
-
-    tp_size = 1  # (read by prepare_int4: nothing of this layer is split)
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
-
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
-        default_weight_loader(param, loaded, name)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
 
 
 class MLAttention(nn.Module):

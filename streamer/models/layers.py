@@ -61,6 +61,21 @@ class PackableLinear(nn.Module):
     int4: Optional[Int4Weight] = None  # 4-bit weight-only compute (models/woq.py)
     compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4-bit codes
 
+    def _add_weight(self, out: int, cols: int, bias: bool, bias_loader: bool = False) -> None:
+        """`weight` [out, cols], loaded by this layer's `_load`, and `bias` [out] (None without one; `bias_loader`:
+        split by `_load` too, else copied whole)."""
+        self.weight = nn.Parameter(torch.empty(out, cols), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+        if bias_loader:
+            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+        default_weight_loader(param, loaded, name)
+
     act_perm: Optional[torch.Tensor] = None  # act-order 4-bit weights: the input-column order they are stored in
     # Never 4-bit or FP8: the weight is needed in float after loading (DeepSeek's kv_b_proj, absorbed into other
     # weights); a 4-bit checkpoint's codes are dequantized as they load
@@ -218,14 +233,7 @@ class ColumnParallelLinear(PackableLinear):
                 raise ValueError(f"output size {s} is not divisible by tensor_parallel_size {tp}")
         self.output_sizes = [s // tp for s in output_sizes]
         self.shard_names = list(shard_names) if shard_names is not None else list(range(len(output_sizes)))
-        out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
-            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
-        else:
-            self.register_parameter("bias", None)
+        self._add_weight(sum(self.output_sizes), input_size, bias, bias_loader=True)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
         idx = 0 if shard is None else self.shard_names.index(shard)
@@ -253,6 +261,20 @@ class ColumnParallelLinear(PackableLinear):
         return self._matmul(x, self.bias)
 
 
+class ReplicatedLinear(PackableLinear):
+    """y = x W^T (+ b) with the whole weight on every rank (small projections every rank needs all of, such as
+    DeepSeek's latent down-projections). A PackableLinear: it packs for oneDNN, goes FP8 or 4-bit like the others."""
+
+    tp_size = 1  # (read by prepare_int4: nothing of this layer is split)
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self._add_weight(output_size, input_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x, self.bias)
+
+
 class RowParallelLinear(PackableLinear):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
@@ -263,12 +285,7 @@ class RowParallelLinear(PackableLinear):
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp}")
         self.tp_rank, self.tp_size = ParallelContext.rank, tp
         self.input_size = input_size // tp
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size), requires_grad=False)
-        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-        else:
-            self.register_parameter("bias", None)
+        self._add_weight(output_size, self.input_size, bias)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
         rank, n = ParallelContext.rank, param.shape[1]  # (the weight's columns, or a 4-bit weight's groups)
