@@ -111,10 +111,8 @@ class PackableLinear(nn.Module):
         dtype = self.compute_dtype
         assert dtype is not None, "finish_int4 without prepare_int4"
         u = Unpacked(self.weight.data, self.weight_scale.data.float(), self.weight_zero.data.float())
-        out, cols = u.codes.shape
-        group = cols // u.scale.shape[1] if u.scale.shape[1] > 1 else -1
-        if int4_supported(out, cols, group, dtype, self.weight.device):
-            self.int4, self.out_features = pack_int4(u, dtype, self.weight.device), out
+        if u.fits_int4(dtype, self.weight.device):
+            self.int4, self.out_features = pack_int4(u, dtype, self.weight.device), u.codes.shape[0]
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
         else:
             self.weight = nn.Parameter(u.dequantize(dtype), requires_grad=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +24,6 @@ from streamer.models.layers import ParallelContext
 from streamer.models.woq import Int4Weight, Unpacked, int4_supported, kernel_group, pack_int4, quantize_rtn
 
 
-def _int4_fits(u: Unpacked, dtype: torch.dtype, device: torch.device) -> bool:
-    out, cols = u.codes.shape
-    groups = u.scale.shape[1]
-    return int4_supported(out, cols, cols // groups if groups > 1 else -1, dtype, device)
 
 # One expert's matrix in a checkpoint: Qwen3-MoE's and DeepSeek's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 # `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
@@ -48,6 +44,19 @@ def _gated(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torc
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
+def _by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each expert that has tokens: (expert, its (token, slot) pairs' flat indices, their tokens)."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = flat.argsort()
+    token_of = order // k
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            yield e, order[start:start + n], token_of[start:start + n]
+            start += n
+
+
 @torch.library.custom_op("streamer::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
@@ -63,17 +72,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         y = torch.bmm(w2[flat], _gated(h, activation, alpha, limit).unsqueeze(-1)).squeeze(-1)
         return (y.view(tokens, k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
     out = torch.zeros_like(x)
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort()
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    token_of = order // k
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel = order[start:start + n]
-        rows = token_of[start:start + n]
-        start += n
+    for e, sel, rows in _by_expert(topk_ids, w13.shape[0]):
         h = F.linear(x[rows], w13[e], None if b13 is None else b13[e])
         y = F.linear(_gated(h, activation, alpha, limit), w2[e]) * topk_weights.reshape(-1)[sel].unsqueeze(-1)
         out.index_add_(0, rows, y.to(x.dtype))
@@ -97,18 +96,8 @@ def moe_experts_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     m = _int4_layers[layer]()
     assert m is not None and m.int4 is not None, "moe_experts_int4 called for a layer that is gone"
     w13, w2 = m.int4
-    tokens, k = topk_ids.shape
     out = torch.zeros_like(x)
-    flat = topk_ids.reshape(-1)
-    order = flat.argsort()
-    counts = torch.bincount(flat, minlength=m.num_experts).tolist()
-    token_of = order // k
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sel, rows = order[start:start + n], token_of[start:start + n]
-        start += n
+    for e, sel, rows in _by_expert(topk_ids, m.num_experts):
         h = w13[e].matmul(x[rows])
         if m.w13_bias is not None:
             h = h + m.w13_bias[e]
@@ -212,7 +201,7 @@ class SparseMoE(nn.Module):
             delattr(self, f"{w}_scale")
             delattr(self, f"{w}_zero")
         self.compute_dtype = None
-        if all(_int4_fits(u, dtype, device) for u in (experts["w13"][0], experts["w2"][0])):
+        if all(u.fits_int4(dtype, device) for u in (experts["w13"][0], experts["w2"][0])):
             self._use_int4([pack_int4(u, dtype, device) for u in experts["w13"]],
                            [pack_int4(u, dtype, device) for u in experts["w2"]])
         else:

@@ -120,6 +120,12 @@ class Unpacked:
     zero: torch.Tensor  # float32 [out, groups], in code units
     g_idx: Optional[torch.Tensor] = None  # int64 [in]; None: contiguous groups
 
+    def fits_int4(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether torch's int4 kernels take this (contiguous-group) weight."""
+        out, cols = self.codes.shape
+        groups = self.scale.shape[1]
+        return int4_supported(out, cols, cols // groups if groups > 1 else -1, dtype, device)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         idx = self.g_idx if self.g_idx is not None else contiguous_groups(self.codes.shape[1], self.scale.shape[1])
         idx = idx.to(self.codes.device)
