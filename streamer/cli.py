@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them); "
                         "int4: weights rounded to 4 bits, int4 kernels (GPTQ/AWQ 4-bit checkpoints stay 4-bit "
                         "unless fp8 or none); none: dequantize any quantized checkpoint")
+    g.add_argument("--no-mla-latent-cache", dest="mla_latent_cache", action="store_false",
+                   help="DeepSeek-V2/V3: cache full per-head K/V instead of the compressed latent (~40x the bytes "
+                        "per token for V3; faster where attention is compute-bound)")
     g.add_argument("--generation-config", default="auto",
                    help="where unset request fields take defaults from: auto (the model's generation_config.json: "
                         "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (the API's "
@@ -91,7 +94,7 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
-                "encoder_cache_bytes", "allow_image_urls")
+                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache")
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -283,6 +283,10 @@ class ModelRunner:
             for m in linears:
                 m.quantize_int4()
         n = sum(m.int4 is not None for m in linears)
+        compile = self.config.enforce_eager is not True  # (as the CPU decode kernel: prefill's dequantization)
+        for m in linears:
+            for w in ([m.int4] if isinstance(m, PackableLinear) else [*m.int4[0], *m.int4[1]]) if m.int4 else ():
+                w.compile = compile
         if n:
             logger.info("%d of %d linear layers (sparse MLPs counted as one) compute with 4-bit weights (int4 "
                         "kernels)", n, len(linears))
@@ -354,14 +358,16 @@ class ModelRunner:
         a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
         for layer in self.model.layers:
             layer.self_attn.use_op = True
-        if self._cpu_packing():
+        packing = self._cpu_packing()
+        for module in self.model.modules():
             # CPU: the linears run on oneDNN-prepacked weights through an opaque op. Inductor can only use packed
             # weights by freezing the graph (weights as constants), and a frozen graph never goes in its on-disk
             # cache: a second start took as long as the first (~50 s for the 90M model; now ~14 s), for the
-            # same decode speed (bench/RESULTS.md, 2026-11-30 session 4).
-            for module in self.model.modules():
-                if isinstance(module, PackableLinear):
-                    module.pack_for_cpu(as_op=True)
+            # same decode speed (bench/RESULTS.md, 2026-11-30 session 4). 4-bit weights go through the op too:
+            # their kernel depends on the number of rows, which must not become a guard of the graph.
+            if isinstance(module, PackableLinear) and (packing or module.int4 is not None
+                                                       and self.device.type == "cpu"):
+                module.pack_for_cpu(as_op=True)
         for module in self.model.modules():  # (a packed layer's op adds its LoRA output itself)
             if isinstance(module, PackableLinear) and module.op_id is None:
                 module.lora_op = True

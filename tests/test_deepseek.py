@@ -116,6 +116,13 @@ def test_matches_transformers(ckpt, refs, name, latent) -> None:
             assert attn.kv_b_proj is not None and attn.w_uk is None
 
 
+def test_cli_flag_turns_the_latent_cache_off() -> None:
+    from streamer.cli import build_parser, engine_kwargs
+    for argv, latent in ((["serve", "m"], True), (["serve", "m", "--no-mla-latent-cache"], False),
+                         (["generate", "--prompt", "x", "--no-mla-latent-cache"], False)):
+        assert engine_kwargs(build_parser().parse_args(argv))["mla_latent_cache"] is latent
+
+
 @pytest.mark.parametrize("name,mutation", [
     ("v3", "no correction bias"),
     ("v3", "bias weights too"),

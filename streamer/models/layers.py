@@ -151,9 +151,9 @@ class PackableLinear(nn.Module):
         """as_op: a compiled model calls the packed matmul through a custom op, so that no weight is part of its
         graphs (Inductor cannot lower a packed weight unless it freezes the graph, and a frozen graph cannot go
         in its on-disk cache)."""
-        if self.fp8 is not None or self.int4 is not None:
-            return  # FP8 weights run through _scaled_mm, 4-bit ones through the int4 kernels
-        if self.packed is None:
+        if self.fp8 is not None:
+            return  # FP8 weights run through _scaled_mm
+        if self.packed is None and self.int4 is None:  # (4-bit weights are already in their kernels' layout)
             self.out_features = self.weight.shape[0]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
             self.weight.data = self.weight.data.new_empty(0)  # loaders never run again; nothing else reads it
@@ -194,7 +194,12 @@ _lib.define("packed_linear(Tensor x, int layer, bool with_bias) -> Tensor")
 def _packed_linear(x: torch.Tensor, layer: int, with_bias: bool) -> torch.Tensor:
     m = _packed_layers[layer]()
     assert m is not None, "packed_linear called for a layer whose model is gone"
-    y = torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias if with_bias else None, "none", [], "")
+    if m.int4 is not None:  # (behind the op, its choice of kernel by row count is no guard of the graph's)
+        y = m.int4.matmul(x if m.act_perm is None else x.index_select(-1, m.act_perm))
+        if with_bias:
+            y = y + m.bias
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, m.packed, m.bias if with_bias else None, "none", [], "")
     if m.lora is not None:
         add_lora(y, x, m.lora)
     return y

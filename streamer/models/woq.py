@@ -19,7 +19,7 @@ scale s and a zero point z: w = (q - z) * s. The three on-disk layouts, as the H
 Every layout is first unpacked to one form, `Unpacked` (codes [out, in], scale and zero [out, groups]). 4-bit
 weights of the decoder's linears whose groups are contiguous then stay 4-bit: the layer multiplies with torch's
 int4 kernels (`_weight_int4pack_mm_for_cpu` on CPU, tinygemm's `_weight_int4pack_mm` for bf16 on CUDA), a quarter
-of bf16's memory and bandwidth; act-order groups are made contiguous by permuting the weight's input columns (and
+of bf16's memory and bandwidth (on CPU, a matmul of many rows dequantizes a chunk of the weight at a time and multiplies densely instead: `Int4Weight.matmul`); act-order groups are made contiguous by permuting the weight's input columns (and
 the layer's input alike). Everything else (8-bit codes, MoE experts, layers whose shapes the kernels refuse) is
 dequantized to the compute dtype as it loads.
 """
@@ -265,6 +265,53 @@ def kernel_group(cols: int, group_size: int) -> Optional[int]:
     return next((g for g in KERNEL_GROUPS if size % g == 0 and cols % g == 0), None)
 
 
+# CPU prefill: from this many rows on, dequantizing the weight a chunk at a time and multiplying in the activations'
+# dtype beats `_weight_int4pack_mm_for_cpu`, whose cost grows with every row (it dequantizes per tile of rows). With
+# a compiled dequantization (~0.2 ns a weight) the break-even is ~40 rows, eager (~1 ns) ~150 (bench/int4.py).
+DEQUANT_ROWS, EAGER_DEQUANT_ROWS = 48, 256
+_CHUNK_BLOCKS = 16  # output rows dequantized at a time, in the CPU layout's blocks of 64: a few MB of weights
+_NIBBLES = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+
+
+def _dequantize_blocks(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """W^T of `_CHUNK_BLOCKS` or fewer blocks of 64 output rows from the CPU int4 layout: block b stores, for each
+    input column k, 32 bytes whose low nibbles are rows b*64 .. +31 and high nibbles rows b*64+32 .. +63.
+    packed: uint8 [blocks, cols * 32]; scales_and_zeros: [groups, blocks * 64, 2]. Returns [blocks, cols, 64]."""
+    groups, rows = scales_and_zeros.shape[:2]
+    blocks = rows // 64
+    group = packed.shape[1] * 2 // 64 // groups
+    q = (packed.view(blocks, groups, group, 1, 32) >> _NIBBLES.to(packed.device)) & 15
+    sz = scales_and_zeros.float().reshape(groups, blocks, 1, 64, 2).transpose(0, 1)  # [blocks, groups, 1, 64, 2]
+    w = (q.reshape(blocks, groups, group, 64).float() - 8) * sz[..., 0] + sz[..., 1]
+    return w.to(scales_and_zeros.dtype).view(blocks, groups * group, 64)
+
+
+_compiled_dequantize: Optional[Callable] = None
+_compile_failed = False
+
+
+def _dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, compile: bool) -> torch.Tensor:
+    """`_dequantize_blocks`, compiled into one fused loop unless told otherwise (or the compiler fails: then it says
+    so once and runs eagerly from then on). Static shapes: a model has a handful (its linears' widths)."""
+    global _compiled_dequantize, _compile_failed
+    if not compile or _compile_failed:
+        return _dequantize_blocks(packed, scales_and_zeros)
+    if _compiled_dequantize is None:
+        _compiled_dequantize = torch.compile(_dequantize_blocks, dynamic=False, fullgraph=True)
+    dyn = torch._dynamo.config
+    saved, dyn.recompile_limit = dyn.recompile_limit, max(dyn.recompile_limit, 64)
+    try:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _compiled_dequantize(packed, scales_and_zeros)
+    except Exception as e:
+        _compile_failed = True
+        logger.warning("compiled 4-bit dequantization unavailable (%s: %s); using the eager path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return _dequantize_blocks(packed, scales_and_zeros)
+    finally:
+        dyn.recompile_limit = saved
+
+
 @dataclass
 class Int4Weight:
     """A linear's 4-bit weight in the layout of torch's int4 kernels: w = (q - 8) * s + m, per group of input
@@ -274,14 +321,29 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor  # [groups, out, 2], the activations' dtype
     group_size: int
     out_features: int
+    compile: bool = True  # whether CPU prefill may compile its dequantization (False under enforce_eager)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        elif x2.shape[0] >= (DEQUANT_ROWS if self.compile else EAGER_DEQUANT_ROWS) and self.out_features % 64 == 0:
+            y = self._dequantized_matmul(x2)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Many rows on CPU: the weight dequantized a chunk of output rows at a time (a few MB, never the whole
+        matrix) and multiplied densely."""
+        cols, blocks = x.shape[1], self.out_features // 64
+        packed = self.packed.view(blocks, cols * 32)
+        parts = []
+        for b in range(0, blocks, _CHUNK_BLOCKS):
+            e = min(b + _CHUNK_BLOCKS, blocks)
+            w_t = _dequantize(packed[b:e], self.scales_and_zeros[:, b * 64:e * 64], self.compile)  # [n, cols, 64]
+            parts.append(x @ w_t.transpose(0, 1).reshape(cols, (e - b) * 64))
+        return torch.cat(parts, dim=1)
 
 
 def int4_supported(out: int, cols: int, group_size: int, dtype: torch.dtype, device: torch.device) -> bool:
