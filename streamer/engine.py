@@ -172,7 +172,9 @@ class LLMEngine:
         mm = self.image_prompts
         if mm is None:
             if data is not None:
-                raise ValueError("multi_modal_data: this model takes no images")
+                of = self.model_config.text_only_of
+                raise ValueError("multi_modal_data: this model takes no images" + (
+                    f" ({of} is served as its text model alone: its vision encoder is not supported)" if of else ""))
             return token_ids, ()
         images = as_image_list(data) if data is not None else []
         if not images and not mm.has_placeholders(token_ids):

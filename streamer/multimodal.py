@@ -1,4 +1,4 @@
-"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / Qwen2.5-VL).
+"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / Qwen2.5-VL, Mistral 3).
 
 An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
 encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
@@ -10,6 +10,8 @@ are the image's features instead of the placeholder's embedding. So an image is:
 - `ImageStep` on a step: which of the step's tokens take which feature rows. Chunked prefill may split an image
   anywhere (except Gemma 3's, whose tokens attend both ways: `Request.fit_chunk`): each chunk reads the rows of
   its own positions.
+Mistral 3's images also hold row-break tokens ([IMG_BREAK], [IMG_END]) among their placeholders: those keep their
+own token embeddings (`ImageInput.feature_mask` says which positions take feature rows).
 """
 from __future__ import annotations
 
@@ -48,10 +50,18 @@ class ImageInput:
     # it adds to its index to get its position (the image takes max(h, w) positions for h * w tokens)
     mrope: Optional[np.ndarray] = None
     rope_shift: int = 0
+    # Which of its `length` positions take the encoder's feature rows, in order (None: all of them); the others
+    # (Mistral 3's [IMG_BREAK] / [IMG_END]) keep their token embeddings
+    feature_mask: Optional[np.ndarray] = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def num_features(self) -> int:
+        """The rows of features the encoder makes for it."""
+        return self.length if self.feature_mask is None else int(self.feature_mask.sum())
 
 
 def hash_pixels(pixels: torch.Tensor) -> bytes:
@@ -83,13 +93,20 @@ class ImagePrompts:
     tokens and "<end_of_image>\n\n" (`full_text`): done on the text before tokenizing where there is text
     (`expand_text`; the newlines then merge with their neighbours as in transformers), else on the tokens.
     Qwen2-VL's write `<|image_pad|>` inside `<|vision_start|>...<|vision_end|>`; its images take as many tokens as
-    their size asks (`merge`: the encoder merges merge x merge patches into one token), at M-RoPE positions."""
+    their size asks (`merge`: the encoder merges merge x merge patches into one token), at M-RoPE positions.
+    Mistral 3's write `[IMG]`, which becomes one row of `[IMG]` per row of merged patches (`patch` pixels square),
+    each row closed by `[IMG_BREAK]` and the last by `[IMG_END]` (`row_breaks`: their ids), as PixtralProcessor
+    expands it."""
 
     def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
                  max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
-                 wrap: tuple[list[int], list[int]] = ([], []), merge: Optional[int] = None) -> None:
+                 wrap: tuple[list[int], list[int]] = ([], []), merge: Optional[int] = None,
+                 row_breaks: Optional[tuple[int, int]] = None, patch: int = 0) -> None:
         self.merge = merge
-        self.processor = _qwen_processor(folder) if merge else _processor(folder)
+        self.row_breaks = row_breaks
+        self.patch = patch
+        self.processor = _qwen_processor(folder) if merge else _pixtral_processor(folder, patch) if row_breaks \
+            else _processor(folder)
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image  # None: each image's own (Qwen2-VL)
         self.placeholder = placeholder  # the text chat templates write for an image
@@ -119,22 +136,44 @@ class ImagePrompts:
         inputs: list[ImageInput] = []
         prev = 0
         for (start, length, lone), (pixels, n, grid) in zip(runs, processed):
-            if not lone and length != n:
+            image_tokens = self._image_tokens(n, grid)
+            if not lone and token_ids[start:start + length] != image_tokens:
+                if self.row_breaks:
+                    raise ValueError(f"an expanded image of {length} tokens does not match its image's {n}: each "
+                                     f"image takes 1 placeholder ({self.placeholder}) or exactly its rows of image "
+                                     "tokens, each row closed by [IMG_BREAK], the last by [IMG_END]")
                 raise ValueError(f"a run of {length} image tokens: each image takes 1 placeholder "
                                  f"({self.placeholder}) or exactly its {n} image tokens")
             out += token_ids[prev:start] + (self.wrap[0] if lone else [])
-            inputs.append(ImageInput(len(out), n, pixels, hash_pixels(pixels), grid))
-            out += [self.image_token_id] * n + (self.wrap[1] if lone else [])
+            mask = None if self.row_breaks is None else np.asarray(image_tokens) == self.image_token_id
+            inputs.append(ImageInput(len(out), n, pixels, hash_pixels(pixels), grid, feature_mask=mask))
+            out += image_tokens + (self.wrap[1] if lone else [])
             prev = start + length
         out += token_ids[prev:]
         if self.merge:
             _place_mrope(inputs, self.merge)
         return out, inputs
 
+    def _image_tokens(self, n: int, grid: Optional[tuple[int, int, int]]) -> list[int]:
+        """The n tokens an image takes in the prompt."""
+        if self.row_breaks is None:
+            return [self.image_token_id] * n
+        assert grid is not None
+        rows, cols = grid[1], grid[2]
+        tokens = ([self.image_token_id] * cols + [self.row_breaks[0]]) * rows
+        tokens[-1] = self.row_breaks[1]
+        return tokens
+
     def _process(self, images: Sequence["Image"]) -> list[tuple[torch.Tensor, int, Optional[tuple[int, int, int]]]]:
-        """Each image's (pixel values, tokens, patch grid)."""
+        """Each image's (pixel values, tokens, patch grid; Mistral 3: its grid of merged tokens)."""
         if not images:
             return []
+        if self.row_breaks:
+            out = []
+            for px in self.processor(list(images)):
+                rows, cols = px.shape[1] // self.patch, px.shape[2] // self.patch
+                out.append((px, rows * (cols + 1), (1, rows, cols)))
+            return out
         if not self.merge:
             assert self.tokens_per_image is not None
             return [(px, self.tokens_per_image, None) for px in self.processor(list(images))]
@@ -148,6 +187,8 @@ class ImagePrompts:
         or a maximal run of image tokens."""
         ids = np.asarray(token_ids, dtype=np.int64)
         img, ph = self.image_token_id, self.placeholder_id
+        if self.row_breaks:
+            return self._pixtral_runs(ids)
         mask = np.concatenate([[False], ids == img, [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])
         runs = [(int(a), int(b - a), False) for a, b in zip(edges[::2], edges[1::2])]
@@ -157,6 +198,27 @@ class ImagePrompts:
         else:  # LLaVA / Qwen: a run of one image token is a placeholder to expand
             runs = [(a, n, True) if n == 1 else (a, n, False) for a, n, _ in runs]
         return sorted(runs)
+
+    def _pixtral_runs(self, ids: np.ndarray) -> list[tuple[int, int, bool]]:
+        """Mistral 3: an expanded image is a run of [IMG] / [IMG_BREAK] tokens ending in [IMG_END]; each [IMG]
+        outside one is a placeholder (two images in a row are "[IMG][IMG]")."""
+        img, (brk, end) = self.image_token_id, self.row_breaks  # type: ignore[misc]
+        mask = np.concatenate([[False], np.isin(ids, [img, brk, end]), [False]])
+        edges = np.flatnonzero(mask[1:] != mask[:-1])
+        runs: list[tuple[int, int, bool]] = []
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            ends = np.flatnonzero(ids[a:b] == end).tolist()
+            start = a
+            for e in ends:  # each [IMG_END] closes an expanded image (a stray one, holding no [IMG], is text)
+                if (ids[start:a + e] == img).any():
+                    runs.append((start, a + e + 1 - start, False))
+                start = a + e + 1
+            rest = ids[start:b]
+            if (rest == brk).any() and (rest == img).any():
+                raise ValueError("image tokens with an [IMG_BREAK] but no [IMG_END] after it: an expanded image "
+                                 "must end with [IMG_END]")
+            runs += [(start + i, 1, True) for i in np.flatnonzero(rest == img).tolist()]  # placeholders
+        return runs
 
 
 def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir: Path,
@@ -184,6 +246,14 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
         return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
                             merge=model.vision_tower.spatial_merge_size)
+    if arch == "Mistral3ForConditionalGeneration":
+        names = _pixtral_token_names(folder)
+        ids = [tokenizer.token_to_id(t) for t in names]
+        for name, i in zip(names, ids):
+            if i is None:
+                raise ValueError(f"the tokenizer has no {name} token (Mistral 3's images need it)")
+        return ImagePrompts(folder, image, None, text_of(image), limit, row_breaks=(ids[0], ids[1]),
+                            patch=model.image_patch)
     if arch == "Gemma3ForConditionalGeneration":
         boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
         nl = tokenizer.encode("\n\n", add_special_tokens=False)
@@ -196,6 +266,22 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
 def _processor(folder: Path) -> Any:
     from streamer.image_processor import ImageProcessor
     return ImageProcessor.from_folder(folder)
+
+
+def _pixtral_processor(folder: Path, patch: int) -> Any:
+    from streamer.pixtral_image_processor import PixtralImageProcessor
+    return PixtralImageProcessor.from_folder(folder, patch)
+
+
+def _pixtral_token_names(folder: Path) -> tuple[str, str]:
+    """The row-break and image-end tokens PixtralProcessor writes (processor_config.json may rename them)."""
+    import json
+    names = {"image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}
+    path = folder / "processor_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        names.update({k: config[k] for k in names if isinstance(config.get(k), str)})
+    return names["image_break_token"], names["image_end_token"]
 
 
 def _qwen_processor(folder: Path) -> Any:
@@ -243,15 +329,22 @@ def image_step(reqs: Sequence["Request"], token_starts: np.ndarray, starts: np.n
             lo, hi = max(start, img.offset), min(start + q, img.end)
             if lo >= hi:
                 continue
+            at = np.arange(lo - img.offset, hi - img.offset, dtype=np.int64)  # positions within the image
+            feature_rows = at
+            if img.feature_mask is not None:  # only these positions take features: row = features before it
+                at = at[img.feature_mask[at]]
+                if not len(at):
+                    continue
+                feature_rows = np.cumsum(img.feature_mask)[at] - 1
             if img.hash not in base:
                 base[img.hash] = total
                 images.append(img)
-                total += img.length
-            idx.append(np.arange(lo - start + t0, hi - start + t0, dtype=np.int64))
-            rows.append(np.arange(lo - img.offset, hi - img.offset, dtype=np.int64) + base[img.hash])
-            last.append(np.full(hi - lo, img.end - 1, dtype=np.int64))
+                total += img.num_features
+            idx.append(at + img.offset - start + t0)
+            rows.append(feature_rows + base[img.hash])
+            last.append(np.full(len(at), img.end - 1, dtype=np.int64))
             if img.mrope is not None:
-                mrope.append(img.mrope[:, lo - img.offset:hi - img.offset])
+                mrope.append(img.mrope[:, at])
     if not idx:
         return None
     return ImageStep(np.concatenate(idx), images, np.concatenate(rows), np.concatenate(last),

@@ -48,7 +48,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -62,7 +62,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     logit per head in the softmax's denominator, with no value; None = off. The caches may instead be FP8
     (float8_e4m3fn), holding k / k_scale and v / v_scale (see reshape_and_cache). causal_limit: int32 [T], the
     last position each query may see (at least its own, within its request's context), in place of its own: a span
-    of queries given its end sees itself both ways (Gemma 3's images); None = plain causal.
+    of queries given its end sees itself both ways (Gemma 3's images); None = plain causal. attention_chunk: C
+    (Llama 4's chunked local attention), the query at position p sees keys from (p // C) * C on only; None = off.
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
@@ -70,16 +71,17 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         impl = reference.unified_attention
     impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
          max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit)
+         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit, attention_chunk=attention_chunk)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                          head_dim: int, dtype: torch.dtype, device: torch.device,
-                         sliding_window: Optional[int] = None) -> int:
+                         sliding_window: Optional[int] = None, attention_chunk: Optional[int] = None) -> int:
     """The split-KV factor `unified_attention` picks by itself (1 = single pass); exposed for planning/tests."""
     from streamer_kernels.attention import choose_num_kv_splits as impl
 
-    return impl(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim, dtype, device, sliding_window)
+    return impl(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim, dtype, device, sliding_window,
+                attention_chunk)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

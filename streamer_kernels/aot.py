@@ -133,23 +133,27 @@ def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Ca
                     num_tokens = 4 * q_lens
                     q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
                     qsl = torch.arange(5, dtype=torch.int32) * q_lens
-                    variants = [(None, None, None)]
+                    # (window, splits, softcap, attention chunk)
+                    variants = [(None, None, None, None)]
                     if kind == "decode":
-                        variants.append((None, 8, None))
+                        variants.append((None, 8, None, None))
                     if head_dim == 128 and group == 4:
-                        variants.append((1024, None, None))
+                        variants.append((1024, None, None, None))
+                        # Llama 4's chunked local attention (its 8192-token chunks; split-KV for decode)
+                        variants.append((None, 8 if kind == "decode" else None, None, 8192))
                     if head_dim == 256 and group == 4:  # Gemma 2's heads: attention logits soft-capped
                         # (decode with a window *and* splits spills 8 bytes on sm_80 with or without the cap)
-                        variants.append((None, 8, 50.0) if kind == "decode" else (1024, None, 50.0))
-                    for window, splits, cap in variants:
+                        variants.append((None, 8, 50.0, None) if kind == "decode" else (1024, None, 50.0, None))
+                    for window, splits, cap, chunk in variants:
                         name = (f"attention {kind} {str(dtype)[6:]} D={head_dim} H={num_heads}/{num_kv_heads}"
                                 + (" window" if window else "") + (f" splits={splits}" if splits else "")
-                                + (" softcap" if cap else ""))
+                                + (" softcap" if cap else "") + (" chunked" if chunk else ""))
 
                         def thunk(q=q, kv=kv, qsl=qsl, table=table, window=window, splits=splits,
-                                  q_lens=q_lens, cap=cap) -> None:
+                                  q_lens=q_lens, cap=cap, chunk=chunk) -> None:
                             unified_attention(q, kv[0], kv[1], torch.empty_like(q), qsl, seq_lens, table,
-                                              0.1, q_lens, 200, window, num_kv_splits=splits, logit_softcap=cap)
+                                              0.1, q_lens, 200, window, num_kv_splits=splits, logit_softcap=cap,
+                                              attention_chunk=chunk)
                         yield name, thunk
                 if head_dim == 128 and group == 4:
                     # A single sequence and a single token: integer arguments equal to 1 are specialised into

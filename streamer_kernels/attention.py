@@ -19,7 +19,9 @@ for it. Softmax is online, in fp32, in base 2 (the scale is folded with log2(e))
 (Gemma 2: s -> tanh(s / cap) * cap) is a constexpr switch: the scale is then folded with 1 / cap and log2(e) * cap
 is applied after the tanh; without it the loop is unchanged. Attention sinks (gpt-oss: a learned logit per head
 that joins the softmax's denominator, with no value) are another constexpr switch: the sink starts each row's
-running max and sum (m = sink, l = 1) instead of (-inf, 0), so the loop itself is untouched.
+running max and sum (m = sink, l = 1) instead of (-inf, 0), so the loop itself is untouched. Chunked local
+attention (Llama 4: the query at position p sees keys from (p // C) * C on) is a per-row lower key bound like the
+window's: tiles below the q-block's first chunk are skipped, and only tiles inside its last one run unmasked.
 
 Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
 as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
@@ -85,17 +87,18 @@ def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
     stride_c_block, stride_c_slot,
-    q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale,
+    q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
     tile_start, tile_stop,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
-    window / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit moves
-    it further); unmasked tiles must be fully visible to every row. With USE_SOFTCAP, qk_scale
-    is scale / cap and softcap_scale is cap * log2(e): scores become tanh(q.k * scale / cap) * cap (log2 units)."""
+    window / chunk / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit
+    moves it further; USE_CHUNK: keys from each row's key_lo on); unmasked tiles must be fully visible to every
+    row. With USE_SOFTCAP, qk_scale is scale / cap and softcap_scale is cap * log2(e): scores become
+    tanh(q.k * scale / cap) * cap (log2 units)."""
     for j in range(tile_start, tile_stop):
         k_pos = j * TILE_N + offs_n
         in_ctx = k_pos < key_end
@@ -119,6 +122,8 @@ def _attend_tiles(
             visible = (k_pos[None, :] <= q_last[:, None]) & in_ctx[None, :]
             if USE_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            if USE_CHUNK:
+                visible = visible & (k_pos[None, :] >= key_lo[:, None])
             s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -135,7 +140,7 @@ def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
     part_acc_ptr, part_ml_ptr, sinks_ptr, limit_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, softcap_scale, sliding_window, v_scale,
+    num_seqs, qk_scale, softcap_scale, sliding_window, attention_chunk, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
@@ -143,6 +148,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_LIMIT: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -190,6 +196,11 @@ def _unified_attention_kernel(
     tile_lo = 0
     if USE_WINDOW:
         tile_lo = tl.maximum(ctx_len + q_lo - sliding_window + 1, 0) // TILE_N
+    key_lo = q_pos  # (read only with USE_CHUNK: each row's first visible key, the start of its chunk)
+    if USE_CHUNK:
+        key_lo = q_pos // attention_chunk * attention_chunk
+        # the first row's chunk starts the earliest (rows' bounds never decrease with their positions)
+        tile_lo = tl.maximum(tile_lo, (ctx_len + q_lo) // attention_chunk * attention_chunk // TILE_N)
     tile_hi = tl.cdiv(key_end, TILE_N)
     if NUM_SPLITS > 1:
         tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
@@ -198,11 +209,14 @@ def _unified_attention_kernel(
         tile_lo = tl.minimum(tile_lo, tile_hi)
 
     # Tiles [full_lo, full_hi) are visible to every row: wholly at or before the earliest query position and,
-    # with a window, wholly inside the latest query's window. The rest of [tile_lo, tile_hi) is masked.
+    # with a window, wholly inside the latest query's window (with chunks, inside the latest query's chunk). The
+    # rest of [tile_lo, tile_hi) is masked.
     full_hi = (ctx_len + q_lo + 1) // TILE_N
     full_lo = tile_lo
     if USE_WINDOW:
         full_lo = tl.cdiv(tl.maximum(ctx_len + q_hi - sliding_window, 0), TILE_N)
+    if USE_CHUNK:
+        full_lo = tl.maximum(full_lo, tl.cdiv((ctx_len + q_hi - 1) // attention_chunk * attention_chunk, TILE_N))
     full_lo = tl.minimum(tl.maximum(full_lo, tile_lo), tile_hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), tile_hi)
 
@@ -222,17 +236,17 @@ def _unified_attention_kernel(
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
 
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, tile_lo, full_lo,
-                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
+                                  q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  tile_lo, full_lo, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, full_lo, full_hi,
-                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
+                                  q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, q_last, key_end, sliding_window, qk_scale, softcap_scale, full_hi, tile_hi,
-                                  offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8)
+                                  q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  full_hi, tile_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
     if KV_FP8:  # sums of v' = v / v_scale (linear: the split partials can carry it too)
@@ -321,14 +335,17 @@ def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
                          head_dim: int, dtype: torch.dtype, device: torch.device,
-                         sliding_window: Optional[int] = None) -> int:
+                         sliding_window: Optional[int] = None, attention_chunk: Optional[int] = None) -> int:
     """Split-KV factor for a batch: > 1 only for decode-only batches whose (request, KV head) programs would
-    fill less than two programs per SM, and only as far as each split keeps >= 4 tiles of work."""
+    fill less than two programs per SM, and only as far as each split keeps >= 4 tiles of work (a window or an
+    attention chunk bounds the context a query reads)."""
     if max_query_len != 1 or num_seqs == 0:
         return 1
     sms = device_sm_count(device)
     programs = num_seqs * num_kv_heads
     context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
+    if attention_chunk:
+        context = min(context, attention_chunk)
     tile_n = attention_config(head_dim, 1, 1, dtype).tile_n
     tiles = cdiv(context, tile_n)
     splits = 1
@@ -343,13 +360,14 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
     `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
     logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps).
     An FP8 (float8_e4m3fn) cache holds k / k_scale and v / v_scale. `causal_limit` (int32 [T], None = off): the
-    last position each query sees."""
+    last position each query sees. `attention_chunk` (None or 0 = off): the query at position p sees keys from
+    (p // attention_chunk) * attention_chunk on."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -369,6 +387,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                                     and causal_limit.shape[0] >= num_tokens), "causal_limit: contiguous int32 [T]"
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
+    use_chunk = bool(attention_chunk)
+    assert not use_chunk or attention_chunk > 0, "attention_chunk must be positive"  # type: ignore[operator]
     use_softcap = bool(logit_softcap)
     # Scores in log2 units: q.k * scale * log2(e), or with a cap tanh(q.k * scale / cap) * cap * log2(e).
     qk_scale = (softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E) * (k_scale if kv_fp8 else 1.0)
@@ -385,7 +405,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim,
-                                             q.dtype, q.device, sliding_window if use_window else None)
+                                             q.dtype, q.device, sliding_window if use_window else None,
+                                             attention_chunk if use_chunk else None)
     assert num_kv_splits >= 1 and num_kv_splits & (num_kv_splits - 1) == 0, "num_kv_splits: a power of two"
 
     if num_kv_splits > 1:
@@ -406,7 +427,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
         query_start_loc if causal_limit is None else causal_limit,
         query_start_loc, seq_lens, block_table,
-        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0, float(v_scale),
+        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
+        int(attention_chunk) if use_chunk else 1, float(v_scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
@@ -414,7 +436,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
         NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
         UPCAST=upcast,
-        DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None,
+        DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None, USE_CHUNK=use_chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

@@ -68,7 +68,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
@@ -78,6 +78,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     `max_query_len`, `max_seq_len` and `num_kv_splits` are planning hints for the kernel and unused here.
     An FP8 cache holds k / k_scale and v / v_scale. `causal_limit` [T] (absolute positions, >= each query's own):
     the last key each query sees, in place of its own position (Gemma 3's images see themselves both ways).
+    `attention_chunk` C (Llama 4's chunked local attention): the query at position p sees keys from
+    (p // C) * C on only (also within the window, if any).
     """
     del max_query_len, max_seq_len, num_kv_splits
     if key_cache.dtype != torch.float8_e4m3fn:
@@ -104,6 +106,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         allowed = k_pos <= last
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
+        if attention_chunk:
+            allowed &= k_pos >= q_pos // attention_chunk * attention_chunk
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)

@@ -101,6 +101,27 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "olmo2":  # post-norms, whole-projection q/k norms (their weights randomised: see below)
         kw.setdefault("pad_token_id", 0)
         return tf.Olmo2Config(**kw)
+    if family == "llama4":
+        # 4 layers: rope layers attend in chunks of 8 (prompts of 20-40 tokens cross several) with q/k L2-normed; layer
+        # 1 is a NoPE layer with query temperature tuning (floor_scale 4: it scales from position 3 on); layers 1 and
+        # 3 are MoE (4 experts, top 1, sigmoid scores on the input, shared expert), 0 and 2 dense (96 wide);
+        # interleaved llama3-scaled rotary
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        kw.update(num_local_experts=overrides.get("num_local_experts", 4), intermediate_size=32)
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("intermediate_size_mlp", 96)
+        kw.setdefault("num_experts_per_tok", 1)
+        kw.setdefault("interleave_moe_layer_step", 2)
+        kw.setdefault("no_rope_layers", [1, 0, 1, 1])
+        kw.setdefault("attention_chunk_size", 8)
+        kw.setdefault("floor_scale", 4)
+        kw.setdefault("attn_scale", 0.5)
+        kw.setdefault("rope_parameters", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                          "rope_theta": 10000.0})
+        # Larger weights: at 0.08 continuations mostly repeat one token, and fewer of Llama 4's differences show.
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        return tf.Llama4TextConfig(**kw)
     if family in ("deepseek_v2", "deepseek_v3"):
         # MLA with small ranks (V: 12 dims beside K's 16 + 8, padded in the cache), 3 layers: a dense one
         # (first_k_dense_replace), then sparse ones of 8 experts top 2 plus shared experts. V2: no q LoRA (V2-Lite),

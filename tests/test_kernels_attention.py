@@ -28,17 +28,19 @@ SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomiz
 
 
 def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
-           scale=None, hints=None, logit_softcap=None, sinks=None) -> torch.Tensor:
+           scale=None, hints=None, logit_softcap=None, sinks=None, attention_chunk=None) -> torch.Tensor:
     scale = head_dim ** -0.5 if scale is None else scale
     max_query_len, max_seq_len = hints or (batch.max_query_len, batch.max_seq_len)
     out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, scale, max_query_len, max_seq_len, sliding_window,
-                      num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks)
+                      num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
+                      attention_chunk=attention_chunk)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, scale, batch.max_query_len,
-                                batch.max_seq_len, sliding_window, logit_softcap=logit_softcap, sinks=sinks)
+                                batch.max_seq_len, sliding_window, logit_softcap=logit_softcap, sinks=sinks,
+                                attention_chunk=attention_chunk)
     n = batch.num_tokens
     err = rel_err(out[:n], expected[:n])
     assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:g}"
@@ -216,8 +218,10 @@ def test_choose_num_kv_splits(monkeypatch) -> None:
     # Short contexts keep >= 4 tiles per split.
     splits = choose_num_kv_splits(1, 8, 1, 512, 128, bf16, cuda)
     assert splits * 4 <= math.ceil(512 / attn_mod.attention_config(128, 1, 1, bf16).tile_n)
-    # A sliding window bounds the useful context.
+    # A sliding window bounds the useful context, and so does an attention chunk.
     assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda, sliding_window=256) <= 1
+    assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda, attention_chunk=256) <= 1
+    assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, cuda, attention_chunk=8192) > 1
     monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 1)
     assert choose_num_kv_splits(1, 8, 1, 32768, 128, bf16, torch.device("cpu")) == 1
 
@@ -286,3 +290,66 @@ def test_causal_limit_spans(dtype, group, block_size, window, splits, lens, seed
     if moved.any():  # the limit changes exactly the queries it moves
         assert not torch.allclose(expected[:n][moved], causal[:n][moved])
     assert torch.equal(expected[:n][~moved], causal[:n][~moved])
+
+
+# ------------------------------------------------------------------------------------------------ chunked attention
+def _chunk_moved(batch, chunk: int, window) -> torch.Tensor:
+    """bool [T]: the queries whose chunk hides a key they would otherwise see (their chunk starts past both 0 and
+    their window's first key)."""
+    qsl, lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+    moved = []
+    for b in range(len(lens)):
+        for pos in range(lens[b] - (qsl[b + 1] - qsl[b]), lens[b]):
+            moved.append(pos // chunk * chunk > (0 if window is None else max(0, pos - window + 1)))
+    return torch.tensor(moved, dtype=torch.bool)
+
+
+def _check_chunked(batch, num_heads: int, head_dim: int, dtype: torch.dtype, chunk: int, window=None,
+                   splits=None) -> None:
+    """Kernel == reference with `chunk`; the chunk changes exactly the queries it hides keys from (so a kernel that
+    ignored it would fail)."""
+    chunked = _check(batch, num_heads, head_dim, dtype, window, splits, attention_chunk=chunk)
+    plain = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, plain, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, head_dim ** -0.5, 0, 0, window)
+    plain = plain[:batch.num_tokens]
+    moved = _chunk_moved(batch, chunk, window).to(plain.device)
+    assert torch.equal(chunked[~moved], plain[~moved])
+    if moved.any():
+        assert not torch.allclose(chunked[moved], plain[moved], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [
+    # (q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, chunk, window, num_kv_splits)
+    ([40, 1, 1, 13], [5, 70, 0, 30], 4, 2, 64, 16, 8, None, None),  # chunk < block: prompts cross many chunks
+    ([150, 1], [70, 200], 8, 2, 64, 16, 64, None, None),  # chunk > block and tile: unmasked tiles inside a chunk
+    ([25, 9], [0, 20], 4, 1, 32, 8, 13, None, None),  # a chunk not a multiple of the block (nor of a tile)
+    ([1, 1, 1], [60, 90, 130], 4, 2, 64, 16, 48, None, 4),  # decodes on the split-KV path
+    ([30, 1, 1], [20, 50, 9], 4, 2, 64, 16, 16, 10, None),  # a window inside the chunk, and past its start
+], ids=["chunk<block", "chunk>tile", "odd-chunk", "split-kv", "with-window"])
+def test_attention_chunk(case, dtype) -> None:
+    """Llama 4's chunked local attention: the query at position p sees keys [(p // C) * C, p]. Prefill chunks that
+    cross attention-chunk boundaries, on a cached context, beside decodes."""
+    q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, chunk, window, splits = case
+    g = torch.Generator().manual_seed(21)
+    batch = make_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE,
+                             num_pad_tokens=2, generator=g)
+    _check_chunked(batch, num_heads, head_dim, dtype, chunk, window, splits)
+
+
+@settings(SETTINGS, max_examples=max_examples(16, 10))
+@given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4]), head_dim=st.sampled_from([32, 64]),
+       block_size=st.sampled_from([8, 16]), num_kv_heads=st.sampled_from([1, 2]),
+       lens=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 50)), st.integers(0, 80)), min_size=1,
+                     max_size=3),
+       chunk=st.sampled_from([1, 3, 8, 16, 24, 40, 128]), window=st.one_of(st.none(), st.integers(1, 30)),
+       splits=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31 - 1))
+def test_attention_chunk_random(dtype, group, head_dim, block_size, num_kv_heads, lens, chunk, window, splits,
+                                seed) -> None:
+    """Chunks smaller and larger than blocks and tiles, with or without a window, single pass or split-KV."""
+    g = torch.Generator().manual_seed(seed)
+    num_heads = group * num_kv_heads
+    batch = make_paged_batch([q for q, _ in lens], [c for _, c in lens], num_heads, num_kv_heads, head_dim,
+                             block_size, dtype, DEVICE, num_pad_tokens=1, generator=g)
+    _check_chunked(batch, num_heads, head_dim, dtype, chunk, window, splits)

@@ -138,6 +138,18 @@ def test_engine_triton_backend_gemma2_softcap(request) -> None:
             == _greedy(path, prompts, attention_backend="torch", **args))
 
 
+def test_engine_triton_backend_llama4_chunked_attention(request) -> None:
+    """Llama 4's chunked local attention (chunks of 8 on its rope layers; a NoPE layer attends fully) through the
+    Triton kernel, with prefill chunks crossing attention chunks beside decodes, gives the torch backend's tokens
+    (which tests/test_llama4.py holds to transformers'); its interleaved rotary runs the GPT-J kernel."""
+    pytest.importorskip("transformers")
+    path = request.getfixturevalue("make_ckpt")("llama4_base", family="llama4")
+    prompts = _prompts(3, seed=14, max_len=36)
+    args = dict(max_num_batched_tokens=6, block_size=4)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_limit_on_both_backends(dtype) -> None:
     """Query spans that see themselves both ways (a causal limit past their own positions) attend alike on the

@@ -31,7 +31,8 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     ("mixtral", {}),
     ("gemma2", {}),  # soft-capped attention scores
     ("gpt_oss", {}),  # sinks split with their heads; expert biases, the down one added after the all-reduce
-], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3", "qwen3-moe", "mixtral", "gemma2", "gpt-oss"])
+    ("llama4", {}),  # fused experts split along I, the shared expert as a dense MLP; chunked and NoPE layers
+], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3", "qwen3-moe", "mixtral", "gemma2", "gpt-oss", "llama4"])
 def test_tp2_matches_transformers(make_ckpt, family, overrides) -> None:
     path = make_ckpt(f"{family}_tp", family=family, seed=3, **overrides)
     # A small token budget: prompts are prefilled in chunks beside other requests' decodes.

@@ -85,6 +85,9 @@ class AttentionSpec:
     scale: float
     sliding_window: Optional[int] = None  # attend to at most this many most recent positions (incl. self)
     logit_softcap: Optional[float] = None  # scores -> tanh(scores / cap) * cap before the softmax; None/0 = off
+    # Chunked local attention (Llama 4's rope layers): positions form chunks of this many, and a query at position p
+    # attends only to keys in its own chunk, [(p // chunk) * chunk, p]; None = off
+    attention_chunk: Optional[int] = None
 
 
 # --------------------------------------------------------------------------------------------- forward context

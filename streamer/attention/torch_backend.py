@@ -7,6 +7,8 @@ this project's 2-core CPU box). Without a working compiler (or with `enforce_eag
 per request, gather exactly its slots and call SDPA.
 Prefill chunks go one request at a time through SDPA; a chunk that is its request's whole context attends to
 this step's k/v directly, the others to their gathered cached context with an offset causal mask.
+A sliding window and chunked local attention (`AttentionSpec.attention_chunk`, Llama 4) bound each query's first
+key: the decode kernels take it as the request's first position (`first_keys`), prefill as part of its mask.
 Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) and attention sinks (gpt-oss: a learned
 logit per head that joins the softmax's denominator) are Python branches: the compiled decode kernel gets a tanh
 before its softmax / the sink in its statistics, and where SDPA would run (which can do neither) `_attend_explicit`
@@ -220,8 +222,17 @@ class _StepPlan:
     splits: int = 1  # parts each decode row's context is split into (see paged_decode)
 
 
-def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _StepPlan:
-    key = ("torch", window)
+def first_keys(seq_lens: torch.Tensor, window: Optional[int], chunk: Optional[int]) -> torch.Tensor:
+    """The first key position the query at position seq_len - 1 (a decode token) sees: past the window's start, and
+    with chunked attention not before its own chunk's."""
+    first = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
+    if chunk:
+        first = torch.maximum(first, (seq_lens - 1).clamp(min=0) // chunk * chunk)
+    return first
+
+
+def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int], chunk: Optional[int]) -> _StepPlan:
+    key = ("torch", window, chunk)
     plan = meta.backend_cache.get(key)
     if plan is not None:
         return plan
@@ -247,7 +258,7 @@ def _plan(meta: AttentionMetadata, block_size: int, window: Optional[int]) -> _S
             table_np = np.concatenate([table_np, np.zeros_like(table_np)])  # length 1; its output is dropped)
             lens_np = np.concatenate([lens_np, np.ones(1, dtype=np.int64)])
         table, lens = torch.from_numpy(table_np).to(dev), torch.from_numpy(lens_np).to(dev)
-        first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+        first = first_keys(lens, window, chunk)
         plan.decode_tok = torch.as_tensor(tok_np, device=dev)
         plan.decode_direct = b == meta.num_reqs and meta.num_tokens == b and len(slots) == b
         plan.table, plan.seq_lens, plan.first_pos, plan.splits = table, lens, first, splits
@@ -265,7 +276,7 @@ class TorchAttentionBackend(KVScales):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window)
+        plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window, self.spec.attention_chunk)
         self._write(k, v, kv_cache, plan)
         if plan.decode_direct and q.shape[0] == plan.num_decode:
             return self._decode(q, kv_cache, plan, sinks)
@@ -305,8 +316,7 @@ class TorchAttentionBackend(KVScales):
         n = q.shape[0]
         new = torch.cat([self._cached(k, kv_cache, self.k_scale), self._cached(v, kv_cache, self.v_scale)])
         _store(kv_cache.view(-1, spec.num_kv_heads, spec.head_dim), d.write_slots, new)
-        window = spec.sliding_window
-        first = (d.seq_lens - window).clamp(min=0) if window else torch.zeros_like(d.seq_lens)
+        first = first_keys(d.seq_lens, spec.sliding_window, spec.attention_chunk)
         qb = self._scaled(q, kv_cache).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
         out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits,
                            spec.logit_softcap, self._head_sinks(sinks))
@@ -339,15 +349,18 @@ class TorchAttentionBackend(KVScales):
         else:
             k, v = self._gather(kv_cache, meta.block_table[i], seq_len, q.dtype)  # [L, Hkv, D]
         mask = None
-        window = self.spec.sliding_window
+        window, chunk = self.spec.sliding_window, self.spec.attention_chunk
         limit = None if meta.causal_limit_cpu is None else meta.causal_limit_cpu[start:end]
-        if seq_len != q_len or (window is not None and window < seq_len) or limit is not None:
+        if (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
+                or (chunk and chunk < seq_len)):
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
             last = q_pos if limit is None else torch.from_numpy(limit).to(q.device, torch.int64).unsqueeze(1)
             mask = k_pos <= last
             if window is not None:
                 mask &= k_pos > q_pos - window
+            if chunk:
+                mask &= k_pos >= q_pos // chunk * chunk
         qi, k, v = q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if self.spec.logit_softcap or sinks is not None:
             if mask is None:

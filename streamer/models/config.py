@@ -9,7 +9,7 @@ from typing import Any, Optional
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
@@ -29,7 +29,8 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+                            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                            "Mistral3ForConditionalGeneration")
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
@@ -38,7 +39,8 @@ _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
                  "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
-                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision")}
+                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision"),
+                 "Mistral3ForConditionalGeneration": ("pixtral",)}
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -56,7 +58,20 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # The image token each architecture's config defaults to.
 _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144,
-                "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655}
+                "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
+                "Mistral3ForConditionalGeneration": 10}
+# The text config an architecture's config class builds when config.json has none (a given one takes its
+# model_type's class defaults: _TEXT_DEFAULTS).
+_DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
+    "Mistral3ForConditionalGeneration": dict(
+        model_type="mistral", head_dim=128, hidden_size=5120, intermediate_size=32768, max_position_embeddings=131072,
+        num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8, rms_norm_eps=1e-05,
+        rope_theta=1000000000.0, sliding_window=None, vocab_size=131072),
+}
+
+# Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
+# architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration.
+TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -150,6 +165,8 @@ class ModelConfig:
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
     # DeepSeek's latent attention; num_kv_heads and head_dim are then the KV cache's (MLADims.cache_geometry)
     mla: Optional[MLADims] = None
+    # The vision-language architecture whose text model this is, served alone (TEXT_ONLY_ARCHITECTURES); None else
+    text_only_of: Optional[str] = None
 
     def with_mla_cache(self, latent: bool) -> "ModelConfig":
         """This config with DeepSeek's latent KV cache (True) or the per-head MHA cache (False), and the cache
@@ -196,6 +213,9 @@ class ModelConfig:
         archs = c.get("architectures") or []
         if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
             return cls._multimodal(c)
+        text_only = next((a for a in archs if a in TEXT_ONLY_ARCHITECTURES), None)
+        if text_only is not None:
+            return cls._text_only(c, text_only)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and any(a in BACKBONES for a in archs):
             arch = next(BACKBONES[a] for a in archs if a in BACKBONES)
@@ -266,13 +286,28 @@ class ModelConfig:
         )
 
     @classmethod
+    def _text_only(cls, c: dict[str, Any], arch: str) -> "ModelConfig":
+        """A vision-language config served as its text model: text_config (with the outer config's say on the
+        dtype, quantization, tying and special tokens), marked `text_only_of`."""
+        if not c.get("text_config"):
+            raise ValueError(f"{arch} config.json has no text_config")
+        text = {**c["text_config"], "architectures": [TEXT_ONLY_ARCHITECTURES[arch]]}
+        for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
+                    "bos_token_id"):
+            if c.get(key) is not None:
+                text[key] = c[key]
+        cfg = cls.from_dict(text)
+        cfg.text_only_of = arch
+        return cfg
+
+    @classmethod
     def _multimodal(cls, c: dict[str, Any]) -> "ModelConfig":
         """A LLaVA-style config: the text model's own config (nested, with the defaults real configs leave out)
         plus the outer one under `multimodal`."""
         arch = next(a for a in c["architectures"] if a in MULTIMODAL_ARCHITECTURES)
         # (older Qwen2-VL configs keep the text model's fields at the top level)
         text = dict(c.get("text_config") or ({k: v for k, v in c.items() if k != "vision_config"}
-                                             if arch.startswith("Qwen2") else {}))
+                                             if arch.startswith("Qwen2") else _DEFAULT_TEXT_CONFIG.get(arch, {})))
         model_type = text.get("model_type", "llama")
         if model_type not in _TEXT_ARCHS:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "

@@ -442,11 +442,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).to(x.dtype)
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J layout (Llama 4's complex pairs): dims (2i, 2i + 1) rotate together by frequency i, as the complex
+    number x[2i] + j x[2i+1] times e^(j theta_i). Shapes as `apply_rotary`'s."""
+    d = cos.shape[-1]
+    xf = x.float()
+    x1, x2, rest = xf[..., 0:2 * d:2], xf[..., 1:2 * d:2], xf[..., 2 * d:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).flatten(-2)
+    return torch.cat([rotated, rest], dim=-1).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module, KernelSwitch):
     def __init__(self, rotary_dim: int, max_positions: int, theta: float,
-                 scaling: Optional[dict[str, Any]]) -> None:
-        """rotary_dim: the leading dims of each head that rotate (ModelConfig.rotary_dim); the table is that wide."""
+                 scaling: Optional[dict[str, Any]], is_neox: bool = True) -> None:
+        """rotary_dim: the leading dims of each head that rotate (ModelConfig.rotary_dim); the table is that wide.
+        is_neox: dims i and i + rotary_dim / 2 rotate together (most families); False: the GPT-J layout, dims 2i and
+        2i + 1 (Llama 4)."""
         super().__init__()
+        self.is_neox = is_neox
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(rotary_dim, max_positions, theta, scaling),
                              persistent=False)
         # LongRoPE (Phi-3 long-context): a sequence longer than the pretraining length rotates with the long
@@ -468,13 +482,14 @@ class RotaryEmbedding(nn.Module, KernelSwitch):
         self.register_buffer("mrope_select", rows.to(self.cos_sin_cache.device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        rotate = apply_rotary if self.is_neox else apply_rotary_interleaved
         if positions.dim() == 2:  # [3, T] M-RoPE positions (steps with image tokens only: eager, torch maths)
             cos, sin = self._mrope_cos_sin(positions)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            return rotate(q, cos, sin), rotate(k, cos, sin)
         if self.use_kernel:
-            return K.rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=True)
+            return K.rotary_embedding(positions, q, k, self.cos_sin_cache, is_neox=self.is_neox)
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def _mrope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mrope_select is None:

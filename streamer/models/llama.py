@@ -1,8 +1,8 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
 embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 / Phi-4-mini
 (fused checkpoint tensors, LongRoPE, partial rotary). The differences are config switches, not subclasses; Gemma 2
-and 3 (models/gemma3.py), gpt-oss (models/gpt_oss.py), Granite (models/granite.py) and OLMo 2 (models/olmo2.py)
-reuse its attention, layers and weight loading."""
+and 3 (models/gemma3.py), gpt-oss (models/gpt_oss.py), Granite (models/granite.py), OLMo 2 (models/olmo2.py) and
+Llama 4 (models/llama4.py) reuse its attention, layers and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -41,10 +41,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
                  qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
-                 logit_softcap: Optional[float] = None, sinks: bool = False) -> None:
+                 logit_softcap: Optional[float] = None, sinks: bool = False,
+                 attention_chunk: Optional[int] = None) -> None:
         """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
         (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
-        layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) is gpt-oss's."""
+        layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) is gpt-oss's;
+        `attention_chunk` (chunked local attention, AttentionSpec's) Llama 4's."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -69,7 +71,8 @@ class Attention(nn.Module):
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
         window = cfg.sliding_window if sliding_window is _FROM_CONFIG else sliding_window
         spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
-                             self.head_dim ** -0.5 if scale is None else scale, window, logit_softcap)
+                             self.head_dim ** -0.5 if scale is None else scale, window, logit_softcap,
+                             attention_chunk)
         self.attn: AttentionBackend = backend_cls(spec)
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op
@@ -84,6 +87,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        return self.attend(q, k, v, kv_cache, decode)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        """Attention of the projected (normed, rotated) q [T, H, D], k, v [T, Hkv, D], then o_proj."""
         if decode is not None:
             out = self.attn.forward_decode(q, k, v, kv_cache, decode, self.sinks)  # type: ignore[attr-defined]
         elif self.use_op:
@@ -94,11 +102,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module, KernelSwitch):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
+        """`intermediate_size`: default the config's (Llama 4's dense layers have their own)."""
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                 shard_names=["gate", "up"])
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter] * 2, shard_names=["gate", "up"])
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = K.silu_and_mul if self.use_kernel else silu_and_mul
@@ -160,11 +169,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+    rope_is_neox = True  # the rotary layout (False: GPT-J's interleaved pairs, Llama 4's)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                 is_neox=self.rope_is_neox)
         if cfg.mrope_section:
             rotary.use_mrope(cfg.mrope_section)
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)

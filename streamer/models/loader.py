@@ -16,6 +16,7 @@ from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.llama4 import Llama4ForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
@@ -35,6 +36,7 @@ _MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
 _MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
 _MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
+_MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,6 +1,7 @@
 """Vision-language models: a vision encoder and a projector in front of a text model of one of the supported
-families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector) and Gemma 3
-(Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection).
+families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector), Gemma 3
+(Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL
+and Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP).
 
 The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
 encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
@@ -210,8 +211,51 @@ class QwenVLMixin(VisionLanguageMixin):
         return super().rename_weights(renamed())
 
 
+class Mistral3Mixin(VisionLanguageMixin):
+    """Mistral 3 (Mistral-Small-3.1 / 3.2): Pixtral's encoder at each image's own resolution, then RMSNorm, a
+    patch merger and a two-layer MLP (streamer/models/pixtral.py). An image of rows x cols merged tokens sits in
+    the prompt as rows of [IMG] tokens, each row closed by [IMG_BREAK] and the last by [IMG_END]: only the [IMG]
+    positions take features (`ImageInput.feature_mask`, streamer/multimodal.py)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        from streamer.models.pixtral import MISTRAL3_VISION_CONFIG, Mistral3Projector, PixtralVisionTower
+        mm = cfg.multimodal
+        self.vision_tower = PixtralVisionTower(mm.get("vision_config") or MISTRAL3_VISION_CONFIG,
+                                               mm.get("vision_feature_layer", -1))
+        self.spatial_merge_size = int(mm.get("spatial_merge_size", 2))
+        self.multi_modal_projector = Mistral3Projector(self.vision_tower.hidden_size, cfg.hidden_size,
+                                                       self.spatial_merge_size, mm.get("projector_hidden_act", "gelu"),
+                                                       bool(mm.get("multimodal_projector_bias", False)),
+                                                       cfg.rms_norm_eps)
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    @property
+    def image_patch(self) -> int:
+        """The side in pixels of one merged token: the image processor makes both sides multiples of it."""
+        return self.vision_tower.spec.patch_size * self.spatial_merge_size
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        # As Qwen2-VL's: at most max_tokens * merge^2 patches a step (twice, for an image cut by a chunk boundary)
+        spec = self.vision_tower.spec
+        patches = 2 * max_tokens * self.spatial_merge_size ** 2
+        return patches * (spec.hidden_size * 16 + spec.intermediate_size * 6)
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each image's features [its [IMG] tokens, hidden]; all images through the encoder in one sequence (each
+        attending to itself only) and the projector, as transformers runs a prompt's images."""
+        states, grids = self.vision_tower([im.pixel_values.to(device, non_blocking=True) for im in images])
+        feats = self.multi_modal_projector(states, grids)
+        m = self.spatial_merge_size
+        return list(feats.split([(h // m) * (w // m) for h, w in grids]))
+
+
 _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
-           "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin}
+           "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
+           "Mistral3ForConditionalGeneration": Mistral3Mixin}
 
 
 @functools.cache
