@@ -104,11 +104,7 @@ class Llama4Attention(Attention):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 decode: Optional[DecodeBatch] = None) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         if self.use_rope:
             q, k = self.rotary(positions, q, k)
         if self.l2_eps is not None:  # (after the rotary, as transformers has it)
