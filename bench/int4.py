@@ -73,9 +73,9 @@ def linear_bytes(llm: LLM) -> int:
     total = 0
     for m in llm.engine.runner.model.modules():
         if isinstance(m, PackableLinear):
-            for t in (m.int4.packed, m.int4.scales_and_zeros) if m.int4 is not None else \
+            for t in (m.int4.packed, m.int4.scales_and_zeros, m.int4.block_scales) if m.int4 is not None else \
                     ((m.packed if m.packed is not None else m.weight),):
-                total += t.numel() * t.element_size()
+                total += 0 if t is None else t.numel() * t.element_size()
     return total
 
 
@@ -96,7 +96,8 @@ def prefill_time(llm: LLM, prompt: dict) -> float:
 def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int) -> None:
     folder, extra = model_folder(name)
     common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
-                  kv_cache_memory=(1 << 30) if name != "8b" else (1 << 29), enforce_eager=not compile_, **extra)
+                  kv_cache_memory=(1 << 30) if name != "8b" else (1 << 29), enforce_eager=False if compile_ else None,
+                  **extra)
     engines = {}
     for q in ("int4", "bf16"):  # int4 first: its float weights are gone before the bf16 engine fills its own
         t0, rss0 = time.perf_counter(), rss_gib()
@@ -122,7 +123,8 @@ def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int)
             res[q]["bN"].append(rate)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
              for x, y in zip(outs["int4"], outs["bf16"])]
-    print(f"\n{name} ({folder.name}), bf16 activations, {'compiled' if compile_ else 'eager'}, {rounds} alternating "
+    mode = "compiled" if compile_ else "LLM's default (model eager, kernels compiled)"
+    print(f"\n{name} ({folder.name}), bf16 activations, {mode}, {rounds} alternating "
           "rounds, medians (range)\n")
     print(f"| weights | linear weight MiB | prefill 512 tok, s | decode tok/s, batch 1 | decode tok/s, batch {batch} |")
     print("|---|---:|---:|---:|---:|")

@@ -48,26 +48,26 @@ def test_int4_kernel_matches_the_dequantized_weight(out, cols, groups, dtype):
         assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
-@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_dequantize_chunks(compile, dtype, monkeypatch):
-    """From DEQUANT_ROWS rows on (EAGER_DEQUANT_ROWS without the compiler), a CPU matmul dequantizes the weight
-    16 blocks of 64 output rows at a time and multiplies densely: 18 blocks here, a full chunk and a partial one.
-    Same result as the int4 kernel, which still takes fewer rows."""
+def test_many_rows_dequantize_chunks(dtype, monkeypatch):
+    """From DEQUANT_ROWS rows on, a CPU matmul dequantizes the weight 16 blocks of 64 output rows at a time and
+    multiplies densely: 18 blocks here, a full chunk and a partial one. Same result as the int4 kernel, which
+    still takes fewer rows, and every row count when the dequantization may not be compiled (enforce_eager)."""
     calls = []
     real = woq._dequantize
     monkeypatch.setattr(woq, "_dequantize", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     u = _random_unpacked(18 * 64, 256, 2, seed=7)
     w = pack_int4(u, dtype, torch.device("cpu"))
-    w.compile = compile
-    rows = woq.DEQUANT_ROWS if compile else woq.EAGER_DEQUANT_ROWS
-    for n in (rows - 1, rows, 300):
-        x = torch.randn(n, 256).to(dtype)
-        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_and_zeros).float()
-        got = w.matmul(x).float()
-        err = (got - want).norm() / want.norm()
-        assert err < (1e-6 if dtype == torch.float32 else 1e-2), (n, err)
-    assert calls == [16, 2, 16, 2], calls  # (none for rows - 1)
+    rows = woq.DEQUANT_ROWS[dtype]
+    for compile in (True, False):
+        w.compile = compile
+        for n in (rows - 1, rows, 300):
+            x = torch.randn(n, 256).to(dtype)
+            want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.packed, w.group_size, w.scales_and_zeros).float()
+            got = w.matmul(x).float()
+            err = (got - want).norm() / want.norm()
+            assert err < (1e-6 if dtype == torch.float32 else 1e-2), (n, err)
+    assert calls == [16, 2, 16, 2], calls  # (compiled, from `rows` rows on)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -265,49 +265,47 @@ def kernel_group(cols: int, group_size: int) -> Optional[int]:
     return next((g for g in KERNEL_GROUPS if size % g == 0 and cols % g == 0), None)
 
 
-# CPU prefill: from this many rows on, dequantizing the weight a chunk at a time and multiplying in the activations'
-# dtype beats `_weight_int4pack_mm_for_cpu`, whose cost grows with every row (it dequantizes per tile of rows). With
-# a compiled dequantization (~0.2 ns a weight) the break-even is ~40 rows, eager (~1 ns) ~150 (bench/int4.py).
-DEQUANT_ROWS, EAGER_DEQUANT_ROWS = 48, 256
+# CPU: from this many rows on (prefill chunks, large batches), dequantizing the weight a chunk at a time (a compiled
+# loop, ~0.3 ns a weight) and multiplying densely beats `_weight_int4pack_mm_for_cpu`, whose cost grows with every
+# row: ~2x faster at 512 rows of bf16 (bench/RESULTS.md). Its fp32 path is ~30x slower a row than bf16's.
+DEQUANT_ROWS = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 4}
 _CHUNK_BLOCKS = 16  # output rows dequantized at a time, in the CPU layout's blocks of 64: a few MB of weights
 _NIBBLES = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
 
 
-def _dequantize_blocks(packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """W^T of `_CHUNK_BLOCKS` or fewer blocks of 64 output rows from the CPU int4 layout: block b stores, for each
-    input column k, 32 bytes whose low nibbles are rows b*64 .. +31 and high nibbles rows b*64+32 .. +63.
-    packed: uint8 [blocks, cols * 32]; scales_and_zeros: [groups, blocks * 64, 2]. Returns [blocks, cols, 64]."""
-    groups, rows = scales_and_zeros.shape[:2]
-    blocks = rows // 64
+def _dequantize_blocks(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """W^T of some blocks of 64 output rows from the CPU int4 layout: block b stores, for each input column k, 32
+    bytes whose low nibbles are rows b*64 .. +31 and high nibbles rows b*64+32 .. +63. packed: uint8 [blocks,
+    cols * 32]; scales, zeros: [blocks, groups, 64] (`Int4Weight.block_scales`). Returns [blocks, cols, 64]."""
+    blocks, groups = scales.shape[:2]
     group = packed.shape[1] * 2 // 64 // groups
     q = (packed.view(blocks, groups, group, 1, 32) >> _NIBBLES.to(packed.device)) & 15
-    sz = scales_and_zeros.float().reshape(groups, blocks, 1, 64, 2).transpose(0, 1)  # [blocks, groups, 1, 64, 2]
-    w = (q.reshape(blocks, groups, group, 64).float() - 8) * sz[..., 0] + sz[..., 1]
-    return w.to(scales_and_zeros.dtype).view(blocks, groups * group, 64)
+    w = (q.reshape(blocks, groups, group, 64).float() - 8) * scales[:, :, None].float() + zeros[:, :, None].float()
+    return w.to(scales.dtype).view(blocks, groups * group, 64)
 
 
 _compiled_dequantize: Optional[Callable] = None
 _compile_failed = False
 
 
-def _dequantize(packed: torch.Tensor, scales_and_zeros: torch.Tensor, compile: bool) -> torch.Tensor:
-    """`_dequantize_blocks`, compiled into one fused loop unless told otherwise (or the compiler fails: then it says
-    so once and runs eagerly from then on). Static shapes: a model has a handful (its linears' widths)."""
+def _dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Optional[torch.Tensor]:
+    """`_dequantize_blocks` compiled into one fused loop (eager, it loses to the int4 kernel); None once compiling
+    has failed (no C++ toolchain, an Inductor bug: said once). Static shapes: a model has a handful."""
     global _compiled_dequantize, _compile_failed
-    if not compile or _compile_failed:
-        return _dequantize_blocks(packed, scales_and_zeros)
+    if _compile_failed:
+        return None
     if _compiled_dequantize is None:
         _compiled_dequantize = torch.compile(_dequantize_blocks, dynamic=False, fullgraph=True)
     dyn = torch._dynamo.config
     saved, dyn.recompile_limit = dyn.recompile_limit, max(dyn.recompile_limit, 64)
     try:
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            return _compiled_dequantize(packed, scales_and_zeros)
+            return _compiled_dequantize(packed, scales, zeros)
     except Exception as e:
         _compile_failed = True
-        logger.warning("compiled 4-bit dequantization unavailable (%s: %s); using the eager path",
+        logger.warning("compiled 4-bit dequantization unavailable (%s: %s); the int4 kernel takes every matmul",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return _dequantize_blocks(packed, scales_and_zeros)
+        return None
     finally:
         dyn.recompile_limit = saved
 
@@ -321,27 +319,35 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor  # [groups, out, 2], the activations' dtype
     group_size: int
     out_features: int
-    compile: bool = True  # whether CPU prefill may compile its dequantization (False under enforce_eager)
+    compile: bool = True  # whether many rows may take the compiled dequantization (False under enforce_eager)
+    # CPU: scales and zeros again, [2, out / 64, groups, 64], laid out as the packed blocks are, for the dequantizing
+    # path (read through the kernels' [groups, out, 2], the dequantization was ~100x slower); 1/16 of the 4-bit
+    # weight's bytes at 128-column groups
+    block_scales: Optional[torch.Tensor] = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
+        y = None
         if x2.is_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        elif x2.shape[0] >= (DEQUANT_ROWS if self.compile else EAGER_DEQUANT_ROWS) and self.out_features % 64 == 0:
+        elif self.block_scales is not None and self.compile and x2.shape[0] >= DEQUANT_ROWS[x2.dtype]:
             y = self._dequantized_matmul(x2)
-        else:
+        if y is None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _dequantized_matmul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Many rows on CPU: the weight dequantized a chunk of output rows at a time (a few MB, never the whole
-        matrix) and multiplied densely."""
+        matrix) and multiplied densely. None where the compiler is unavailable."""
         cols, blocks = x.shape[1], self.out_features // 64
-        packed = self.packed.view(blocks, cols * 32)
+        packed, scales = self.packed.view(blocks, cols * 32), self.block_scales
+        assert scales is not None
         parts = []
         for b in range(0, blocks, _CHUNK_BLOCKS):
             e = min(b + _CHUNK_BLOCKS, blocks)
-            w_t = _dequantize(packed[b:e], self.scales_and_zeros[:, b * 64:e * 64], self.compile)  # [n, cols, 64]
+            w_t = _dequantize(packed[b:e], scales[0, b:e], scales[1, b:e])  # [n, cols, 64]
+            if w_t is None:
+                return None
             parts.append(x @ w_t.transpose(0, 1).reshape(cols, (e - b) * 64))
         return torch.cat(parts, dim=1)
 
@@ -374,4 +380,7 @@ def pack_int4(u: Unpacked, dtype: torch.dtype, device: torch.device) -> Int4Weig
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
+        if out % 64 == 0:  # (the layout of a partial block is another: those rows keep the kernel)
+            blocks = sz.view(groups * repeat, out // 64, 64, 2).permute(3, 1, 0, 2).contiguous()
+            return Int4Weight(packed, sz, g, out, block_scales=blocks)
     return Int4Weight(packed, sz, g, out)
