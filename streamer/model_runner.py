@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -605,22 +605,23 @@ class ModelRunner:
         dev = self.device
         input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
         if step.images is not None:  # eagerly: a prefill chunk's matmuls dominate, and no graph takes embeddings
-            embeds = self._embeds_with_images(input_ids, step.images)
+            embeds, extra = self._embeds_with_images(input_ids, step.images)
             if step.images.mrope is not None:  # M-RoPE: [3, T], the image tokens at their (t, h, w) positions
                 rows = np.repeat(self._rope_positions(step)[None], 3, axis=0)
                 rows[:, step.images.token_idx] = step.images.mrope
                 positions = to_device(rows, dev)
             with forward_context(self._metadata(step)):
-                return self.model(input_ids, positions, self.kv_caches, inputs_embeds=embeds)
+                return self.model(input_ids, positions, self.kv_caches, inputs_embeds=embeds, **extra)
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
         with forward_context(self._metadata(step)):
             return self.forward(input_ids, positions, self.kv_caches)
 
-    def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> torch.Tensor:
+    def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> tuple[torch.Tensor, dict[str, Any]]:
         """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now
-        unless the encoder cache holds them)."""
+        unless the encoder cache holds them), and what else the model's forward takes for them (Qwen3-VL's
+        DeepStack features: `place_image_features`)."""
         cache, dev = self.encoder_cache, self.device
         found = {im.hash: cache.get(im.hash) for im in images.images}
         missing = [im for im in images.images if found[im.hash] is None]
@@ -630,8 +631,8 @@ class ModelRunner:
                 cache.put(im.hash, feats)
         feats = torch.cat([found[im.hash] for im in images.images])  # type: ignore[misc]
         x = self.model.embed(input_ids)
-        x[to_device(images.token_idx, dev)] = feats[to_device(images.rows, dev)].to(x.dtype)
-        return x
+        extra = self.model.place_image_features(x, to_device(images.token_idx, dev), feats[to_device(images.rows, dev)])
+        return x, extra
 
     def keep_last_tokens(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
         top = int(rows.max()) + 1

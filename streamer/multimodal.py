@@ -1,4 +1,4 @@
-"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / Qwen2.5-VL, Mistral 3).
+"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / 2.5-VL / 3-VL, Mistral 3).
 
 An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
 encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
@@ -242,7 +242,8 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
     if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         folder = Path(config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
     limit = config.limit_images_per_prompt
-    if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"):
+    if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
         return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
                             merge=model.vision_tower.spatial_merge_size)
@@ -290,8 +291,9 @@ def _qwen_processor(folder: Path) -> Any:
 
 
 def _place_mrope(inputs: list[ImageInput], merge: int) -> None:
-    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index, for images): an image's tokens sit at (t, h, w)
-    offsets from the position after the text before it; the text after it continues past the largest."""
+    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index, for images; Qwen3-VL's is the same for images):
+    an image's tokens sit at (t, h, w) offsets from the position after the text before it; the text after it
+    continues past the largest."""
     shift = 0
     for im in inputs:
         assert im.grid is not None

@@ -1,5 +1,6 @@
-"""Images -> (pixel_values, image_grid_thw) for Qwen2-VL and Qwen2.5-VL, as transformers' Qwen2VLImageProcessor
-computes them with its PIL backend (Qwen2VLImageProcessorPil; Qwen2.5-VL uses the same class).
+"""Images -> (pixel_values, image_grid_thw) for Qwen2-VL, Qwen2.5-VL and Qwen3-VL, as transformers'
+Qwen2VLImageProcessor computes them with its PIL backend (Qwen2VLImageProcessorPil; Qwen2.5-VL and Qwen3-VL use the
+same class, Qwen3-VL's config asking for 16-pixel patches, a mean and std of 0.5 and its own min/max pixels).
 
 Each image keeps (about) its own aspect ratio and size: smart_resize picks the nearest height and width that are
 multiples of patch_size * merge_size with a pixel count within [min_pixels, max_pixels]. After RGB conversion,

@@ -14,7 +14,7 @@ import torch
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss",
-            "phi4_mini", "granite", "olmo2")
+            "phi4_mini", "granite", "olmo2", "smollm3")
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -149,6 +149,35 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
             return tf.DeepseekV3Config(**kw)
         kw.setdefault("topk_method", "greedy")
         return tf.DeepseekV2Config(**kw)
+    if family == "glm4":  # sandwich norms (randomised: see below), fused gate_up_proj, half of each head rotating
+        # in interleaved pairs, q/k/v biases
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("pad_token_id", 0)
+        return tf.Glm4Config(**kw)
+    if family == "glm4_moe":
+        # 3 layers: a dense one (first_k_dense_replace), then MoE ones of 8 experts top 2 within the best 2 of 4
+        # groups, sigmoid + correction bias (random: see below), a shared expert; q/k norms, q/k/v biases, half of
+        # each head rotating (Llama's halves)
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 3)
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("attention_bias", True)
+        kw.setdefault("use_qk_norm", True)
+        kw.setdefault("n_routed_experts", 8)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("moe_intermediate_size", 16)
+        kw.setdefault("n_group", 4)
+        kw.setdefault("topk_group", 2)
+        kw.setdefault("routed_scaling_factor", 2.5)
+        kw.setdefault("first_k_dense_replace", 1)
+        return tf.Glm4MoeConfig(**kw)
+    if family == "smollm3":  # NoPE layers 1 and 3 (no_rope_layer_interval 2), tied head
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        kw.setdefault("no_rope_layer_interval", 2)
+        kw.setdefault("pad_token_id", 0)
+        kw.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0})
+        # Larger weights: with a tied head at 0.08, continuations mostly repeat each prompt's last token.
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        return tf.SmolLM3Config(**kw)
     raise ValueError(family)
 
 
@@ -180,7 +209,7 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     # Scores up to ~3x the soft cap (median ~3, 90th percentile ~7 at cap 5): without the cap,
                     # transformers itself picks other tokens for 14 of the parity test's 16 prompts.
                     p.mul_(3.0)
-    if family == "olmo2":
+    if family in ("olmo2", "glm4", "glm4_moe"):
         # transformers starts the norms at one: random ones show that each is loaded and used where it belongs.
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -195,7 +224,7 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     p.normal_(0.0, 0.3)
                 elif name.endswith("sinks"):
                     p.normal_(0.0, 1.5)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe"):
         # transformers starts the routers' correction biases at zero: random ones (about the spread of the
         # sigmoid scores) change which experts some tokens choose, and show that the bias only chooses.
         with torch.no_grad():
@@ -437,6 +466,44 @@ def make_qwen_vl_checkpoint(out_dir: Path, version: str = "qwen2_vl", seed: int 
                 p.normal_(1.0, 0.3)
     model.save_pretrained(out_dir)
     tf.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48}).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_qwen3_vl_checkpoint(out_dir: Path, seed: int = 0, moe: bool = False) -> Path:
+    """A tiny Qwen3-VL: 4x4-pixel patches, 2x2 merged into one token, a 4x4 learned position table (resampled to
+    each image's grid), DeepStack taps of vision blocks 0 and 1 (added after text layers 0 and 1 of 3), over a
+    Qwen3 text model (q/k norms) with interleaved M-RoPE; Qwen2-VL's tokens, template and image processor (with
+    Qwen3-VL's mean and std of 0.5). moe: Qwen3-VL-MoE (4 experts of 24, 2 a token, stacked per layer)."""
+    import transformers as tf
+    out_dir = Path(out_dir)
+    ids = _vlm_tokenizer(out_dir, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|im_start|>",
+                                   "<|im_end|>"], QWEN_VL_CHAT_TEMPLATE)
+    start, end, image = ids["<|vision_start|>"], ids["<|vision_end|>"], ids["<|image_pad|>"]
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=ids["vocab_size"], max_position_embeddings=512,
+                rms_norm_eps=1e-6, bos_token_id=ids["<|begin_of_text|>"], eos_token_id=ids["<|end_of_text|>"],
+                rope_parameters={"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True,
+                                 "rope_theta": 10000.0})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=4,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    if moe:
+        text.update(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
+    cfg_cls, cls = (tf.Qwen3VLMoeConfig, tf.Qwen3VLMoeForConditionalGeneration) if moe else \
+        (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration)
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=image, vision_start_token_id=start,
+                  vision_end_token_id=end, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif "pos_embed" in name or "deepstack" in name:
+                p.normal_(0.0, 0.3)  # (big enough to matter in the tiny model)
+    model.save_pretrained(out_dir)
+    tf.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3,
                              size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48}).save_pretrained(out_dir)
     return out_dir
 

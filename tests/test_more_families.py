@@ -1,7 +1,7 @@
-"""Phi-4-mini, Granite 3.x and OLMo 2 (their parity with transformers is test_engine_hf_parity.py's family test):
-each of their differences from Llama changes the tokens, so that test would fail with it ignored; what the greedy
-tokens cannot show (Granite's logits scaling, the torch rotary path against the kernels' reference) is checked
-directly; OLMo 2 refuses tensor parallelism."""
+"""Phi-4-mini, Granite 3.x, OLMo 2 and SmolLM3 (their parity with transformers is test_engine_hf_parity.py's family
+test): each of their differences from Llama changes the tokens, so that test would fail with it ignored; what the
+greedy tokens cannot show (Granite's logits scaling, the torch rotary path against the kernels' reference) is checked
+directly; OLMo 2 refuses tensor parallelism; SmolLM3 also with chunked prefill, compiled and with sliding layers."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,8 @@ from streamer import LLM, SamplingParams
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ParallelContext, RotaryEmbedding
 from streamer.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm
+from streamer.models.llama import rope_layers
+from streamer.models.smollm3 import sliding_layers
 from streamer_kernels import reference
 from tests.checkpoints import hf_greedy
 from tests.test_engine_hf_parity import MAX_NEW, _greedy, _prompts
@@ -22,7 +24,7 @@ PROMPTS = _prompts(6, seed=7)
 def refs(make_ckpt) -> dict[str, list[list[int]]]:
     """transformers' tokens for the family checkpoints (the parity test's: same names, same arguments)."""
     return {family: hf_greedy(make_ckpt(family, family=family), PROMPTS, MAX_NEW)
-            for family in ("phi4_mini", "granite", "olmo2")}
+            for family in ("phi4_mini", "granite", "olmo2", "smollm3")}
 
 
 @pytest.mark.parametrize("family,override", [
@@ -30,6 +32,7 @@ def refs(make_ckpt) -> dict[str, list[list[int]]]:
     ("granite", {"embedding_multiplier": 1.0}),
     ("granite", {"residual_multiplier": 1.0}),
     ("granite", {"attention_multiplier": 16 ** -0.5}),  # Llama's scale for head_dim 16
+    ("smollm3", {"no_rope_layers": [1, 1, 1, 1]}),  # no NoPE layer
 ], ids=lambda v: v if isinstance(v, str) else next(iter(v)))
 def test_difference_matters(make_ckpt, refs, family, override):
     """The same weights with one of the family's settings at Llama's value: transformers' tokens change (so a
@@ -100,3 +103,40 @@ def test_partial_longrope_torch_rotary_matches_kernel_reference(make_ckpt):
     for a, b, x in zip(got, want, (q, k)):
         torch.testing.assert_close(a, b)
         assert torch.equal(a[..., 12:], x[..., 12:]) and not torch.allclose(a[..., :12], x[..., :12])
+
+
+def test_smollm3_chunked_prefill_and_compiled(make_ckpt, refs):
+    """NoPE layers 1 and 3 with prompts prefilled in chunks over small blocks, and compiled."""
+    path = make_ckpt("smollm3", family="smollm3")
+    with LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8) as llm:
+        assert [layer.self_attn.use_rope for layer in llm.engine.runner.model.layers] == [True, False, True, False]
+        assert _greedy(llm, PROMPTS) == refs["smollm3"]
+    with LLM(str(path), dtype="float32", enforce_eager=False, max_num_batched_tokens=16) as llm:
+        assert llm.engine.runner.compiled
+        assert _greedy(llm, PROMPTS[:3]) == refs["smollm3"][:3]
+
+
+def test_smollm3_sliding_layers_match_transformers(make_ckpt):
+    """use_sliding_window: the NoPE layers attend within a window of 8 (prompts run past it), the others globally."""
+    path = make_ckpt("smollm3_sw", family="smollm3", use_sliding_window=True, sliding_window=8)
+    ref = hf_greedy(path, PROMPTS, MAX_NEW)
+    assert ref != hf_greedy(make_ckpt("smollm3", family="smollm3"), PROMPTS, MAX_NEW)  # (same weights)
+    with LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8) as llm:
+        windows = [layer.self_attn.attn.spec.sliding_window for layer in llm.engine.runner.model.layers]
+        assert windows == [None, 8, None, 8]
+        assert _greedy(llm, PROMPTS) == ref
+
+
+@pytest.mark.parametrize("over", [{}, {"no_rope_layer_interval": 3}, {"use_sliding_window": True, "sliding_window": 8},
+                                  {"use_sliding_window": True, "sliding_window": None}])
+def test_smollm3_default_layers_as_transformers(over):
+    """Without the per-layer lists, the NoPE and sliding layers transformers' config derives (its config.json always
+    writes them out; a hand-written one may not)."""
+    import transformers
+    c = {"architectures": ["SmolLM3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_attention_heads": 4, "num_hidden_layers": 7, "vocab_size": 100, **over}
+    want = transformers.SmolLM3Config(**{k: v for k, v in c.items() if k != "architectures"})
+    cfg = ModelConfig.from_dict(c)
+    assert rope_layers(cfg.raw, 7) == [bool(f) for f in want.no_rope_layers]
+    assert sliding_layers(cfg) == [t == "sliding_attention" for t in want.layer_types]
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 2_000_000.0

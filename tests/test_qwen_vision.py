@@ -151,7 +151,7 @@ def test_config_defaults_match_transformers() -> None:
 
 def test_tower_errors() -> None:
     with pytest.raises(ValueError, match="version"):
-        QwenVisionTower(CONFIGS["qwen2_vl"], "qwen3_vl")
+        QwenVisionTower(CONFIGS["qwen2_vl"], "qwen4_vl")
     with pytest.raises(ValueError, match="hidden_act"):
         QwenVisionTower({**CONFIGS["qwen2_vl"], "hidden_act": "relu6"}, "qwen2_vl")
     tower = QwenVisionTower(CONFIGS["qwen2_vl"], "qwen2_vl")

@@ -32,7 +32,10 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     ("gemma2", {}),  # soft-capped attention scores
     ("gpt_oss", {}),  # sinks split with their heads; expert biases, the down one added after the all-reduce
     ("llama4", {}),  # fused experts split along I, the shared expert as a dense MLP; chunked and NoPE layers
-], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3", "qwen3-moe", "mixtral", "gemma2", "gpt-oss", "llama4"])
+    ("glm4", {}),  # fused gate_up_proj split, then sharded; q/k/v biases; partial interleaved rotary
+    ("glm4_moe", {}),  # DeepSeek-V3's router (whole on every rank), experts and the shared expert split along I
+], ids=["qwen2", "qwen3-mqa", "phi3", "gemma3", "qwen3-moe", "mixtral", "gemma2", "gpt-oss", "llama4", "glm4",
+        "glm4-moe"])
 def test_tp2_matches_transformers(make_ckpt, family, overrides) -> None:
     path = make_ckpt(f"{family}_tp", family=family, seed=3, **overrides)
     # A small token budget: prompts are prefilled in chunks beside other requests' decodes.

@@ -9,7 +9,8 @@ from typing import Any, Optional
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM")
+                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
+                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
@@ -30,17 +31,23 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 # architecture -> the text families (by text_config.model_type) it may wrap.
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                            "Mistral3ForConditionalGeneration")
+                            "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                            "Qwen3VLMoeForConditionalGeneration")
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
                "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
-               "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM"}
+               "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
+               # Qwen3-VL's: Qwen3's (q/k norms) with interleaved M-RoPE and DeepStack (models/vlm.py)
+               "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
                  "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
                  "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision"),
-                 "Mistral3ForConditionalGeneration": ("pixtral",)}
+                 "Mistral3ForConditionalGeneration": ("pixtral",),
+                 "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_vision"),
+                 "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_vl",
+                                                        "qwen3_vl_vision")}
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -55,11 +62,14 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
                         query_pre_attn_scalar=256, sliding_window=4096, rope_theta=1_000_000.0,
                         rope_local_base_freq=10_000.0, tie_word_embeddings=True),
+    "qwen3_vl_text": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=128000),
 }
 # The image token each architecture's config defaults to.
 _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144,
                 "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
-                "Mistral3ForConditionalGeneration": 10}
+                "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
+                "Qwen3VLMoeForConditionalGeneration": 151655}
 # The text config an architecture's config class builds when config.json has none (a given one takes its
 # model_type's class defaults: _TEXT_DEFAULTS).
 _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
@@ -75,6 +85,14 @@ TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+# Families whose attention_bias puts biases on q/k/v only, never on o_proj (Qwen2's are always there).
+NO_O_PROJ_BIAS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
+# transformers' config defaults that differ from Llama's, for keys a config.json leaves out.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Glm4ForCausalLM": dict(partial_rotary_factor=0.5, attention_bias=True),
+    "Glm4MoeForCausalLM": dict(partial_rotary_factor=0.5),
+    "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
+}
 
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -160,7 +178,8 @@ class ModelConfig:
     # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/vlm.py);
     # everything above then describes its text model. None for a text-only model.
     multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
-    # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions
+    # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions (Qwen3-VL
+    # interleaves them: models/vlm.py Qwen3VLMixin)
     mrope_section: Optional[list[int]] = None
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
     # DeepSeek's latent attention; num_kv_heads and head_dim are then the KV cache's (MLADims.cache_geometry)
@@ -244,15 +263,18 @@ class ModelConfig:
                 scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", length)
             scaling.setdefault("max_position_embeddings", length)
-        partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+        defaults = _ARCH_DEFAULTS.get(arch, {})
+        partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                        or defaults.get("partial_rotary_factor", 1.0))
         eos = c.get("eos_token_id")
         mla = MLADims.from_dict(c) if arch in MLA_ARCHITECTURES else None
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS
-                                      and bool(c.get("attention_bias", arch == "GptOssForCausalLM")))
+        attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS and bool(
+            c.get("attention_bias", defaults.get("attention_bias", arch == "GptOssForCausalLM"))))
         sliding = c.get("sliding_window")
-        if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            # Qwen configs carry a sliding_window value that only applies when use_sliding_window is set.
+        if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM"):
+            # Qwen (and SmolLM3) configs carry a sliding_window value that only applies when use_sliding_window is
+            # set (SmolLM3: on its layer_types' sliding layers only, models/smollm3.py).
             sliding = sliding if c.get("use_sliding_window", False) else None
         mla_kv_heads, mla_head_dim = mla.cache_geometry(num_heads) if mla else (0, 0)
         return cls(
@@ -268,12 +290,15 @@ class ModelConfig:
             head_dim=mla_head_dim if mla else c.get("head_dim") or hidden // num_heads,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=float(c.get("rope_theta", rope.get("rope_theta", defaults.get("rope_theta", 10000.0)))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"))),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", defaults.get(
+                "tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")))),
             attention_bias=attention_bias,
-            o_proj_bias=attention_bias and not is_qwen2,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_proj_bias=attention_bias and arch not in NO_O_PROJ_BIAS,
+            # (GLM-4.5's with use_qk_norm)
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (
+                arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm"))),
             sliding_window=sliding,
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             bos_token_id=c.get("bos_token_id"),
@@ -313,6 +338,8 @@ class ModelConfig:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
                              f"{', '.join(_TEXT_ARCHS)}")
         text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [_TEXT_ARCHS[model_type]]}
+        if model_type == "qwen3_vl_moe_text":  # (its router always renormalises the top-k weights)
+            text["norm_topk_prob"] = True
         for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
                     "bos_token_id"):
             if c.get(key) is not None:  # the outer config's say for the whole model
@@ -326,4 +353,6 @@ class ModelConfig:
         rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
         if rope.get("mrope_section"):
             cfg.mrope_section = [int(x) for x in rope["mrope_section"]]
+        elif arch.startswith("Qwen3VL"):  # (Qwen3VLTextRotaryEmbedding's default)
+            cfg.mrope_section = [24, 20, 20]
         return cfg

@@ -61,7 +61,8 @@ from streamer.models.moe import SparseMoE
 logger = logging.getLogger("streamer")
 
 V3 = "DeepseekV3ForCausalLM"
-# transformers' config defaults, for keys a config.json leaves out (they differ between V2 and V3)
+GLM4_MOE = "Glm4MoeForCausalLM"  # GLM-4.5's MoE is V3's (models/glm4.py): sigmoid router, correction bias, groups
+# transformers' config defaults, for keys a config.json leaves out (they differ between V2, V3 and GLM-4.5)
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "DeepseekV2ForCausalLM": dict(n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=None,
                                   routed_scaling_factor=1.0, topk_method="greedy", n_group=None, topk_group=None,
@@ -69,15 +70,28 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     V3: dict(n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, routed_scaling_factor=2.5,
              topk_method="noaux_tc", n_group=8, topk_group=4, norm_topk_prob=True, first_k_dense_replace=3,
              moe_intermediate_size=2048),
+    GLM4_MOE: dict(n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, routed_scaling_factor=1.0,
+                   topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True, first_k_dense_replace=1,
+                   moe_intermediate_size=1408),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
+def without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]], num_layers: int,
+                       ) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors without its multi-token-prediction layers (model.layers.<i> for i >= num_layers:
+    `num_nextn_predict_layers` of them in DeepSeek-V3 and GLM-4.5 checkpoints), which transformers skips too."""
+    for name, t in weights:
+        m = _LAYER.match(name)
+        if m is None or int(m.group(1)) < num_layers:
+            yield name, t
+
+
 @dataclass(frozen=True)
 class Routing:
-    """A DeepSeek config's MoE settings, checked (`from_config`)."""
+    """A DeepSeek (or GLM-4.5) config's MoE settings, checked (`from_config`)."""
 
-    sigmoid: bool  # V3: sigmoid scores and e_score_correction_bias; V2: softmax
+    sigmoid: bool  # V3 and GLM-4.5: sigmoid scores and e_score_correction_bias; V2: softmax
     num_experts: int  # routed experts (0: every layer dense)
     top_k: int
     n_group: int  # experts form n_group equal groups; a token's experts come from its topk_group best groups
@@ -93,12 +107,12 @@ class Routing:
     def from_config(cls, cfg: ModelConfig) -> "Routing":
         raw, arch = cfg.raw, cfg.architecture
         c = {k: raw.get(k, d) for k, d in _DEFAULTS[arch].items()}
-        sigmoid = arch == V3
+        sigmoid = arch in (V3, GLM4_MOE)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"DeepSeek with hidden_act {act!r} is not supported (silu is)")
+            raise ValueError(f"{arch} with hidden_act {act!r} is not supported (silu is)")
         if raw.get("mlp_bias"):
-            raise ValueError("DeepSeek with mlp_bias=true is not supported")
+            raise ValueError(f"{arch} with mlp_bias=true is not supported")
         scoring = raw.get("scoring_func", "sigmoid" if sigmoid else "softmax")
         if scoring != ("sigmoid" if sigmoid else "softmax"):
             raise ValueError(f"{arch} with scoring_func {scoring!r} is not supported "
@@ -363,16 +377,8 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, backend_cls, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """V3 checkpoints also hold the multi-token-prediction layers (model.layers.61 for V3's 61 layers); they are
-        skipped, as transformers skips them."""
-        n = self.cfg.num_layers
-
-        def decoder_only() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, t in weights:
-                m = _LAYER.match(name)
-                if m is None or int(m.group(1)) < n:
-                    yield name, t
-        return super().load_weights(decoder_only())
+        """V3 checkpoints also hold the multi-token-prediction layer (model.layers.61 for V3's 61 layers): skipped."""
+        return super().load_weights(without_mtp_layers(weights, self.cfg.num_layers))
 
     def post_load(self) -> None:
         """After loading (the runner calls it before anything is rounded or packed): the latent form's absorbed

@@ -26,7 +26,7 @@ class GraniteDecoderLayer(DecoderLayer):
         self.residual_multiplier = float(cfg.raw.get("residual_multiplier", 1.0))
 
     def make_attention(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                       rotary: RotaryEmbedding) -> Attention:
+                       rotary: RotaryEmbedding, index: int) -> Attention:
         return Attention(cfg, backend_cls, rotary, scale=float(cfg.raw.get("attention_multiplier", 1.0)))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],

@@ -472,13 +472,24 @@ class RotaryEmbedding(nn.Module, KernelSwitch):
         self.long_offset = max_positions
         self.register_buffer("mrope_select", None, persistent=False)
 
-    def use_mrope(self, section: list[int]) -> None:
+    def use_mrope(self, section: list[int], interleaved: bool = False) -> None:
         """M-RoPE (Qwen2-VL): positions may come as [3, T] (temporal, height, width); frequency i takes its angle
-        from the row its section names (the sections split the rotary_dim / 2 frequencies in order)."""
+        from the row its section names (the sections split the rotary_dim / 2 frequencies in order).
+        interleaved (Qwen3-VL, transformers' Qwen3VLTextRotaryEmbedding): the frequencies cycle t, h, w instead,
+        frequency 3j + 1 taking the height for j < section[1], 3j + 2 the width for j < section[2], every other
+        one (the tail included) the temporal position."""
         half = self.cos_sin_cache.shape[-1] // 2
         if sum(section) != half:
             raise ValueError(f"mrope_section {section} must add up to rotary_dim / 2 = {half}")
-        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+        if len(section) != 3:
+            raise ValueError(f"mrope_section {section} must have 3 parts (temporal, height, width)")
+        if interleaved:
+            i = torch.arange(half)
+            rows = torch.zeros(half, dtype=torch.int64)
+            rows[(i % 3 == 1) & (i < 3 * section[1])] = 1
+            rows[(i % 3 == 2) & (i < 3 * section[2])] = 2
+        else:
+            rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
         self.register_buffer("mrope_select", rows.to(self.cos_sin_cache.device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -1,8 +1,9 @@
 """One decoder for the Llama family: Llama (incl. Llama-3 rope scaling), Mistral, Qwen2 (qkv bias, tied
 embeddings), Qwen3 (per-head q/k RMSNorm), Qwen3-MoE and Mixtral (sparse MLPs, models/moe.py) and Phi-3 / Phi-4-mini
 (fused checkpoint tensors, LongRoPE, partial rotary). The differences are config switches, not subclasses; Gemma 2
-and 3 (models/gemma3.py), gpt-oss (models/gpt_oss.py), Granite (models/granite.py), OLMo 2 (models/olmo2.py) and
-Llama 4 (models/llama4.py) reuse its attention, layers and weight loading."""
+and 3 (models/gemma3.py), gpt-oss (models/gpt_oss.py), Granite (models/granite.py), OLMo 2 (models/olmo2.py),
+Llama 4 (models/llama4.py), GLM-4 / GLM-4.5 (models/glm4.py) and SmolLM3 (models/smollm3.py) reuse its attention,
+layers and weight loading."""
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
@@ -42,11 +43,12 @@ class Attention(nn.Module):
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
                  qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
                  logit_softcap: Optional[float] = None, sinks: bool = False,
-                 attention_chunk: Optional[int] = None) -> None:
+                 attention_chunk: Optional[int] = None, use_rope: bool = True) -> None:
         """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
         (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
         layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) is gpt-oss's;
-        `attention_chunk` (chunked local attention, AttentionSpec's) Llama 4's."""
+        `attention_chunk` (chunked local attention, AttentionSpec's) Llama 4's; `use_rope` False: a NoPE layer,
+        whose q and k do not rotate (Llama 4, SmolLM3: `rope_layers`)."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -66,6 +68,7 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
             self.sinks.weight_loader = rank_rows_loader  # type: ignore[attr-defined]
         self.rotary = rotary
+        self.use_rope = use_rope
         norm_cls = qk_norm_cls or (RMSNorm if cfg.qk_norm else None)
         self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
         self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps) if norm_cls else None
@@ -82,7 +85,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.use_rope:
+            q, k = self.rotary(positions, q, k)
         return self.attend(q, k, v, kv_cache, decode)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,6 +129,16 @@ def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tens
     return norm(x, residual)
 
 
+def rope_layers(raw: dict[str, Any], num_layers: int) -> list[bool]:
+    """Which layers rotate q and k (Llama 4's and SmolLM3's `no_rope_layers`: 1 rotates, 0 is a NoPE layer); by
+    default every `no_rope_layer_interval`-th layer (4) is a NoPE layer, as transformers derives it."""
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    flags = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(flags) < num_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return [bool(f) for f in flags[:num_layers]]
+
+
 def moe_layer(cfg: ModelConfig, index: int) -> Optional[SparseMoE]:
     """The sparse MLP of layer `index` (Qwen3-MoE, Mixtral), or None where the layer keeps a dense one."""
     raw = cfg.raw
@@ -145,14 +159,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.make_attention(cfg, backend_cls, rotary)
+        self.self_attn = self.make_attention(cfg, backend_cls, rotary, index)
         self.mlp: nn.Module = moe_layer(cfg, index) or MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def make_attention(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                       rotary: RotaryEmbedding) -> Attention:
-        """The layer's attention (built once: each one registers a backend); Granite's scales differently."""
+                       rotary: RotaryEmbedding, index: int) -> Attention:
+        """Layer `index`'s attention (built once: each one registers a backend); Granite's scales differently,
+        SmolLM3's NoPE layers do not rotate."""
         return Attention(cfg, backend_cls, rotary)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -163,6 +178,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# (layer index, x, residual) -> (x, residual): LlamaForCausalLM.run_layers' hook between layers
+LayerHook = Callable[[int, torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
 class LlamaForCausalLM(nn.Module):
     decoder_layer: type[nn.Module] = DecoderLayer  # built as decoder_layer(cfg, backend_cls, rotary, index)
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
@@ -171,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
     }
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-    rope_is_neox = True  # the rotary layout (False: GPT-J's interleaved pairs, Llama 4's)
+    rope_is_neox = True  # the rotary layout (False: GPT-J's interleaved pairs, Llama 4's and GLM-4's)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend], max_positions: int) -> None:
         super().__init__()
@@ -199,11 +218,18 @@ class LlamaForCausalLM(nn.Module):
         `inputs_embeds`: the residual stream's start given (images' features placed among the tokens' embeddings;
         only ever run eagerly, so the compiled graphs never see it)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.run_layers(positions, x, kv_caches, decode)
+
+    def run_layers(self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[torch.Tensor],
+                   decode: Optional[DecodeBatch] = None, after_layer: Optional[LayerHook] = None) -> torch.Tensor:
+        """The decoder layers over the residual stream's start `x`, then the final norm. `after_layer(i, x,
+        residual) -> (x, residual)` may change the stream after layer i (Qwen3-VL's DeepStack, on image steps)."""
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(positions, x, residual, kv, decode)
-        x, _ = self.norm(x, residual)
-        return x
+            if after_layer is not None:
+                x, residual = after_layer(i, x, residual)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start (Gemma and Granite scale it)."""

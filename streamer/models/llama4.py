@@ -29,7 +29,7 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_oss import FUSED
 from streamer.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader
-from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, rope_layers
 from streamer.models.moe import SparseMoE, moe_experts, moe_experts_int4
 
 # (checkpoint name suffix, ours): the fused experts' tensors
@@ -57,11 +57,7 @@ class Llama4Layers:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Llama 4 with hidden_act {act!r} is not supported (silu is)")
-        interval = int(raw.get("no_rope_layer_interval") or 4)
-        flags = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
-        if len(flags) < n:
-            raise ValueError(f"no_rope_layers has {len(flags)} entries for {n} layers")
-        rope = [bool(f) for f in flags[:n]]
+        rope = rope_layers(raw, n)
         chunk = raw.get("attention_chunk_size", 8192)  # (transformers' default; null: no chunked layers)
         if chunk is not None and (not isinstance(chunk, int) or chunk <= 0):
             raise ValueError(f"attention_chunk_size must be a positive integer or null (got {chunk!r})")
@@ -97,8 +93,7 @@ class Llama4Attention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, layers: Llama4Layers, index: int) -> None:
         super().__init__(cfg, backend_cls, rotary, sliding_window=None,
-                         attention_chunk=layers.chunk if layers.chunked[index] else None)
-        self.use_rope = layers.rope[index]
+                         attention_chunk=layers.chunk if layers.chunked[index] else None, use_rope=layers.rope[index])
         self.l2_eps: Optional[float] = cfg.rms_norm_eps if layers.qk_norm and self.use_rope else None
         self.temperature = None if self.use_rope else layers.temperature
 

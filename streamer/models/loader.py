@@ -13,12 +13,14 @@ from safetensors import safe_open
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.deepseek import DeepseekForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.smollm3 import SmolLM3ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
@@ -37,6 +39,9 @@ _MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
 _MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
+_MODEL_CLASSES["Glm4ForCausalLM"] = Glm4ForCausalLM
+_MODEL_CLASSES["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
+_MODEL_CLASSES["SmolLM3ForCausalLM"] = SmolLM3ForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,7 +1,7 @@
 """Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek): a router picks each token's top-k experts;
 their SwiGLU outputs, weighted by the router's probabilities, are summed. gpt-oss (models/gpt_oss.py) adds biases
-(router, experts) and its clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py) its own routers
-(`route`) and shared experts.
+(router, experts) and its clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py, reused by GLM-4.5)
+its own routers (`route`) and shared experts.
 
 The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).

@@ -1,13 +1,17 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision encoders, as transformers' Qwen2VisionTransformerPretrainedModel /
-Qwen2_5_VisionTransformerPretrainedModel compute them, up to the merged embeddings (their pooler_output, what
-get_image_features hands the language model).
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision encoders, as transformers' Qwen2VisionTransformerPretrainedModel /
+Qwen2_5_VisionTransformerPretrainedModel / Qwen3VLVisionModel compute them, up to the merged embeddings (their
+pooler_output, what get_image_features hands the language model).
 
 Images come at their own resolution: the image processor cuts each one into patches (already flattened, in
 merge-block order) and reports its grid (t, h, w) in patches. The tower embeds the patches, runs ViT blocks with a
 2-D rotary embedding (row and column of each patch) and merges each merge_size x merge_size block of patches into
 one token. Attention never crosses an image (or a video frame). Qwen2.5-VL runs most blocks on windows of
 window_size pixels instead: its sequence is permuted so that each window is contiguous (window_index), and put
-back in image order after the merger.
+back in image order after the merger. Qwen3-VL adds a learned absolute position embedding (a square table,
+bilinearly resampled to each image's grid) to the patch embeddings, uses LayerNorm blocks with a plain MLP and no
+windows, and taps some blocks' outputs (deepstack_visual_indexes) through patch mergers of their own: those
+DeepStack features follow the merged embeddings on each output row (models/vlm.py adds them to the language
+model's hidden states at the image tokens after its first decoder layers).
 
 Attention runs as SDPA over segments (images, frames or windows): segments of equal length are stacked into one
 batched call, so a big image costs a handful of calls per layer, never one per window, and no mask is built.
@@ -16,6 +20,7 @@ Like streamer/models/vision.py, the linears are plain modules, not PackableLinea
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.models.vision import ACTIVATIONS, MLP, LayerNorm, Linear, _copy, _param
+from streamer.models.vision import ACTIVATIONS, MLP, LayerNorm, Linear, _copy, _holder, _param
 
-VERSIONS = ("qwen2_vl", "qwen2_5_vl")
+VERSIONS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 # transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults: real configs leave fields out.
 # tests/test_qwen_vision.py checks these against the config classes. (Checkpoints spell the channel count
@@ -37,6 +42,9 @@ QWEN_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420, num_heads=16,
                        in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=4,
                        window_size=112, out_hidden_size=3584, fullatt_block_indexes=(7, 15, 23, 31)),
+    "qwen3_vl": dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304, num_heads=16,
+                     in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=3584,
+                     num_position_embeddings=2304, deepstack_visual_indexes=(8, 16, 24)),
 }
 ROPE_THETA = 10000.0  # the vision configs' rope_parameters["rope_theta"] default
 _ALIASES = {"num_attention_heads": "num_heads", "num_hidden_layers": "depth"}  # transformers' attribute_map
@@ -60,6 +68,8 @@ class QwenVisionSpec:
     window_size: int  # pixels; 2.5 only
     fullatt_blocks: frozenset[int]  # 2.5 only: the blocks attending to the whole image
     rope_theta: float
+    num_position_embeddings: int = 0  # Qwen3-VL: the learned position table's rows (a square grid)
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: deepstack_visual_indexes, the block each DeepStack merger reads
 
     @property
     def head_dim(self) -> int:
@@ -75,7 +85,7 @@ class QwenVisionSpec:
             raise ValueError(f"unsupported Qwen vision version {version!r}; supported: {VERSIONS}")
         given = {_ALIASES.get(k, k): v for k, v in vision_config.items() if v is not None}
         c = {**QWEN_VISION_DEFAULTS[version], **given}
-        qwen2 = version == "qwen2_vl"
+        qwen2, qwen3 = version == "qwen2_vl", version == "qwen3_vl"
         width = c["embed_dim"] if qwen2 else c["hidden_size"]
         for key in ("patch_size", "temporal_patch_size", "spatial_merge_size"):
             if not isinstance(c[key], int):
@@ -88,15 +98,22 @@ class QwenVisionSpec:
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"unsupported vision rope_type {rope.get('rope_type')!r} (only axial)")
+        # (as transformers: a merger per entry; an entry naming no block, or a block named twice, taps nothing more)
+        deepstack = tuple(int(i) for i in c.get("deepstack_visual_indexes", ())) if qwen3 else ()
+        side = math.isqrt(c["num_position_embeddings"]) if qwen3 else 0
+        if qwen3 and (side < 2 or side * side != c["num_position_embeddings"]):
+            raise ValueError(f"num_position_embeddings {c['num_position_embeddings']} must be a square (of a side "
+                             "of 2 or more)")
         return cls(
             version=version, width=width, out_hidden=c["hidden_size"] if qwen2 else c["out_hidden_size"],
             depth=c["depth"], num_heads=c["num_heads"],
             mlp_hidden=int(width * c["mlp_ratio"]) if qwen2 else c["intermediate_size"],
             act=c["hidden_act"], in_channels=c["in_channels"], patch_size=c["patch_size"],
             temporal_patch_size=c["temporal_patch_size"], merge_size=c["spatial_merge_size"],
-            window_size=0 if qwen2 else c["window_size"],
-            fullatt_blocks=frozenset() if qwen2 else frozenset(c["fullatt_block_indexes"]),
+            window_size=c["window_size"] if version == "qwen2_5_vl" else 0,
+            fullatt_blocks=frozenset(c["fullatt_block_indexes"]) if version == "qwen2_5_vl" else frozenset(),
             rope_theta=float(rope.get("rope_theta", c.get("rope_theta", ROPE_THETA))),
+            num_position_embeddings=c["num_position_embeddings"] if qwen3 else 0, deepstack=deepstack,
         )
 
 
@@ -115,7 +132,7 @@ class RMSNorm(nn.Module):
 
 
 def _norm(spec: QwenVisionSpec, size: int) -> nn.Module:
-    return LayerNorm(size, 1e-6) if spec.version == "qwen2_vl" else RMSNorm(size)
+    return RMSNorm(size) if spec.version == "qwen2_5_vl" else LayerNorm(size, 1e-6)
 
 
 class _Segments:
@@ -182,13 +199,27 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Qwen3MLP(nn.Module):
+    """Qwen3-VL's linear_fc2(act(linear_fc1(x))), with biases."""
+
+    def __init__(self, spec: QwenVisionSpec) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[spec.act]
+        self.linear_fc1 = Linear(spec.width, spec.mlp_hidden)
+        self.linear_fc2 = Linear(spec.mlp_hidden, spec.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class Block(nn.Module):
     def __init__(self, spec: QwenVisionSpec) -> None:
         super().__init__()
         self.norm1 = _norm(spec, spec.width)
         self.norm2 = _norm(spec, spec.width)
         self.attn = Attention(spec)
-        self.mlp = MLP(spec.width, spec.mlp_hidden, spec.act) if spec.version == "qwen2_vl" else GatedMLP(spec)
+        self.mlp = MLP(spec.width, spec.mlp_hidden, spec.act) if spec.version == "qwen2_vl" else \
+            GatedMLP(spec) if spec.version == "qwen2_5_vl" else Qwen3MLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
@@ -209,24 +240,42 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.merged))
 
 
+class Qwen3PatchMerger(nn.Module):
+    """Qwen3-VL's merger: LayerNorm over each patch (the main merger) or over the merge block's concatenated
+    patches (postshuffle: the DeepStack mergers), then linear_fc1, exact GELU, linear_fc2."""
+
+    def __init__(self, spec: QwenVisionSpec, postshuffle: bool) -> None:
+        super().__init__()
+        self.merged = spec.width * spec.merge_size ** 2
+        self.postshuffle = postshuffle
+        self.norm = LayerNorm(self.merged if postshuffle else spec.width, 1e-6)
+        self.linear_fc1 = Linear(self.merged, self.merged)
+        self.linear_fc2 = Linear(self.merged, spec.out_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.merged)) if self.postshuffle else self.norm(x).view(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class _PatchEmbed(nn.Module):
     def __init__(self, spec: QwenVisionSpec) -> None:
         super().__init__()
-        self.proj = nn.Module()  # holds the checkpoint's Conv3d weight, in its shape
+        self.proj = nn.Module()  # holds the checkpoint's Conv3d weight (and Qwen3-VL's bias), in its shape
         self.proj.register_parameter("weight", _param(spec.width, spec.in_channels, spec.temporal_patch_size,
                                                       spec.patch_size, spec.patch_size))
+        self.proj.register_parameter("bias", _param(spec.width) if spec.version == "qwen3_vl" else None)
         self.conv: bool | None = None  # None: by device (tests force either path)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        w = self.proj.weight
+        w, b = self.proj.weight, self.proj.bias
         patches = patches.to(device=w.device, dtype=w.dtype)
         # The conv's stride is its kernel, so it is one matmul over the flattened patch. On the CPU the Conv3d is
         # kept: it gives transformers' bits. Elsewhere the linear (the same sum, rounded differently): cuDNN's
         # Conv3d is slow at this shape.
         if self.conv if self.conv is not None else w.device.type == "cpu":
             x = patches.view(-1, *w.shape[1:])
-            return F.conv3d(x, w, stride=w.shape[2:]).view(x.shape[0], -1)
-        return F.linear(patches, w.flatten(1))
+            return F.conv3d(x, w, b, stride=w.shape[2:]).view(x.shape[0], -1)
+        return F.linear(patches, w.flatten(1), b)
 
 
 class QwenVisionTower(nn.Module):
@@ -237,7 +286,13 @@ class QwenVisionTower(nn.Module):
         self.spatial_merge_size = spec.merge_size
         self.patch_embed = _PatchEmbed(spec)
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.depth))
-        self.merger = PatchMerger(spec)
+        if spec.version == "qwen3_vl":
+            self.pos_embed = _holder(_param(spec.num_position_embeddings, spec.width))
+            self.merger: nn.Module = Qwen3PatchMerger(spec, postshuffle=False)
+            self.deepstack_merger_list = nn.ModuleList(Qwen3PatchMerger(spec, postshuffle=True)
+                                                       for _ in spec.deepstack)
+        else:
+            self.merger = PatchMerger(spec)
         # Rotary frequencies as transformers computes them (fp32, on the CPU); not a buffer, so not a weight.
         quarter = spec.head_dim // 2
         self._inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
@@ -246,12 +301,21 @@ class QwenVisionTower(nn.Module):
     def out_hidden(self) -> int:
         return self.spec.out_hidden
 
+    @property
+    def num_deepstack(self) -> int:
+        """Qwen3-VL: the DeepStack feature sets that follow the merged embeddings on each output row."""
+        return len({i for i in self.spec.deepstack if 0 <= i < self.spec.depth})
+
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """pixel_values [total_patches, C * T * P * P] (all images' patches, concatenated), grid_thw [N, 3]
-        -> [total_patches // merge_size**2, out_hidden], the images' merged tokens in order."""
+        -> [total_patches // merge_size**2, out_hidden], the images' merged tokens in order. Qwen3-VL:
+        [.., out_hidden * (1 + num_deepstack)], each row its merged embedding then its DeepStack features in
+        deepstack order (what the language model adds after its decoder layers 0, 1, ...)."""
         grid = self._check(pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)
         device = x.device
+        if self.spec.version == "qwen3_vl":
+            return self._forward_qwen3(x, grid)
         cos, sin = self._rotary(grid, device)
         frames = _Segments(_cumsum([h * w for t, h, w in grid for _ in range(t)]), device)
         windows, window_index = frames, None
@@ -270,6 +334,53 @@ class QwenVisionTower(nn.Module):
             x = x[inverse]
         return x
 
+    def _forward_qwen3(self, x: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
+        idx, weights = self._position_taps(grid, x.device)
+        pos = (F.embedding(idx, self.pos_embed.weight) * weights[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        cos, sin = self._rotary(grid, x.device)
+        frames = _Segments(_cumsum([h * w for t, h, w in grid for _ in range(t)]), x.device)
+        taps: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames)
+            if i in self.spec.deepstack:  # (in block order, as transformers collects them)
+                taps.append(self.deepstack_merger_list[self.spec.deepstack.index(i)](x))
+        return torch.cat([self.merger(x), *taps], dim=-1)
+
+    def _patch_positions(self, grid: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+        """[total_patches, 2] each patch's (row, column) in its image, in merge-block order, repeated per frame."""
+        m = self.spec.merge_size
+        positions = []
+        for t, h, w in grid:
+            rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+            block = (h // m, m, w // m, m)
+            pos = torch.stack([rows.reshape(block).transpose(1, 2).flatten(),
+                               cols.reshape(block).transpose(1, 2).flatten()], dim=-1)
+            positions.append(pos.repeat(t, 1))
+        return torch.cat(positions)
+
+    def _position_taps(self, grid: list[tuple[int, int, int]],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3-VL: the learned side x side position table bilinearly resampled (align_corners) to each image's
+        h x w patch grid, as 4 table rows and weights per patch ([total_patches, 4] each), computed as
+        transformers' get_vision_interpolation_indices_and_weights does (fp32, the same operations) so that the
+        weighted sum has its bits."""
+        side = math.isqrt(self.spec.num_position_embeddings)
+        pos = self._patch_positions(grid, device)
+        sizes = torch.tensor([[h, w] for _, h, w in grid], device=device).repeat_interleave(
+            torch.tensor([t * h * w for t, h, w in grid], device=device), dim=0)
+        offsets = torch.arange(0, 2, device=device)
+        axes = []
+        for a in range(2):  # rows, then columns
+            src = pos[:, a].to(torch.float32) * (side - 1) / torch.clamp(sizes[:, a] - 1, min=1)
+            floor = torch.floor(src)
+            taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+            weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+            axes.append((taps, weights))
+        (h_taps, h_w), (w_taps, w_w) = axes
+        return (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4), \
+            (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+
     def _check(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
         if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
             raise ValueError(f"grid_thw must be [num_images, 3], got shape {tuple(grid_thw.shape)}")
@@ -287,15 +398,7 @@ class QwenVisionTower(nn.Module):
     def _rotary(self, grid: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [total_patches, 1, head_dim]: each patch's row angles then column angles, the pair twice
         (rotate_half's halves), in the patches' merge-block order."""
-        m = self.spec.merge_size
-        positions = []
-        for t, h, w in grid:
-            rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
-            block = (h // m, m, w // m, m)
-            pos = torch.stack([rows.reshape(block).transpose(1, 2).flatten(),
-                               cols.reshape(block).transpose(1, 2).flatten()], dim=-1)
-            positions.append(pos.repeat(t, 1))
-        freqs = torch.cat(positions)[..., None].float() * self._inv_freq.to(device)  # [N, 2, head_dim / 4]
+        freqs = self._patch_positions(grid, device)[..., None].float() * self._inv_freq.to(device)  # [N, 2, hd / 4]
         halves = freqs.flatten(1)  # rows' angles, then columns'
         angles = torch.cat([halves, halves], dim=-1)[:, None]
         return angles.cos(), angles.sin()

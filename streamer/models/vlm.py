@@ -1,12 +1,14 @@
 """Vision-language models: a vision encoder and a projector in front of a text model of one of the supported
 families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector), Gemma 3
-(Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL
-and Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP).
+(Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL and Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP).
 
 The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
 encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
 replace the image placeholders' embeddings (ModelRunner, streamer/multimodal.py); from there on the decoder runs
-as for text (with Gemma 3's image tokens attending to each other both ways: `bidirectional_images`).
+as for text (with Gemma 3's image tokens attending to each other both ways: `bidirectional_images`), except
+Qwen3-VL's DeepStack: more feature sets of each image token, added to the residual stream after the first decoder
+layers (`Qwen3VLMixin`).
 """
 from __future__ import annotations
 
@@ -88,6 +90,13 @@ class VisionLanguageMixin(nn.Module):
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> [N, tokens_per_image, hidden]: what each image's placeholders read as embeddings."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    def place_image_features(self, embeds: torch.Tensor, idx: torch.Tensor, feats: torch.Tensor) -> dict[str, Any]:
+        """Put the step's image feature rows (`feats`, one per image token, as `encode` made them) at their tokens'
+        rows `idx` of the embeddings, in place; returns what else the forward of this step takes (keyword
+        arguments: Qwen3-VL's DeepStack)."""
+        embeds[idx] = feats.to(embeds.dtype)
+        return {}
 
     def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
         """Each image's features [its tokens, hidden], encoded in one batch."""
@@ -179,7 +188,9 @@ class QwenVLMixin(VisionLanguageMixin):
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
         from streamer.models.qwen_vision import QwenVisionTower
-        version = "qwen2_5_vl" if cfg.multimodal_architecture.startswith("Qwen2_5") else "qwen2_vl"
+        arch = cfg.multimodal_architecture
+        version = "qwen2_5_vl" if arch.startswith("Qwen2_5") else "qwen3_vl" if arch.startswith("Qwen3") \
+            else "qwen2_vl"
         self.vision_tower = QwenVisionTower(dict(cfg.multimodal.get("vision_config") or {}), version)
         self.multi_modal_projector = nn.Identity()
 
@@ -209,6 +220,75 @@ class QwenVLMixin(VisionLanguageMixin):
                         break
                 yield name, t
         return super().rename_weights(renamed())
+
+
+class Qwen3VLMixin(QwenVLMixin):
+    """Qwen3-VL: Qwen2-VL's way with images (its tower's Qwen3-VL version) over a Qwen3 text model with interleaved
+    M-RoPE, plus DeepStack. The encoder's row for an image token holds its embedding and then k more feature sets
+    (the taps of k vision blocks, `QwenVisionTower.num_deepstack`), cached together by the encoder cache and cut
+    by chunked prefill like the embedding. `place_image_features` puts the embedding in place and hands the rest
+    to the forward as `deepstack`: after decoder layer i < k, feature set i is added to the residual stream at the
+    image tokens (transformers' Qwen3VLTextModel._deepstack_process). Only steps with image tokens carry it, and
+    they run eagerly; every other step (decode, the compiled and captured graphs) is the text model's own.
+    Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is the same over a Qwen3-MoE text model, whose checkpoint
+    stacks each layer's experts in two tensors (`rename_weights` cuts them into the per-expert names)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)
+        # The text model's one rotary embedding (shared by every layer), with Qwen3-VL's interleaved sections
+        self.layers[0].self_attn.rotary.use_mrope(cfg.mrope_section, interleaved=True)  # type: ignore[attr-defined]
+
+    def place_image_features(self, embeds: torch.Tensor, idx: torch.Tensor, feats: torch.Tensor) -> dict[str, Any]:
+        hidden = embeds.shape[-1]
+        embeds[idx] = feats[:, :hidden].to(embeds.dtype)
+        k = self.vision_tower.num_deepstack
+        if not k or not len(idx):
+            return {}
+        return {"deepstack": (idx, feats[:, hidden:].unflatten(-1, (k, hidden)).to(embeds.dtype))}
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Qwen3-VL-MoE: a layer's `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj`
+        [E, H, I] as each expert's gate_proj / up_proj / down_proj; the original release stores them transposed
+        ([E, H, 2I], [E, I, H]), which transformers transposes on loading where the shape asks for it (as here)."""
+        hidden = self.cfg.hidden_size  # type: ignore[attr-defined]
+        inter = self.cfg.raw.get("moe_intermediate_size")  # type: ignore[attr-defined]
+        for name, t in super().rename_weights(weights):
+            fused = name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+            if not fused or not isinstance(t, torch.Tensor):  # (the int4 planner renames bare names)
+                yield name, t
+                continue
+            prefix, kind = name.rsplit(".", 1)
+            want = (2 * inter, hidden) if kind == "gate_up_proj" else (hidden, inter)
+            if t.dim() == 3 and tuple(t.shape[1:]) != want and tuple(t.shape[1:]) == want[::-1]:
+                t = t.transpose(1, 2)
+            if t.dim() != 3 or tuple(t.shape[1:]) != want:
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; expected [experts, {want[0]}, "
+                                 f"{want[1]}] (or its last two dims swapped)")
+            for e in range(t.shape[0]):
+                if kind == "gate_up_proj":
+                    yield f"{prefix}.{e}.gate_proj.weight", t[e, :inter]
+                    yield f"{prefix}.{e}.up_proj.weight", t[e, inter:]
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", t[e]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                decode: Any = None, inputs_embeds: Optional[torch.Tensor] = None,
+                deepstack: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """The text model's forward; `deepstack` (the image tokens' rows [M] of the step and their features
+        [M, k, hidden]) adds feature set i to the residual stream at those rows after decoder layer i."""
+        if deepstack is None:
+            return super().forward(input_ids, positions, kv_caches, decode, inputs_embeds)  # type: ignore[misc]
+        idx, feats = deepstack
+
+        def add_features(i: int, x: torch.Tensor, residual: Optional[torch.Tensor]):
+            if i >= feats.shape[1]:
+                return x, residual
+            x = x if residual is None else x + residual  # the stream made whole, as the next norm would
+            x[idx] = x[idx] + feats[:, i]
+            return x, None
+
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # type: ignore[attr-defined]
+        return self.run_layers(positions, x, kv_caches, decode, add_features)  # type: ignore[attr-defined]
 
 
 class Mistral3Mixin(VisionLanguageMixin):
@@ -255,6 +335,7 @@ class Mistral3Mixin(VisionLanguageMixin):
 
 _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
            "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
+           "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
            "Mistral3ForConditionalGeneration": Mistral3Mixin}
 
 
