@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,11 +21,12 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from streamer import LLM, SamplingParams  # noqa: E402
+from streamer import LLM  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.deepseek import DeepseekMoE, MLAttention, Routing, deinterleave, softmax_scale  # noqa: E402
 from streamer.models.layers import RotaryEmbedding  # noqa: E402
 from streamer.models.woq import int4_supported, kernel_group, quantize_rtn  # noqa: E402
+from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 from tests.checkpoints import hf_greedy  # noqa: E402
 
 MAX_NEW = 12
@@ -44,17 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(2, max_len))] for _ in range(n)]
-
-
-PROMPTS = _prompts(10, seed=11)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+PROMPTS = random_prompts(10, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -65,28 +55,7 @@ def ckpt(make_ckpt) -> Callable[[str], Path]:
 @pytest.fixture(scope="module")
 def refs(ckpt) -> Callable[[str], list[list[int]]]:
     """transformers' greedy tokens for PROMPTS, per case (computed once)."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def ref(name: str) -> list[list[int]]:
-        if name not in cache:
-            cache[name] = hf_greedy(ckpt(name), PROMPTS, MAX_NEW)
-        return cache[name]
-    return ref
-
-
-def _assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    """At every prompt position, the logprobs of the engine's 10 most likely tokens and of the prompt's own within
-    1e-4 of transformers'."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=10))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = model(torch.tensor([p])).logits[0].log_softmax(-1)
-        for i, entry in enumerate(out.prompt_logprobs[1:]):
-            err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
-            assert err < 1e-4, f"position {i + 1} of a {len(p)}-token prompt: {err}"
+    return reference_cache(ckpt, PROMPTS, MAX_NEW)
 
 
 # ------------------------------------------------------------------------------------------------ parity
@@ -100,8 +69,8 @@ def test_matches_transformers(ckpt, refs, name, latent) -> None:
     assert len({tuple(r) for r in ref}) == len(ref) and sum(len(set(r)) for r in ref) > 6 * len(ref), \
         "degenerate reference: the test would not discriminate"
     with LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8, mla_latent_cache=latent) as llm:
-        assert _greedy(llm, PROMPTS) == ref
-        _assert_logprobs_match(llm, path, PROMPTS[:3])
+        assert greedy(llm, PROMPTS, MAX_NEW) == ref
+        assert_logprobs_match(llm, path, PROMPTS[:3])
         runner = llm.engine.runner
         attn = runner.model.layers[0].self_attn
         if latent:
@@ -170,7 +139,7 @@ def test_features_matter(ckpt, refs, name, mutation, monkeypatch) -> None:
                 a.interleaved = False
             elif mutation == "no mscale":
                 a.attn.spec.scale = a.qk_dim ** -0.5
-        assert _greedy(llm, PROMPTS) != refs(name)
+        assert greedy(llm, PROMPTS, MAX_NEW) != refs(name)
 
 
 def test_tp2_matches_transformers(ckpt, refs) -> None:
@@ -196,8 +165,8 @@ def test_tp2_matches_transformers(ckpt, refs) -> None:
                 assert attn.q_a_proj.out_features == 24
             assert moe.w13.shape == (8, 2 * 8, 64) and moe.w2.shape == (8, 64, 8)
             assert moe.shared_experts.down_proj.input_size == (1 if name == "v3" else 2) * 16 // 2
-            assert _greedy(llm, PROMPTS) == refs(name), name
-            _assert_logprobs_match(llm, ckpt(name), PROMPTS[:2])
+            assert greedy(llm, PROMPTS, MAX_NEW) == refs(name), name
+            assert_logprobs_match(llm, ckpt(name), PROMPTS[:2])
 
 
 def test_compiled_matches_transformers(ckpt, refs) -> None:
@@ -205,9 +174,9 @@ def test_compiled_matches_transformers(ckpt, refs) -> None:
     request's decode attends inside the graph)."""
     with LLM(str(ckpt("v3")), dtype="float32", enforce_eager=False, max_num_batched_tokens=16) as llm:
         assert llm.engine.runner.compiled
-        assert _greedy(llm, PROMPTS) == refs("v3")
-        assert _greedy(llm, PROMPTS[:1]) == refs("v3")[:1]
-        _assert_logprobs_match(llm, ckpt("v3"), PROMPTS[:2])
+        assert greedy(llm, PROMPTS, MAX_NEW) == refs("v3")
+        assert greedy(llm, PROMPTS[:1], MAX_NEW) == refs("v3")[:1]
+        assert_logprobs_match(llm, ckpt("v3"), PROMPTS[:2])
 
 
 # -------------------------------------------------------------------------------------------- loading
@@ -221,7 +190,7 @@ def test_multi_token_prediction_layers_are_skipped(ckpt, refs, tmp_path) -> None
     save_file(mtp, str(path / "model-mtp.safetensors"))
     with LLM(str(path), dtype="float32") as llm:
         assert len(llm.engine.runner.model.layers) == 3
-        assert _greedy(llm, PROMPTS[:3]) == refs("v3")[:3]
+        assert greedy(llm, PROMPTS[:3], MAX_NEW) == refs("v3")[:3]
 
 
 def _round_like_int4(src: Path, out: Path) -> Path:
@@ -272,7 +241,7 @@ def test_int4_experts_match_transformers_on_the_rounded_weights(make_ckpt, tmp_p
                 assert attn.kv_b_proj is None and attn.w_uk.dtype == torch.float32
             else:
                 assert attn.kv_b_proj.int4 is None and not attn.kv_b_proj.prepare_int4(32)
-            assert _greedy(llm, PROMPTS[:4]) == want, latent
+            assert greedy(llm, PROMPTS[:4], MAX_NEW) == want, latent
 
 
 # --------------------------------------------------------------------------------------------- config and maths

@@ -5,7 +5,6 @@ so that those tests can fail, each of GLM's differences undone in the loaded mod
 from __future__ import annotations
 
 import dataclasses
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -16,12 +15,12 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from streamer import LLM, SamplingParams  # noqa: E402
+from streamer import LLM  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.deepseek import DeepseekMoE, Routing  # noqa: E402
 from streamer.models.layers import RotaryEmbedding  # noqa: E402
 from streamer.models.llama import MLP  # noqa: E402
-from tests.checkpoints import hf_greedy  # noqa: E402
+from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 
 MAX_NEW = 12
 CASES: dict[str, dict[str, Any]] = {
@@ -30,17 +29,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _prompts(n: int, seed: int, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(2, max_len))] for _ in range(n)]
-
-
-PROMPTS = _prompts(10, seed=11)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+PROMPTS = random_prompts(10, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -51,29 +40,7 @@ def ckpt(make_ckpt) -> Callable[[str], Path]:
 @pytest.fixture(scope="module")
 def refs(ckpt) -> Callable[[str], list[list[int]]]:
     """transformers' greedy tokens for PROMPTS, per case (computed once)."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def ref(name: str) -> list[list[int]]:
-        if name not in cache:
-            cache[name] = hf_greedy(ckpt(name), PROMPTS, MAX_NEW)
-            assert len({tuple(r) for r in cache[name]}) == len(PROMPTS), "degenerate reference"
-            assert sum(len(set(r)) for r in cache[name]) > 4 * len(PROMPTS), "degenerate reference"
-        return cache[name]
-    return ref
-
-
-def _assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    """At every prompt position, the logprobs of the engine's 10 most likely tokens within 1e-4 of transformers'."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=10))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = model(torch.tensor([p])).logits[0].log_softmax(-1)
-        for i, entry in enumerate(out.prompt_logprobs[1:]):
-            err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
-            assert err < 1e-4, f"position {i + 1} of a {len(p)}-token prompt: {err}"
+    return reference_cache(ckpt, PROMPTS, MAX_NEW, min_distinct=4)
 
 
 # ------------------------------------------------------------------------------------------------ parity
@@ -85,9 +52,9 @@ def test_matches_transformers(ckpt, refs, name, engine_args) -> None:
     prefilled in chunks of at most 16 tokens over blocks of 8, beside other requests' decodes."""
     path = ckpt(name)
     with LLM(str(path), dtype="float32", **engine_args) as llm:
-        assert _greedy(llm, PROMPTS) == refs(name)
-        assert _greedy(llm, PROMPTS[1:2]) == refs(name)[1:2]
-        _assert_logprobs_match(llm, path, PROMPTS[:2])
+        assert greedy(llm, PROMPTS, MAX_NEW) == refs(name)
+        assert greedy(llm, PROMPTS[1:2], MAX_NEW) == refs(name)[1:2]
+        assert_logprobs_match(llm, path, PROMPTS[:2])
         model = llm.engine.runner.model
         attn = model.layers[0].self_attn
         assert attn.rotary.cos_sin_cache.shape[-1] == 8  # half of each 16-dim head rotates
@@ -104,8 +71,8 @@ def test_compiled_matches_transformers(ckpt, refs, name) -> None:
     """The whole model compiled (the MoE routing traced into the graph, the experts and attention opaque ops)."""
     with LLM(str(ckpt(name)), dtype="float32", enforce_eager=False, max_num_batched_tokens=16) as llm:
         assert llm.engine.runner.compiled
-        assert _greedy(llm, PROMPTS[:4]) == refs(name)[:4]
-        assert _greedy(llm, PROMPTS[4:5]) == refs(name)[4:5]
+        assert greedy(llm, PROMPTS[:4], MAX_NEW) == refs(name)[:4]
+        assert greedy(llm, PROMPTS[4:5], MAX_NEW) == refs(name)[4:5]
         assert llm.engine.runner.compiled  # no eager fallback on the way
 
 
@@ -150,7 +117,7 @@ def test_features_matter(ckpt, refs, name, mutation) -> None:
     transformers'."""
     with LLM(str(ckpt(name)), dtype="float32") as llm:
         _undo(llm.engine.runner.model, mutation)
-        assert _greedy(llm, PROMPTS) != refs(name)
+        assert greedy(llm, PROMPTS, MAX_NEW) != refs(name)
 
 
 def test_routing_restricted_by_groups_and_bias(ckpt) -> None:
@@ -186,7 +153,7 @@ def test_multi_token_prediction_layers_are_skipped(ckpt, refs, tmp_path, monkeyp
     save_file(mtp, str(path / "model-mtp.safetensors"))
     with LLM(str(path), dtype="float32") as llm:
         assert len(llm.engine.runner.model.layers) == 3
-        assert _greedy(llm, PROMPTS[:3]) == refs("glm4_moe")[:3]
+        assert greedy(llm, PROMPTS[:3], MAX_NEW) == refs("glm4_moe")[:3]
     monkeypatch.setattr("streamer.models.glm4.without_mtp_layers", lambda weights, n: weights)
     with pytest.raises(ValueError, match="unexpected tensor 'model.layers.3."):
         LLM(str(path), dtype="float32")

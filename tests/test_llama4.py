@@ -8,7 +8,6 @@ undone in the loaded model changes the tokens."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -19,10 +18,11 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from streamer import LLM, SamplingParams  # noqa: E402
+from streamer import LLM  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.llama4 import Llama4Attention, Llama4Layers, Llama4MoE  # noqa: E402
-from tests.checkpoints import hf_config, hf_greedy  # noqa: E402
+from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
+from tests.checkpoints import hf_config  # noqa: E402
 
 MAX_NEW = 10
 CASES: dict[str, dict[str, Any]] = {
@@ -34,17 +34,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 41))] for _ in range(n)] + [[7, 8, 9, 10, 11]]
-
-
-PROMPTS = _prompts(6, seed=5)  # 20-40 tokens: every prompt crosses attention chunks (and one stays inside one)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+# 20-40 tokens: every prompt crosses attention chunks (and one stays inside one)
+PROMPTS = random_prompts(6, seed=5, min_len=20, max_len=41) + [[7, 8, 9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +45,8 @@ def ckpt(make_ckpt) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="module")
 def refs(ckpt) -> Callable[[str], list[list[int]]]:
-    cache: dict[str, list[list[int]]] = {}
-
-    def ref(name: str) -> list[list[int]]:
-        if name not in cache:
-            cache[name] = hf_greedy(ckpt(name), PROMPTS, MAX_NEW)
-            assert sum(len(set(r)) for r in cache[name]) > 5 * len(PROMPTS), "degenerate reference"
-        return cache[name]
-    return ref
-
-
-def _assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]]) -> None:
-    """The logprobs of the engine's 10 most likely tokens at every prompt position within 1e-4 of transformers'."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=10))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = model(torch.tensor([p])).logits[0].log_softmax(-1)
-        for i, entry in enumerate(out.prompt_logprobs[1:]):
-            err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
-            assert err < 1e-4, f"position {i + 1} of a {len(p)}-token prompt: {err}"
+    """transformers' greedy tokens for PROMPTS, per case (computed once)."""
+    return reference_cache(ckpt, PROMPTS, MAX_NEW, min_distinct=5)
 
 
 # ------------------------------------------------------------------------------------------------ parity
@@ -89,9 +60,9 @@ def _assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]]) -> No
 def test_matches_transformers(ckpt, refs, name, engine_args) -> None:
     path = ckpt(name)
     with LLM(str(path), dtype="float32", **engine_args) as llm:
-        assert _greedy(llm, PROMPTS) == refs(name)
-        assert _greedy(llm, PROMPTS[1:2]) == refs(name)[1:2]  # a lone request
-        _assert_logprobs_match(llm, path, PROMPTS[:2])
+        assert greedy(llm, PROMPTS, MAX_NEW) == refs(name)
+        assert greedy(llm, PROMPTS[1:2], MAX_NEW) == refs(name)[1:2]  # a lone request
+        assert_logprobs_match(llm, path, PROMPTS[:2])
         model = llm.engine.runner.model
         attns = [layer.self_attn for layer in model.layers]
         chunk = CASES[name].get("attention_chunk_size", 8)
@@ -105,8 +76,8 @@ def test_compiled_matches_transformers(ckpt, refs) -> None:
     graph (`forward_decode`, its chunk bound computed in the graph)."""
     with LLM(str(ckpt("base")), dtype="float32", enforce_eager=False) as llm:
         assert llm.engine.runner.compiled
-        assert _greedy(llm, PROMPTS[:3]) == refs("base")[:3]
-        assert _greedy(llm, PROMPTS[3:4]) == refs("base")[3:4]
+        assert greedy(llm, PROMPTS[:3], MAX_NEW) == refs("base")[:3]
+        assert greedy(llm, PROMPTS[3:4], MAX_NEW) == refs("base")[3:4]
         assert llm.engine.runner.compiled  # no eager fallback on the way
 
 
@@ -130,7 +101,7 @@ def test_per_expert_checkpoint_tensors(ckpt, refs, tmp_path) -> None:
     with LLM(str(dst), dtype="float32") as llm:
         moes = [m for m in llm.engine.runner.model.modules() if isinstance(m, Llama4MoE)]
         assert moes and not any(m.fused for m in moes)
-        assert _greedy(llm, PROMPTS[:3]) == refs("base")[:3]
+        assert greedy(llm, PROMPTS[:3], MAX_NEW) == refs("base")[:3]
     # and a missing expert is named in the checkpoint's spelling
     tensors.pop("model.layers.3.feed_forward.experts.2.up_proj.weight")
     save_file(tensors, file, metadata={"format": "pt"})
@@ -184,7 +155,7 @@ def test_conditional_generation_checkpoint(ckpt_root) -> None:
         cfg = llm.engine.model_config
         assert cfg.architecture == "Llama4ForCausalLM" and cfg.text_only_of == "Llama4ForConditionalGeneration"
         assert cfg.multimodal is None
-        assert _greedy(llm, prompts) == want
+        assert greedy(llm, prompts, MAX_NEW) == want
         image = Image.fromarray(np.zeros((28, 28, 3), dtype=np.uint8))
         with pytest.raises(ValueError, match="vision encoder is not supported"):
             llm.generate({"prompt_token_ids": prompts[0], "multi_modal_data": {"image": image}})
@@ -268,6 +239,6 @@ def test_features_matter(base_llm, refs, mutation, monkeypatch) -> None:
     elif mutation == "scores scale the output":
         from streamer.models.moe import SparseMoE
         monkeypatch.setattr(Llama4MoE, "forward", lambda self, x: self.shared_expert(x) + SparseMoE.forward(self, x))
-    assert _greedy(base_llm, PROMPTS) != refs("base")
+    assert greedy(base_llm, PROMPTS, MAX_NEW) != refs("base")
     monkeypatch.undo()
-    assert _greedy(base_llm, PROMPTS) == refs("base")  # (and undone, they agree again)
+    assert greedy(base_llm, PROMPTS, MAX_NEW) == refs("base")  # (and undone, they agree again)

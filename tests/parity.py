@@ -1,0 +1,58 @@
+"""What the engine-vs-transformers parity tests share: random prompts, the engine's greedy tokens (banning EOS as
+hf_greedy's min_new_tokens does), cached transformers references, and prompt logprobs compared position by
+position."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from streamer import LLM, SamplingParams
+from tests.checkpoints import hf_greedy
+
+
+def random_prompts(n: int, seed: int, min_len: int = 2, max_len: int = 60, vocab: int = 500) -> list[list[int]]:
+    """n prompts of min_len .. max_len - 1 token ids in [3, vocab) (clear of the test tokenizers' specials)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(min_len, max_len))] for _ in range(n)]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """The engine's greedy tokens. min_tokens = max_tokens bans EOS at every position, as hf_greedy's
+    min_new_tokens does (ignore_eos alone would let EOS be the argmax, where transformers picks the next best)."""
+    params = SamplingParams(max_tokens=max_new, min_tokens=max_new, temperature=0.0)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def reference_cache(ckpt: Callable[[str], Path], prompts: list[list[int]], max_new: int,
+                    min_distinct: Optional[int] = None) -> Callable[[str], list[list[int]]]:
+    """name -> transformers' greedy tokens for `prompts` on ckpt(name), computed once per name. `min_distinct`:
+    refuse a degenerate reference (one that would not tell models apart): every prompt's continuation different,
+    and more than min_distinct distinct tokens per prompt on average."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def ref(name: str) -> list[list[int]]:
+        if name not in cache:
+            cache[name] = hf_greedy(ckpt(name), prompts, max_new)
+            if min_distinct is not None:
+                assert len({tuple(r) for r in cache[name]}) == len(prompts), "degenerate reference"
+                assert sum(len(set(r)) for r in cache[name]) > min_distinct * len(prompts), "degenerate reference"
+        return cache[name]
+    return ref
+
+
+def assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]], top: int = 10, tol: float = 1e-4) -> None:
+    """At every prompt position, the logprobs of the engine's `top` most likely tokens (and of the prompt's own
+    token) within `tol` of transformers' on the same checkpoint (fp32)."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = model(torch.tensor([p])).logits[0].log_softmax(-1)
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
+            assert err < tol, f"position {i + 1} of a {len(p)}-token prompt: {err}"
