@@ -186,7 +186,7 @@ def main() -> int:
         for b, label in ((min(batches), "bf16"), (min(batches), "int4"), (batch, "int4")):
             for m in linears:
                 w = m.weight.detach()
-                m.int4 = None if label == "bf16" else pack_int4(quantize_rtn(w, kernel_group(w.shape[1], 128)),
+                m.qweight = None if label == "bf16" else pack_int4(quantize_rtn(w, kernel_group(w.shape[1], 128)),
                                                                  w.dtype, w.device)
                 m.out_features = w.shape[0]
             run(b, 2)
@@ -200,7 +200,7 @@ def main() -> int:
             if args.out:
                 args.out.write_text(json.dumps({"rows": rows}))
         for m in linears:
-            m.int4 = None
+            m.qweight = None
         for label in ("bf16", "fp8"):
             if label == "fp8":
                 for m in runner.model.modules():

@@ -1,7 +1,8 @@
-"""4-bit weights (quantization="int4") vs the bf16 model, side by side: weight memory, prefill and decode speed,
+"""4-bit (or 8-bit) weights (quantization="int4" / "int8") vs the bf16 model, side by side: weight memory, prefill
+and decode speed,
 and how long greedy output stays the same.
 
-    python bench/int4.py [--models 90m,1b] [--rounds 3] [--tokens 64] [--compile]
+    python bench/int4.py [--models 90m,1b] [--rounds 3] [--tokens 64] [--compile] [--quantization int8]
 
 Models:
 - "demo": the embedded demo model (4M parameters, trained: the only one here whose greedy agreement says much);
@@ -73,9 +74,11 @@ def linear_bytes(llm: LLM) -> int:
     total = 0
     for m in llm.engine.runner.model.modules():
         if isinstance(m, PackableLinear):
-            for t in (m.int4.packed, m.int4.scales_and_zeros, m.int4.block_scales) if m.int4 is not None else \
-                    ((m.packed if m.packed is not None else m.weight),):
-                total += 0 if t is None else t.numel() * t.element_size()
+            if m.qweight is not None:
+                total += m.qweight.nbytes
+                continue
+            t = m.packed if m.packed is not None else m.weight
+            total += t.numel() * t.element_size()
     return total
 
 
@@ -93,19 +96,19 @@ def prefill_time(llm: LLM, prompt: dict) -> float:
     return time.perf_counter() - t0
 
 
-def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int) -> None:
+def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int, quant: str = "int4") -> None:
     folder, extra = model_folder(name)
     common = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=16, enable_prefix_caching=False,
                   kv_cache_memory=(1 << 30) if name != "8b" else (1 << 29), enforce_eager=False if compile_ else None,
                   **extra)
     engines = {}
-    for q in ("int4", "bf16"):  # int4 first: its float weights are gone before the bf16 engine fills its own
+    for q in (quant, "bf16"):  # quantized first: its float weights are gone before the bf16 engine fills its own
         t0, rss0 = time.perf_counter(), rss_gib()
-        engines[q] = LLM(str(folder), quantization="int4" if q == "int4" else None, **common)
+        engines[q] = LLM(str(folder), quantization=None if q == "bf16" else q, **common)
         print(f"[{name}] {q} engine ready in {time.perf_counter() - t0:.1f} s, process memory "
               f"+{rss_gib() - rss0:.2f} GiB (KV cache {common['kv_cache_memory'] / (1 << 30):.2f} GiB of it)",
               flush=True)
-    engines = {"bf16": engines["bf16"], "int4": engines["int4"]}
+    engines = {"bf16": engines["bf16"], quant: engines[quant]}
     rng = random.Random(0)
     vocab = engines["bf16"].engine.vocab_size
     long_prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(512)]}
@@ -122,7 +125,7 @@ def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int)
             rate, outs[q] = decode_rate(llm, prompts, tokens)
             res[q]["bN"].append(rate)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-             for x, y in zip(outs["int4"], outs["bf16"])]
+             for x, y in zip(outs[quant], outs["bf16"])]
     mode = "compiled" if compile_ else "LLM's default (model eager, kernels compiled)"
     print(f"\n{name} ({folder.name}), bf16 activations, {mode}, {rounds} alternating "
           "rounds, medians (range)\n")
@@ -137,7 +140,7 @@ def bench_model(name: str, rounds: int, compile_: bool, tokens: int, batch: int)
                          if k == "prefill" else
                          f"{med[q][k]:.1f} ({min(res[q][k]):.1f}-{max(res[q][k]):.1f}) {ratio:.2f}x")
         print(f"| {q} | {linear_bytes(llm) / (1 << 20):.0f} | " + " | ".join(cells) + " |", flush=True)
-    print(f"\nleading greedy tokens int4 shares with bf16 (of {tokens}, batch {batch}): min {min(agree)}, median "
+    print(f"\nleading greedy tokens {quant} shares with bf16 (of {tokens}, batch {batch}): min {min(agree)}, median "
           f"{statistics.median(agree):.0f}, max {max(agree)}\n", flush=True)
     for llm in engines.values():
         llm.close()
@@ -150,9 +153,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="compile both engines (as `streamer serve` does)")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode run")
     ap.add_argument("--batch", type=int, default=16, help="the larger decode batch")
+    ap.add_argument("--quantization", default="int4", choices=["int4", "int8"])
     args = ap.parse_args()
     for name in args.models.split(","):
-        bench_model(name, args.rounds, args.compile, args.tokens, args.batch)
+        bench_model(name, args.rounds, args.compile, args.tokens, args.batch, args.quantization)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
-    g.add_argument("--quantization", default=None, choices=["fp8", "int4", "none"],
+    g.add_argument("--quantization", default=None, choices=["fp8", "int4", "int8", "none"],
                    help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them); "
-                        "int4: weights rounded to 4 bits, int4 kernels (GPTQ/AWQ 4-bit checkpoints stay 4-bit "
-                        "unless fp8 or none); none: dequantize any quantized checkpoint")
+                        "int4: weights rounded to 4 bits, int4 kernels; int8 (CPU): weights rounded to 8 bits per "
+                        "channel (GPTQ/AWQ/compressed-tensors 4-bit and channel-wise 8-bit checkpoints keep their "
+                        "codes unless fp8 or none); none: dequantize any quantized checkpoint")
     g.add_argument("--no-mla-latent-cache", dest="mla_latent_cache", action="store_false",
                    help="DeepSeek-V2/V3: cache full per-head K/V instead of the compressed latent (~40x the bytes "
                         "per token for V3; faster where attention is compute-bound)")

@@ -132,8 +132,8 @@ class EngineConfig:
             raise ValueError(f"mla_latent_cache must be True or False, got {self.mla_latent_cache!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.quantization not in (None, "fp8", "int4", "none"):
-            raise ValueError(f"quantization must be 'fp8', 'int4' or 'none', got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int4", "int8", "none"):
+            raise ValueError(f"quantization must be 'fp8', 'int4', 'int8' or 'none', got {self.quantization!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         for name in ("max_loras", "max_lora_rank"):

@@ -170,7 +170,7 @@ class ModelRunner:
             backend_cls = functools.partial(backend_cls, compile=config.enforce_eager is not True)
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
-                                config.load_format, config.seed, keep_int4=config.quantization in (None, "int4"))
+                                config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
@@ -273,23 +273,29 @@ class ModelRunner:
                     time.perf_counter() - t)
 
     def _use_int4(self) -> None:
-        """Pack a 4-bit checkpoint's linears for the int4 kernels; with quantization="int4", round every other
-        linear's weight to 4 bits first."""
+        """Pack a 4-/8-bit checkpoint's linears for the int4 / int8 kernels; with quantization="int4" ("int8"),
+        round every other linear's weight first (and, for int4, every sparse MLP's experts)."""
         linears = [m for m in self.model.modules() if isinstance(m, (PackableLinear, SparseMoE))]
         for m in linears:
             if m.compute_dtype is not None:
                 m.finish_int4()
-        if self.config.quantization == "int4":
+        q = self.config.quantization
+        if q in ("int4", "int8"):
             for m in linears:
-                m.quantize_int4()
-        n = sum(m.int4 is not None for m in linears)
+                if isinstance(m, PackableLinear):
+                    m.quantize_int4(bits=int(q[3:]))
+                elif q == "int4":
+                    m.quantize_int4()
+        weights = [w for m in linears for w in (
+            ([m.qweight] if m.qweight else []) if isinstance(m, PackableLinear) else
+            ([*m.int4[0], *m.int4[1]] if m.int4 else []))]
         compile = self.config.enforce_eager is not True  # (as the CPU decode kernel: prefill's dequantization)
-        for m in linears:
-            for w in ([m.int4] if isinstance(m, PackableLinear) else [*m.int4[0], *m.int4[1]]) if m.int4 else ():
-                w.compile = compile
+        for w in weights:
+            w.compile = compile
+        n = sum((m.qweight if isinstance(m, PackableLinear) else m.int4) is not None for m in linears)
         if n:
-            logger.info("%d of %d linear layers (sparse MLPs counted as one) compute with 4-bit weights (int4 "
-                        "kernels)", n, len(linears))
+            logger.info("%d of %d linear layers (sparse MLPs counted as one) compute with 4- or 8-bit weights",
+                        n, len(linears))
 
     def _use_fp8(self) -> bool:
         q = self.config.quantization
@@ -364,8 +370,8 @@ class ModelRunner:
             # weights by freezing the graph (weights as constants), and a frozen graph never goes in its on-disk
             # cache: a second start took as long as the first (~50 s for the 90M model; now ~14 s), for the
             # same decode speed (bench/RESULTS.md, 2026-11-30 session 4). 4-bit weights go through the op too:
-            # their kernel depends on the number of rows, which must not become a guard of the graph.
-            if isinstance(module, PackableLinear) and (packing or module.int4 is not None
+            # their kernel depends on the number of rows, which must not become a guard of the graph (8-bit too).
+            if isinstance(module, PackableLinear) and (packing or module.qweight is not None
                                                        and self.device.type == "cpu"):
                 module.pack_for_cpu(as_op=True)
         for module in self.model.modules():  # (a packed layer's op adds its LoRA output itself)

@@ -234,13 +234,13 @@ def test_int4_experts_match_transformers_on_the_rounded_weights(make_ckpt, tmp_p
             model = llm.engine.runner.model
             moes = [m for m in model.modules() if isinstance(m, DeepseekMoE)]
             assert moes and all(m.int4 is not None for m in moes)
-            assert all(m.shared_experts.gate_up_proj.int4 is not None for m in moes)
-            assert model.layers[0].mlp.down_proj.int4 is not None  # (the dense layer's)
+            assert all(m.shared_experts.gate_up_proj.qweight is not None for m in moes)
+            assert model.layers[0].mlp.down_proj.qweight is not None  # (the dense layer's)
             attn = model.layers[0].self_attn
             if latent:
                 assert attn.kv_b_proj is None and attn.w_uk.dtype == torch.float32
             else:
-                assert attn.kv_b_proj.int4 is None and not attn.kv_b_proj.prepare_int4(32)
+                assert attn.kv_b_proj.qweight is None and not attn.kv_b_proj.prepare_int4(32)
             assert greedy(llm, PROMPTS[:4], MAX_NEW) == want, latent
 
 

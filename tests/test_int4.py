@@ -1,5 +1,6 @@
-"""4-bit weight-only compute (streamer/models/woq.py): torch's int4 kernels in the engine's layout against the
-dequantized weights, and `quantization="int4"` against transformers (and PEFT) running the same rounded weights.
+"""4- and 8-bit weight-only compute (streamer/models/woq.py): torch's int4 / int8 kernels in the engine's layout
+against the dequantized weights, and `quantization="int4"` / `"int8"` against transformers (and PEFT) running the
+same rounded weights.
 The checkpoint formats (GPTQ, AWQ, pack-quantized) are tested in test_int_checkpoints.py."""
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytest.importorskip("transformers")
 from streamer import LLM, LoRARequest, SamplingParams  # noqa: E402
 from streamer.models.layers import PackableLinear  # noqa: E402
 from streamer.models import woq  # noqa: E402
-from streamer.models.woq import Unpacked, kernel_group, pack_int4, quantize_rtn  # noqa: E402
+from streamer.models.woq import (INT8_KERNEL_ROWS, Int8Weight, Unpacked, kernel_group, pack_int4, pack_int8,  # noqa: E402
+                                 quantize_rtn, quantize_rtn_int8)
 from tests.checkpoints import hf_greedy  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, list(range(60, 100))]
@@ -85,7 +87,7 @@ def test_int4_kernel_on_cuda(llama_dir):
     with LLM(str(llama_dir), dtype="bfloat16", quantization="int4") as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
-        assert all(m.int4 is not None and m.int4.packed.is_cuda for m in linears)
+        assert all(m.qweight is not None and m.qweight.packed.is_cuda for m in linears)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
 
@@ -118,8 +120,8 @@ def rounded_dir(llama_dir, tmp_path_factory) -> Path:
 
 def _int4_bytes(llm: LLM) -> int:
     linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
-    assert linears and all(m.int4 is not None and m.weight.numel() == 0 for m in linears)
-    return sum(m.int4.packed.numel() * m.int4.packed.element_size() for m in linears)
+    assert linears and all(m.qweight is not None and m.weight.numel() == 0 for m in linears)
+    return sum(m.qweight.packed.numel() * m.qweight.packed.element_size() for m in linears)
 
 
 def test_quantization_int4_matches_transformers_on_the_rounded_weights(llama_dir, rounded_dir):
@@ -132,6 +134,43 @@ def test_quantization_int4_matches_transformers_on_the_rounded_weights(llama_dir
     state = load_file(str(llama_dir / "model.safetensors"))
     fp32 = sum(w.numel() * 4 for name, w in state.items() if name.endswith("_proj.weight"))
     assert packed * 8 == fp32, "4 bits a weight, against fp32's 32"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_matmul_matches_the_dequantized_weight(dtype, symmetric):
+    """Channel-wise 8-bit codes: `_weight_int8pack_mm` for a few bf16 rows, the codes converted and the output
+    scaled for more rows (and fp32), over 1,024-row chunks (1,100 rows: a partial chunk); asymmetric zero points
+    add sum(x) * offset."""
+    g = torch.Generator().manual_seed(3)
+    zero = torch.full((1100, 1), 128.0) if symmetric else torch.randint(100, 160, (1100, 1), generator=g).float()
+    u = Unpacked(torch.randint(0, 256, (1100, 96), generator=g, dtype=torch.uint8),
+                 torch.rand(1100, 1, generator=g) * 0.01 + 1e-3, zero)
+    w = pack_int8(u, dtype, torch.device("cpu"))
+    assert w.codes.dtype == torch.int8 and (w.offsets is None) == symmetric
+    want_w = u.dequantize(torch.float32)
+    for rows in (1, INT8_KERNEL_ROWS, INT8_KERNEL_ROWS + 1, 70):
+        x = torch.randn(rows, 96).to(dtype)
+        want = x.float() @ want_w.t()
+        err = (w.matmul(x).float() - want).norm() / want.norm()
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (rows, err)
+
+
+def test_quantization_int8_matches_transformers_on_the_rounded_weights(llama_dir, tmp_path):
+    """quantization="int8" rounds every decoder linear per output channel (symmetric, 8 bits) and keeps int8
+    codes, half of bf16's bytes; its tokens are transformers' on the same rounded weights."""
+    ref = tmp_path / "rounded8"
+    shutil.copytree(llama_dir, ref)
+    state = load_file(str(llama_dir / "model.safetensors"))
+    for name, t in state.items():
+        if name.endswith("_proj.weight"):
+            state[name] = quantize_rtn_int8(t).dequantize(torch.float32)
+    save_file(state, str(ref / "model.safetensors"))
+    with LLM(str(llama_dir), dtype="float32", quantization="int8", max_num_batched_tokens=16) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
+        assert linears and all(isinstance(m.qweight, Int8Weight) and m.weight.numel() == 0 for m in linears)
+    assert got == hf_greedy(ref, PROMPTS, 8)
 
 
 def test_int4_compiled_equals_eager(llama_dir):
@@ -157,7 +196,7 @@ def test_lora_adapters_on_int4_weights(llama_dir, rounded_dir, tmp_path):
 
 
 def test_int4_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4' or 'none'"):
+    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4', 'int8' or 'none'"):
         LLM(quantization="int3")
 
 
@@ -175,7 +214,7 @@ def test_int4_checkpoint_over_two_ranks(llama_dir, tmp_path, act_order):
         linears = {n.rsplit(".", 1)[-1]: m for n, m in llm.engine.runner.model.named_modules()
                    if isinstance(m, PackableLinear)}
     assert got == want
-    assert {n: m.int4 is not None for n, m in linears.items()} == {
+    assert {n: m.qweight is not None for n, m in linears.items()} == {
         "qkv_proj": True, "gate_up_proj": True, "o_proj": not act_order, "down_proj": not act_order}
 
 

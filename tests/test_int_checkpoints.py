@@ -29,6 +29,8 @@ CASES = {
     # q/k/v (and gate/up) in one act order, as GPTQ gives linears with the same input: those stay 4-bit too
     "gptq-4bit-desc-act-shared": dict(fmt="gptq", bits=4, group_size=32, sym=True, desc_act=True, shared_order=True),
     "gptq-8bit-sym-g32": dict(fmt="gptq", bits=8, group_size=32, sym=True),
+    "gptq-8bit-channel": dict(fmt="gptq", bits=8, group_size=None, sym=True),  # int8 kernels (W8A16)
+    "ct-8bit-channel-asym": dict(fmt="compressed-tensors", bits=8, group_size=None, sym=False),  # + offsets
     "awq-g32": dict(fmt="awq", group_size=32, sym=False),
     "awq-g64-sharded": dict(fmt="awq", group_size=64, sym=False, sharded=True),
     "ct-sym-g32": dict(fmt="compressed-tensors", group_size=32, sym=True),
@@ -36,8 +38,9 @@ CASES = {
     "ct-channel": dict(fmt="compressed-tensors", group_size=None, sym=True),
     "ct-actorder-group": dict(fmt="compressed-tensors", group_size=32, sym=True, desc_act=True, shared_order=True),
 }
-# Which linears compute in 4 bits: all, but none of 8-bit checkpoints, and where q/k/v (gate/up) each have their own
-# act order, only o_proj and down_proj (one input order cannot serve the fused qkv / gate_up layer: dequantized).
+# Which linears keep their codes: all, but none of grouped 8-bit checkpoints (channel-wise ones run the int8
+# kernels), and where q/k/v (gate/up) each have their own act order, only o_proj and down_proj (one input order
+# cannot serve the fused qkv / gate_up layer: dequantized).
 INT4_SHARE = {"gptq-8bit-sym-g32": 0.0, "gptq-4bit-desc-act": 0.5}
 # AutoAWQ's unpacker (awq/utils/packing_utils.py): output column j of a run of 8 sits in nibble AWQ_REVERSE_ORDER[j].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -110,7 +113,7 @@ def test_moe_experts_stay_4bit(make_ckpt, tmp_path, family, fmt):
         linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
     assert got == want
     assert moes and all(m.int4 is not None and m.w13.numel() == 0 for m in moes)
-    assert all(m.int4 is not None for m in linears)
+    assert all(m.qweight is not None for m in linears)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -122,8 +125,8 @@ def test_int_checkpoint_matches_transformers_on_dequantized_weights(llama_dir, t
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
         got_lp = _prompt_logprobs(llm)
         linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackableLinear)]
-        int4 = sum(m.int4 is not None for m in linears)
-    assert int4 == len(linears) * INT4_SHARE.get(case, 1.0), "4-bit layers compute in 4 bits"
+        int4 = sum(m.qweight is not None for m in linears)
+    assert int4 == len(linears) * INT4_SHARE.get(case, 1.0), "4-bit (channel-wise 8-bit) layers keep their codes"
     assert got == want
     err = (got_lp - want_lp).abs().max().item()
     assert err < 1e-3, err

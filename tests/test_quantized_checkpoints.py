@@ -176,5 +176,5 @@ def test_fp8_checkpoint_computes_in_fp8_on_request(llama_dir, tmp_path):
         assert llm.engine.runner.fp8
         diff = (_prompt_logprobs(llm) - ref).abs()
     assert diff.max() < 0.3 and diff.mean() < 0.05
-    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4' or 'none'"):
+    with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4', 'int8' or 'none'"):
         LLM(str(llama_dir), quantization="int8")

@@ -19,7 +19,8 @@ from torch import nn
 import streamer_kernels as K
 from streamer.models.lora import add_lora, lora_add_
 from streamer.models.quant import fp8_linear
-from streamer.models.woq import Int4Weight, Unpacked, int4_supported, kernel_group, pack_int4, quantize_rtn
+from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, int4_supported, int8_supported, kernel_group,
+                                 pack_int4, pack_int8, quantize_rtn, quantize_rtn_int8)
 
 
 class ParallelContext:
@@ -58,8 +59,9 @@ class PackableLinear(nn.Module):
     lora_id: Optional[int] = None
     lora_op = False  # a compiled model adds the LoRA output through the opaque `lora_add_` op
     fp8: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # FP8 compute: (weight [in, out], scales [1, out])
-    int4: Optional[Int4Weight] = None  # 4-bit weight-only compute (models/woq.py)
-    compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4-bit codes
+    qweight: Optional[Int4Weight | Int8Weight] = None  # 4- or 8-bit weight-only compute (models/woq.py)
+    compute_dtype: Optional[torch.dtype] = None  # set while `weight` holds a checkpoint's 4- or 8-bit codes
+    code_bits = 4
 
     def _add_weight(self, out: int, cols: int, bias: bool, bias_loader: bool = False) -> None:
         """`weight` [out, cols], loaded by this layer's `_load`, and `bias` [out] (None without one; `bias_loader`:
@@ -81,12 +83,12 @@ class PackableLinear(nn.Module):
     # weights); a 4-bit checkpoint's codes are dequantized as they load
     keep_float = False
 
-    def prepare_int4(self, group_size: int, order: Optional[torch.Tensor] = None) -> bool:
-        """Load a checkpoint's 4-bit weight instead of a float one: `weight` becomes its uint8 codes, beside
-        `weight_scale` and `weight_zero` per group of `group_size` input columns (-1: one group per row), each
-        loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them. `order`:
-        an act-order checkpoint's input-column order (models/woq.group_order). False (and nothing changes) when
-        this rank's columns would split a group, or hold a slice of an act-order input."""
+    def prepare_int4(self, group_size: int, order: Optional[torch.Tensor] = None, bits: int = 4) -> bool:
+        """Load a checkpoint's 4-bit (or 8-bit) weight instead of a float one: `weight` becomes its uint8 codes,
+        beside `weight_scale` and `weight_zero` per group of `group_size` input columns (-1: one group per row),
+        each loaded and split over the ranks as the weight's rows or columns are; `finish_int4` packs them.
+        `order`: an act-order checkpoint's input-column order (models/woq.group_order). False (and nothing
+        changes) when this rank's columns would split a group, or hold a slice of an act-order input."""
         if self.keep_float:
             return False
         w = self.weight
@@ -97,7 +99,7 @@ class PackableLinear(nn.Module):
             return False
         self.act_perm = None if order is None else order.to(w.device)
         groups = 1 if group_size == -1 else cols // group_size
-        self.compute_dtype = w.dtype
+        self.compute_dtype, self.code_bits = w.dtype, bits
         self.weight = nn.Parameter(torch.empty(out, cols, dtype=torch.uint8, device=w.device), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out, groups, device=w.device), requires_grad=False)
         self.weight_zero = nn.Parameter(torch.empty(out, groups, device=w.device), requires_grad=False)
@@ -106,32 +108,45 @@ class PackableLinear(nn.Module):
         return True
 
     def finish_int4(self) -> None:
-        """Pack the loaded codes for the int4 kernels, or dequantize them where the kernels refuse the shape
-        (or, on CUDA, a compute dtype other than bf16)."""
+        """Pack the loaded codes for the int4 (int8) kernels, or dequantize them where the kernels refuse the
+        shape (or, on CUDA, a compute dtype other than bf16; 8-bit codes anywhere but on CPU)."""
         dtype = self.compute_dtype
         assert dtype is not None, "finish_int4 without prepare_int4"
         u = Unpacked(self.weight.data, self.weight_scale.data.float(), self.weight_zero.data.float())
-        if u.fits_int4(dtype, self.weight.device):
-            self.int4, self.out_features = pack_int4(u, dtype, self.weight.device), u.codes.shape[0]
+        device = self.weight.device
+        if self.code_bits == 8 and int8_supported(u, dtype, device):
+            self.qweight = pack_int8(u, dtype, device)
+        elif self.code_bits == 4 and u.fits_int4(dtype, device):
+            self.qweight = pack_int4(u, dtype, device)
+        if self.qweight is not None:
+            self.out_features = u.codes.shape[0]
             self.weight = nn.Parameter(self.weight.data.new_empty(0), requires_grad=False)
         else:
             self.weight = nn.Parameter(u.dequantize(dtype), requires_grad=False)
         del self.weight_scale, self.weight_zero
         self.compute_dtype = None
 
-    def quantize_int4(self, group_size: int = 128) -> bool:
-        """`quantization="int4"`: round this layer's float weight to 4 bits (asymmetric, per group of input
-        columns) and compute with the int4 kernels. False (the weight stays) where they refuse the shape."""
-        if self.int4 is not None or self.fp8 is not None:
-            return self.int4 is not None
-        if self.keep_float:
+    def quantize_int4(self, group_size: int = 128, bits: int = 4) -> bool:
+        """`quantization="int4"` (`"int8"`): round this layer's float weight to 4 bits (asymmetric, per group of
+        input columns) or 8 (symmetric, per output channel) and compute with the int4 (int8) kernels. False (the
+        weight stays) where they refuse the shape."""
+        if self.qweight is not None or self.fp8 is not None:
+            return self.qweight is not None
+        if self.keep_float or self.packed is not None:
             return False
         w = self.weight.detach()
         out, cols = w.shape
-        group = kernel_group(cols, group_size)
-        if self.packed is not None or group is None or not int4_supported(out, cols, group, w.dtype, w.device):
-            return False
-        self.int4, self.out_features = pack_int4(quantize_rtn(w, group), w.dtype, w.device), out
+        if bits == 8:
+            u = quantize_rtn_int8(w)
+            if not int8_supported(u, w.dtype, w.device):
+                return False
+            self.qweight = pack_int8(u, w.dtype, w.device)
+        else:
+            group = kernel_group(cols, group_size)
+            if group is None or not int4_supported(out, cols, group, w.dtype, w.device):
+                return False
+            self.qweight = pack_int4(quantize_rtn(w, group), w.dtype, w.device)
+        self.out_features = out
         self.weight.data = w.new_empty(0)
         return True
 
@@ -153,7 +168,7 @@ class PackableLinear(nn.Module):
         in its on-disk cache)."""
         if self.fp8 is not None:
             return  # FP8 weights run through _scaled_mm
-        if self.packed is None and self.int4 is None:  # (4-bit weights are already in their kernels' layout)
+        if self.packed is None and self.qweight is None:  # (4-/8-bit weights are in their kernels' layout)
             self.out_features = self.weight.shape[0]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
             self.weight.data = self.weight.data.new_empty(0)  # loaders never run again; nothing else reads it
@@ -164,8 +179,8 @@ class PackableLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:
             return packed_linear(x, self.op_id, bias is not None)  # adds the LoRA output itself
-        if self.int4 is not None:
-            y = self.int4.matmul(x if self.act_perm is None else x.index_select(-1, self.act_perm))
+        if self.qweight is not None:
+            y = self.qweight.matmul(x if self.act_perm is None else x.index_select(-1, self.act_perm))
             if bias is not None:
                 y = y + bias
         elif self.fp8 is not None:
@@ -194,8 +209,8 @@ _lib.define("packed_linear(Tensor x, int layer, bool with_bias) -> Tensor")
 def _packed_linear(x: torch.Tensor, layer: int, with_bias: bool) -> torch.Tensor:
     m = _packed_layers[layer]()
     assert m is not None, "packed_linear called for a layer whose model is gone"
-    if m.int4 is not None:  # (behind the op, its choice of kernel by row count is no guard of the graph's)
-        y = m.int4.matmul(x if m.act_perm is None else x.index_select(-1, m.act_perm))
+    if m.qweight is not None:  # (behind the op, its choice of kernel by row count is no guard of the graph's)
+        y = m.qweight.matmul(x if m.act_perm is None else x.index_select(-1, m.act_perm))
         if with_bias:
             y = y + m.bias
     else:

@@ -85,8 +85,9 @@ def _dummy_init(model: torch.nn.Module, seed: int) -> None:
 def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, backend_cls: type,
                max_positions: int, load_format: str = "auto", seed: int = 0, keep_int4: bool = True,
                ) -> LlamaForCausalLM:
-    """keep_int4: a 4-bit checkpoint's linears stay 4-bit (their layers' `finish_int4` packs them once anything
-    else that takes their shapes, LoRA, is attached); otherwise they are dequantized as they load."""
+    """keep_int4: a 4-bit (or channel-wise 8-bit) checkpoint's linears keep their codes (their layers'
+    `finish_int4` packs them once anything else that takes their shapes, LoRA, is attached); otherwise they are
+    dequantized as they load."""
     model_cls = _MODEL_CLASSES[cfg.architecture]
     if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
         model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
@@ -121,10 +122,11 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
 
 
 def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> set[str]:
-    """Make every linear whose checkpoint weight is 4-bit (all its parts, for a layer that packs several) take the
-    4-bit codes; returns their checkpoint names. Read from the files' headers: what a config says it left
-    unquantized (`ignore`, `modules_to_not_convert`) is simply what is stored in full precision."""
-    if iq.bits != 4:
+    """Make every linear whose checkpoint weight is 4-bit, or 8-bit with one scale per output channel (all its
+    parts, for a layer that packs several), take the codes; returns their checkpoint names. Read from the files'
+    headers: what a config says it left unquantized (`ignore`, `modules_to_not_convert`) is simply what is stored
+    in full precision. (Grouped 8-bit weights, and 8-bit experts, are dequantized as they load.)"""
+    if iq.bits not in (4, 8) or iq.bits == 8 and iq.group_size != -1:
         return set()
     where = {name: path for path in files for name in _tensor_names(path)}
     original = dict(model.rename_weights((n, n) for n in where))  # our spelling -> the checkpoint's
@@ -145,6 +147,8 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
         if isinstance(m, SparseMoE):
             pieces = {shard for _, shard in parts}
             expected = {p for ps in m.expected_shards().values() for p in ps}
+            if iq.bits != 4:
+                continue
             if not iq.act_order and pieces == expected and m.prepare_int4(iq.group_size):
                 keep.update(base for base, _ in parts)
             continue
@@ -154,10 +158,10 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
             or len(parts) == len(m.shard_names)
         g_idx = [_read(where, original, f"{base}{iq.parts()[1][0]}") for base, _ in parts] if iq.act_order else []
         order = _act_order(g_idx, iq.group_size, name)
-        if whole and order is not False and m.prepare_int4(iq.group_size, order):
+        if whole and order is not False and m.prepare_int4(iq.group_size, order, iq.bits):
             keep.update(base for base, _ in parts)
     if by_module and not keep:
-        logger.info("no layer of this checkpoint can stay 4-bit: its weights are dequantized")
+        logger.info("no layer of this checkpoint can keep its %d-bit codes: its weights are dequantized", iq.bits)
     return keep
 
 

@@ -208,7 +208,7 @@ def int_weights(weights: Iterable[tuple[str, torch.Tensor]], iq: IntQuant, dtype
 
     def done(base: str) -> Iterator[tuple[str, torch.Tensor]]:
         u = unpack(iq, waiting.pop(base), base)
-        if keep(base) and iq.bits == 4:
+        if keep(base):
             # Act-order groups made contiguous: the layer permutes its input the same way (its `act_perm`).
             codes = u.codes if u.g_idx is None else u.codes[:, group_order(u.g_idx, u.scale.shape[1], base)]
             yield f"{base}.weight", codes
@@ -336,6 +336,11 @@ class Int4Weight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.block_scales)
+                   if t is not None)
+
     def _dequantized_matmul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Many rows on CPU: the weight dequantized a chunk of output rows at a time (a few MB, never the whole
         matrix) and multiplied densely. None where the compiler is unavailable."""
@@ -384,3 +389,64 @@ def pack_int4(u: Unpacked, dtype: torch.dtype, device: torch.device) -> Int4Weig
             blocks = sz.view(groups * repeat, out // 64, 64, 2).permute(3, 1, 0, 2).contiguous()
             return Int4Weight(packed, sz, g, out, block_scales=blocks)
     return Int4Weight(packed, sz, g, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Computing with 8-bit weights (CPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+# torch's `_weight_int8pack_mm` (one scale per output channel) beats oneDNN's bf16 matmul at one row by ~1.45x and
+# loses from a few rows on, and in fp32 it loses everywhere (bench/RESULTS.md, session 11): more rows, and fp32,
+# multiply by the codes converted to the activations' dtype (exact: |q| <= 128) and scale the output.
+INT8_KERNEL_ROWS = 4
+_INT8_CHUNK = 1024  # output rows converted at a time
+
+
+@dataclass
+class Int8Weight:
+    """A linear's 8-bit weight, one scale per output channel: w = q * s, plus for asymmetric checkpoints a per-
+    channel offset c: w = q * s + c, so y = (x q^T) * s + sum(x) * c."""
+
+    codes: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # [out], the activations' dtype
+    offsets: Optional[torch.Tensor]  # [out], the activations' dtype; None when every zero point is the midpoint
+    out_features: int
+    compile: bool = True  # (unused: the interface Int4Weight's users set)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype == torch.bfloat16 and x2.shape[0] <= INT8_KERNEL_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.codes, self.scales)
+        else:
+            y = torch.cat([x2 @ self.codes[i:i + _INT8_CHUNK].to(x2.dtype).t()
+                           for i in range(0, self.out_features, _INT8_CHUNK)], dim=1) * self.scales
+        if self.offsets is not None:
+            y = y + x2.sum(-1, keepdim=True) * self.offsets
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets) if t is not None)
+
+
+def int8_supported(u: Unpacked, dtype: torch.dtype, device: torch.device) -> bool:
+    """8-bit codes with one group per row (channel-wise) on CPU; grouped ones, and CUDA, are dequantized."""
+    return device.type == "cpu" and u.scale.shape[1] == 1 and u.g_idx is None and \
+        dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def pack_int8(u: Unpacked, dtype: torch.dtype, device: torch.device) -> Int8Weight:
+    """w = (q - z) * s with unsigned 8-bit codes q: q - 128 as int8, and the offset (128 - z) * s (None where
+    every z is 128, as symmetric checkpoints store)."""
+    codes = (u.codes.to(torch.int16) - 128).to(torch.int8).to(device)
+    scale, zero = u.scale[:, 0], u.zero[:, 0]
+    offsets = None if bool((zero == 128).all()) else ((128 - zero) * scale).to(device, dtype)
+    return Int8Weight(codes.contiguous(), scale.to(device, dtype), offsets, codes.shape[0])
+
+
+def quantize_rtn_int8(w: torch.Tensor) -> Unpacked:
+    """Round-to-nearest symmetric 8-bit quantization per output channel (`quantization="int8"`): each row's
+    largest magnitude lands on code 127 away from the midpoint 128."""
+    scale = (w.float().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-8)
+    codes = ((w.float() / scale).round().clamp(-127, 127) + 128).to(torch.uint8)
+    return Unpacked(codes, scale, torch.full_like(scale, 128.0))
