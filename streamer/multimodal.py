@@ -1,4 +1,5 @@
-"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / 2.5-VL / 3-VL, Mistral 3).
+"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / 2.5-VL / 3-VL, Mistral 3,
+InternVL 3 / 3.5).
 
 An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
 encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
@@ -43,7 +44,8 @@ FETCH_TIMEOUT_S = 15.0
 class ImageInput:
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens: the rows of features the encoder makes for it
-    pixel_values: torch.Tensor  # float32 on the host, as the image processor made it ([3, H, W]; Qwen: patches)
+    pixel_values: torch.Tensor  # float32 on the host, as the image processor made it ([3, H, W]; Qwen: patches;
+    # InternVL: [tiles, 3, S, S])
     hash: bytes  # of the pixel values: equal images share prefix-cache blocks and encoder output
     grid: Optional[tuple[int, int, int]] = None  # Qwen2-VL: its patches' (t, h, w) grid
     # M-RoPE (Qwen2-VL): the [3, length] (temporal, height, width) positions of its tokens, and what a token after
@@ -96,17 +98,21 @@ class ImagePrompts:
     their size asks (`merge`: the encoder merges merge x merge patches into one token), at M-RoPE positions.
     Mistral 3's write `[IMG]`, which becomes one row of `[IMG]` per row of merged patches (`patch` pixels square),
     each row closed by `[IMG_BREAK]` and the last by `[IMG_END]` (`row_breaks`: their ids), as PixtralProcessor
+    expands it. InternVL's write `<IMG_CONTEXT>`, the image token itself: it becomes `<img>`, `tile_tokens` image
+    tokens per tile of the image (`tile`: the tile size in pixels) and `</img>` (`wrap`), as InternVLProcessor
     expands it."""
 
     def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
                  max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
                  wrap: tuple[list[int], list[int]] = ([], []), merge: Optional[int] = None,
-                 row_breaks: Optional[tuple[int, int]] = None, patch: int = 0) -> None:
+                 row_breaks: Optional[tuple[int, int]] = None, patch: int = 0, tile_tokens: int = 0,
+                 tile: int = 0) -> None:
         self.merge = merge
         self.row_breaks = row_breaks
         self.patch = patch
+        self.tile_tokens = tile_tokens
         self.processor = _qwen_processor(folder) if merge else _pixtral_processor(folder, patch) if row_breaks \
-            else _processor(folder)
+            else _internvl_processor(folder, tile) if tile_tokens else _processor(folder)
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image  # None: each image's own (Qwen2-VL)
         self.placeholder = placeholder  # the text chat templates write for an image
@@ -174,6 +180,8 @@ class ImagePrompts:
                 rows, cols = px.shape[1] // self.patch, px.shape[2] // self.patch
                 out.append((px, rows * (cols + 1), (1, rows, cols)))
             return out
+        if self.tile_tokens:
+            return [(px, px.shape[0] * self.tile_tokens, None) for px in self.processor(list(images))]
         if not self.merge:
             assert self.tokens_per_image is not None
             return [(px, self.tokens_per_image, None) for px in self.processor(list(images))]
@@ -255,6 +263,15 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
                 raise ValueError(f"the tokenizer has no {name} token (Mistral 3's images need it)")
         return ImagePrompts(folder, image, None, text_of(image), limit, row_breaks=(ids[0], ids[1]),
                             patch=model.image_patch)
+    if arch == "InternVLForConditionalGeneration":
+        names = _internvl_token_names(Path(config.tokenizer or model_dir))
+        ids = [tokenizer.token_to_id(t) for t in names]
+        for name, i in zip(names, ids):
+            if i is None:
+                raise ValueError(f"the tokenizer has no {name} token (InternVL's images need it)")
+        _check_image_seq_length(folder, model.tile_tokens)
+        return ImagePrompts(folder, image, None, text_of(image), limit, wrap=([ids[0]], [ids[1]]),
+                            tile_tokens=model.tile_tokens, tile=model.tile_size)
     if arch == "Gemma3ForConditionalGeneration":
         boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
         nl = tokenizer.encode("\n\n", add_special_tokens=False)
@@ -283,6 +300,39 @@ def _pixtral_token_names(folder: Path) -> tuple[str, str]:
         config = json.loads(path.read_text())
         names.update({k: config[k] for k in names if isinstance(config.get(k), str)})
     return names["image_break_token"], names["image_end_token"]
+
+
+def _internvl_processor(folder: Path, tile: int) -> Any:
+    from streamer.internvl_image_processor import InternVLImageProcessor
+    return InternVLImageProcessor.from_folder(folder, tile)
+
+
+def _internvl_token_names(folder: Path) -> tuple[str, str]:
+    """The tokens InternVLProcessor puts around an image's tokens: the tokenizer's start_image_token and
+    end_image_token (tokenizer_config.json, at the top level or under extra_special_tokens), <img> and </img>
+    by default."""
+    import json
+    names = {"start_image_token": "<img>", "end_image_token": "</img>"}
+    path = folder / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        extra = config.get("extra_special_tokens")
+        for source in (extra if isinstance(extra, dict) else {}, config):
+            names.update({k: source[k] for k in names if isinstance(source.get(k), str)})
+    return names["start_image_token"], names["end_image_token"]
+
+
+def _check_image_seq_length(folder: Path, tile_tokens: int) -> None:
+    """InternVL: processor_config.json's image_seq_length (the image tokens per tile InternVLProcessor writes)
+    must be what the model makes of a tile, or transformers itself would refuse the prompt."""
+    import json
+    path = folder / "processor_config.json"
+    if not path.is_file():
+        return
+    n = json.loads(path.read_text()).get("image_seq_length")
+    if isinstance(n, int) and n != tile_tokens:
+        raise ValueError(f"processor_config.json's image_seq_length {n} is not the {tile_tokens} tokens the model "
+                         "makes of a tile")
 
 
 def _qwen_processor(folder: Path) -> Any:

@@ -32,14 +32,15 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration")
+                            "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration")
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
                "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
                "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
                # Qwen3-VL's: Qwen3's (q/k norms) with interleaved M-RoPE and DeepStack (models/vlm.py)
-               "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}
+               "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}  # (InternVL3.5's MoE models)
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
                  "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
@@ -47,7 +48,8 @@ _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_
                  "Mistral3ForConditionalGeneration": ("pixtral",),
                  "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_vision"),
                  "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_vl",
-                                                        "qwen3_vl_vision")}
+                                                        "qwen3_vl_vision"),
+                 "InternVLForConditionalGeneration": ("internvl_vision",)}
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -69,7 +71,7 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
 _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144,
                 "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
                 "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
-                "Qwen3VLMoeForConditionalGeneration": 151655}
+                "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667}
 # The text config an architecture's config class builds when config.json has none (a given one takes its
 # model_type's class defaults: _TEXT_DEFAULTS).
 _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
@@ -82,6 +84,7 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
 # Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
 # architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration.
 TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+    "InternVLForConditionalGeneration": dict(model_type="qwen2"),  # (Qwen2Config's defaults)
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -345,6 +348,8 @@ class ModelConfig:
             if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
         kinds = _VISION_TYPES[arch]
+        if arch == "InternVLForConditionalGeneration":  # (InternVLConfig ties the head unless a config says not)
+            text.setdefault("tie_word_embeddings", True)
         vision = (c.get("vision_config") or {}).get("model_type", kinds[0])
         if vision not in kinds:
             raise ValueError(f"unsupported vision encoder {vision!r} for {arch}; supported: {', '.join(kinds)}")

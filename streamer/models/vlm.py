@@ -1,7 +1,9 @@
 """Vision-language models: a vision encoder and a projector in front of a text model of one of the supported
 families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector), Gemma 3
 (Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL /
-Qwen3-VL and Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP).
+Qwen3-VL, Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP) and
+InternVL 3 / 3.5 (InternVLForConditionalGeneration: InternViT on 448-pixel tiles, a pixel shuffle, LayerNorm, a
+two-layer MLP).
 
 The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
 encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
@@ -333,10 +335,53 @@ class Mistral3Mixin(VisionLanguageMixin):
         return list(feats.split([(h // m) * (w // m) for h, w in grids]))
 
 
+class InternVLMixin(VisionLanguageMixin):
+    """InternVL 3 / 3.5: each image cut into tiles of the encoder's image_size (streamer/internvl_image_processor.py),
+    each tile through InternViT and the pixel-shuffle projector (streamer/models/internvl.py) on its own; an image
+    of P tiles takes P * `tile_tokens` image tokens between <img> and </img> (streamer/multimodal.py)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        from streamer.models.internvl import InternVisionTower, InternVLProjector
+        mm = cfg.multimodal
+        self.vision_tower = InternVisionTower(mm.get("vision_config") or {}, mm.get("vision_feature_layer", -1),
+                                              mm.get("vision_feature_select_strategy", "default"))
+        spec = self.vision_tower.spec
+        self.multi_modal_projector = InternVLProjector(spec.hidden_size, cfg.hidden_size, spec.side,
+                                                       float(mm.get("downsample_ratio", 0.5)),
+                                                       mm.get("projector_hidden_act", "gelu"))
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    @property
+    def tile_tokens(self) -> int:
+        """The image tokens one tile takes."""
+        return self.multi_modal_projector.tokens
+
+    @property
+    def tile_size(self) -> int:
+        return self.vision_tower.spec.image_size
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        # A step's image tokens come from at most max_tokens / tile_tokens tiles, plus two images cut by the chunk's
+        # ends, each encoded whole (up to 13 tiles each at the processors' default max_patches, 12, + a thumbnail)
+        s = self.vision_tower.spec
+        tiles = -(-max_tokens // self.tile_tokens) + 2 * 13
+        return tiles * (s.side ** 2 + 1) * (s.hidden_size * 16 + s.intermediate_size * 6)
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each image's features [its tiles * tile_tokens, hidden]: all images' tiles in one batch."""
+        pixels = torch.cat([im.pixel_values for im in images]).to(device, non_blocking=True)
+        feats = self.multi_modal_projector(self.vision_tower(pixels))
+        return list(feats.flatten(0, 1).split([im.pixel_values.shape[0] * self.tile_tokens for im in images]))
+
+
 _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
            "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
            "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
-           "Mistral3ForConditionalGeneration": Mistral3Mixin}
+           "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin}
 
 
 @functools.cache
