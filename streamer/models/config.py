@@ -79,12 +79,12 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
         model_type="mistral", head_dim=128, hidden_size=5120, intermediate_size=32768, max_position_embeddings=131072,
         num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8, rms_norm_eps=1e-05,
         rope_theta=1000000000.0, sliding_window=None, vocab_size=131072),
+    "InternVLForConditionalGeneration": dict(model_type="qwen2"),  # (Qwen2Config's defaults)
 }
 
 # Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
 # architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration.
 TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
-    "InternVLForConditionalGeneration": dict(model_type="qwen2"),  # (Qwen2Config's defaults)
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
@@ -343,13 +343,13 @@ class ModelConfig:
         text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [_TEXT_ARCHS[model_type]]}
         if model_type == "qwen3_vl_moe_text":  # (its router always renormalises the top-k weights)
             text["norm_topk_prob"] = True
+        if arch == "InternVLForConditionalGeneration":  # (InternVLConfig ties the head unless a config says not)
+            text.setdefault("tie_word_embeddings", True)
         for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
                     "bos_token_id"):
             if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
         kinds = _VISION_TYPES[arch]
-        if arch == "InternVLForConditionalGeneration":  # (InternVLConfig ties the head unless a config says not)
-            text.setdefault("tie_word_embeddings", True)
         vision = (c.get("vision_config") or {}).get("model_type", kinds[0])
         if vision not in kinds:
             raise ValueError(f"unsupported vision encoder {vision!r} for {arch}; supported: {', '.join(kinds)}")

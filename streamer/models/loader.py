@@ -145,10 +145,10 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
     for name, parts in by_module.items():
         m = modules.get(name)
         if isinstance(m, SparseMoE):
-            pieces = {shard for _, shard in parts}
-            expected = {p for ps in m.expected_shards().values() for p in ps}
             if iq.bits != 4:
                 continue
+            pieces = {shard for _, shard in parts}
+            expected = {p for ps in m.expected_shards().values() for p in ps}
             if not iq.act_order and pieces == expected and m.prepare_int4(iq.group_size):
                 keep.update(base for base, _ in parts)
             continue
