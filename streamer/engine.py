@@ -25,7 +25,7 @@ from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import Classifier, PoolingParams, default_pooling, finish_pooled, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
-from streamer.models.config import ModelConfig
+from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_image_list, check_truncation, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
@@ -104,19 +104,25 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                            config.max_model_len, limit)
         self._check_multimodal()
+        self._check_hybrid()
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
         # How the model takes images (None: it takes none)
         self.image_prompts = image_prompts_for(self.model_config, self.runner.model, self.tokenizer, self.model_dir,
                                                config)
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
-        self.prefix_caching = config.enable_prefix_caching
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, self.prefix_caching)
+        hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
+        if hybrid and config.enable_prefix_caching:
+            logger.info("prefix caching is off for this hybrid attention + Mamba model (its recurrent state cannot "
+                        "be reused from cached blocks)")
+        self.prefix_caching = config.enable_prefix_caching and not hybrid
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, self.prefix_caching,
+                                 state_slots=self.runner.num_state_slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
                                 config.block_size, self.model_config.vocab_size,
-                                mrope=self.model_config.mrope_section is not None)
+                                mrope=self.model_config.mrope_section is not None, state_slots=hybrid)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
@@ -160,6 +166,15 @@ class LLMEngine:
         return self.loras.resolve(lora)
 
     # ------------------------------------------------------------------ images (streamer/multimodal.py)
+    def _check_hybrid(self) -> None:
+        """Hybrid attention + Mamba models: speculative decoding would need the recurrent state rolled back past
+        rejected drafts, which the state slots cannot do."""
+        if self.model_config.architecture not in HYBRID_ARCHITECTURES:
+            return
+        if self.config.num_speculative_tokens or self.config.speculative_model is not None:
+            raise ValueError(f"speculative decoding does not run with {self.model_config.architecture} (a hybrid "
+                             "attention + Mamba model: its recurrent state cannot roll back rejected drafts)")
+
     def _check_multimodal(self) -> None:
         if self.model_config.multimodal is None:
             return

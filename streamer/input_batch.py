@@ -110,6 +110,8 @@ class StepInputs:
     draft: Optional["DraftPlan"] = None  # speculative decoding with a draft model: its passes before this step
     images: Optional[ImageStep] = None  # which tokens take image features instead of their embeddings
     rope_positions: Optional[np.ndarray] = None  # M-RoPE: positions shifted by the images before them (int64 [T])
+    # Hybrid attention + Mamba models: each request's state slot (int64 [R]; kv_cache.StateSlotPool); None else
+    state_slots: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -126,10 +128,12 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
-                 vocab_size: int, mrope: bool = False) -> None:
+                 vocab_size: int, mrope: bool = False, state_slots: bool = False) -> None:
         """mrope: the model places tokens by M-RoPE (Qwen2-VL): a prompt's images shift the positions of the tokens
-        after them (`StepInputs.rope_positions`)."""
+        after them (`StepInputs.rope_positions`). state_slots: a hybrid model's requests hold Mamba state slots
+        (`StepInputs.state_slots`)."""
         self.mrope = mrope
+        self.has_state = state_slots
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -161,6 +165,7 @@ class InputBatch:
         self.images_end = np.zeros(0, dtype=np.int64)
         self.rope_delta = np.zeros(0, dtype=np.int64)  # M-RoPE: the shift of tokens after the last image
         self.epoch = np.zeros(0, dtype=np.int64)
+        self.state_slot = np.zeros(0, dtype=np.int64)  # hybrid models: the row's Mamba state slot
         self._epochs = 0
         self._grow_rows(max_num_seqs)
 
@@ -168,7 +173,7 @@ class InputBatch:
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
                    "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "rope_delta",
-                   "epoch")
+                   "epoch", "state_slot")
 
     def _grow_rows(self, n: int) -> None:
         old = len(self.reqs)
@@ -247,6 +252,8 @@ class InputBatch:
             if row is None:
                 row, first = self._add(req), 0
             self.lora_slot[row] = req.lora_slot  # (a request preempted and readmitted in one step may move)
+            if self.has_state:  # (likewise its state slot)
+                self.state_slot[row] = kv.state_slot(rid)
             old = int(self.num_blocks[row])
             self.block_table[row, first:len(blocks)] = blocks[first:]
             if old > len(blocks):
@@ -346,6 +353,7 @@ class InputBatch:
             pending_idx=pending_idx, pending_rows=token_rows[pending_idx],
             lora_slots=lora[req_of_token] if lora.any() else None,
             pool=self._pool_tokens(pooled, sch, rows, qsl, starts) if len(pooled) else None,
+            state_slots=self.state_slot[rows] if self.has_state else None,
             images=image_step([sch[i].req for i in with_images], qsl[with_images], starts[with_images],
                               q_lens[with_images]) if len(with_images) else None, rope_positions=rope,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)

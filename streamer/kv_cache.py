@@ -81,8 +81,48 @@ class BlockPool:
         self.cached.clear()
 
 
+class StateSlotPool:
+    """Hybrid attention + Mamba models: the slots of the Mamba layers' per-request state tensors (models/mamba.py).
+    A request takes one with its first KV blocks and gives it back with them (finish, abort, preemption: a preempted
+    request recomputes from scratch, as with its KV). The pool's size bounds how many requests run at once."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        self.slot_of: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def allocate(self, request_id: str) -> int:
+        slot = self.slot_of.get(request_id)
+        if slot is None:
+            if not self.free_slots:
+                raise RuntimeError("no free state slot")
+            slot = self.slot_of[request_id] = self.free_slots.pop()
+        return slot
+
+    def free(self, request_id: str) -> None:
+        slot = self.slot_of.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def check_consistency(self) -> None:
+        held = list(self.slot_of.values())
+        if len(set(held)) != len(held):
+            raise AssertionError("two requests share a state slot")
+        if set(held) & set(self.free_slots) or len(set(self.free_slots)) != len(self.free_slots):
+            raise AssertionError("a state slot is both free and held, or free twice")
+        if sorted(held + self.free_slots) != list(range(self.num_slots)):
+            raise AssertionError("state slots lost or out of range")
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_slots: int = 0) -> None:
+        """state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks."""
+        self.state = StateSlotPool(state_slots) if state_slots > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -126,6 +166,8 @@ class KVCacheManager:
             self.prefix_hits += num_hit
 
     def can_fit(self, num_tokens: int, hit_blocks: list[int]) -> bool:
+        if self.state is not None and not self.state.num_free:
+            return False
         need = cdiv(num_tokens, self.block_size) - len(hit_blocks)
         revived = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
         return need <= self.pool.num_free - revived
@@ -147,6 +189,10 @@ class KVCacheManager:
         revived = sum(1 for b in hit_blocks if self.pool.ref_cnt[b] == 0)
         if need > self.pool.num_free - revived:
             return False
+        if self.state is not None and req.request_id not in self.state.slot_of:
+            if not self.state.num_free:
+                return False
+            self.state.allocate(req.request_id)
         if hit_blocks:
             self.pool.touch(hit_blocks)
             blocks = blocks + hit_blocks
@@ -177,7 +223,13 @@ class KVCacheManager:
         changes, self.changes = self.changes, {}
         return changes
 
+    def state_slot(self, request_id: str) -> int:
+        """The request's Mamba state slot (-1: none, or not a hybrid model)."""
+        return -1 if self.state is None else self.state.slot_of.get(request_id, -1)
+
     def free(self, req: Request) -> None:
+        if self.state is not None:
+            self.state.free(req.request_id)
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks is not None:
             self._note_change(req, 0)
@@ -202,3 +254,7 @@ class KVCacheManager:
         for h, b in self.pool.cached.items():
             if self.pool.block_hash[b] != h:
                 raise AssertionError(f"cache map and block {b}'s hash disagree")
+        if self.state is not None:
+            self.state.check_consistency()
+            if set(self.state.slot_of) != set(self.req_blocks):
+                raise AssertionError("requests holding state slots != requests holding blocks")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, forward_context
+from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, MambaStep, forward_context
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
@@ -187,19 +187,27 @@ class ModelRunner:
                     module.quantize_fp8()
             logger.info("linear weights in FP8 (per-channel scales), activations quantized per token")
         self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
+        # Hybrid attention + Mamba models: KV caches for the attention layers only, Mamba state slots per request
+        self.hybrid = bool(getattr(self.model, "is_hybrid", False))
         self.forward = self.model
         self.compiled = self._should_compile()
         # Each batch row's last sampled token, on the device: async scheduling's next step reads its inputs here.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.kv_dtype = self._kv_dtype()
+        self.num_state_slots = self._num_state_slots()
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
-        attn = self.model.layers[0].self_attn  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
+        attn = self._attention_layers()[0]  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
         shape = (2, self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(model_cfg.num_layers)]
+        # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
+        self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
+                                      dtype=self.kv_dtype, device=self.device) for layer in self.model.layers]
+        if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot
+            self.model.allocate_state(self.num_state_slots + 1, self.dtype, self.device)
+            logger.info("Mamba state: %d slots of %.1f MiB", self.num_state_slots,
+                        self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
@@ -230,8 +238,8 @@ class ModelRunner:
     def _use_eager(self) -> None:
         self.compiled, self.forward = False, self.model
         self.model.use_kernels(self.attention_backend == "triton")
-        for layer in self.model.layers:
-            layer.self_attn.use_op = False
+        for attn in self._attention_layers():
+            attn.use_op = False
         packing = self._cpu_packing()
         for module in self.model.modules():
             if isinstance(module, PackableLinear):
@@ -257,7 +265,7 @@ class ModelRunner:
         # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
         # (Tensor-parallel workers would have to replay the same graphs: not yet.)
         return (self.device.type == "cuda" and self.attention_backend == "triton" and self.tp_size == 1
-                and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
+                and not self.hybrid and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
         """Decode-only steps of up to max(sizes) requests replay captured graphs (`capture=False`: the same
@@ -314,6 +322,10 @@ class ModelRunner:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
 
     def _should_compile(self) -> bool:
+        if self.hybrid:  # its Mamba layers loop over the step's prefill chunks in Python: eager, always
+            if self.config.enforce_eager is False:
+                logger.info("hybrid attention + Mamba model: running eagerly (enforce_eager=False ignored)")
+            return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
         return self.device.type == "cuda"
@@ -362,8 +374,8 @@ class ModelRunner:
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;
         a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
-        for layer in self.model.layers:
-            layer.self_attn.use_op = True
+        for attn in self._attention_layers():
+            attn.use_op = True
         packing = self._cpu_packing()
         for module in self.model.modules():
             # CPU: the linears run on oneDNN-prepacked weights through an opaque op. Inductor can only use packed
@@ -397,19 +409,37 @@ class ModelRunner:
         """Each layer's FP8 cache scales on its backend: the checkpoint's calibrated ones, else 1.0."""
         scales = self.model.kv_scales
         for layer, (k_scale, v_scale) in zip(self.model.layers, scales or []):
-            layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale = k_scale, v_scale
+            if getattr(layer, "self_attn", None) is not None:
+                layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale = k_scale, v_scale
         logger.info("FP8 KV cache (float8_e4m3fn), %s", "the checkpoint's k/v scales" if scales else
                     "scales 1.0 (the checkpoint has no calibrated k_scale / v_scale)")
 
-    def kv_bytes_per_block(self) -> int:
-        attn = self.model.layers[0].self_attn
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.model_cfg.num_layers * self.block_size * attn.num_kv_heads * attn.head_dim * elem
+    def _attention_layers(self) -> list:
+        """The layers' attention modules (a hybrid model's Mamba layers have none)."""
+        return [layer.self_attn for layer in self.model.layers if getattr(layer, "self_attn", None) is not None]
 
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        per_block = self.kv_bytes_per_block()
+    def kv_bytes_per_block(self) -> int:
+        attns = self._attention_layers()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * len(attns) * self.block_size * attns[0].num_kv_heads * attns[0].head_dim * elem
+
+    def _num_state_slots(self) -> int:
+        """A hybrid model's Mamba state slots: one per running sequence (max_num_seqs), unless that would take more
+        than half the memory budget (then as many as half holds: they bound how many sequences run at once)."""
+        if not self.hybrid:
+            return 0
+        per_slot = self.model.state_bytes_per_slot(self.dtype)
+        half = self._memory_budget() // 2
+        n = self.config.max_num_seqs
+        if self.config.num_kv_blocks is None and n * per_slot > half:
+            n = max(1, half // per_slot)
+            logger.warning("Mamba state for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
+                           "budget: %d slots, so at most %d sequences run at once", self.config.max_num_seqs,
+                           per_slot / 2 ** 20, n, n)
+        return int(n)
+
+    def _memory_budget(self) -> int:
+        """Bytes for the KV cache (and a hybrid model's Mamba state)."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -417,9 +447,16 @@ class ModelRunner:
             act = self.config.max_num_batched_tokens * (self.model_cfg.hidden_size * 16
                                                         + self.model_cfg.intermediate_size * 6)
             act += self.config.max_num_seqs * self.model_cfg.vocab_size * 8 + self._encoder_bytes()
-            budget = int(total * self.config.gpu_memory_utilization) - used - act
-        else:
-            budget = self.config.kv_cache_memory or _CPU_KV_DEFAULT
+            return int(total * self.config.gpu_memory_utilization) - used - act
+        return self.config.kv_cache_memory or _CPU_KV_DEFAULT
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = self.kv_bytes_per_block()
+        budget = self._memory_budget()
+        if self.hybrid:  # the Mamba state comes out of the same budget
+            budget -= self.num_state_slots * self.model.state_bytes_per_slot(self.dtype)
         # More blocks than every sequence slot can fill would only waste memory.
         useful = self.config.max_num_seqs * self.max_blocks_per_req
         n = min(budget // per_block, useful)
@@ -452,7 +489,28 @@ class ModelRunner:
             block_table=to_device(step.block_table, dev), slot_mapping=to_device(step.slot_mapping, dev),
             max_query_len=int(np.diff(step.query_start_loc).max()), max_seq_len=int(step.seq_lens.max()),
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
-            causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit)
+            causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit,
+            mamba=self._mamba_step(step) if self.hybrid else None)
+
+    def _mamba_step(self, step: StepInputs) -> MambaStep:
+        """What the Mamba layers need of the step: each request's state slot (the warm-up steps': the scratch
+        slot), which start fresh (their first token: with no prefix caching, position 0 is where computing
+        starts), the one-token requests and the prefill chunks."""
+        qsl, dev = step.query_start_loc, self.device
+        n = step.num_reqs
+        slots = step.state_slots if step.state_slots is not None else np.full(n, self.num_state_slots, np.int64)
+        if (slots < 0).any():
+            raise RuntimeError("a request of a hybrid model has no Mamba state slot")
+        first = qsl[:-1]
+        fresh = np.flatnonzero(step.positions[first] == 0)
+        q_lens = np.diff(qsl)
+        one = np.flatnonzero(q_lens == 1)
+        many = np.flatnonzero(q_lens > 1)
+        return MambaStep(
+            fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
+            decode_tokens=to_device(first[one].astype(np.int64), dev) if len(one) else None,
+            decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
+            prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many])
 
     def _sampling_batch(self, rows: SamplingRows) -> SamplingBatch:
         n = len(rows.temperature)

@@ -178,6 +178,36 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         # Larger weights: with a tied head at 0.08, continuations mostly repeat each prompt's last token.
         kw["initializer_range"] = overrides.get("initializer_range", 0.2)
         return tf.SmolLM3Config(**kw)
+    if family == "granitemoehybrid":  # Granite 4.0-H-like: Mamba2 layers around an attention layer (NoPE unless
+        # position_embedding_type="rope"), 2 groups of B/C, SSD chunks of 8 (prompts span several); a shared MLP per
+        # layer plus, unless num_local_experts=0, 4 experts top 2. Granite's multipliers, untied head (see granite).
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        kw.setdefault("layer_types", ["mamba", "attention", "mamba", "mamba"][:kw["num_hidden_layers"]])
+        kw.update(intermediate_size=overrides.get("intermediate_size", 32))
+        kw.setdefault("num_local_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("shared_intermediate_size", 48)
+        kw.setdefault("mamba_n_heads", 8)
+        kw.setdefault("mamba_n_groups", 2)
+        kw.setdefault("mamba_d_state", 16)
+        kw.setdefault("mamba_chunk_size", 8)
+        kw.setdefault("embedding_multiplier", 12.0)
+        kw.setdefault("residual_multiplier", 0.22)
+        kw.setdefault("attention_multiplier", 0.25)
+        kw.setdefault("logits_scaling", 8.0)
+        kw.setdefault("tie_word_embeddings", False)
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        return tf.GraniteMoeHybridConfig(**kw)
+    if family == "bamba":  # Granite's hybrid without multipliers or experts: attention at layer 1, half-rotary heads
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 3)
+        kw.setdefault("attn_layer_indices", [1])
+        kw.setdefault("mamba_n_heads", 8)
+        kw.setdefault("mamba_n_groups", 2)
+        kw.setdefault("mamba_d_state", 16)
+        kw.setdefault("mamba_chunk_size", 8)
+        kw.setdefault("pad_token_id", 0)
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        return tf.BambaConfig(**kw)
     raise ValueError(family)
 
 
@@ -231,6 +261,17 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
             for name, p in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     p.normal_(0.0, 0.1)
+    if family in ("granitemoehybrid", "bamba"):
+        # transformers starts D, dt_bias and the gated norm at one and A_log at log(1..heads): random ones show that
+        # each is loaded and used where it belongs.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("mamba.D", "mamba.norm.weight")):
+                    p.normal_(1.0, 0.3)
+                elif name.endswith("mamba.dt_bias"):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith("mamba.A_log"):
+                    p.uniform_(-1.0, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir

@@ -42,6 +42,19 @@ class AttentionMetadata:
     # themselves: Gemma 3's image tokens see their whole image. None: every query is plainly causal.
     causal_limit: Optional[torch.Tensor] = None
     causal_limit_cpu: Optional[np.ndarray] = None
+    # Hybrid attention + Mamba models: what each Mamba layer needs of the step (None for other models)
+    mamba: Optional["MambaStep"] = None
+
+
+@dataclass
+class MambaStep:
+    """A step's requests as the Mamba layers see them (models/mamba.py): each request's recurrent state lives in a
+    slot of the layers' state tensors."""
+
+    fresh_slots: Optional[torch.Tensor]  # int64 [F]: slots of requests computing their first token (zeroed first)
+    decode_tokens: Optional[torch.Tensor]  # int64 [R1]: the token of each request that computes exactly one
+    decode_slots: Optional[torch.Tensor]  # int64 [R1]: their slots
+    prefills: list[tuple[int, int, int]]  # (slot, first token, end) of each request computing several tokens
 
 
 class DecodeBatch(NamedTuple):

@@ -10,11 +10,17 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
-                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM")
+                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
+                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
+# Hybrid attention + Mamba2 models (models/granite_hybrid.py): per-request recurrent state besides the KV cache, so
+# no prefix caching (state cannot be reused) nor speculative decoding (nor rollback), and no tensor parallelism yet.
+HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
-NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
+NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
+                      "GraniteMoeHybridForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "BambaForCausalLM": "its Mamba layers are not split over ranks yet"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -95,6 +101,7 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Glm4ForCausalLM": dict(partial_rotary_factor=0.5, attention_bias=True),
     "Glm4MoeForCausalLM": dict(partial_rotary_factor=0.5),
     "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
+    "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
 }
 
 

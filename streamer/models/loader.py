@@ -16,6 +16,7 @@ from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
+from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
 from streamer.models.vlm import vlm_class
@@ -42,6 +43,8 @@ _MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
 _MODEL_CLASSES["Glm4ForCausalLM"] = Glm4ForCausalLM
 _MODEL_CLASSES["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
 _MODEL_CLASSES["SmolLM3ForCausalLM"] = SmolLM3ForCausalLM
+_MODEL_CLASSES["GraniteMoeHybridForCausalLM"] = GraniteMoeHybridForCausalLM
+_MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,177 @@
+"""The Mamba2 (SSD) mixer of hybrid attention + Mamba models (IBM Granite 4.0-H: models/granite_hybrid.py).
+
+A Mamba layer keeps no KV cache: each running request holds a fixed-size recurrent state in a slot of the layer's
+state tensors (the slot pool is the KV cache manager's, `streamer/kv_cache.py StateSlotPool`):
+
+- `conv_state[slot]` [conv_dim, d_conv - 1]: the last d_conv - 1 inputs of the causal depthwise conv1d;
+- `ssm_state[slot]` [nheads, head_dim, d_state] (fp32): the SSM recurrence's state.
+
+Each step the runner publishes, through the forward context (`AttentionMetadata.mamba`, a `MambaStep`), which slots
+start fresh (a request's first chunk: zeroed first), the decode requests (one token each; one recurrence step,
+vectorised over them) and the prefill chunks (slot, token range in the flattened batch): conv over the chunk after
+the carried conv state, then the chunked SSD scan (as transformers' torch_forward) from the carried SSM state.
+Rows past the pool (`slot == num_slots`) are a scratch slot for the warm-up steps.
+
+The math (per token t, head h): x, B, C = silu(conv1d(xBC)); dt = clamp(softplus(dt + dt_bias), limits);
+state = exp(dt * A) * state + dt * x (outer) B; y = state . C + D * x; out = out_proj(rmsnorm_grouped(y * silu(z))).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.attention.base import MambaStep, current_metadata
+
+
+def _float(v: Any) -> float:
+    """A config number; transformers writes infinity as {"__float__": "Infinity"}."""
+    if isinstance(v, dict):
+        v = v.get("__float__", v)
+    return float(v)
+
+
+def _segsum(x: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: out[..., i, j] = sum(x[..., j+1 : i+1]) for j <= i, -inf above the diagonal."""
+    n = x.size(-1)
+    x = x[..., None].expand(*x.shape, n)
+    x = x.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=-1), 0)
+    s = torch.cumsum(x, dim=-2)
+    return s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=0), -torch.inf)
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int,
+             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked SSD scan of one sequence (fp32), from `state`. x [L, h, p]; dt [L, h] (discretised); A [h];
+    B, C [L, h, n] (per head); state [h, p, n]. Returns y [L, h, p] (without the D skip) and the final state."""
+    length = x.shape[0]
+    pad = (-length) % chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [c, chunk, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.reshape(-1, chunk, *t.shape[1:])
+
+    x = chunks(x * dt[..., None])
+    a = chunks(A * dt).permute(2, 0, 1)  # [h, c, l]  (padding: dt = 0, so no decay and no input)
+    B, C = chunks(B), chunks(C)
+    a_cum = torch.cumsum(a, dim=-1)
+    # within each chunk: attention-like, masked by the decays between positions
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * torch.exp(_segsum(a)).permute(1, 2, 3, 0)
+    y = torch.einsum("clsh,cshp->clhp", scores, x)
+    # each chunk's contribution to the state at its end
+    decay = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0)[..., None]  # [c, l, h, 1]
+    states = torch.einsum("clhn,clhp->chpn", B * decay, x)
+    states = torch.cat([state[None].to(states.dtype), states], dim=0)  # [c + 1, h, p, n]
+    # the recurrence across chunks: the state entering each chunk (and the final one)
+    chunk_decay = torch.exp(_segsum(F.pad(a_cum[:, :, -1], (1, 0))))  # [h, c + 1, c + 1]
+    states = torch.einsum("hij,jhpn->ihpn", chunk_decay, states)
+    entering, final = states[:-1], states[-1]
+    y = y + torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
+    return y.reshape(-1, *y.shape[2:])[:length], final
+
+
+class MambaMixer(nn.Module):
+    """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
+    `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""
+
+    def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float) -> None:
+        super().__init__()
+        expand = int(raw.get("mamba_expand", 2))
+        self.num_heads = int(raw.get("mamba_n_heads", 128))
+        self.inner = expand * hidden_size
+        d_head = raw.get("mamba_d_head", "auto")
+        self.head_dim = self.inner // self.num_heads if d_head in (None, "auto") else int(d_head)
+        if self.head_dim * self.num_heads != self.inner:
+            raise ValueError(f"mamba_n_heads ({self.num_heads}) x mamba_d_head ({self.head_dim}) != mamba_expand x "
+                             f"hidden_size ({self.inner})")
+        self.n_groups = int(raw.get("mamba_n_groups", 1))
+        self.d_state = int(raw.get("mamba_d_state", 256))
+        self.d_conv = int(raw.get("mamba_d_conv", 4))
+        self.chunk_size = int(raw.get("mamba_chunk_size", 256))
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_n_groups ({self.n_groups}) does not divide mamba_n_heads ({self.num_heads})")
+        limit = raw.get("time_step_limit") or (0.0, float("inf"))
+        self.dt_min, self.dt_max = _float(limit[0]), _float(limit[1])
+        self.eps = eps
+        self.conv_dim = self.inner + 2 * self.n_groups * self.d_state
+        bias = bool(raw.get("mamba_proj_bias", False))
+        self.in_proj = nn.Linear(hidden_size, self.inner + self.conv_dim + self.num_heads, bias=bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
+                                bias=bool(raw.get("mamba_conv_bias", True)))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        # The per-request states (not parameters: `allocate_state`, by the model runner)
+        self.conv_state: Optional[torch.Tensor] = None
+        self.ssm_state: Optional[torch.Tensor] = None
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state in this layer: the conv window (model dtype) and the SSM state (fp32)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.conv_dim * (self.d_conv - 1) * elem + self.num_heads * self.head_dim * self.d_state * 4
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(num_slots, self.num_heads, self.head_dim, self.d_state, dtype=torch.float32,
+                                     device=device)
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
+
+    def _per_head(self, t: torch.Tensor) -> torch.Tensor:
+        """B or C [T, groups * d_state] -> [T, heads, d_state] (head h reads group h // (heads / groups))."""
+        return t.float().view(-1, self.n_groups, self.d_state).repeat_interleave(
+            self.num_heads // self.n_groups, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        meta = current_metadata()
+        step: Optional[MambaStep] = meta.mamba
+        if step is None or self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError("a Mamba layer ran without its state (MambaStep / allocate_state)")
+        conv_state, ssm_state = self.conv_state, self.ssm_state
+        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        if step.fresh_slots is not None:  # first chunks: start from zero
+            conv_state[step.fresh_slots] = 0
+            ssm_state[step.fresh_slots] = 0
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        weight = self.conv1d.weight  # [conv_dim, 1, d_conv]
+        inner, gn = self.inner, self.n_groups * self.d_state
+        if step.decode_tokens is not None:  # one token each: a recurrence step, all of them at once
+            idx, slots = step.decode_tokens, step.decode_slots
+            window = torch.cat([conv_state[slots], xbc[idx].to(conv_state.dtype).unsqueeze(-1)], dim=-1)
+            conv_state[slots] = window[:, :, 1:]
+            h = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
+            if self.conv1d.bias is not None:
+                h = h + self.conv1d.bias
+            xs, B, C = F.silu(h).split([inner, gn, gn], dim=-1)
+            xs = xs.float().view(-1, self.num_heads, self.head_dim)
+            dtr = self._dt(dt[idx])  # [R, heads]
+            state = ssm_state[slots] * torch.exp(dtr * A)[..., None, None] \
+                + (dtr[..., None] * xs)[..., None] * self._per_head(B)[:, :, None, :]
+            ssm_state[slots] = state
+            y[idx] = (state @ self._per_head(C)[..., None]).squeeze(-1) + D[:, None] * xs
+        for slot, a, b in step.prefills:  # chunks of several tokens: conv after the carried window, then SSD
+            seq = torch.cat([conv_state[slot], xbc[a:b].T.to(conv_state.dtype)], dim=1)  # [conv_dim, K-1+L]
+            conv_state[slot] = seq[:, seq.shape[1] - (self.d_conv - 1):]
+            h = F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0].T
+            xs, B, C = F.silu(h).split([inner, gn, gn], dim=-1)
+            xs = xs.float().view(-1, self.num_heads, self.head_dim)
+            out, final = ssd_scan(xs, self._dt(dt[a:b]), A, self._per_head(B), self._per_head(C), self.chunk_size,
+                                  ssm_state[slot])
+            ssm_state[slot] = final
+            y[a:b] = out + D[:, None] * xs
+        # gated RMSNorm (norm after the gate), per group of channels
+        g = y.view(x.shape[0], inner) * F.silu(gate.float())
+        g = g.view(x.shape[0], self.n_groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.norm.weight * g.view(x.shape[0], inner).to(x.dtype)
+        return self.out_proj(out)
