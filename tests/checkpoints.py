@@ -208,6 +208,25 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("pad_token_id", 0)
         kw["initializer_range"] = overrides.get("initializer_range", 0.2)
         return tf.BambaConfig(**kw)
+    if family == "qwen3_next":  # Qwen3-Next-like: Gated DeltaNet layers around a gated full-attention layer (rotary
+        # over a quarter of each head), 2 key heads / 4 value heads; 4 experts top 2 plus a gated shared expert, layer
+        # 2 dense (mlp_only_layers). Untied head.
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        kw.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention",
+                                      "linear_attention"][:kw["num_hidden_layers"]])
+        kw.setdefault("head_dim", 16)
+        kw.update(linear_num_key_heads=overrides.get("linear_num_key_heads", 2),
+                  linear_num_value_heads=overrides.get("linear_num_value_heads", 4),
+                  linear_key_head_dim=overrides.get("linear_key_head_dim", 16),
+                  linear_value_head_dim=overrides.get("linear_value_head_dim", 8))
+        kw.setdefault("num_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("moe_intermediate_size", 32)
+        kw.setdefault("shared_expert_intermediate_size", 48)
+        kw.setdefault("mlp_only_layers", [2])
+        kw.setdefault("tie_word_embeddings", False)
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        return tf.Qwen3NextConfig(**kw)
     raise ValueError(family)
 
 
@@ -271,6 +290,19 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                 elif name.endswith("mamba.dt_bias"):
                     p.normal_(0.0, 1.0)
                 elif name.endswith("mamba.A_log"):
+                    p.uniform_(-1.0, 1.5)
+    if family == "qwen3_next":
+        # transformers starts the (1 + w) norms at zero, the gated norm and dt_bias at one, A_log at log U(0.01, 16):
+        # random ones show that each is loaded and used where it belongs.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("linear_attn.norm.weight"):
+                    p.normal_(1.0, 0.3)
+                elif "norm" in name:
+                    p.normal_(0.0, 0.3)
+                elif name.endswith("dt_bias"):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith("A_log"):
                     p.uniform_(-1.0, 1.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)

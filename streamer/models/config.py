@@ -11,16 +11,21 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
                            "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
-                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM")
-# Hybrid attention + Mamba2 models (models/granite_hybrid.py): per-request recurrent state besides the KV cache, so
-# no prefix caching (state cannot be reused) nor speculative decoding (nor rollback), and no tensor parallelism yet.
-HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM")
+                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+                           "NemotronHForCausalLM")
+# Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
+# recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
+# rollback), and no tensor parallelism yet.
+HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+                        "NemotronHForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "GraniteMoeHybridForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "BambaForCausalLM": "its Mamba layers are not split over ranks yet"}
+                      "BambaForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "Qwen3NextForCausalLM": "its Gated DeltaNet layers are not split over ranks yet",
+                      "NemotronHForCausalLM": "its Mamba layers are not split over ranks yet"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -100,9 +105,21 @@ NO_O_PROJ_BIAS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Glm4ForCausalLM": dict(partial_rotary_factor=0.5, attention_bias=True),
     "Glm4MoeForCausalLM": dict(partial_rotary_factor=0.5),
+    "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
     "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
     "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
 }
+
+
+def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
+    """A NemotronH config in the common names: its layer count from the layer pattern (transformers 5 writes no
+    num_hidden_layers), `layer_norm_epsilon`, the attention head size (older configs: `attention_head_dim`; else
+    transformers' default, 128)."""
+    from streamer.models.nemotron_h import nemotron_h_layer_kinds  # (imports torch: this module does not)
+    c = dict(c, num_hidden_layers=len(nemotron_h_layer_kinds(c)))
+    c.setdefault("rms_norm_eps", c.get("layer_norm_epsilon", 1e-5))
+    c["head_dim"] = c.get("head_dim") or c.get("attention_head_dim") or 128
+    return c
 
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -258,6 +275,8 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS))}")
+        if arch == "NemotronHForCausalLM":
+            c = _nemotron_h(c)
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}

@@ -19,8 +19,10 @@ from streamer.models.granite import GraniteForCausalLM
 from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
+from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
@@ -45,6 +47,8 @@ _MODEL_CLASSES["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
 _MODEL_CLASSES["SmolLM3ForCausalLM"] = SmolLM3ForCausalLM
 _MODEL_CLASSES["GraniteMoeHybridForCausalLM"] = GraniteMoeHybridForCausalLM
 _MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
+_MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
+_MODEL_CLASSES["NemotronHForCausalLM"] = NemotronHForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,4 +1,5 @@
-"""The Mamba2 (SSD) mixer of hybrid attention + Mamba models (IBM Granite 4.0-H: models/granite_hybrid.py).
+"""The Mamba2 (SSD) mixer of hybrid attention + Mamba models (IBM Granite 4.0-H: models/granite_hybrid.py;
+NVIDIA Nemotron-H: models/nemotron_h.py).
 
 A Mamba layer keeps no KV cache: each running request holds a fixed-size recurrent state in a slot of the layer's
 state tensors (the slot pool is the KV cache manager's, `streamer/kv_cache.py StateSlotPool`):
@@ -76,11 +77,13 @@ class MambaMixer(nn.Module):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
     `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""
 
-    def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float) -> None:
+    def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float, inner: Optional[int] = None) -> None:
+        """`inner`: the SSM's width (heads x head_dim), when it is not `mamba_expand` x hidden_size (Nemotron-H
+        gives heads and head_dim: models/nemotron_h.py)."""
         super().__init__()
         expand = int(raw.get("mamba_expand", 2))
         self.num_heads = int(raw.get("mamba_n_heads", 128))
-        self.inner = expand * hidden_size
+        self.inner = expand * hidden_size if inner is None else inner
         d_head = raw.get("mamba_d_head", "auto")
         self.head_dim = self.inner // self.num_heads if d_head in (None, "auto") else int(d_head)
         if self.head_dim * self.num_heads != self.inner:

@@ -1,0 +1,239 @@
+"""NVIDIA Nemotron-H (NemotronHForCausalLM: Nemotron-H-8B / 47B, NVIDIA-Nemotron-Nano-9B-v2 / 12B-v2, and the MoE
+Nemotron-3-Nano): a stack of single-block layers, each a pre-norm and a residual around ONE mixer, by
+`hybrid_override_pattern` ("M" Mamba2, "*" attention, "-" MLP, "E" MoE) or transformers 5's `layers_block_type`
+("linear_attention", "full_attention", "mlp", "moe").
+
+- Mamba2: models/mamba.py's mixer (B/C in `n_groups` groups, the gated RMSNorm per group of channels, norm after the
+  gate), its width `mamba_num_heads` x `mamba_head_dim` (not necessarily `expand` x hidden_size);
+- attention: no rotary embedding (NoPE), paged KV cache;
+- MLP: down_proj(relu(up_proj(x)) ** 2), no gate;
+- MoE: DeepSeek-V3's router (sigmoid scores, `e_score_correction_bias` that only chooses, `n_group` / `topk_group`,
+  `norm_topk_prob`, `routed_scaling_factor`), non-gated relu2 experts (optionally inside a `moe_latent_size`
+  projection) plus a relu2 shared expert.
+
+Checkpoint names: `backbone.embeddings`, `backbone.layers.N.norm`, `backbone.layers.N.mixer.*`, `backbone.norm_f`,
+`lm_head` (transformers 5 writes `model.` for `backbone.`, and may stack the experts: `mixer.experts.up_proj`
+[E, I, H], `mixer.experts.down_proj` [E, H, I]). Multi-token-prediction layers (`mtp.*`) are skipped.
+
+The `time_step_limit` clamp of dt is the config's (NVIDIA's reference code; transformers' port clamps prefill at
+`time_step_min` instead and decode not at all)."""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
+from streamer.models.config import ModelConfig
+from streamer.models.layers import RMSNorm, RotaryEmbedding
+from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
+from streamer.models.mamba import MambaMixer
+
+_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
+          "mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+          "mlp": "mlp", "moe": "moe"}
+
+
+def nemotron_h_layer_kinds(raw: dict[str, Any]) -> list[str]:
+    """"mamba", "attention", "mlp" or "moe" per layer, from `layers_block_type` / `layer_types` or
+    `hybrid_override_pattern`."""
+    kinds = raw.get("layers_block_type") or raw.get("layer_types") or list(raw.get("hybrid_override_pattern") or "")
+    if not kinds:
+        raise ValueError("a NemotronH config needs hybrid_override_pattern or layers_block_type")
+    bad = [k for k in kinds if k not in _KINDS]
+    if bad:
+        raise ValueError(f"unsupported NemotronH layer type(s) {sorted(set(bad))!r} (supported: M * - E, "
+                         f"or {', '.join(k for k in _KINDS if len(k) > 1)})")
+    return [_KINDS[k] for k in kinds]
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class Relu2MLP(nn.Module):
+    """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, inter, bias=bias)
+        self.fc2 = nn.Linear(inter, hidden if out is None else out, bias=bias)
+        self.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(_relu2(self.fc1(x)))
+
+
+class NemotronHMoE(nn.Module):
+    """Routed relu2 experts (each token's top-k by DeepSeek-V3's router) plus the shared expert."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        raw, hidden = cfg.raw, cfg.hidden_size
+        self.num_experts = int(raw.get("n_routed_experts", 8))
+        self.top_k = int(raw.get("num_experts_per_tok", 2))
+        self.n_group, self.topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+        self.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
+        self.scaling = float(raw.get("routed_scaling_factor", 1.0))
+        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group \
+                or not 0 < self.top_k <= self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"NemotronH MoE: {self.num_experts} experts, n_group {self.n_group}, topk_group "
+                             f"{self.topk_group}, num_experts_per_tok {self.top_k} do not fit together")
+        bias = bool(raw.get("mlp_bias", False))
+        latent = raw.get("moe_latent_size")
+        width = int(latent) if latent else hidden
+        inter = int(raw.get("moe_intermediate_size", 7688))
+        self.gate = nn.Module()  # the router, fp32 (as transformers keeps it)
+        self.gate.weight = nn.Parameter(torch.empty(self.num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
+                                                         requires_grad=False)
+        self.experts = nn.ModuleList(Relu2MLP(width, inter, False) for _ in range(self.num_experts))
+        self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias)
+        self.fc1_latent_proj = nn.Linear(hidden, width, bias=bias).requires_grad_(False) if latent else None
+        self.fc2_latent_proj = nn.Linear(width, hidden, bias=bias).requires_grad_(False) if latent else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] fp32, expert ids [T, k])."""
+        scores = F.linear(x.float(), self.gate.weight.float()).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
+        tokens, experts = choice.shape
+        if self.n_group > 1:
+            group_scores = choice.view(tokens, self.n_group, -1).topk(2, dim=-1).values.sum(-1)
+            best = group_scores.topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(experts // self.n_group, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for e in ids.unique().tolist():  # (the experts that have tokens)
+            rows, slot = torch.where(ids == e)
+            y = self.experts[e](h[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.float())
+        out = out.to(x.dtype)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out + self.shared_experts(x)
+
+
+def _mixer_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's Mamba settings (and their older `mamba_*` spellings) in models/mamba.py's names."""
+    def get(*keys: str, default: Any = None) -> Any:
+        return next((raw[k] for k in keys if raw.get(k) is not None), default)
+    return {"mamba_n_heads": get("mamba_num_heads", default=128), "mamba_d_head": get("mamba_head_dim", default=64),
+            "mamba_n_groups": get("n_groups", "mamba_n_groups", default=8),
+            "mamba_d_state": get("ssm_state_size", default=128), "mamba_d_conv": get("conv_kernel", "mamba_d_conv",
+                                                                                     default=4),
+            "mamba_chunk_size": get("chunk_size", "mamba_chunk_size", default=128),
+            "time_step_limit": get("time_step_limit", "mamba_dt_limit", default=(0.0, float("inf"))),
+            "mamba_proj_bias": bool(get("use_bias", default=False)),
+            "mamba_conv_bias": bool(get("use_conv_bias", "mamba_conv_bias", default=True))}
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, index: int = 0) -> None:
+        super().__init__()
+        raw = cfg.raw
+        self.kind = nemotron_h_layer_kinds(raw)[index]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (the runner looks for `self_attn` (a KV cache) and `mamba` (state slots))
+        self.self_attn: Optional[Attention] = None
+        self.mamba: Optional[MambaMixer] = None
+        self.mixer: Optional[nn.Module] = None  # an MLP or MoE block
+        if self.kind == "mamba":
+            m = _mixer_config(raw)
+            self.mamba = MambaMixer(cfg.hidden_size, m, cfg.rms_norm_eps,
+                                    inner=int(m["mamba_n_heads"]) * int(m["mamba_d_head"]))
+        elif self.kind == "attention":
+            self.self_attn = Attention(cfg, backend_cls, rotary, use_rope=False)
+        elif self.kind == "mlp":
+            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)))
+        else:
+            self.mixer = NemotronHMoE(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
+                kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
+        h, residual = add_and_norm(self.norm, x, residual)
+        if self.self_attn is not None:
+            return self.self_attn(positions, h, kv_cache, decode), residual
+        if self.mamba is not None:
+            return self.mamba(h), residual
+        return self.mixer(h), residual  # type: ignore[misc]
+
+
+_MIXER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.(.+)$")
+_STACKED = re.compile(r"^experts\.(up_proj|down_proj)(?:\.weight)?$")
+
+
+class NemotronHForCausalLM(LlamaForCausalLM):
+    decoder_layer = NemotronHBlock
+    is_hybrid = True  # the runner gives its Mamba layers state slots and no KV cache (and runs it eagerly)
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+            if cfg.raw.get(key, want) != want:
+                raise ValueError(f"NemotronHForCausalLM with {key}={cfg.raw[key]!r} is not supported ({want} is)")
+        super().__init__(cfg, backend_cls, max_positions)
+        self.kinds = nemotron_h_layer_kinds(cfg.raw)
+
+    def mamba_layers(self) -> list[MambaMixer]:
+        return [layer.mamba for layer in self.layers if layer.mamba is not None]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return sum(m.state_bytes(dtype) for m in self.mamba_layers())
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        for m in self.mamba_layers():
+            m.allocate_state(num_slots, dtype, device)
+
+    _PART = {"mamba": "mamba", "attention": "self_attn", "mlp": "mixer", "moe": "mixer"}
+    _FC = {"up_proj": "fc1", "down_proj": "fc2"}
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            if name.startswith("mtp."):
+                continue  # multi-token prediction layers (not used)
+            if name.startswith("backbone."):
+                name = "model." + name.removeprefix("backbone.")
+            if name == "model.embeddings.weight":
+                yield "model.embed_tokens.weight", t
+                continue
+            if name == "model.norm_f.weight":
+                yield "model.norm.weight", t
+                continue
+            m = _MIXER.match(name)
+            if m is None:
+                yield name, t
+                continue
+            i, rest = int(m.group(1)), m.group(2)
+            kind = self.kinds[i] if i < len(self.kinds) else "mamba"
+            prefix = f"model.layers.{i}.{self._PART[kind]}"
+            if kind == "mlp" or (kind == "moe" and rest.startswith("shared_experts.")):
+                for frag, ours in self._FC.items():
+                    rest = rest.replace(f"{frag}.", f"{ours}.")
+            elif kind == "moe" and (s := _STACKED.match(rest)) is not None:
+                for e in range(t.shape[0]):
+                    yield f"{prefix}.experts.{e}.{self._FC[s.group(1)]}.weight", t[e]
+                continue
+            elif kind == "moe" and rest.startswith("experts."):
+                rest = re.sub(r"\.(up_proj|down_proj)\.", lambda x: f".{self._FC[x.group(1)]}.", rest)
+            yield f"{prefix}.{rest}", t
+
+    def checkpoint_name(self, internal: str) -> str:
+        name = super().checkpoint_name(internal)
+        for part in (".mamba.", ".self_attn.", ".mixer."):
+            name = name.replace(part, ".mixer.")
+        name = name.replace(".fc1.", ".up_proj.").replace(".fc2.", ".down_proj.")
+        return {"model.embed_tokens.weight": "backbone.embeddings.weight",
+                "model.norm.weight": "backbone.norm_f.weight"}.get(name, name.replace("model.", "backbone.", 1))
