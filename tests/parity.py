@@ -22,8 +22,8 @@ def random_prompts(n: int, seed: int, min_len: int = 2, max_len: int = 60, vocab
 def greedy(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """The engine's greedy tokens. min_tokens = max_tokens bans EOS at every position, as hf_greedy's
     min_new_tokens does (ignore_eos alone would let EOS be the argmax, where transformers picks the next best)."""
-    params = SamplingParams(max_tokens=max_new, min_tokens=max_new, temperature=0.0)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(max_new))
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def reference_cache(ckpt: Callable[[str], Path], prompts: list[list[int]], max_new: int,
@@ -56,3 +56,18 @@ def assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]], top: i
         for i, entry in enumerate(out.prompt_logprobs[1:]):
             err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
             assert err < tol, f"position {i + 1} of a {len(p)}-token prompt: {err}"
+
+
+def greedy_params(max_new: int) -> SamplingParams:
+    """`greedy`'s sampling parameters (for requests added to an engine directly)."""
+    return SamplingParams(max_tokens=max_new, min_tokens=max_new, temperature=0.0)
+
+
+def assert_state_freed(llm: LLM) -> None:
+    """A hybrid model's engine after its requests: the scheduler's invariants hold (the state pool's too), every KV
+    block and every state slot is free again, and no sequence is left."""
+    e = llm.engine
+    e.scheduler.check_invariants()
+    assert e.kv.pool.num_free == e.kv.num_blocks
+    assert e.kv.state is not None and e.kv.state.num_free == e.kv.state.num_slots, "a state slot leaked"
+    assert not e.kv.state.slot_of and not e.seqs

@@ -14,6 +14,7 @@ from streamer import LLM, SamplingParams
 from streamer.kv_cache import KVCacheManager, StateSlotPool
 from streamer.models.mamba import ssd_scan
 from streamer.request import Request
+from tests.parity import assert_state_freed, greedy, greedy_params
 from tests.checkpoints import hf_greedy
 
 MAX_NEW = 10
@@ -26,23 +27,6 @@ LENGTHS = (1, 2, 6, 9, 17, 26, 33, 40)
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-
-
-def _params(n: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params())
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_all_free(llm: LLM) -> None:
-    e = llm.engine
-    e.scheduler.check_invariants()  # (with the state pool's own invariants)
-    assert e.kv.pool.num_free == e.kv.num_blocks
-    assert e.kv.state is not None and e.kv.state.num_free == e.kv.state.num_slots, "a state slot leaked"
-    assert not e.kv.state.slot_of and not e.seqs
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +55,11 @@ def test_matches_transformers(make_ckpt, moe_ckpt, moe_ref, prompts, variant):
         ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32")
     assert llm.engine.prefix_caching is False  # (the state cannot be reused from cached blocks)
-    assert _greedy(llm, prompts) == ref
-    assert _greedy(llm, prompts[:1]) == ref[:1]  # alone, after the batch: its slot starts fresh
+    assert greedy(llm, prompts, MAX_NEW) == ref
+    assert greedy(llm, prompts[:1], MAX_NEW) == ref[:1]  # alone, after the batch: its slot starts fresh
     assert len({tuple(r) for r in ref}) > 4, "degenerate reference: the test would not discriminate"
     assert sum(len(set(r)) for r in ref) > 2 * len(ref), "degenerate reference: continuations repeat one token"
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -87,8 +71,8 @@ def test_matches_transformers(make_ckpt, moe_ckpt, moe_ref, prompts, variant):
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_scheduling_variants_match(moe_ckpt, moe_ref, prompts, engine_args):
     llm = LLM(str(moe_ckpt), dtype="float32", **engine_args)
-    assert _greedy(llm, prompts) == moe_ref
-    _assert_all_free(llm)
+    assert greedy(llm, prompts, MAX_NEW) == moe_ref
+    assert_state_freed(llm)
     if engine_args.get("num_kv_blocks", 1000) < 16:
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
     if "kv_cache_memory" in engine_args:
@@ -101,9 +85,9 @@ def test_bamba_matches_transformers(make_ckpt, prompts):
     path = make_ckpt("bamba", family="bamba")
     ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7)
-    assert _greedy(llm, prompts) == ref
+    assert greedy(llm, prompts, MAX_NEW) == ref
     assert len({tuple(r) for r in ref}) > 4, "degenerate reference: the test would not discriminate"
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 def test_requests_arriving_while_others_decode(moe_ckpt, moe_ref, prompts):
@@ -116,7 +100,7 @@ def test_requests_arriving_while_others_decode(moe_ckpt, moe_ref, prompts):
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
         for i in arrivals.get(step, []):
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, greedy_params(MAX_NEW))
         sched = engine.scheduler
         before = {r.request_id: r.num_computed_tokens for r in sched.running}
         for u in engine.step():
@@ -127,17 +111,17 @@ def test_requests_arriving_while_others_decode(moe_ckpt, moe_ref, prompts):
         step += 1
     assert [out[str(i)] for i in range(len(prompts))] == moe_ref
     assert mixed_steps > 0, "no step mixed a new request's prefill with decodes"
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 def test_abort_frees_the_state_slot(moe_ckpt, prompts):
     llm = LLM(str(moe_ckpt), dtype="float32")
     engine = llm.engine
-    engine.add_request("a", {"prompt_token_ids": prompts[1]}, _params())
+    engine.add_request("a", {"prompt_token_ids": prompts[1]}, greedy_params(MAX_NEW))
     engine.step()
     assert engine.kv.state.slot_of.keys() == {"a"}
     engine.abort("a")
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 def test_speculative_decoding_refused(moe_ckpt):

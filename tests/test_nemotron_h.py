@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamer import LLM, SamplingParams
+from streamer import LLM
 from streamer.models.config import ModelConfig
 from streamer.models.nemotron_h import nemotron_h_layer_kinds
+from tests.parity import assert_state_freed, greedy
 from tests.checkpoints import hf_greedy
 from tests.tokenizer_factory import make_bytelevel_tokenizer
 
@@ -62,23 +63,6 @@ def make_nemotron_h(out_dir: Path, **overrides) -> Path:
     return out_dir
 
 
-def _params(n: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params())
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_all_free(llm: LLM) -> None:
-    e = llm.engine
-    e.scheduler.check_invariants()
-    assert e.kv.pool.num_free == e.kv.num_blocks
-    assert e.kv.state is not None and e.kv.state.num_free == e.kv.state.num_slots, "a state slot leaked"
-    assert not e.kv.state.slot_of and not e.seqs
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     rng = random.Random(3)
@@ -104,10 +88,10 @@ def _check_reference(ref: list[list[int]]) -> None:
 def test_matches_transformers(ckpt, ref, prompts):
     llm = LLM(str(ckpt), dtype="float32")
     assert llm.engine.prefix_caching is False
-    assert _greedy(llm, prompts) == ref
-    assert _greedy(llm, prompts[:1]) == ref[:1]  # alone, after the batch: its slot starts fresh
+    assert greedy(llm, prompts, MAX_NEW) == ref
+    assert greedy(llm, prompts[:1], MAX_NEW) == ref[:1]  # alone, after the batch: its slot starts fresh
     _check_reference(ref)
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 def test_latent_moe_attention_first(ckpt_root, prompts):
@@ -117,9 +101,9 @@ def test_latent_moe_attention_first(ckpt_root, prompts):
                            n_group=1, topk_group=1, n_groups=1, mlp_bias=True, use_bias=True)
     ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=7)
-    assert _greedy(llm, prompts) == ref
+    assert greedy(llm, prompts, MAX_NEW) == ref
     _check_reference(ref)
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -128,8 +112,8 @@ def test_latent_moe_attention_first(ckpt_root, prompts):
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_chunked_prefill_and_preemption(ckpt, ref, prompts, engine_args):
     llm = LLM(str(ckpt), dtype="float32", **engine_args)
-    assert _greedy(llm, prompts) == ref
-    _assert_all_free(llm)
+    assert greedy(llm, prompts, MAX_NEW) == ref
+    assert_state_freed(llm)
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamer import LLM, SamplingParams
+from streamer import LLM
 from streamer.models.qwen3_next import (
     chunk_gated_delta_rule,
     l2norm,
     qwen3_next_layer_types,
     recurrent_gated_delta_step,
 )
+from tests.parity import assert_state_freed, greedy, greedy_params
 from tests.checkpoints import hf_greedy
 
 MAX_NEW = 8
@@ -30,23 +31,6 @@ LENGTHS = (1, 2, 5, 9, 17, 33, 70, 130)
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-
-
-def _params(n: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0)
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params())
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_all_free(llm: LLM) -> None:
-    e = llm.engine
-    e.scheduler.check_invariants()  # (with the state pool's own invariants)
-    assert e.kv.pool.num_free == e.kv.num_blocks
-    assert e.kv.state is not None and e.kv.state.num_free == e.kv.state.num_slots, "a state slot leaked"
-    assert not e.kv.state.slot_of and not e.seqs
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +60,11 @@ def test_matches_transformers(make_ckpt, ckpt, ref, prompts, variant):
     assert llm.engine.prefix_caching is False  # (the state cannot be reused from cached blocks)
     attention_at = 1 if variant == "moe" else 3  # KV caches for the full-attention layer only
     assert [c.numel() > 0 for c in llm.engine.runner.kv_caches] == [i == attention_at for i in range(4)]
-    assert _greedy(llm, prompts) == expected
-    assert _greedy(llm, prompts[:1]) == expected[:1]  # alone, after the batch: its slot starts fresh
+    assert greedy(llm, prompts, MAX_NEW) == expected
+    assert greedy(llm, prompts[:1], MAX_NEW) == expected[:1]  # alone, after the batch: its slot starts fresh
     assert len({tuple(r) for r in expected}) > 4, "degenerate reference: the test would not discriminate"
     assert sum(len(set(r)) for r in expected) > 2 * len(expected), "degenerate reference: continuations repeat"
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -90,8 +74,8 @@ def test_matches_transformers(make_ckpt, ckpt, ref, prompts, variant):
 ], ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()))
 def test_scheduling_variants_match(ckpt, ref, prompts, engine_args):
     llm = LLM(str(ckpt), dtype="float32", **engine_args)
-    assert _greedy(llm, prompts) == ref
-    _assert_all_free(llm)
+    assert greedy(llm, prompts, MAX_NEW) == ref
+    assert_state_freed(llm)
     if "num_kv_blocks" in engine_args:
         assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to run dry"
 
@@ -106,7 +90,7 @@ def test_requests_arriving_while_others_decode(ckpt, ref, prompts):
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
         for i in arrivals.get(step, []):
-            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params())
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, greedy_params(MAX_NEW))
         sched = engine.scheduler
         before = {r.request_id: r.num_computed_tokens for r in sched.running}
         for u in engine.step():
@@ -117,7 +101,7 @@ def test_requests_arriving_while_others_decode(ckpt, ref, prompts):
         step += 1
     assert [out[str(i)] for i in range(len(prompts))] == ref
     assert mixed_steps > 0, "no step mixed a new request's prefill with decodes"
-    _assert_all_free(llm)
+    assert_state_freed(llm)
 
 
 def test_mtp_weights_skipped(ckpt, ref, prompts, tmp_path):
@@ -127,7 +111,7 @@ def test_mtp_weights_skipped(ckpt, ref, prompts, tmp_path):
     save_file({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.randn(64)},
               str(path / "mtp.safetensors"))
     llm = LLM(str(path), dtype="float32")
-    assert _greedy(llm, prompts[:3]) == ref[:3]
+    assert greedy(llm, prompts[:3], MAX_NEW) == ref[:3]
 
 
 def test_layer_types():

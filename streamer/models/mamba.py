@@ -73,7 +73,60 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y.reshape(-1, *y.shape[2:])[:length], final
 
 
-class MambaMixer(nn.Module):
+class RecurrentMixer(nn.Module):
+    """A layer whose per-request state lives in slots (kv_cache.StateSlotPool) instead of a KV cache: its causal
+    depthwise conv's last d_conv - 1 inputs (`conv_state` [slots, conv_dim, d_conv - 1], the model's dtype) and a
+    recurrent state (`ssm_state` [slots, *state_shape], fp32). Mamba2 here; Qwen3-Next's Gated DeltaNet
+    (models/qwen3_next.py). Subclasses set `conv_dim`, `d_conv`, `conv1d` and `state_shape`."""
+
+    conv_dim: int
+    d_conv: int
+    conv1d: nn.Conv1d
+    state_shape: tuple[int, ...]
+    # The per-request states (not parameters: `allocate_state`, by the model runner)
+    conv_state: Optional[torch.Tensor] = None
+    ssm_state: Optional[torch.Tensor] = None
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """One request's state in this layer."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return self.conv_dim * (self.d_conv - 1) * elem + 4 * int(torch.Size(self.state_shape).numel())
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(num_slots, *self.state_shape, dtype=torch.float32, device=device)
+
+    def begin_step(self) -> MambaStep:
+        """The step's MambaStep (from the forward context), with its fresh slots zeroed."""
+        step: Optional[MambaStep] = current_metadata().mamba
+        if step is None or self.conv_state is None or self.ssm_state is None:
+            raise RuntimeError(f"a {type(self).__name__} layer ran without its state (MambaStep / allocate_state)")
+        if step.fresh_slots is not None:  # first chunks: start from zero
+            self.conv_state[step.fresh_slots] = 0
+            self.ssm_state[step.fresh_slots] = 0
+        return step
+
+    def conv_decode(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One new input per request [R, conv_dim] -> the conv's output (before its activation), the windows
+        shifted along."""
+        assert self.conv_state is not None
+        window = torch.cat([self.conv_state[slots], x.to(self.conv_state.dtype).unsqueeze(-1)], dim=-1)
+        self.conv_state[slots] = window[:, :, 1:]
+        weight = self.conv1d.weight  # [conv_dim, 1, d_conv]
+        h = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
+        return h if self.conv1d.bias is None else h + self.conv1d.bias
+
+    def conv_prefill(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """A chunk of one request's inputs [L, conv_dim] -> the conv's output over them (before its activation),
+        after the carried window, which then holds the chunk's last inputs."""
+        assert self.conv_state is not None
+        seq = torch.cat([self.conv_state[slot], x.T.to(self.conv_state.dtype)], dim=1)  # [conv_dim, K-1+L]
+        self.conv_state[slot] = seq[:, seq.shape[1] - (self.d_conv - 1):]
+        weight = self.conv1d.weight
+        return F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0].T
+
+
+class MambaMixer(RecurrentMixer):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
     `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""
 
@@ -111,19 +164,7 @@ class MambaMixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias)
         for p in self.parameters():
             p.requires_grad_(False)
-        # The per-request states (not parameters: `allocate_state`, by the model runner)
-        self.conv_state: Optional[torch.Tensor] = None
-        self.ssm_state: Optional[torch.Tensor] = None
-
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One request's state in this layer: the conv window (model dtype) and the SSM state (fp32)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.conv_dim * (self.d_conv - 1) * elem + self.num_heads * self.head_dim * self.d_state * 4
-
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(num_slots, self.num_heads, self.head_dim, self.d_state, dtype=torch.float32,
-                                     device=device)
+        self.state_shape = (self.num_heads, self.head_dim, self.d_state)
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
@@ -134,28 +175,17 @@ class MambaMixer(nn.Module):
             self.num_heads // self.n_groups, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        meta = current_metadata()
-        step: Optional[MambaStep] = meta.mamba
-        if step is None or self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("a Mamba layer ran without its state (MambaStep / allocate_state)")
-        conv_state, ssm_state = self.conv_state, self.ssm_state
+        step = self.begin_step()
+        ssm_state = self.ssm_state
+        assert ssm_state is not None
         gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        if step.fresh_slots is not None:  # first chunks: start from zero
-            conv_state[step.fresh_slots] = 0
-            ssm_state[step.fresh_slots] = 0
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
         y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        weight = self.conv1d.weight  # [conv_dim, 1, d_conv]
         inner, gn = self.inner, self.n_groups * self.d_state
         if step.decode_tokens is not None:  # one token each: a recurrence step, all of them at once
             idx, slots = step.decode_tokens, step.decode_slots
-            window = torch.cat([conv_state[slots], xbc[idx].to(conv_state.dtype).unsqueeze(-1)], dim=-1)
-            conv_state[slots] = window[:, :, 1:]
-            h = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
-            if self.conv1d.bias is not None:
-                h = h + self.conv1d.bias
-            xs, B, C = F.silu(h).split([inner, gn, gn], dim=-1)
+            xs, B, C = F.silu(self.conv_decode(xbc[idx], slots)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
             dtr = self._dt(dt[idx])  # [R, heads]
             state = ssm_state[slots] * torch.exp(dtr * A)[..., None, None] \
@@ -163,10 +193,7 @@ class MambaMixer(nn.Module):
             ssm_state[slots] = state
             y[idx] = (state @ self._per_head(C)[..., None]).squeeze(-1) + D[:, None] * xs
         for slot, a, b in step.prefills:  # chunks of several tokens: conv after the carried window, then SSD
-            seq = torch.cat([conv_state[slot], xbc[a:b].T.to(conv_state.dtype)], dim=1)  # [conv_dim, K-1+L]
-            conv_state[slot] = seq[:, seq.shape[1] - (self.d_conv - 1):]
-            h = F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0].T
-            xs, B, C = F.silu(h).split([inner, gn, gn], dim=-1)
+            xs, B, C = F.silu(self.conv_prefill(xbc[a:b], slot)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
             out, final = ssd_scan(xs, self._dt(dt[a:b]), A, self._per_head(B), self._per_head(C), self.chunk_size,
                                   ssm_state[slot])

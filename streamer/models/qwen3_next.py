@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, MambaStep, current_metadata
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, current_metadata
 from streamer.attention.op import paged_attention
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm
+from streamer.models.mamba import RecurrentMixer
 from streamer.models.moe import SparseMoE
 
 
@@ -105,7 +106,7 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return (s * q.unsqueeze(-1)).sum(dim=-2), s
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """Qwen3-Next's linear attention; parameter names as in the checkpoints (`linear_attn.in_proj_qkvz`,
     `in_proj_ba`, `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`)."""
 
@@ -138,19 +139,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         for p in self.parameters():
             p.requires_grad_(False)
-        # The per-request states (`allocate_state`, by the model runner)
-        self.conv_state: Optional[torch.Tensor] = None
-        self.ssm_state: Optional[torch.Tensor] = None
-
-    def state_bytes(self, dtype: torch.dtype) -> int:
-        """One request's state in this layer: the conv window (model dtype) and the recurrent state (fp32)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return self.conv_dim * (self.d_conv - 1) * elem + self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
-
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                     dtype=torch.float32, device=device)
+        self.state_shape = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections un-mixed (transformers' fix_query_key_value_ordering): the conv's input [T, conv_dim]
@@ -173,31 +162,22 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(-1, self.num_v_heads, self.head_v_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step: Optional[MambaStep] = current_metadata().mamba
-        if step is None or self.conv_state is None or self.ssm_state is None:
-            raise RuntimeError("a Gated DeltaNet layer ran without its state (MambaStep / allocate_state)")
-        conv_state, ssm_state = self.conv_state, self.ssm_state
+        step = self.begin_step()
+        ssm_state = self.ssm_state
+        assert ssm_state is not None
         mixed, z, b, a = self._split(x)
-        if step.fresh_slots is not None:  # first chunks: start from zero
-            conv_state[step.fresh_slots] = 0
-            ssm_state[step.fresh_slots] = 0
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
-        weight = self.conv1d.weight  # [conv_dim, 1, d_conv]
         if step.decode_tokens is not None:  # one token each: a recurrence step, all of them at once
             idx, slots = step.decode_tokens, step.decode_slots
-            window = torch.cat([conv_state[slots], mixed[idx].to(conv_state.dtype).unsqueeze(-1)], dim=-1)
-            conv_state[slots] = window[:, :, 1:]
-            h = F.silu((window.to(weight.dtype) * weight[:, 0]).sum(-1)).to(x.dtype)
+            h = F.silu(self.conv_decode(mixed[idx], slots)).to(x.dtype)
             q, k, v = self._qkv(h)
             o, state = recurrent_gated_delta_step(q, k, v, g[idx], beta[idx], ssm_state[slots])
             ssm_state[slots] = state
             out[idx] = o
         for slot, start, end in step.prefills:  # several tokens: conv after the carried window, then by chunks
-            seq = torch.cat([conv_state[slot], mixed[start:end].T.to(conv_state.dtype)], dim=1)  # [C, K-1+L]
-            conv_state[slot] = seq[:, seq.shape[1] - (self.d_conv - 1):]
-            h = F.silu(F.conv1d(seq[None].to(weight.dtype), weight, None, groups=self.conv_dim)[0].T).to(x.dtype)
+            h = F.silu(self.conv_prefill(mixed[start:end], slot)).to(x.dtype)
             q, k, v = self._qkv(h)
             o, final = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], self.chunk_size,
                                               ssm_state[slot])
