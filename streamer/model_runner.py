@@ -122,6 +122,11 @@ class PromptLogprobsOut:
     top_logprobs: np.ndarray  # float32 [K, N]
 
 
+def attention_layers(model: torch.nn.Module) -> list:
+    """The decoder layers' attention modules (a hybrid model's recurrent layers have none)."""
+    return [layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
                  tp_rank: int = 0) -> None:
@@ -199,7 +204,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
-        attn = self._attention_layers()[0]  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
+        attn = attention_layers(self.model)[0]  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
         shape = (2, self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
         # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
         self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
@@ -238,7 +243,7 @@ class ModelRunner:
     def _use_eager(self) -> None:
         self.compiled, self.forward = False, self.model
         self.model.use_kernels(self.attention_backend == "triton")
-        for attn in self._attention_layers():
+        for attn in attention_layers(self.model):
             attn.use_op = False
         packing = self._cpu_packing()
         for module in self.model.modules():
@@ -374,7 +379,7 @@ class ModelRunner:
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;
         a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
-        for attn in self._attention_layers():
+        for attn in attention_layers(self.model):
             attn.use_op = True
         packing = self._cpu_packing()
         for module in self.model.modules():
@@ -414,12 +419,8 @@ class ModelRunner:
         logger.info("FP8 KV cache (float8_e4m3fn), %s", "the checkpoint's k/v scales" if scales else
                     "scales 1.0 (the checkpoint has no calibrated k_scale / v_scale)")
 
-    def _attention_layers(self) -> list:
-        """The layers' attention modules (a hybrid model's Mamba layers have none)."""
-        return [layer.self_attn for layer in self.model.layers if getattr(layer, "self_attn", None) is not None]
-
     def kv_bytes_per_block(self) -> int:
-        attns = self._attention_layers()
+        attns = attention_layers(self.model)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(attns) * self.block_size * attns[0].num_kv_heads * attns[0].head_dim * elem
 

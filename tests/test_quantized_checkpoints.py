@@ -177,4 +177,4 @@ def test_fp8_checkpoint_computes_in_fp8_on_request(llama_dir, tmp_path):
         diff = (_prompt_logprobs(llm) - ref).abs()
     assert diff.max() < 0.3 and diff.mean() < 0.05
     with pytest.raises(ValueError, match="quantization must be 'fp8', 'int4', 'int8' or 'none'"):
-        LLM(str(llama_dir), quantization="int8")
+        LLM(str(llama_dir), quantization="nf4")
