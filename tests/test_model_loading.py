@@ -154,3 +154,25 @@ def test_gemma2_config_without_layer_types(make_ckpt, tmp_path):
     outs = [[o.outputs[0].token_ids for o in LLM(str(p), dtype="float32").generate(prompts, params)]
             for p in (src, d)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("own_head", [True, False])
+def test_tied_config_with_a_stored_head(llama_dir, tmp_path, own_head):
+    """config.json says tie_word_embeddings but the checkpoint stores lm_head.weight (transformers 5 writes such
+    configs): a head that differs from the embeddings is used, untied, as transformers does; a stored copy of the
+    embeddings keeps the model tied."""
+    from tests.checkpoints import hf_greedy
+    d = _copy(llama_dir, tmp_path / "tied")
+    state = load_file(str(d / "model.safetensors"))
+    assert "lm_head.weight" in state, "the llama test checkpoint has its own head"
+    if not own_head:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+        save_file(state, str(d / "model.safetensors"))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    prompts = [[5, 17, 33, 9, 100], list(range(60, 90))]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    with LLM(str(d), dtype="float32") as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert (llm.engine.runner.model.lm_head is not None) == own_head
+    assert got == hf_greedy(d, prompts, 8)

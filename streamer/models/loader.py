@@ -1,6 +1,7 @@
 """Build a model from a Hugging Face checkpoint folder: sharded safetensors (with an index) or dummy weights."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -95,6 +96,10 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     """keep_int4: a 4-bit (or channel-wise 8-bit) checkpoint's linears keep their codes (their layers'
     `finish_int4` packs them once anything else that takes their shapes, LoRA, is attached); otherwise they are
     dequantized as they load."""
+    if cfg.tie_word_embeddings and load_format != "dummy" and _stores_own_head(safetensors_files(folder)):
+        logger.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint stores a different "
+                       "lm_head.weight: using that (as transformers does)", folder)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     model_cls = _MODEL_CLASSES[cfg.architecture]
     if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
         model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
@@ -202,6 +207,21 @@ def _read(where: dict[str, Path], original: dict[str, str], name: str) -> Option
         return None
     with safe_open(str(where[original[name]]), framework="pt", device="cpu") as f:
         return f.get_tensor(original[name])
+
+
+def _stores_own_head(files: list[Path]) -> bool:
+    """Whether a checkpoint whose config ties the LM head holds an lm_head.weight that is not the embedding matrix
+    (transformers 5 writes tie_word_embeddings: true into configs of models it does not tie, Mistral 3's)."""
+    where = {name: path for path in files for name in _tensor_names(path)}
+    heads = [n for n in where if n.endswith("lm_head.weight")]
+    embeds = [n for n in where if n.endswith("embed_tokens.weight") and "vision" not in n]
+    if len(heads) != 1 or len(embeds) != 1:
+        return False
+    tensors = []
+    for name in (heads[0], embeds[0]):
+        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+            tensors.append(f.get_tensor(name))
+    return tensors[0].shape != tensors[1].shape or not torch.equal(tensors[0], tensors[1])
 
 
 def _tensor_names(path: Path) -> list[str]:
