@@ -25,7 +25,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, add_and_norm
-from streamer.models.mamba import MambaMixer
+from streamer.models.mamba import HybridModel, MambaMixer
 from streamer.models.moe import SparseMoE
 
 _MAMBA_KINDS = ("mamba", "linear_attention")
@@ -92,19 +92,8 @@ class HybridDecoderLayer(nn.Module):
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.(shared_mlp|block_sparse_moe)\.(.+)$")
 
 
-class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
+class GraniteMoeHybridForCausalLM(HybridModel, GraniteForCausalLM):
     decoder_layer = HybridDecoderLayer
-    is_hybrid = True  # the runner gives its Mamba layers state slots and no KV cache (and runs it eagerly)
-
-    def mamba_layers(self) -> list[MambaMixer]:
-        return [layer.mamba for layer in self.layers if layer.mamba is not None]
-
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return sum(m.state_bytes(dtype) for m in self.mamba_layers())
-
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        for m in self.mamba_layers():
-            m.allocate_state(num_slots, dtype, device)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:

@@ -126,6 +126,23 @@ class RecurrentMixer(nn.Module):
         return F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0].T
 
 
+class HybridModel:
+    """A model mixin for hybrid models: the runner gives their recurrent layers (every `RecurrentMixer` inside)
+    state slots and no KV cache, and runs them eagerly."""
+
+    is_hybrid = True
+
+    def recurrent_layers(self) -> list[RecurrentMixer]:
+        return [m for m in self.modules() if isinstance(m, RecurrentMixer)]  # type: ignore[attr-defined]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return sum(m.state_bytes(dtype) for m in self.recurrent_layers())
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        for m in self.recurrent_layers():
+            m.allocate_state(num_slots, dtype, device)
+
+
 class MambaMixer(RecurrentMixer):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
     `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""

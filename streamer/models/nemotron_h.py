@@ -30,7 +30,7 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.mamba import MambaMixer
+from streamer.models.mamba import HybridModel, MambaMixer
 
 _KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
           "mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -175,9 +175,8 @@ _MIXER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.(.+)$")
 _STACKED = re.compile(r"^experts\.(up_proj|down_proj)(?:\.weight)?$")
 
 
-class NemotronHForCausalLM(LlamaForCausalLM):
+class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = NemotronHBlock
-    is_hybrid = True  # the runner gives its Mamba layers state slots and no KV cache (and runs it eagerly)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
@@ -186,16 +185,6 @@ class NemotronHForCausalLM(LlamaForCausalLM):
                 raise ValueError(f"NemotronHForCausalLM with {key}={cfg.raw[key]!r} is not supported ({want} is)")
         super().__init__(cfg, backend_cls, max_positions)
         self.kinds = nemotron_h_layer_kinds(cfg.raw)
-
-    def mamba_layers(self) -> list[MambaMixer]:
-        return [layer.mamba for layer in self.layers if layer.mamba is not None]
-
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return sum(m.state_bytes(dtype) for m in self.mamba_layers())
-
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        for m in self.mamba_layers():
-            m.allocate_state(num_slots, dtype, device)
 
     _PART = {"mamba": "mamba", "attention": "self_attn", "mlp": "mixer", "moe": "mixer"}
     _FC = {"up_proj": "fc1", "down_proj": "fc2"}

@@ -33,7 +33,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.mamba import RecurrentMixer
+from streamer.models.mamba import HybridModel, RecurrentMixer
 from streamer.models.moe import SparseMoE
 
 
@@ -262,24 +262,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Qwen3NextForCausalLM(LlamaForCausalLM):
+class Qwen3NextForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = Qwen3NextDecoderLayer
-    is_hybrid = True  # the runner gives its linear-attention layers state slots and no KV cache (and runs eagerly)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.layers if layer.linear_attn is not None]
-
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return sum(m.state_bytes(dtype) for m in self.linear_layers())
-
-    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        for m in self.linear_layers():
-            m.allocate_state(num_slots, dtype, device)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
