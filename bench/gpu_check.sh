@@ -59,7 +59,7 @@ if [ -z "$DRY" ]; then
         tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
         tests/test_fp8_kv_cache.py "tests/test_multimodal.py::test_gemma3_images_attend_both_ways_as_in_transformers" \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" \
-        "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3]" \
+        "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_int4.py::test_int8_is_refused_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3]" \
         >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \

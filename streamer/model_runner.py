@@ -173,6 +173,9 @@ class ModelRunner:
         self.attention_backend = backend_cls.name
         if backend_cls.name == "torch":  # its CPU decode kernel is compiled unless the user forbids compiling
             backend_cls = functools.partial(backend_cls, compile=config.enforce_eager is not True)
+        if config.quantization == "int8" and self.device.type != "cpu":
+            raise ValueError("quantization='int8' runs on CPU only (torch's int8 weight kernel); on a GPU use "
+                             "'fp8' or 'int4'")
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))

@@ -91,6 +91,12 @@ def test_int4_kernel_on_cuda(llama_dir):
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_int8_is_refused_on_cuda(llama_dir):
+    with pytest.raises(ValueError, match="quantization='int8' runs on CPU only"):
+        LLM(str(llama_dir), dtype="bfloat16", quantization="int8")
+
+
 def test_rtn_rounding_hits_the_group_extremes():
     w = torch.randn(16, 64)
     u = quantize_rtn(w, 32)
