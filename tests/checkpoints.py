@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -15,6 +15,21 @@ from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral", "gemma2", "gpt_oss",
             "phi4_mini", "granite", "olmo2", "smollm3")
+
+# Families defined in other test modules (one per family group, so that groups grow without editing this file):
+# family -> (config builder(vocab_size, **kw) -> a transformers config, optional randomiser(model) run before saving).
+# `register_family` adds one; hf_config and make_checkpoint consult them first.
+EXTRA_FAMILIES: dict[str, tuple[Callable[..., Any], Optional[Callable[[Any], None]]]] = {}
+# model_types that transformers must run with eager attention in the oracle (SDPA lacks something they use).
+EAGER_ATTENTION_TYPES = {"gemma2", "gpt_oss"}
+
+
+def register_family(name: str, config: Callable[..., Any], randomise: Optional[Callable[[Any], None]] = None,
+                    eager_attention_type: Optional[str] = None) -> None:
+    EXTRA_FAMILIES[name] = (config, randomise)
+    if eager_attention_type:
+        EAGER_ATTENTION_TYPES.add(eager_attention_type)
+
 
 _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -24,6 +39,8 @@ _BASE: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_l
 def hf_config(family: str, vocab_size: int, **overrides: Any):
     import transformers as tf
     kw = dict(_BASE, vocab_size=vocab_size, **overrides)
+    if family in EXTRA_FAMILIES:
+        return EXTRA_FAMILIES[family][0](**kw)
     if family == "llama":
         kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
@@ -304,6 +321,9 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     p.normal_(0.0, 1.0)
                 elif name.endswith("A_log"):
                     p.uniform_(-1.0, 1.5)
+    if family in EXTRA_FAMILIES and EXTRA_FAMILIES[family][1] is not None:
+        with torch.no_grad():
+            EXTRA_FAMILIES[family][1](model)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
@@ -315,7 +335,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     # Eager attention for Gemma 2 and gpt-oss (transformers' default for them today): SDPA cannot soft-cap the
     # scores nor take sinks.
     model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-    kw = {"attn_implementation": "eager"} if model_type in ("gemma2", "gpt_oss") else {}
+    kw = {"attn_implementation": "eager"} if model_type in EAGER_ATTENTION_TYPES else {}
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     model.eval()
     outs = []
