@@ -94,6 +94,22 @@ def test_modes_from_the_prompt():
         reasoning_mode("granite", gen, {})
 
 
+def test_more_modes_from_the_prompt():
+    """glm45 reads as qwen3; deepseek_v3 (V3.1 / V3.2) reasons only when the request asks it to think, then as
+    deepseek_r1 (its template ends the prompt with <think>, or </think> when not thinking)."""
+    gen = "<|assistant|>"
+    assert reasoning_mode("glm45", gen, {}) == ReasoningMode(True, inside=False)
+    assert reasoning_mode("glm45", gen + "<think>", {}).inside
+    assert reasoning_mode("glm45", gen + "<think></think>", {}) == ReasoningMode(True, inside=False)
+    assert reasoning_mode("glm45", gen, {"enable_thinking": False}).split is False
+    v3 = "<｜Assistant｜>"
+    assert reasoning_mode("deepseek_v3", v3 + "</think>", {}).split is False
+    assert reasoning_mode("deepseek_v3", v3 + "<think>", {}).split is False  # not asked to think
+    assert reasoning_mode("deepseek_v3", v3 + "<think>", {"thinking": True}) == ReasoningMode(True, inside=True)
+    assert reasoning_mode("deepseek_v3", v3 + "</think>", {"thinking": True}) == ReasoningMode(True, inside=False)
+    assert reasoning_mode("deepseek_v3", v3 + "<think>", {"enable_thinking": True}).inside
+
+
 # ---------------------------------------------------------------------------------------------- response shapes
 def _run_format(fmt, texts, finish="stop"):
     choice, chunks = Choice(), []

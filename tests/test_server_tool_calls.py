@@ -135,6 +135,45 @@ FORMATS = [
     ("pythonic", "[f(x=1), g(y=", "[f(x=1), g(y=", []),
     ("pythonic", "Sure: [f()]", "Sure: [f()]", []),
     ("pythonic", "[see the docs]", "[see the docs]", []),
+    # Qwen3-Coder's XML: values are text (no tools given: every value stays a string)
+    ("qwen3_coder", 'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+     '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>', "Sure.\n",
+     [("get_weather", {"city": "Paris", "days": "3"})]),
+    ("qwen3_coder", "<tool_call><function=f></function></tool_call><tool_call><function=g><parameter=s>a\n\nb"
+     "</parameter></function></tool_call> done", " done", [("f", {}), ("g", {"s": "a\n\nb"})]),
+    ("qwen3_coder", "<tool_call><function=f>junk<parameter=a>1</parameter></function></tool_call>",
+     "<tool_call><function=f>junk<parameter=a>1</parameter></function></tool_call>", []),
+    ("qwen3_coder", "<tool_call>{\"name\": \"f\"}</tool_call>", "<tool_call>{\"name\": \"f\"}</tool_call>", []),
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>1</parameter>", "<tool_call><function=f><parameter=a>1</parameter>",
+     []),
+    # GLM-4.5: key / value pairs (values read as JSON where they are JSON, without a schema)
+    ("glm45", "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+     "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>", "Let me check.",
+     [("get_weather", {"city": "Paris", "days": 3})]),
+    ("glm45", "<tool_call>f\n</tool_call><tool_call>g<arg_key>x</arg_key><arg_value>[1, {\"a\": null}]</arg_value>"
+     "</tool_call>", "", [("f", {}), ("g", {"x": [1, {"a": None}]})]),
+    ("glm45", "<tool_call>f<arg_key>x</arg_key></tool_call>", "<tool_call>f<arg_key>x</arg_key></tool_call>", []),
+    ("glm45", "<tool_call></tool_call>", "<tool_call></tool_call>", []),
+    # DeepSeek-V3: a calls section of ```json blocks; V3.1: name<sep>{json}
+    ("deepseek_v3", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{}\n```'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "Checking.", [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[1]\n```"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n[1]\n```<｜tool▁call▁end｜>", []),
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [("get_weather", {"city": "Paris"})]),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>",
+     "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>", []),
+    ("deepseek_v31", "x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{", "x<｜tool▁call▁begin｜>f<｜tool▁sep｜>{",
+     []),
+    # Kimi K2
+    ("kimi_k2", 'I will.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+     '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.f:1'
+     "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>", "I will.",
+     [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("kimi_k2", "<|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}<|tool_call_end|>",
+     "<|tool_call_begin|>functions.f<|tool_call_argument_begin|>{}<|tool_call_end|>", []),
 ]
 
 
@@ -180,6 +219,16 @@ VOCAB = {
                 "[ARGS]", " ", "hi", '"'],
     "pythonic": ["<|python_start|>", "<|python_end|>", "[", "]", "f(", "g(x=1)", ")", ", ", "a=", '"s"', "'", " ",
                  "hi", "(", "{1: 2}"],
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "</parameter>",
+                    "\n", "1", "<tool", "</param", "hi", "<function=", "x>"],
+    "glm45": ["<tool_call>", "</tool_call>", "f", "\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+              "a", "1", '"s"', "<arg", "hi"],
+    "deepseek_v3": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "function<｜tool▁sep｜>f\n```json\n", "{}", "\n```", "<｜tool", "hi", "\n"],
+    "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "f", "<｜tool▁sep｜>", "{}", '{"a": 1}', "<｜tool▁", "hi"],
+    "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
+                "functions.f:0", "<|tool_call_argument_begin|>", "{}", "<|tool", "hi"],
 }
 
 
@@ -193,8 +242,10 @@ def test_formats_any_split_gives_the_whole_texts_answer(name, data):
     want_content, want_calls = parse_all(text, name)
     content, calls = _feed(make_parser(name), chunks)
     assert content == want_content and _names_args(calls) == _names_args(want_calls)
-    if not want_calls:
-        assert want_content == text  # what is not a call is never lost
+    if not want_calls:  # what is not a call is never lost (a calls section's frames are the format's, not text)
+        for frame in getattr(make_parser(name), "FRAMES", ()):
+            text = text.replace(frame, "")
+        assert want_content == text
 
 
 def test_unknown_parser_name():
@@ -214,3 +265,33 @@ def test_calls_come_out_when_complete(name, text, content, calls):
     # Without the character that completed it, that call is not there yet.
     for i in set(emitted_at):
         assert len(parse_all(text[:i], name)[1]) < sum(1 for j in emitted_at if j <= i)
+
+
+# ---------------------------------------------------------------------------------------------- typed XML values
+TYPED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"},
+    "l": {"type": "array"}, "s": {"type": "string"}, "maybe": {"type": ["integer", "null"]}}}}}]
+
+
+@pytest.mark.parametrize("name,value,want", [
+    ("n", "42", 42), ("n", "4x", "4x"), ("x", "2.5", 2.5), ("x", "3", 3), ("x", "3.0", 3.0),
+    ("b", "True", True), ("b", "false", False), ("b", "yes", "yes"), ("o", '{"a": [1]}', {"a": [1]}),
+    ("o", "{'a': 1}", {"a": 1}), ("l", "[1, 2]", [1, 2]), ("s", "42", "42"), ("s", "null", None),
+    ("maybe", "7", 7), ("maybe", "null", None), ("unknown", "42", "42"),
+])
+def test_qwen3_coder_values_take_their_schemas_types(name, value, want):
+    """As vLLM's qwen3_coder: each value by its parameter's JSON-schema type; text that is not that type, and a
+    parameter the schema does not name, stay strings."""
+    text = f"<tool_call>\n<function=f>\n<parameter={name}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    calls = parse_all(text, "qwen3_coder", TYPED_TOOLS)[1]
+    assert _names_args(calls) == [("f", {name: want})]
+    # Without the tools every value stays text.
+    assert _names_args(parse_all(text, "qwen3_coder")[1]) == [("f", {name: value})]
+
+
+def test_glm45_values_take_their_schemas_types():
+    """GLM-4.5: a string parameter keeps text that looks like JSON; others are JSON where they parse."""
+    text = ("<tool_call>f<arg_key>s</arg_key><arg_value>42</arg_value><arg_key>n</arg_key><arg_value>42</arg_value>"
+            "<arg_key>other</arg_key><arg_value>[1]</arg_value><arg_key>t</arg_key><arg_value>hi</arg_value></tool_call>")
+    assert _names_args(parse_all(text, "glm45", TYPED_TOOLS)[1]) == [("f", {"s": "42", "n": 42, "other": [1],
+                                                                              "t": "hi"})]

@@ -31,8 +31,11 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
-from streamer.server.reasoning import reasoning_mode
-from streamer.server.tool_calls import PARSERS
+from streamer.server.reasoning import ReasoningMode, reasoning_mode
+from streamer.server.harmony import REASONING_PARSER as HARMONY_REASONING_PARSER
+from streamer.server.harmony import TOOL_PARSER as HARMONY_TOOL_PARSER
+from streamer.server.harmony import is_harmony_model
+from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("streamer.server")
 
@@ -72,10 +75,16 @@ class OpenAIServer:
         if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
-        if tool_call_parser is not None and tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {tuple(PARSERS)}, got {tool_call_parser!r}")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
+        engine_config = engine.engine.model_config if engine.engine is not None else None
+        if engine_config is not None and is_harmony_model(engine_config.architecture) \
+                and tool_call_parser is None and reasoning_parser is None:
+            # gpt-oss writes its answer in channels: unread, a client would see them all run together
+            tool_call_parser, reasoning_parser = HARMONY_TOOL_PARSER, HARMONY_REASONING_PARSER
+            logger.info("gpt-oss: reading its harmony channels (reasoning, content, tool calls) in chat output")
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         images = engine.image_prompts
@@ -132,11 +141,15 @@ class OpenAIServer:
         ids = await self.engine.encode(images.expand_text(text) if sources and images else text,
                                        add_special_tokens=False)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
-        if parse_tools and self.tool_call_parser == "mistral" and req.forced_tool is None:
-            # As vLLM: [TOOL_CALLS] is a special token, which the text would otherwise leave out.
+        harmony = HARMONY_REASONING_PARSER == self.reasoning_parser or HARMONY_TOOL_PARSER == self.tool_call_parser
+        if (harmony or (parse_tools and self.tool_call_parser == "mistral")) and req.forced_tool is None:
+            # As vLLM: [TOOL_CALLS] and gpt-oss's channel tags are special tokens, which the text would otherwise
+            # leave out.
             req.params = req.params.clone(skip_special_tokens=False)
         reasoning = None
-        if self.reasoning_parser is not None:
+        if harmony:
+            reasoning = ReasoningMode(split=False, include=req.include_reasoning)
+        elif self.reasoning_parser is not None:
             reasoning = reasoning_mode(self.reasoning_parser, text, req.template_kwargs,
                                        constrained=req.params.structured_outputs is not None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
@@ -145,7 +158,8 @@ class OpenAIServer:
             prompt["multi_modal_data"] = {"image": await self._load_images(sources)}
         gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
-                         self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning)
+                         self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
+                         tools=req.tools, harmony=harmony)
         return gen, fmt
 
     async def _load_images(self, sources: list[Any]) -> list[Any]:

@@ -20,7 +20,7 @@ import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, build_app
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
-from streamer.server.tool_calls import PARSERS
+from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from streamer.async_engine import AsyncEngine
@@ -36,10 +36,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
                         "(default: $STREAMER_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
-    g.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
-                   help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls "
+                        "(gpt-oss: 'openai', the default for it)")
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
-                   help="read <think>...</think> in chat output into message.reasoning_content")
+                   help="read <think>...</think> (gpt-oss: its analysis channel, 'openai_gptoss', the default for "
+                        "it) in chat output into message.reasoning_content")
     g.add_argument("--max-waiting", type=int, default=None,
                    help="bound on queued requests; past it the server answers 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,

@@ -7,6 +7,10 @@ the rest stays `content`.
   never closes it (cut short, or a model that does not reason) is all reasoning.
 - qwen3: reasoning only when the output starts with `<think>` (or the prompt opened it, as the Qwen3 thinking-2507
   templates do); `chat_template_kwargs: {"enable_thinking": false}` turns it off.
+- glm45 (GLM-4.5 / 4.6): as qwen3.
+- deepseek_v3 (DeepSeek-V3.1 / V3.2, which think only when asked): as deepseek_r1 when
+  `chat_template_kwargs` has `thinking` (or `enable_thinking`) true, else no reasoning at all.
+- openai_gptoss: gpt-oss's harmony channels (server/harmony.py).
 
 Which of the two the prompt left open is read from the rendered prompt: its last `<think>`/`</think>` tag (vLLM
 reads the same from the prompt's token ids). A prompt that closed the reasoning already (`<think></think>`, as
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+# openai_gptoss (gpt-oss's channels) is read by server/harmony.py, not by a <think> splitter.
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
 
 
 def held(text: str, tag: str) -> int:
@@ -91,7 +96,11 @@ def reasoning_mode(parser: str, prompt: str, template_kwargs: dict[str, Any], *,
     JSON (never read for reasoning)."""
     if parser not in PARSERS:
         raise ValueError(f"reasoning_parser must be one of {PARSERS}, got {parser!r}")
-    if forced_tool or (parser == "qwen3" and template_kwargs.get("enable_thinking") is False):
+    if parser == "deepseek_v3":
+        if not (template_kwargs.get("thinking") or template_kwargs.get("enable_thinking")):
+            return ReasoningMode(split=False, include=include)
+        parser = "deepseek_r1"
+    if forced_tool or (parser in ("qwen3", "glm45") and template_kwargs.get("enable_thinking") is False):
         return ReasoningMode(split=False, include=include)
     last = _last_tag(prompt)
     if constrained:
@@ -99,7 +108,7 @@ def reasoning_mode(parser: str, prompt: str, template_kwargs: dict[str, Any], *,
     elif parser == "deepseek_r1":
         inside = last != END  # unless the prompt closed it already
     else:
-        inside = last == START  # qwen3: only when the prompt opened it
+        inside = last == START  # qwen3, glm45: only when the prompt opened it
     return ReasoningMode(split=True, inside=inside, include=include)
 
 

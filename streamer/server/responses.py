@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
 from streamer.server.reasoning import ReasoningMode
+from streamer.server.harmony import HarmonyParser
 from streamer.server.tool_calls import ForcedToolCalls, make_parser
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way
@@ -230,25 +231,41 @@ class ChatFormat(Format):
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
                  prompt_logprobs: bool = False, tool_calls: bool | str = False,
-                 forced_tool: Optional[Any] = None, reasoning: Optional[ReasoningMode] = None) -> None:
+                 forced_tool: Optional[Any] = None, reasoning: Optional[ReasoningMode] = None,
+                 tools: Optional[list[dict[str, Any]]] = None, harmony: bool = False) -> None:
         """tool_calls: a tool-call parser's name (True: hermes); reasoning: how to read reasoning out of the
-        output (None: the server has no reasoning parser, and messages have no reasoning_content)."""
+        output (None: the server has no reasoning parser, and messages have no reasoning_content); tools: the
+        request's (their schemas type some formats' arguments); harmony: the output is gpt-oss's channels
+        (server/harmony.py reads reasoning, content and calls at once; `reasoning` then only says whether to
+        include the reasoning)."""
         super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
+        self._harmony = [HarmonyParser(tools=bool(tool_calls)) for _ in range(num_choices)] \
+            if harmony and forced_tool is None else None
         # With a tool-call parser: each choice's text is read for tool calls as it streams. A forced tool call
         # (server/structured.ForcedTool) was generated as JSON and is read whole at the end.
         self._tools: Optional[list[Any]] = None
         if forced_tool is not None:
             self._tools = [ForcedToolCalls(forced_tool.name) for _ in range(num_choices)]
-        elif tool_calls:
+        elif tool_calls and self._harmony is None:
             name = "hermes" if tool_calls is True else str(tool_calls)
-            self._tools = [make_parser(name) for _ in range(num_choices)]
+            self._tools = [make_parser(name, tools) for _ in range(num_choices)]
         # With a reasoning parser: each choice's text is split into reasoning and content first; tool calls are
         # read from the content only.
         self.reasoning = reasoning
-        self._think = [reasoning.splitter() for _ in range(num_choices)] if reasoning is not None else None
+        self._think = [reasoning.splitter() for _ in range(num_choices)] \
+            if reasoning is not None and self._harmony is None else None
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         p = super().piece(index, prompt_index, out)
+        if self._harmony is not None:
+            parser = self._harmony[index]
+            thought, p.text, calls = parser.feed(p.text, final=p.finish_reason is not None)
+            if thought and self.reasoning is not None and self.reasoning.include:
+                p.reasoning = thought
+            p.tool_calls = calls or None
+            if p.finish_reason == "stop" and parser.num_calls:
+                p.finish_reason = parser.finish_reason
+            return p
         if self._think is not None and self._think[index] is not None:
             thought, p.text = self._think[index].feed(p.text, final=p.finish_reason is not None)  # type: ignore
             if thought and self.reasoning is not None and self.reasoning.include:

@@ -85,36 +85,202 @@ class ToolCallParser:
         return {"index": self.num_calls - 1, "id": f"call_{uuid.uuid4().hex[:24]}", **call}
 
 
-class HermesToolCalls(ToolCallParser):
-    """`<tool_call>{json}</tool_call>` blocks anywhere: text outside them is content; a block whose body is not a
-    JSON object with a name stays content, as does an unfinished one at the end."""
+class BlockToolCalls(ToolCallParser):
+    """Calls written as blocks, `START body END`, anywhere in the text: text outside them is content, and so is a block
+    whose body `parse` rejects (None) or one still open at the end. `FRAMES` are tags around a group of blocks (a
+    "calls section"), dropped from the content."""
+
+    START, END = START, END
+    FRAMES: tuple[str, ...] = ()
+
+    def __init__(self, tools: Optional[list[dict[str, Any]]] = None) -> None:
+        super().__init__()
+        self.schemas = _schemas(tools)  # function name -> its parameters' JSON schema
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        return _call(body)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self._buf += text
         out: list[str] = []
         calls: list[dict[str, Any]] = []
+        tags = (self.START, *self.FRAMES)
         while True:
-            i = self._buf.find(START)
-            if i < 0:
-                keep = 0 if final else _held(self._buf, START)
+            found = [(i, tag) for tag in tags if (i := self._buf.find(tag)) >= 0]
+            if not found:
+                keep = 0 if final else max(_held(self._buf, tag) for tag in tags)
                 out.append(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
+            i, tag = min(found)
             out.append(self._buf[:i])
             rest = self._buf[i:]
-            j = rest.find(END)
+            if tag != self.START:  # a frame: dropped
+                self._buf = rest[len(tag):]
+                continue
+            j = rest.find(self.END, len(self.START))
             if j < 0:  # the block is still being written (or, at the end, never closed: plain text)
                 self._buf = "" if final else rest
                 if final:
-                    out.append(rest)
+                    out.append(self._unframed(rest))
                 break
-            block, self._buf = rest[:j + len(END)], rest[j + len(END):]
-            call = _call(rest[len(START):j])
+            block, self._buf = rest[:j + len(self.END)], rest[j + len(self.END):]
+            call = self.parse(rest[len(self.START):j])
             if call is None:
-                out.append(block)
+                out.append(self._unframed(block))
                 continue
             calls.append(self._numbered(call))
         return "".join(out), calls
+
+    def _unframed(self, text: str) -> str:
+        for frame in self.FRAMES:
+            text = text.replace(frame, "")
+        return text
+
+
+class HermesToolCalls(BlockToolCalls):
+    """`<tool_call>{json}</tool_call>` blocks anywhere: text outside them is content; a block whose body is not a
+    JSON object with a name stays content, as does an unfinished one at the end."""
+
+
+class Qwen3CoderToolCalls(BlockToolCalls):
+    """Qwen3-Coder's XML calls: `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`
+    (newlines around each part). Values are text, typed by the tool's JSON schema (`_typed`)."""
+
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*\Z", re.S)
+    _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        m = self._FUNCTION.match(body)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        inner = m.group(2)
+        params = self._PARAM.findall(inner)
+        if self._PARAM.sub("", inner).strip():  # anything else between the parameters: not a call
+            return None
+        schema = self.schemas.get(name, {})
+        args = {key.strip(): _typed(_trim_newline(value), schema.get(key.strip()), guess=False)
+                for key, value in params}
+        return _function(name, args)
+
+
+class Glm45ToolCalls(BlockToolCalls):
+    """GLM-4.5 / 4.6's calls: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...</tool_call>`.
+    Values are text, typed by the tool's JSON schema (`_typed`; JSON where the schema does not say)."""
+
+    _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    _NAME = re.compile(r"\s*([^\s<]+)")
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        m = self._NAME.match(body)
+        if m is None:
+            return None
+        name, rest = m.group(1), body[m.end():]
+        if self._PAIR.sub("", rest).strip():
+            return None
+        schema = self.schemas.get(name, {})
+        return _function(name, {k.strip(): _typed(v, schema.get(k.strip()), guess=True)
+                                for k, v in self._PAIR.findall(rest)})
+
+
+class DeepSeekV3ToolCalls(BlockToolCalls):
+    """DeepSeek-V3 / R1-0528's calls, inside `<｜tool▁calls▁begin｜>` ... `<｜tool▁calls▁end｜>`: each
+    `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```<｜tool▁call▁end｜>`."""
+
+    START, END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
+    FRAMES = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+    SEP = "<｜tool▁sep｜>"
+    _BODY = re.compile(r"\s*function<｜tool▁sep｜>([^\n]+)\n```(?:json)?\s*(.*?)\s*```\s*\Z", re.S)
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        m = self._BODY.match(body)
+        return None if m is None else _named_json(m.group(1).strip(), m.group(2))
+
+
+class DeepSeekV31ToolCalls(DeepSeekV3ToolCalls):
+    """DeepSeek-V3.1 / V3.2's calls: as V3's, each `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        name, sep, args = body.partition(self.SEP)
+        return _named_json(name.strip(), args) if sep and name.strip() else None
+
+
+class KimiK2ToolCalls(BlockToolCalls):
+    """Kimi K2's calls, inside `<|tool_calls_section_begin|>` ... `<|tool_calls_section_end|>`: each
+    `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`."""
+
+    START, END = "<|tool_call_begin|>", "<|tool_call_end|>"
+    FRAMES = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    _ID = re.compile(r"\s*(?:functions\.)?([^\s:<]+):\d+\s*<\|tool_call_argument_begin\|>(.*)\Z", re.S)
+
+    def parse(self, body: str) -> Optional[dict[str, Any]]:
+        m = self._ID.match(body)
+        return None if m is None else _named_json(m.group(1), m.group(2))
+
+
+def _schemas(tools: Optional[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The request's tools as {function name: {parameter: its JSON schema}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or []:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            out[fn["name"]] = props if isinstance(props, dict) else {}
+    return out
+
+
+def _trim_newline(value: str) -> str:
+    """Qwen3-Coder writes each value on lines of its own: one newline each side is the format's, not the value's."""
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+
+
+def _typed(value: str, schema: Any, guess: bool) -> Any:
+    """A parameter's text as its schema's type (as vLLM's XML parsers convert it): "null" is None; strings stay
+    text; integers, numbers and booleans are read as such, objects and arrays as JSON (or Python literals). Text
+    that does not read as its type, and a parameter the schema does not name, stay text (guess: try JSON first)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kind = next((k for k in kind if k != "null"), None) if isinstance(kind, list) else kind
+    if value.strip().lower() == "null" and kind is not None:
+        return None
+    if kind in _STRING_TYPES or (kind is None and not guess):
+        return value
+    text = value.strip()
+    try:
+        if kind in ("integer", "int"):
+            return int(text)
+        if kind in ("number", "float"):
+            number = float(text)
+            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+        if kind in ("boolean", "bool"):
+            return {"true": True, "false": False}[text.lower()]
+        return json.loads(text)
+    except (ValueError, KeyError, RecursionError):
+        pass
+    if kind is not None:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            pass
+    return value
+
+
+def _function(name: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _named_json(name: str, args: str) -> Optional[dict[str, Any]]:
+    """A call of `name` whose arguments are the JSON object `args` (None if they are not one)."""
+    try:
+        value = json.loads(args)
+    except (ValueError, RecursionError):
+        return None
+    return _function(name, value) if isinstance(value, dict) and name else None
 
 
 class Llama3JsonToolCalls(ToolCallParser):
@@ -377,14 +543,21 @@ def _pythonic_calls(source: str) -> Optional[list[dict[str, Any]]]:
     return calls
 
 
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
-                                            "mistral": MistralToolCalls, "pythonic": PythonicToolCalls}
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls, "mistral": MistralToolCalls,
+    "pythonic": PythonicToolCalls, "qwen3_coder": Qwen3CoderToolCalls, "qwen3_xml": Qwen3CoderToolCalls,
+    "glm45": Glm45ToolCalls, "deepseek_v3": DeepSeekV3ToolCalls, "deepseek_v31": DeepSeekV31ToolCalls,
+    "kimi_k2": KimiK2ToolCalls}
+# Every name --tool-call-parser takes: "openai" is gpt-oss's harmony format, read by server/harmony.py.
+TOOL_CALL_PARSERS = (*PARSERS, "openai")
 
 
-def make_parser(name: str) -> ToolCallParser:
+def make_parser(name: str, tools: Optional[list[dict[str, Any]]] = None) -> ToolCallParser:
+    """A parser for one choice; tools: the request's, whose schemas type the XML formats' values."""
     if name not in PARSERS:
         raise ValueError(f"tool_call_parser must be one of {tuple(PARSERS)}, got {name!r}")
-    return PARSERS[name]()
+    cls = PARSERS[name]
+    return cls(tools) if issubclass(cls, BlockToolCalls) else cls()
 
 
 class ForcedToolCalls:
@@ -425,6 +598,7 @@ class ForcedToolCalls:
         return "", calls
 
 
-def parse_all(text: str, parser: str = "hermes") -> tuple[str, list[dict[str, Any]]]:
+def parse_all(text: str, parser: str = "hermes",
+              tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[dict[str, Any]]]:
     """A whole text at once (what streaming it in any pieces also gives)."""
-    return make_parser(parser).feed(text, final=True)
+    return make_parser(parser, tools).feed(text, final=True)
