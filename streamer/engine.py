@@ -26,7 +26,7 @@ from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import Classifier, PoolingParams, default_pooling, finish_pooled, truncate_prompt
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
-from streamer.multimodal import ImageInput, as_image_list, check_truncation, image_prompts_for
+from streamer.multimodal import ImageInput, as_media, check_truncation, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
@@ -188,13 +188,18 @@ class LLMEngine:
         if mm is None:
             if data is not None:
                 of = self.model_config.text_only_of
-                raise ValueError("multi_modal_data: this model takes no images" + (
+                what = "video" if isinstance(data, dict) and data.get("video") is not None and \
+                    data.get("image") is None else "images"
+                raise ValueError(f"multi_modal_data: this model takes no {what}" + (
                     f" ({of} is served as its text model alone: its vision encoder is not supported)" if of else ""))
             return token_ids, ()
-        images = as_image_list(data) if data is not None else []
-        if not images and not mm.has_placeholders(token_ids):
+        if isinstance(data, dict) and "video" in data and not mm.takes_video:
+            raise ValueError(f"multi_modal_data must be {{'image': image or list of images}} for this model: "
+                             f"multi_modal_data['video']: {mm.no_video}")
+        images, videos = as_media(data) if data is not None else ([], [])
+        if not images and not videos and not mm.has_placeholders(token_ids):
             return token_ids, ()
-        ids, inputs = mm.expand(token_ids, images)
+        ids, inputs = mm.expand(token_ids, images, videos)
         return ids, tuple(inputs)
 
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
-from streamer.multimodal import check_truncation, load_image
+from streamer.multimodal import check_truncation, load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.pooling import PoolingParams, encode_pair, pair_up, truncate_prompt
 from streamer.sampling_params import SamplingParams
@@ -116,13 +116,14 @@ class LLM:
              lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
         with the model's chat template as the server renders them (and as transformers' apply_chat_template does)."""
-        from streamer.server.protocol import APIError, message_images, parse_messages
+        from streamer.server.protocol import APIError, message_images, message_videos, parse_messages
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         if self._chat_template is None:
             from streamer.server.chat_template import ChatTemplate
             images = self.engine.image_prompts
-            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer,
-                                                              images.placeholder if images is not None else None)
+            self._chat_template = ChatTemplate.from_tokenizer(
+                self.tokenizer, images.placeholder if images is not None else None,
+                images.video_placeholder if images is not None else None)
         prompts: list[PromptType] = []
         for conv in convs:
             try:
@@ -135,10 +136,14 @@ class LLM:
             images = self.engine.image_prompts
             shown = images.expand_text(text) if sources and images else text  # (Gemma 3's placeholders expand)
             prompt: dict = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(shown, add_special_tokens=False)}
+            allow = self.engine.config.allow_image_urls
             if sources:  # image_url parts (data: or http(s) URLs) or image_pil parts (PIL images)
-                allow = self.engine.config.allow_image_urls
                 prompt["multi_modal_data"] = {"image": [load_image(s, allow) if isinstance(s, str) else s
                                                         for s in sources]}
+            videos = message_videos(parsed)
+            if videos:  # video_url parts, decoded with PyAV at the video processor's fps
+                fps = (images.video_processor.fps if images is not None and images.takes_video else None) or 2.0
+                prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, allow, fps) for v in videos]
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, lora_request=lora_request)
 

@@ -13,6 +13,10 @@ are the image's features instead of the placeholder's embedding. So an image is:
   its own positions.
 Mistral 3's images also hold row-break tokens ([IMG_BREAK], [IMG_END]) among their placeholders: those keep their
 own token embeddings (`ImageInput.feature_mask` says which positions take feature rows).
+Qwen2-VL's and Qwen2.5-VL's videos (multi_modal_data["video"], streamer/qwen_video_processor.py) are the same thing
+with more than one temporal grid step: an `ImageInput` (`video` set) whose placeholders are the video token, which
+the same encoder reads (each temporal slice attending to itself) and whose M-RoPE temporal positions step by
+`time_interval` per grid step (Qwen2.5-VL: tokens_per_second * second_per_grid_t).
 """
 from __future__ import annotations
 
@@ -38,6 +42,12 @@ if TYPE_CHECKING:
 
 MAX_IMAGE_BYTES = 32 << 20  # a fetched or decoded image's encoded size
 FETCH_TIMEOUT_S = 15.0
+# Videos from URLs (the server's video_url parts): the encoded size, the frames decoded (so the decoding time), each
+# frame's pixels, and the frames kept (sampled at the video processor's fps, spread over the whole video past this)
+MAX_VIDEO_BYTES = 64 << 20
+MAX_VIDEO_DECODED_FRAMES = 20_000
+MAX_VIDEO_FRAME_PIXELS = 4096 * 2160
+MAX_VIDEO_FRAMES = 64
 
 
 @dataclass(eq=False)
@@ -55,6 +65,10 @@ class ImageInput:
     # Which of its `length` positions take the encoder's feature rows, in order (None: all of them); the others
     # (Mistral 3's [IMG_BREAK] / [IMG_END]) keep their token embeddings
     feature_mask: Optional[np.ndarray] = None
+    video: bool = False  # a video (Qwen2-VL / 2.5-VL): its placeholders are the video token
+    # M-RoPE: the temporal position step per temporal grid step (Qwen2.5-VL's videos: tokens_per_second *
+    # second_per_grid_t, floored after the multiplication by the step's index, as transformers does)
+    time_interval: float = 1.0
 
     @property
     def end(self) -> int:
@@ -72,18 +86,79 @@ def hash_pixels(pixels: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def as_image_list(data: Any) -> list["Image"]:
-    """A prompt's `multi_modal_data` ({"image": an image or a list of them}) as a list of PIL images."""
+def hash_video(pixels: torch.Tensor, time_interval: float) -> bytes:
+    """A video's key: its pixels and its temporal position step (which its tokens' positions, so their KV, read)."""
+    h = hashlib.blake2b(b"video", digest_size=16)
+    h.update(hash_pixels(pixels))
+    h.update(np.float64(time_interval).tobytes())
+    return h.digest()
+
+
+@dataclass
+class VideoData:
+    """One video of a prompt: its frames (uint8 [T, H, W, 3], or a list of PIL images), their frame rate (None:
+    unknown; the processor assumes its default) and whether the processor may still sample them (None: as its
+    config says; False: they are sampled already)."""
+
+    frames: Any
+    fps: Optional[float] = None
+    sample: Optional[bool] = None
+
+
+def _is_video(v: Any) -> bool:
     from PIL.Image import Image
-    if not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError(f"multi_modal_data must be {{'image': image or list of images}}, got "
-                         f"{type(data).__name__ if not isinstance(data, dict) else sorted(data)}")
+    if isinstance(v, (VideoData, np.ndarray)):
+        return True
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict):  # (frames, metadata), as vLLM takes
+        return True
+    return isinstance(v, (list, tuple)) and bool(v) and all(isinstance(f, Image) for f in v)
+
+
+def _video(v: Any) -> VideoData:
+    if isinstance(v, VideoData):
+        return v
+    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], dict):
+        frames, meta = v
+        fps = meta.get("fps")
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+            raise ValueError(f"multi_modal_data['video'] metadata fps must be a positive number, got {fps!r}")
+        sample = meta.get("do_sample_frames")
+        return VideoData(frames, float(fps) if fps is not None else None,
+                         bool(sample) if sample is not None else None)
+    return VideoData(v)
+
+
+def as_media(data: Any) -> tuple[list["Image"], list[VideoData]]:
+    """A prompt's `multi_modal_data` ({"image": an image or a list of them, "video": a video or a list of them})
+    as (PIL images, videos). A video is a uint8 array [T, H, W, 3], a list of PIL images (its frames), or
+    (either, {"fps": its frame rate}) as vLLM takes it."""
+    from PIL.Image import Image
+    if not isinstance(data, dict) or set(data) - {"image", "video"}:
+        raise ValueError(f"multi_modal_data must be {{'image': image or list of images, 'video': video or list of "
+                         f"videos}}, got {type(data).__name__ if not isinstance(data, dict) else sorted(data)}")
     images = data.get("image")
-    images = images if isinstance(images, (list, tuple)) else [images]
+    images = [] if images is None else images if isinstance(images, (list, tuple)) else [images]
     for im in images:
         if not isinstance(im, Image):
             raise ValueError(f"multi_modal_data['image'] must hold PIL images, got {type(im).__name__}")
-    return list(images)
+    videos = data.get("video")
+    if videos is None:
+        videos = []
+    elif _is_video(videos):
+        videos = [videos]
+    elif not isinstance(videos, (list, tuple)) or not all(_is_video(v) for v in videos):
+        raise ValueError("multi_modal_data['video'] must be a video (a uint8 numpy array [frames, height, width, 3], "
+                         "a list of PIL images, or (either, {'fps': rate})) or a list of videos, got "
+                         f"{type(videos).__name__}")
+    return list(images), [_video(v) for v in videos]
+
+
+def as_image_list(data: Any) -> list["Image"]:
+    """A prompt's `multi_modal_data` ({"image": an image or a list of them}) as a list of PIL images."""
+    images, videos = as_media(data)
+    if videos:
+        raise ValueError("multi_modal_data['video']: videos are not taken here")
+    return images
 
 
 class ImagePrompts:
@@ -100,13 +175,28 @@ class ImagePrompts:
     each row closed by `[IMG_BREAK]` and the last by `[IMG_END]` (`row_breaks`: their ids), as PixtralProcessor
     expands it. InternVL's write `<IMG_CONTEXT>`, the image token itself: it becomes `<img>`, `tile_tokens` image
     tokens per tile of the image (`tile`: the tile size in pixels) and `</img>` (`wrap`), as InternVLProcessor
-    expands it."""
+    expands it.
+
+    Videos (Qwen2-VL and Qwen2.5-VL only: `video_token_id` set): their templates write `<|video_pad|>` inside
+    `<|vision_start|>...<|vision_end|>` (`video_placeholder`); each lone video token becomes the video's tokens, one
+    per merged patch of each temporal grid step, at M-RoPE positions whose temporal index steps by 1 per grid step
+    (Qwen2-VL) or by tokens_per_second * second_per_grid_t (Qwen2.5-VL: `tokens_per_second` set).
+    `no_video`: why a model takes no video (the error a prompt with one gets)."""
 
     def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
                  max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
                  wrap: tuple[list[int], list[int]] = ([], []), merge: Optional[int] = None,
                  row_breaks: Optional[tuple[int, int]] = None, patch: int = 0, tile_tokens: int = 0,
-                 tile: int = 0) -> None:
+                 tile: int = 0, video_token_id: Optional[int] = None, video_placeholder: Optional[str] = None,
+                 tokens_per_second: Optional[float] = None, no_video: str = "this model takes no video",
+                 max_tokens: Optional[int] = None) -> None:
+        self.folder = folder
+        self.max_tokens = max_tokens  # a video taking more tokens is refused before its frames are processed
+        self.video_token_id = video_token_id
+        self.video_placeholder = video_placeholder
+        self.tokens_per_second = tokens_per_second
+        self.no_video = no_video
+        self._video_processor: Any = None
         self.merge = merge
         self.row_breaks = row_breaks
         self.patch = patch
@@ -124,24 +214,59 @@ class ImagePrompts:
     def expand_text(self, text: str) -> str:
         return text.replace(self.placeholder, self.full_text) if self.full_text else text
 
-    def has_placeholders(self, token_ids: list[int]) -> bool:
-        return self.image_token_id in token_ids or self.placeholder_id in token_ids
+    @property
+    def takes_video(self) -> bool:
+        return self.video_token_id is not None
 
-    def expand(self, token_ids: list[int], images: Sequence["Image"]) -> tuple[list[int], list[ImageInput]]:
+    @property
+    def video_processor(self) -> Any:
+        if self._video_processor is None:
+            from streamer.qwen_video_processor import QwenVideoProcessor
+            self._video_processor = QwenVideoProcessor.from_folder(self.folder)
+        return self._video_processor
+
+    def has_placeholders(self, token_ids: list[int]) -> bool:
+        return self.image_token_id in token_ids or self.placeholder_id in token_ids or \
+            (self.video_token_id is not None and self.video_token_id in token_ids)
+
+    def expand(self, token_ids: list[int], images: Sequence["Image"],
+               videos: Sequence[VideoData] = ()) -> tuple[list[int], list[ImageInput]]:
         """Each run of image tokens in the prompt is one image: a lone placeholder is expanded here; a run
-        already as long as its image's tokens (expanded text, or a prompt expanded by the caller) is kept."""
+        already as long as its image's tokens (expanded text, or a prompt expanded by the caller) is kept. The
+        same for videos and runs of the video token."""
         if len(images) > self.max_images:
             raise ValueError(f"at most {self.max_images} images per prompt (limit_images_per_prompt), "
                              f"got {len(images)}")
+        if videos and not self.takes_video:
+            raise ValueError(f"multi_modal_data['video']: {self.no_video}")
+        if len(videos) > self.max_images:
+            raise ValueError(f"at most {self.max_images} videos per prompt (limit_images_per_prompt), "
+                             f"got {len(videos)}")
         runs = self._runs(token_ids)
         if len(runs) != len(images):
             raise ValueError(f"the prompt has {len(runs)} image placeholder(s) ({self.placeholder}) but "
                              f"{len(images)} image(s) were given")
-        processed = self._process(images)
+        video_runs = self._video_runs(token_ids)
+        if len(video_runs) != len(videos):
+            raise ValueError(f"the prompt has {len(video_runs)} video placeholder(s) ({self.video_placeholder}) "
+                             f"but {len(videos)} video(s) were given")
+        items = [(run, media, False) for run, media in zip(runs, self._process(images))] + \
+            [(run, media, True) for run, media in zip(video_runs, self._process_videos(videos))]
+        items.sort(key=lambda item: item[0][0])
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0
-        for (start, length, lone), (pixels, n, grid) in zip(runs, processed):
+        for (start, length, lone), (pixels, n, grid, *interval), video in items:
+            if video:
+                if not lone and token_ids[start:start + length] != [self.video_token_id] * n:
+                    raise ValueError(f"a run of {length} video tokens: each video takes 1 placeholder "
+                                     f"({self.video_placeholder}) or exactly its {n} video tokens")
+                out += token_ids[prev:start]
+                inputs.append(ImageInput(len(out), n, pixels, hash_video(pixels, interval[0]), grid, video=True,
+                                         time_interval=interval[0]))
+                out += [self.video_token_id] * n  # type: ignore[list-item]
+                prev = start + length
+                continue
             image_tokens = self._image_tokens(n, grid)
             if not lone and token_ids[start:start + length] != image_tokens:
                 if self.row_breaks:
@@ -189,6 +314,33 @@ class ImagePrompts:
         sizes = [int(t * h * w) for t, h, w in grids.tolist()]
         return [(px, size // self.merge ** 2, tuple(g)) for px, size, g in
                 zip(pixels.split(sizes), sizes, grids.tolist())]
+
+    def _process_videos(self, videos: Sequence[VideoData]) -> list[tuple[torch.Tensor, int, tuple[int, int, int],
+                                                                         float]]:
+        """Each video's (pixel values, tokens, patch grid, M-RoPE temporal step)."""
+        if not videos:
+            return []
+        assert self.merge is not None
+        processor = self.video_processor
+        pixels, grids, seconds = processor([v.frames for v in videos], [v.fps for v in videos],
+                                           [v.sample for v in videos], self.max_tokens)
+        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
+        out = []
+        for px, size, g, sec in zip(pixels.split(sizes), sizes, grids.tolist(), seconds):
+            # transformers: tokens_per_second * second_per_grid_t, a float32 tensor (Qwen2-VL: 1)
+            step = 1.0 if self.tokens_per_second is None else \
+                float(self.tokens_per_second * torch.tensor(sec, dtype=torch.float32))
+            out.append((px, size // self.merge ** 2, tuple(g), step))
+        return out
+
+    def _video_runs(self, token_ids: list[int]) -> list[tuple[int, int, bool]]:
+        """(start, length, lone) of each video: a maximal run of video tokens (a run of one is a placeholder)."""
+        if self.video_token_id is None:
+            return []
+        ids = np.asarray(token_ids, dtype=np.int64)
+        mask = np.concatenate([[False], ids == self.video_token_id, [False]])
+        edges = np.flatnonzero(mask[1:] != mask[:-1])
+        return [(int(a), int(b - a), int(b - a) == 1) for a, b in zip(edges[::2], edges[1::2])]
 
     def _runs(self, token_ids: list[int]) -> list[tuple[int, int, bool]]:
         """(start, length, lone) of each image in the prompt: a lone placeholder (not followed by image tokens)
@@ -253,8 +405,20 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
     if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                 "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
+        video: dict[str, Any] = {"no_video": f"{arch} takes no video here yet (Qwen2-VL and Qwen2.5-VL do)"}
+        video_id = int(mm.get("video_token_id", 151656))
+        if arch.startswith("Qwen3"):
+            pass
+        elif tokenizer.id_to_token(video_id) is None:
+            video["no_video"] = f"the model's video token id {video_id} is not in its tokenizer"
+        else:
+            vision = mm.get("vision_config") or {}
+            tps = vision.get("tokens_per_second", 4) if arch.startswith("Qwen2_5") else None  # (its config default)
+            context = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+            video = dict(video_token_id=video_id, tokens_per_second=tps, max_tokens=context,
+                         video_placeholder=f"{text_of(start)}{text_of(video_id)}{text_of(end)}")
         return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
-                            merge=model.vision_tower.spatial_merge_size)
+                            merge=model.vision_tower.spatial_merge_size, **video)
     if arch == "Mistral3ForConditionalGeneration":
         names = _pixtral_token_names(folder)
         ids = [tokenizer.token_to_id(t) for t in names]
@@ -341,17 +505,24 @@ def _qwen_processor(folder: Path) -> Any:
 
 
 def _place_mrope(inputs: list[ImageInput], merge: int) -> None:
-    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index, for images; Qwen3-VL's is the same for images):
-    an image's tokens sit at (t, h, w) offsets from the position after the text before it; the text after it
-    continues past the largest."""
+    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index; Qwen3-VL's is the same for images): an image's
+    or video's tokens sit at (t, h, w) offsets from the position after the text before it, the temporal offset of
+    grid step i being floor(i * time_interval) (Qwen2.5-VL's videos: tokens_per_second * second_per_grid_t; else
+    1); the text after it continues past the largest position, as the original Qwen2-VL / 2.5-VL code (transformers
+    4's get_rope_index) and vLLM place it. (transformers 5.x continues after max(h, w) only, whatever the temporal
+    extent, while its own decode steps continue past the largest position: the two agree when a video's temporal
+    extent (t - 1) * time_interval is below max(h, w), always for images.)"""
     shift = 0
     for im in inputs:
         assert im.grid is not None
         t, h, w = im.grid[0], im.grid[1] // merge, im.grid[2] // merge
         base = im.offset + shift
-        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
+        steps = np.arange(t, dtype=np.int64)
+        if im.time_interval != 1.0:  # (transformers: (arange(t) * interval).long() in float32)
+            steps = (torch.arange(t) * torch.tensor(im.time_interval, dtype=torch.float32)).long().numpy()
+        grid = np.stack(np.meshgrid(steps, np.arange(h), np.arange(w), indexing="ij")).reshape(3, -1)
         im.mrope = grid.astype(np.int64) + base
-        shift += max(t, h, w) - im.length
+        shift += int(im.mrope.max()) + 1 - base - im.length
         im.rope_shift = shift
 
 
@@ -463,15 +634,98 @@ def load_image(url: str, allow_remote: bool = True) -> "Image":
     return decode_image(data)
 
 
-def _fetch(url: str) -> bytes:
+def _fetch(url: str, what: str = "image", limit: int = MAX_IMAGE_BYTES) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:  # noqa: S310 (http(s) only, above)
-            data = resp.read(MAX_IMAGE_BYTES + 1)
+            data = resp.read(limit + 1)
     except OSError as e:
-        raise ValueError(f"could not fetch image {url[:200]}: {e}") from None
-    if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"image at {url[:200]} is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+        raise ValueError(f"could not fetch {what} {url[:200]}: {e}") from None
+    if len(data) > limit:
+        raise ValueError(f"{what} at {url[:200]} is larger than {limit >> 20} MiB")
     return data
+
+
+class VideoBackendMissing(ValueError):
+    """PyAV (the optional `av` package) is not installed: videos from URLs cannot be decoded."""
+
+
+def load_video(url: str, allow_remote: bool = True, fps: float = 2.0,
+               max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
+    """A video from a chat message's `video_url`: a data: URL (base64) or, if allowed, an http(s) URL, decoded
+    with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""
+    if url.startswith("data:"):
+        head, _, payload = url.partition(",")
+        if ";base64" not in head:
+            raise ValueError("a video data URL must be base64-encoded (data:video/mp4;base64,...)")
+        if len(payload) > MAX_VIDEO_BYTES * 4 // 3 + 4:
+            raise ValueError(f"video is larger than {MAX_VIDEO_BYTES >> 20} MiB")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("the video data URL is not valid base64") from None
+    elif url.startswith(("http://", "https://")):
+        if not allow_remote:
+            raise ValueError("this server does not fetch video URLs; send the video as a data: URL")
+        data = _fetch(url, "video", MAX_VIDEO_BYTES)
+    else:
+        raise ValueError(f"video_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
+    return decode_video(data, fps, max_frames)
+
+
+def decode_video(data: bytes, fps: float = 2.0, max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
+    """A video file's frames (RGB uint8 [T, H, W, 3]), sampled at `fps` frames a second of its timestamps (a
+    frame is kept when its time reaches the next sample's), or more sparsely where the video is longer than
+    max_frames / fps seconds, so that at most max_frames are kept, spread over its whole length (a video of unknown
+    length is cut at max_frames); with the sampled frames' rate, for Qwen2.5-VL's second_per_grid_ts. ValueError
+    for an undecodable, too long (MAX_VIDEO_DECODED_FRAMES) or too large (MAX_VIDEO_FRAME_PIXELS) video;
+    `VideoBackendMissing` without PyAV."""
+    try:
+        import av
+    except ImportError:
+        raise VideoBackendMissing("video input needs PyAV, which is not installed: pip install av (or "
+                                  "pip install 'streamer[video]')") from None
+    if not fps > 0 or max_frames < 1:
+        raise ValueError(f"video sampling needs fps > 0 and max_frames >= 1, got {fps}, {max_frames}")
+    kept: list[np.ndarray] = []
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise ValueError("the file holds no video stream")
+            stream = container.streams.video[0]
+            duration = None
+            if stream.duration is not None and stream.time_base is not None:
+                duration = float(stream.duration * stream.time_base)
+            elif container.duration is not None:
+                duration = container.duration / 1_000_000  # (av.time_base)
+            step = 1.0 / fps
+            if duration and duration > 0:
+                step = max(step, duration / max_frames)
+            next_time, start, decoded = 0.0, None, 0
+            for frame in container.decode(stream):
+                decoded += 1
+                if decoded > MAX_VIDEO_DECODED_FRAMES:
+                    raise ValueError(f"the video is too long: more than {MAX_VIDEO_DECODED_FRAMES} frames")
+                if frame.width * frame.height > MAX_VIDEO_FRAME_PIXELS:
+                    raise ValueError(f"the video's frames ({frame.width}x{frame.height}) are larger than "
+                                     f"{MAX_VIDEO_FRAME_PIXELS} pixels")
+                time = frame.time if frame.time is not None else (decoded - 1) / fps
+                start = time if start is None else start
+                if time - start + 1e-6 >= next_time:
+                    kept.append(frame.to_ndarray(format="rgb24"))
+                    if kept[-1].shape != kept[0].shape:
+                        raise ValueError("the video changes resolution midway")
+                    next_time += step
+                    if len(kept) >= max_frames:
+                        break
+    except av.error.FFmpegError as e:  # (some are ValueErrors too)
+        raise ValueError(f"not a readable video ({type(e).__name__}: {e})") from None
+    except ValueError:
+        raise
+    except Exception as e:  # anything else PyAV raises on a file it cannot read
+        raise ValueError(f"not a readable video ({type(e).__name__}: {e})") from None
+    if not kept:
+        raise ValueError("the video has no frames")
+    return VideoData(np.stack(kept), 1.0 / step, sample=False)
 
 
 def decode_image(data: bytes) -> "Image":

@@ -185,7 +185,8 @@ class Gemma3VisionMixin(VisionLanguageMixin):
 class QwenVLMixin(VisionLanguageMixin):
     """Qwen2-VL / Qwen2.5-VL: the encoder (streamer/models/qwen_vision.py) ends in its own patch merger, which
     projects to the text model's width; images take as many tokens as their size asks, at M-RoPE positions
-    (ModelConfig.mrope_section, streamer/multimodal.py)."""
+    (ModelConfig.mrope_section, streamer/multimodal.py). Videos go through the same encoder (as transformers'
+    get_video_features): their grids have t > 1, each temporal slice attending to itself."""
 
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]

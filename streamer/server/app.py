@@ -20,14 +20,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.async_engine import AsyncEngine
-from streamer.multimodal import load_image
+from streamer.multimodal import VideoBackendMissing, load_image, load_video
+from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_images)
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_images,
+                                      message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
@@ -89,7 +91,8 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser
         images = engine.image_prompts
         self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer,
-                                                         images.placeholder if images is not None else None)
+                                                         images.placeholder if images is not None else None,
+                                                         images.video_placeholder if images is not None else None)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ generation endpoints
@@ -154,8 +157,9 @@ class OpenAIServer:
                                        constrained=req.params.structured_outputs is not None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-        if sources:
-            prompt["multi_modal_data"] = {"image": await self._load_images(sources)}
+        videos = message_videos(req.messages)
+        if sources or videos:
+            prompt["multi_modal_data"] = await self._load_media(sources, videos)
         gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
@@ -175,6 +179,29 @@ class OpenAIServer:
             return list(await asyncio.gather(*(one(s) for s in sources)))
         except ValueError as e:
             raise APIError(str(e), param="messages", code="invalid_image") from None
+
+    async def _load_media(self, sources: list[Any], videos: list[str]) -> dict[str, Any]:
+        """multi_modal_data for the chat's images and videos (video_url parts, decoded with PyAV on worker
+        threads, sampled at the video processor's fps)."""
+        data: dict[str, Any] = {}
+        if sources:
+            data["image"] = await self._load_images(sources)
+        if not videos:
+            return data
+        allow = self.engine.config.allow_image_urls
+        limit = self.engine.config.limit_images_per_prompt
+        if len(videos) > limit:
+            raise APIError(f"at most {limit} videos per request, got {len(videos)}", param="messages")
+        mm = self.engine.image_prompts
+        fps = (mm.video_processor.fps if mm is not None and mm.takes_video else None) or DEFAULT_VIDEO_FPS
+        try:
+            data["video"] = list(await asyncio.gather(*(asyncio.to_thread(load_video, url, allow, fps)
+                                                        for url in videos)))
+        except VideoBackendMissing as e:
+            raise APIError(str(e), param="messages", code="video_backend_missing") from None
+        except ValueError as e:
+            raise APIError(str(e), param="messages", code="invalid_video") from None
+        return data
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
                      chat: bool = False, lora: Optional[str] = None) -> Generation:
@@ -271,19 +298,19 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> Response:
         model, prompt, add_special, add_gen = parse_tokenize(await self._json(request))
         self._check_model(model)
-        sources = []
+        sources, videos = [], []
         if isinstance(prompt, list):  # chat messages
             text = self.chat_template.render(prompt, add_generation_prompt=add_gen)
-            sources = message_images(prompt)
+            sources, videos = message_images(prompt), message_videos(prompt)
         else:
             text = prompt
         images = self.engine.image_prompts
         tokens = await self.engine.encode(images.expand_text(text) if sources and images else text,
                                           add_special_tokens=add_special)
-        if sources:  # the tokens the model reads: each image's placeholder expanded (its size decides, for some)
-            loaded = await self._load_images(sources)
+        if sources or videos:  # the tokens the model reads: each image's placeholder expanded (its size decides)
+            loaded = await self._load_media(sources, videos)
             try:
-                tokens, _ = await asyncio.to_thread(self.engine.place_images, tokens, {"image": loaded})
+                tokens, _ = await asyncio.to_thread(self.engine.place_images, tokens, loaded)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
         return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})

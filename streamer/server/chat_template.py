@@ -60,11 +60,13 @@ class ChatTemplate:
     """A model's chat template, compiled once. `render` raises APIError (400) for anything that goes wrong."""
 
     def __init__(self, source: Optional[str], special_tokens: dict[str, Optional[str]],
-                 image_placeholder: Optional[str] = None) -> None:
+                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None) -> None:
         """image_placeholder: the text of the model's image token (vision-language models), written in place of
-        each image for templates that take string contents."""
+        each image for templates that take string contents; video_placeholder: the same for videos (None: the
+        model takes no video)."""
         self.source = source
         self.image_placeholder = image_placeholder
+        self.video_placeholder = video_placeholder
         self.content_format = content_format(source)
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._template: Optional[jinja2.Template] = None
@@ -79,13 +81,14 @@ class ChatTemplate:
                 self._error = f"this model's chat template does not compile: {e}"
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, image_placeholder: Optional[str] = None) -> "ChatTemplate":
+    def from_tokenizer(cls, tokenizer: Any, image_placeholder: Optional[str] = None,
+                       video_placeholder: Optional[str] = None) -> "ChatTemplate":
         def name(token_id: Optional[int]) -> Optional[str]:
             return tokenizer.id_to_token(token_id) if token_id is not None else None
         return cls(tokenizer.chat_template, {
             "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
             "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)},
-            image_placeholder)
+            image_placeholder, video_placeholder)
 
     @property
     def available(self) -> bool:
@@ -127,11 +130,16 @@ class ChatTemplate:
         if images and self.image_placeholder is None:
             raise APIError("this model takes no images (its messages may only hold text)", param="messages",
                            code="images_not_supported")
+        videos = sum(p["type"] == "video" for p in content)
+        if videos and self.video_placeholder is None:
+            raise APIError("this model takes no video (video_url content parts): only Qwen2-VL and Qwen2.5-VL "
+                           "models do", param="messages", code="videos_not_supported")
         if self.content_format != "string":
-            parts = [{"type": "image"} if p["type"] == "image" else p for p in content]
+            parts = [{"type": p["type"]} if p["type"] in ("image", "video") else p for p in content]
             return {**message, "content": parts}
         texts = [p["text"] for p in content if p["type"] == "text"]
-        return {**message, "content": "\n".join([self.image_placeholder] * images + texts)}
+        return {**message, "content": "\n".join([self.image_placeholder] * images +  # type: ignore[operator]
+                                                [self.video_placeholder] * videos + texts)}
 
 
 # A loop over a message's content (as a list of parts), in templates that take OpenAI-style content.

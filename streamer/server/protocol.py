@@ -496,7 +496,7 @@ def _content(c: Any, role: str, m: dict, param: str) -> Union[str, list[dict[str
     """A string, or an array of parts: text parts alone are joined with newlines (as vLLM does for string
     templates); with images, the parts stay a list of {"type": "text", "text"} and {"type": "image", "image":
     source} (an image_url's URL, or a PIL image from `LLM.chat`), which `ChatTemplate.render` shapes for the
-    model's template and `message_images` collects."""
+    model's template and `message_images` collects (videos: {"type": "video", "video": URL}, `message_videos`)."""
     if isinstance(c, str):
         return c
     if c is None:
@@ -524,8 +524,16 @@ def content_part(part: Any, param: str) -> dict[str, Any]:
         return {"type": "image", "image": url}
     if kind == "image_pil" and type(part.get("image_pil")).__module__.startswith("PIL."):
         return {"type": "image", "image": part["image_pil"]}
-    raise APIError(f"{param} must be a text part {{\"type\": \"text\", \"text\": string}} or an image part "
-                   f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}}, got {_show(part)}",
+    if kind == "video_url":  # vLLM's {"type": "video_url", "video_url": {"url"}} (or a bare string)
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise APIError(f"{param}.video_url must be {{\"url\": string}} or a string, got {_show(part)}",
+                           param=param)
+        return {"type": "video", "video": url}
+    raise APIError(f"{param} must be a text part {{\"type\": \"text\", \"text\": string}}, an image part "
+                   f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}} or a video part "
+                   f"{{\"type\": \"video_url\", \"video_url\": {{\"url\": string}}}}, got {_show(part)}",
                    param=param)
 
 
@@ -533,6 +541,12 @@ def message_images(messages: list[dict[str, Any]]) -> list[Any]:
     """The images of a conversation's messages, in order (URLs or PIL images)."""
     return [p["image"] for m in messages if isinstance(m["content"], list)
             for p in m["content"] if p["type"] == "image"]
+
+
+def message_videos(messages: list[dict[str, Any]]) -> list[Any]:
+    """The videos of a conversation's messages, in order (video_url URLs)."""
+    return [p["video"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "video"]
 
 
 def parse_tokenize(body: dict) -> tuple[Optional[str], Union[str, list[dict]], bool, bool]:

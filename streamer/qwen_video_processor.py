@@ -1,0 +1,272 @@
+"""Videos -> (pixel_values_videos, video_grid_thw, second_per_grid_ts) for Qwen2-VL and Qwen2.5-VL, following
+transformers' Qwen2VLVideoProcessor (video_processing_qwen2_vl.py; Qwen2.5-VL's processor adds
+second_per_grid_ts = temporal_patch_size / the sampled frames' fps).
+
+A video is a stack of RGB frames (uint8 [T, H, W, 3], or a list of PIL images). Optionally frames are sampled first
+(`sample_indices`, as its sample_frames: fps frames a second of the video's own fps, or num_frames, rounded to
+multiples of temporal_patch_size, within [min_frames, max_frames]). Every frame is resized to the one size
+smart_resize picks for the video (multiples of patch_size * merge_size, within [min_pixels, max_pixels]; with
+cap_pixels_per_frame, max_pixels is also bounded by an even share of max_video_tokens), rescaled and normalized; the
+frame count is padded to a multiple of temporal_patch_size by repeating the last frame; then each group of
+temporal_patch_size frames is cut into patch_size squares in merge-block order, each patch flattened as (C, T, P, P),
+one row per patch: transformers' patchify, reshape for reshape.
+
+transformers resizes video frames with torchvision (not installable beside every torch); here each frame takes the
+image path's bicubic PIL resize on uint8 and its exact rescale/normalize lookup (streamer/qwen_image_processor.py).
+So the geometry, order and padding are transformers', while a resized pixel may differ from torchvision's by
+rounding (and the normalized values by float32 rounding of its fused rescale-and-normalize).
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+from PIL import Image
+
+from streamer.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from streamer.qwen_image_processor import smart_resize, value_table
+
+# transformers' Qwen2VLVideoProcessor class attributes: a field left out of the config, or null, takes these.
+# (fps / num_frames: None, sample nothing unless asked.)
+QWEN_VIDEO_DEFAULTS: dict[str, Any] = dict(
+    do_convert_rgb=True, do_resize=True, size={"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768},
+    resample=3, do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=OPENAI_CLIP_MEAN,
+    image_std=OPENAI_CLIP_STD, patch_size=14, temporal_patch_size=2, merge_size=2, min_frames=4, max_frames=768,
+    do_sample_frames=False, fps=None, num_frames=None, cap_pixels_per_frame=False, max_video_tokens=128000)
+DEFAULT_FPS = 2.0  # the frames' rate assumed when the caller gives none (Qwen2.5-VL's processor default)
+
+Frames = Union[np.ndarray, Sequence[Image.Image]]
+
+
+def read_video_processor_config(folder: Path) -> dict[str, Any]:
+    """As transformers looks for a video processor's settings: processor_config.json's "video_processor" entry,
+    else video_preprocessor_config.json, else preprocessor_config.json (the image processor's, whose min/max
+    pixels then apply to video frames too); {} if none is there."""
+    folder = Path(folder)
+    proc = folder / "processor_config.json"
+    if proc.is_file():
+        entry = json.loads(proc.read_text()).get("video_processor")
+        if isinstance(entry, dict):
+            return entry
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if (folder / name).is_file():
+            return json.loads((folder / name).read_text())
+    return {}
+
+
+def as_frames(video: Any, what: str = "video") -> np.ndarray:
+    """A video's frames as uint8 [T, H, W, 3] (RGB): from such an array ([T, H, W] grey or [T, H, W, 4] RGBA
+    are converted) or a list of PIL images of one size."""
+    if isinstance(video, np.ndarray):
+        if video.dtype != np.uint8:
+            raise ValueError(f"{what} must be a uint8 array of frames, got dtype {video.dtype}")
+        if video.ndim == 3:
+            video = np.repeat(video[..., None], 3, axis=-1)
+        if video.ndim != 4 or video.shape[-1] not in (3, 4):
+            raise ValueError(f"{what} must be a [frames, height, width, 3] array, got shape {video.shape}")
+        frames = video[..., :3] if video.shape[-1] == 4 else video
+    elif isinstance(video, (list, tuple)) and video and all(isinstance(f, Image.Image) for f in video):
+        sizes = {f.size for f in video}
+        if len(sizes) > 1:
+            raise ValueError(f"{what}'s frames differ in size: {sorted(sizes)}")
+        from streamer.image_processor import to_rgb
+        frames = np.stack([np.asarray(to_rgb(f) if f.mode != "RGB" else f) for f in video])
+    else:
+        raise ValueError(f"{what} must be a uint8 numpy array [frames, height, width, 3] or a non-empty list of "
+                         f"PIL images, got {type(video).__name__}")
+    if not len(frames) or not frames.shape[1] or not frames.shape[2]:
+        raise ValueError(f"{what} is empty (shape {frames.shape})")
+    return np.ascontiguousarray(frames)
+
+
+@dataclass
+class QwenVideoProcessor:
+    do_convert_rgb: bool
+    do_resize: bool
+    min_pixels: int
+    max_pixels: int
+    resample: int  # a PIL resampling filter (3: bicubic)
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_frames: int = 4
+    max_frames: int = 768
+    do_sample_frames: bool = False
+    fps: Optional[float] = None  # frames a second to sample (do_sample_frames)
+    num_frames: Optional[int] = None  # or this many frames
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+    _table: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.image_mean) != 3 or len(self.image_std) != 3:
+            raise ValueError(f"image_mean/image_std need 3 values, got {self.image_mean}, {self.image_std}")
+        if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1:
+            raise ValueError(f"patch_size {self.patch_size}, temporal_patch_size {self.temporal_patch_size} and "
+                             f"merge_size {self.merge_size} must be positive")
+        if self.do_resize and not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"video min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: need "
+                             "0 < min_pixels <= max_pixels")
+        if self.fps is not None and self.num_frames is not None:
+            raise ValueError("the video processor's fps and num_frames are mutually exclusive")
+        self._table = value_table(self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
+                                  self.image_std)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QwenVideoProcessor:
+        c = {**QWEN_VIDEO_DEFAULTS, **{k: v for k, v in config.items() if v is not None and k in QWEN_VIDEO_DEFAULTS
+                                       or k in ("min_pixels", "max_pixels") and v is not None}}
+        size = dict(c["size"]) if isinstance(c["size"], dict) else None
+        if size is None:
+            raise ValueError(f"cannot read the video processor's size {c['size']!r} (a dict with shortest_edge "
+                             "and longest_edge, in pixels)")
+        # min_pixels / max_pixels override size, as Qwen2VLVideoProcessor.__init__ has it.
+        size["shortest_edge"] = c.get("min_pixels", size.get("shortest_edge"))
+        size["longest_edge"] = c.get("max_pixels", size.get("longest_edge"))
+        if c["do_resize"] and (not size.get("shortest_edge") or not size.get("longest_edge")):
+            raise ValueError(f"the video processor's size must have shortest_edge and longest_edge (or min_pixels "
+                             f"and max_pixels), got {c['size']}")
+        mean, std = c["image_mean"], c["image_std"]
+        return cls(
+            do_convert_rgb=bool(c["do_convert_rgb"]), do_resize=bool(c["do_resize"]),
+            min_pixels=int(size["shortest_edge"] or 0), max_pixels=int(size["longest_edge"] or 0),
+            resample=int(c["resample"]), do_rescale=bool(c["do_rescale"]), rescale_factor=float(c["rescale_factor"]),
+            do_normalize=bool(c["do_normalize"]),
+            image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
+            image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
+            patch_size=int(c["patch_size"]), temporal_patch_size=int(c["temporal_patch_size"]),
+            merge_size=int(c["merge_size"]), min_frames=int(c["min_frames"]), max_frames=int(c["max_frames"]),
+            do_sample_frames=bool(c["do_sample_frames"]),
+            fps=float(c["fps"]) if c["fps"] is not None else None,
+            num_frames=int(c["num_frames"]) if c["num_frames"] is not None else None,
+            cap_pixels_per_frame=bool(c["cap_pixels_per_frame"]), max_video_tokens=int(c["max_video_tokens"]))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> QwenVideoProcessor:
+        return cls.from_config(read_video_processor_config(folder))
+
+    # ------------------------------------------------------------------ frame sampling
+    def sample_indices(self, total: int, video_fps: Optional[float], fps: Optional[float] = None,
+                       num_frames: Optional[int] = None) -> np.ndarray:
+        """Qwen2VLVideoProcessor.sample_frames: which of a video's `total` frames to keep, num_frames of them
+        (rounded to a multiple of temporal_patch_size), or fps a second of a video of video_fps frames a second
+        (within [min_frames, max_frames], floored to a multiple of temporal_patch_size), uniformly spaced."""
+        if fps is not None and num_frames is not None:
+            raise ValueError("num_frames and fps are mutually exclusive")
+        num_frames = num_frames if num_frames is not None else self.num_frames
+        fps = fps if fps is not None else self.fps
+        tp = self.temporal_patch_size
+        n: Optional[float]
+        if num_frames is not None:
+            n = round(num_frames / tp) * tp
+        elif fps is not None:
+            if not video_fps:
+                raise ValueError("sampling frames at an fps needs the video's own fps")
+            max_frames = math.floor(min(self.max_frames, total) / tp) * tp
+            n = total / video_fps * fps
+            n = min(max(n, self.min_frames), max_frames, total)
+            n = math.floor(n / tp) * tp
+        else:
+            return np.arange(total, dtype=np.int64)
+        if n > total:
+            raise ValueError(f"cannot sample {n} frames from a video of {total}")
+        if n <= 0:
+            raise ValueError(f"a video of {total} frames gives no frames to sample (at least {tp} needed)")
+        # torch.arange(0, total, total / n).int(): float32 steps, as transformers computes them
+        return torch.arange(0, total, total / n).int().numpy().astype(np.int64)
+
+    # ------------------------------------------------------------------ processing
+    def output_size(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
+        """(height, width) every frame of a video of that size and frame count is processed at."""
+        if not self.do_resize:
+            return height, width
+        max_pixels = self.max_pixels
+        if self.cap_pixels_per_frame:
+            total_pixels = int(self.max_video_tokens * self.factor * self.factor * 0.9)
+            max_pixels = max(min(max_pixels, total_pixels * self.temporal_patch_size // num_frames),
+                             int(self.min_pixels * 1.05))
+        return smart_resize(height, width, self.factor, self.min_pixels, max_pixels)
+
+    def __call__(self, videos: Sequence[Frames], fps: Optional[Sequence[Optional[float]]] = None,
+                 sample: Optional[Sequence[Optional[bool]]] = None, max_tokens: Optional[int] = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """(pixel_values_videos [total_patches, 3 * temporal_patch_size * patch_size**2] float32, video_grid_thw
+        int64 [len(videos), 3], second_per_grid_ts: each video's seconds per temporal grid step). `fps`: each
+        video's frame rate (None: unknown, taken as the processor's fps or DEFAULT_FPS), which frame sampling
+        needs and second_per_grid_ts reads. `sample`: whether to sample each video's frames (None: do_sample_frames,
+        where the video's fps is known or num_frames set; False: the frames are sampled already). `max_tokens`: a
+        video that would take more merged tokens is refused before its frames are resized."""
+        if not videos:
+            raise ValueError("no videos to process")
+        fps = list(fps) if fps is not None else [None] * len(videos)
+        sample = list(sample) if sample is not None else [None] * len(videos)
+        if len(fps) != len(videos) or len(sample) != len(videos):
+            raise ValueError(f"{len(fps)} fps and {len(sample)} sample flags for {len(videos)} videos")
+        patches, grids, seconds = [], [], []
+        for i, (video, rate, wanted) in enumerate(zip(videos, fps, sample)):
+            frames = as_frames(video, f"video {i}")
+            sampled_fps = rate if rate else (self.fps or DEFAULT_FPS)
+            if wanted is None:
+                wanted = self.do_sample_frames and bool(rate or self.num_frames is not None)
+            if wanted:
+                idx = self.sample_indices(len(frames), rate)
+                sampled_fps = len(idx) / len(frames) * rate if rate else sampled_fps
+                frames = frames[idx]
+            if max_tokens is not None:
+                t, h, w = len(frames), *self.output_size(frames.shape[1], frames.shape[2], len(frames))
+                n = -(-t // self.temporal_patch_size) * (h // self.patch_size) * (w // self.patch_size) \
+                    // self.merge_size ** 2
+                if n > max_tokens:
+                    raise ValueError(f"video {i} ({t} frames of {frames.shape[2]}x{frames.shape[1]}, processed at "
+                                     f"{w}x{h}) would take {n} tokens, more than the model's context "
+                                     f"({max_tokens})")
+            p, grid = self._patches(self._resize(frames))
+            patches.append(p)
+            grids.append(grid)
+            seconds.append(self.temporal_patch_size / sampled_fps)
+        return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids, dtype=torch.int64), seconds
+
+    def _resize(self, frames: np.ndarray) -> np.ndarray:
+        """uint8 [T, H, W, 3] -> uint8 [T, H', W', 3]: every frame to the video's size, PIL on uint8."""
+        t, h, w, _ = frames.shape
+        height, width = self.output_size(h, w, t)
+        if height % self.factor or width % self.factor:
+            raise ValueError(f"video frames of size {w}x{h} (WxH) without resizing: both sides must be multiples "
+                             f"of patch_size * merge_size = {self.factor}")
+        if (height, width) == (h, w):
+            return frames
+        return np.stack([np.asarray(Image.fromarray(f).resize((width, height), resample=self.resample))
+                         for f in frames])
+
+    def _patches(self, frames: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """uint8 [T, H, W, 3] -> (normalized patches [gt * gh * gw, 3 * tp * P * P], [gt, gh, gw]): transformers'
+        patchify (frames padded with the last one, then the same view and permute)."""
+        t, h, w, _ = frames.shape
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        if pad := -t % tp:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+            t += pad
+        gt, gh, gw = t // tp, h // p, w // p
+        video = np.empty((t, 3, h, w), dtype=np.float32)
+        for c in range(3):
+            video[:, c] = self._table[c][frames[..., c]]
+        blocks = video.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return np.ascontiguousarray(blocks).reshape(gt * gh * gw, 3 * tp * p * p), [gt, gh, gw]
+
+    def num_tokens(self, grid_thw: torch.Tensor) -> list[int]:
+        return [int(t * h * w) // self.merge_size ** 2 for t, h, w in grid_thw.tolist()]
