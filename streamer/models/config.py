@@ -12,7 +12,11 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
                            "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
                            "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                           "NemotronHForCausalLM")
+                           "NemotronHForCausalLM",
+                           "Olmo3ForCausalLM", "Exaone4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM",
+                           "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM",
+                           "MinistralForCausalLM",
+                           "GemmaForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
 # rollback), and no tensor parallelism yet.
@@ -25,7 +29,8 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
                       "GraniteMoeHybridForCausalLM": "its Mamba layers are not split over ranks yet",
                       "BambaForCausalLM": "its Mamba layers are not split over ranks yet",
                       "Qwen3NextForCausalLM": "its Gated DeltaNet layers are not split over ranks yet",
-                      "NemotronHForCausalLM": "its Mamba layers are not split over ranks yet"}
+                      "NemotronHForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -108,6 +113,17 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
     "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
     "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
+    "GemmaForCausalLM": dict(tie_word_embeddings=True, head_dim=256),
+    "CohereForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True),
+    "Cohere2ForCausalLM": dict(tie_word_embeddings=True),
+    "Starcoder2ForCausalLM": dict(tie_word_embeddings=True),
+    "Olmo3ForCausalLM": dict(rope_theta=500_000.0, rms_norm_eps=1e-5),
+    "Exaone4ForCausalLM": dict(rms_norm_eps=1e-5),
+    "Ernie4_5ForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, head_dim=128, rms_norm_eps=1e-5),
+    "SeedOssForCausalLM": dict(attention_bias=True, head_dim=128),
+    "ArceeForCausalLM": dict(rms_norm_eps=1e-5),
+    "ApertusForCausalLM": dict(rms_norm_eps=1e-5),
+    "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5),
 }
 
 
@@ -316,9 +332,9 @@ class ModelConfig:
             # MLA: the cache's geometry (config.json's num_key_value_heads, 128 in V3's, plays no part, and its
             # head_dim is the rope part's)
             num_kv_heads=mla_kv_heads if mla else c.get("num_key_value_heads") or num_heads,
-            head_dim=mla_head_dim if mla else c.get("head_dim") or hidden // num_heads,
+            head_dim=mla_head_dim if mla else c.get("head_dim") or defaults.get("head_dim") or hidden // num_heads,
             max_position_embeddings=c.get("max_position_embeddings", 2048),
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=c.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", defaults.get("rope_theta", 10000.0)))),
             rope_scaling=scaling,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", defaults.get(

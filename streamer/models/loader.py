@@ -12,7 +12,9 @@ import torch
 from safetensors import safe_open
 
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
+from streamer.models.gemma import GemmaForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
@@ -23,8 +25,17 @@ from streamer.models.llama4 import Llama4ForCausalLM
 from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.olmo3 import Olmo3ForCausalLM
+from streamer.models.exaone4 import Exaone4ForCausalLM
+from streamer.models.ernie4_5 import Ernie4_5ForCausalLM
+from streamer.models.seed_oss import SeedOssForCausalLM
+from streamer.models.arcee import ArceeForCausalLM
+from streamer.models.apertus import ApertusForCausalLM
+from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
+from streamer.models.ministral import MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
+from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
@@ -40,6 +51,18 @@ _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
 _MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
 _MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
+_MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM
+_MODEL_CLASSES["CohereForCausalLM"] = CohereForCausalLM
+_MODEL_CLASSES["Cohere2ForCausalLM"] = Cohere2ForCausalLM
+_MODEL_CLASSES["Starcoder2ForCausalLM"] = Starcoder2ForCausalLM
+_MODEL_CLASSES["Olmo3ForCausalLM"] = Olmo3ForCausalLM
+_MODEL_CLASSES["Exaone4ForCausalLM"] = Exaone4ForCausalLM
+_MODEL_CLASSES["Ernie4_5ForCausalLM"] = Ernie4_5ForCausalLM
+_MODEL_CLASSES["SeedOssForCausalLM"] = SeedOssForCausalLM
+_MODEL_CLASSES["ArceeForCausalLM"] = ArceeForCausalLM
+_MODEL_CLASSES["ApertusForCausalLM"] = ApertusForCausalLM
+_MODEL_CLASSES["HunYuanDenseV1ForCausalLM"] = HunYuanDenseV1ForCausalLM
+_MODEL_CLASSES["MinistralForCausalLM"] = MinistralForCausalLM
 _MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
