@@ -207,8 +207,9 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
-        attn = attention_layers(self.model)[0]  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
-        shape = (2, self.num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
+        attns = attention_layers(self.model)  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
+        # (no attention layer at all, pure Mamba2: every layer's entry is a placeholder, the blocks only bookkeeping)
+        shape = (2, self.num_blocks + 1, self.block_size, attns[0].num_kv_heads, attns[0].head_dim) if attns else (0,)
         # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
         self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
                                       dtype=self.kv_dtype, device=self.device) for layer in self.model.layers]
@@ -424,6 +425,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         attns = attention_layers(self.model)
+        if not attns:  # a model without attention layers (Mamba2) stores no KV
+            return 0
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(attns) * self.block_size * attns[0].num_kv_heads * attns[0].head_dim * elem
 
@@ -433,7 +436,7 @@ class ModelRunner:
         if not self.hybrid:
             return 0
         per_slot = self.model.state_bytes_per_slot(self.dtype)
-        half = self._memory_budget() // 2
+        half = self._memory_budget() // (2 if attention_layers(self.model) else 1)  # (no KV: all of it)
         n = self.config.max_num_seqs
         if self.config.num_kv_blocks is None and n * per_slot > half:
             n = max(1, half // per_slot)
@@ -463,7 +466,8 @@ class ModelRunner:
             budget -= self.num_state_slots * self.model.state_bytes_per_slot(self.dtype)
         # More blocks than every sequence slot can fill would only waste memory.
         useful = self.config.max_num_seqs * self.max_blocks_per_req
-        n = min(budget // per_block, useful)
+        # (no KV per block, a model without attention layers: as many as the sequences can fill, up to 256K)
+        n = min(budget // per_block, useful) if per_block else min(useful, 1 << 18)
         if self.tp_size > 1:  # every rank must hold the same blocks: the smallest budget decides
             t = torch.tensor([n], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)

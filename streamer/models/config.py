@@ -8,29 +8,39 @@ from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "GemmaForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
                            "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
-                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                           "NemotronHForCausalLM",
                            "Olmo3ForCausalLM", "Exaone4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM",
                            "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM",
                            "MinistralForCausalLM",
-                           "GemmaForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM")
+                           "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
+                           "GraniteMoeSharedForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
+                           "PhimoeForCausalLM",
+                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+                           "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
+                           "Lfm2MoeForCausalLM")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
 # rollback), and no tensor parallelism yet.
 HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                        "NemotronHForCausalLM")
+                        "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
+                        "Lfm2MoeForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
+                      "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
+                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "GraniteMoeHybridForCausalLM": "its Mamba layers are not split over ranks yet",
                       "BambaForCausalLM": "its Mamba layers are not split over ranks yet",
                       "Qwen3NextForCausalLM": "its Gated DeltaNet layers are not split over ranks yet",
                       "NemotronHForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
+                      "Mamba2ForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "FalconH1ForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "Lfm2ForCausalLM": "its short-convolution layers are not split over ranks yet",
+                      "Lfm2MoeForCausalLM": "its short-convolution layers are not split over ranks yet"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -110,13 +120,12 @@ NO_O_PROJ_BIAS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Glm4ForCausalLM": dict(partial_rotary_factor=0.5, attention_bias=True),
     "Glm4MoeForCausalLM": dict(partial_rotary_factor=0.5),
-    "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
-    "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
-    "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
     "GemmaForCausalLM": dict(tie_word_embeddings=True, head_dim=256),
     "CohereForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True),
     "Cohere2ForCausalLM": dict(tie_word_embeddings=True),
     "Starcoder2ForCausalLM": dict(tie_word_embeddings=True),
+    "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
+    "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
     "Olmo3ForCausalLM": dict(rope_theta=500_000.0, rms_norm_eps=1e-5),
     "Exaone4ForCausalLM": dict(rms_norm_eps=1e-5),
     "Ernie4_5ForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, head_dim=128, rms_norm_eps=1e-5),
@@ -124,6 +133,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "ArceeForCausalLM": dict(rms_norm_eps=1e-5),
     "ApertusForCausalLM": dict(rms_norm_eps=1e-5),
     "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5),
+    "OlmoeForCausalLM": dict(rms_norm_eps=1e-5),
+    "HunYuanMoEV1ForCausalLM": dict(rms_norm_eps=1e-5),
+    "PhimoeForCausalLM": dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5),
+    "Ernie4_5_MoeForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
 }
 
 
@@ -293,6 +307,9 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS))}")
         if arch == "NemotronHForCausalLM":
             c = _nemotron_h(c)
+        if arch in ("Mamba2ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):  # (their own spellings)
+            from streamer.models import lfm2, mamba2  # (common_config; they import torch: this module does not)
+            c = (mamba2 if arch == "Mamba2ForCausalLM" else lfm2).common_config(c)
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}

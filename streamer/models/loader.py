@@ -14,17 +14,27 @@ from safetensors import safe_open
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
+from streamer.models.falcon_h1 import FalconH1ForCausalLM
 from streamer.models.gemma import GemmaForCausalLM
+from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.lfm2 import Lfm2ForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
+from streamer.models.mamba2 import Mamba2ForCausalLM
 from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.vlm import vlm_class
 from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.olmoe import OlmoeForCausalLM
+from streamer.models.qwen2_moe import Qwen2MoeForCausalLM
+from streamer.models.granite_moe import GraniteMoeForCausalLM
+from streamer.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from streamer.models.hunyuan_moe import HunYuanMoEV1ForCausalLM
+from streamer.models.phimoe import PhimoeForCausalLM
 from streamer.models.olmo3 import Olmo3ForCausalLM
 from streamer.models.exaone4 import Exaone4ForCausalLM
 from streamer.models.ernie4_5 import Ernie4_5ForCausalLM
@@ -35,7 +45,6 @@ from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
 from streamer.models.ministral import MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
-from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
@@ -48,13 +57,20 @@ logger = logging.getLogger("streamer")
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
-_MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
-_MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
-_MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
 _MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM
 _MODEL_CLASSES["CohereForCausalLM"] = CohereForCausalLM
 _MODEL_CLASSES["Cohere2ForCausalLM"] = Cohere2ForCausalLM
 _MODEL_CLASSES["Starcoder2ForCausalLM"] = Starcoder2ForCausalLM
+_MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
+_MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
+_MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
+_MODEL_CLASSES["OlmoeForCausalLM"] = OlmoeForCausalLM
+_MODEL_CLASSES["Qwen2MoeForCausalLM"] = Qwen2MoeForCausalLM
+_MODEL_CLASSES["GraniteMoeForCausalLM"] = GraniteMoeForCausalLM
+_MODEL_CLASSES["GraniteMoeSharedForCausalLM"] = GraniteMoeForCausalLM
+_MODEL_CLASSES["Ernie4_5_MoeForCausalLM"] = Ernie4_5_MoeForCausalLM
+_MODEL_CLASSES["HunYuanMoEV1ForCausalLM"] = HunYuanMoEV1ForCausalLM
+_MODEL_CLASSES["PhimoeForCausalLM"] = PhimoeForCausalLM
 _MODEL_CLASSES["Olmo3ForCausalLM"] = Olmo3ForCausalLM
 _MODEL_CLASSES["Exaone4ForCausalLM"] = Exaone4ForCausalLM
 _MODEL_CLASSES["Ernie4_5ForCausalLM"] = Ernie4_5ForCausalLM
@@ -73,6 +89,10 @@ _MODEL_CLASSES["GraniteMoeHybridForCausalLM"] = GraniteMoeHybridForCausalLM
 _MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
 _MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
 _MODEL_CLASSES["NemotronHForCausalLM"] = NemotronHForCausalLM
+_MODEL_CLASSES["Mamba2ForCausalLM"] = Mamba2ForCausalLM
+_MODEL_CLASSES["FalconH1ForCausalLM"] = FalconH1ForCausalLM
+_MODEL_CLASSES["Lfm2ForCausalLM"] = Lfm2ForCausalLM
+_MODEL_CLASSES["Lfm2MoeForCausalLM"] = Lfm2ForCausalLM  # (its sparse layers by cfg.architecture)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

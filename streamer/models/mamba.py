@@ -1,5 +1,7 @@
 """The Mamba2 (SSD) mixer of hybrid attention + Mamba models (IBM Granite 4.0-H: models/granite_hybrid.py;
-NVIDIA Nemotron-H: models/nemotron_h.py).
+NVIDIA Nemotron-H: models/nemotron_h.py; Falcon-H1: models/falcon_h1.py) and of pure Mamba2 (models/mamba2.py),
+and the slot-held recurrent state they share with other recurrent layers (Gated DeltaNet: models/qwen3_next.py;
+LFM2's short convolution, a conv window and no SSM state: models/lfm2.py).
 
 A Mamba layer keeps no KV cache: each running request holds a fixed-size recurrent state in a slot of the layer's
 state tensors (the slot pool is the KV cache manager's, `streamer/kv_cache.py StateSlotPool`):
@@ -147,10 +149,16 @@ class MambaMixer(RecurrentMixer):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
     `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""
 
-    def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float, inner: Optional[int] = None) -> None:
+    def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float, inner: Optional[int] = None,
+                 norm: str = "gated", out_bias: Optional[bool] = None) -> None:
         """`inner`: the SSM's width (heads x head_dim), when it is not `mamba_expand` x hidden_size (Nemotron-H
-        gives heads and head_dim: models/nemotron_h.py)."""
+        gives heads and head_dim: models/nemotron_h.py). `norm`: "gated" (RMSNorm per group of y * silu(z), as
+        Mamba2), "before_gate" (RMSNorm per group of y, then times silu(z)) or "none" (y * silu(z), no norm; both
+        Falcon-H1's, models/falcon_h1.py). `out_bias`: out_proj's bias when it differs from in_proj's."""
         super().__init__()
+        if norm not in ("gated", "before_gate", "none"):
+            raise ValueError(f"unknown Mamba norm {norm!r}")
+        self.norm_mode = norm
         expand = int(raw.get("mamba_expand", 2))
         self.num_heads = int(raw.get("mamba_n_heads", 128))
         self.inner = expand * hidden_size if inner is None else inner
@@ -176,9 +184,11 @@ class MambaMixer(RecurrentMixer):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias)
+        self.norm: Optional[nn.Module] = None
+        if norm != "none":
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias if out_bias is None else out_bias)
         for p in self.parameters():
             p.requires_grad_(False)
         self.state_shape = (self.num_heads, self.head_dim, self.d_state)
@@ -195,7 +205,7 @@ class MambaMixer(RecurrentMixer):
         step = self.begin_step()
         ssm_state = self.ssm_state
         assert ssm_state is not None
-        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        gate, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
         y = torch.empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
@@ -216,9 +226,23 @@ class MambaMixer(RecurrentMixer):
                                   ssm_state[slot])
             ssm_state[slot] = final
             y[a:b] = out + D[:, None] * xs
-        # gated RMSNorm (norm after the gate), per group of channels
-        g = y.view(x.shape[0], inner) * F.silu(gate.float())
-        g = g.view(x.shape[0], self.n_groups, -1)
+        return self.out_proj(self.gate_and_norm(y.view(x.shape[0], inner), gate, x.dtype))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """[z; xBC; dt] of each token (Falcon-H1 scales them)."""
+        return self.in_proj(x)
+
+    def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The SSM's output y [T, inner] (fp32) gated by silu(z), RMS-normed per group of channels (`norm_mode`),
+        in `dtype`."""
+        t = y.shape[0]
+        if self.norm_mode == "gated":  # gated RMSNorm (norm after the gate)
+            g = (y * F.silu(gate.float())).view(t, self.n_groups, -1)
+            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.norm.weight * g.view(t, -1).to(dtype)  # type: ignore[union-attr]
+        if self.norm_mode == "none":
+            return (y * F.silu(gate)).to(dtype)
+        g = y.view(t, self.n_groups, -1)  # norm, then the gate (all in fp32)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.norm.weight * g.view(x.shape[0], inner).to(x.dtype)
-        return self.out_proj(out)
+        g = self.norm.weight.float() * g.view(t, -1)  # type: ignore[union-attr]
+        return (g * F.silu(gate.float())).to(dtype)

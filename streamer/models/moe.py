@@ -1,7 +1,9 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek): a router picks each token's top-k experts;
-their SwiGLU outputs, weighted by the router's probabilities, are summed. gpt-oss (models/gpt_oss.py) adds biases
-(router, experts) and its clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py, reused by GLM-4.5)
-its own routers (`route`) and shared experts.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, gpt-oss, DeepSeek; Qwen2-MoE, OLMoE, Granite MoE, ERNIE 4.5 MoE,
+Hunyuan MoE and Phi-3.5-MoE in their own modules): a router picks each token's top-k experts; their SwiGLU outputs,
+weighted by the router's probabilities, are summed. gpt-oss (models/gpt_oss.py) adds biases (router, experts) and its
+clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py, reused by GLM-4.5), ERNIE, Hunyuan and
+Phi-3.5-MoE their own routers (`route`); several families add shared experts around `forward`. `unfuse_experts`
+splits a checkpoint's fused experts (transformers 5's layout, Granite MoE's) into the per-expert names the loader reads.
 
 The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,35 @@ EXPERT_WEIGHT = re.compile(r"^(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(g
                            r"\.weight(_scale|_zero)?$")
 INT4_PARTS = ("w13", "w2", "w13_scale", "w13_zero", "w2_scale", "w2_zero")  # a 4-bit layer's loaded parameters
 EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# A layer's experts stored fused: transformers 5's layout (`mlp.experts.gate_up_proj` [E, 2I, H], each expert's gate
+# rows then its up rows, and `mlp.experts.down_proj` [E, H, I]), which Granite MoE's Hub checkpoints also use under
+# `block_sparse_moe.input_linear.weight` / `output_linear.weight`.
+FUSED_EXPERTS = re.compile(r"^(.*)\.(mlp|block_sparse_moe)\.(?:experts\.(gate_up_proj|down_proj)"
+                           r"|(input_linear|output_linear)\.weight)$")
+
+
+def unfuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors with any layer's fused experts (FUSED_EXPERTS, gate rows before up rows) split into the
+    per-expert names EXPERT_WEIGHT reads (`<prefix>.<mlp|block_sparse_moe>.experts.E.gate_proj.weight`, ...), so
+    that they load (and split over ranks) as the Hub's per-expert layout does. Names paired with anything but a
+    tensor (the loader's name-only passes) go through unchanged."""
+    for name, t in weights:
+        m = FUSED_EXPERTS.match(name)
+        if m is None or not isinstance(t, torch.Tensor):
+            yield name, t
+            continue
+        prefix, block, kind, granite = m.groups()
+        up_kind = (kind or granite) in ("gate_up_proj", "input_linear")
+        if t.dim() != 3 or (up_kind and t.shape[1] % 2):
+            raise ValueError(f"fused experts {name!r} have shape {tuple(t.shape)}: expected "
+                             + ("[experts, 2 * I, hidden]" if up_kind else "[experts, hidden, I]"))
+        for e in range(t.shape[0]):
+            if up_kind:
+                gate, up = t[e].chunk(2, dim=0)
+                yield f"{prefix}.{block}.experts.{e}.gate_proj.weight", gate
+                yield f"{prefix}.{block}.experts.{e}.up_proj.weight", up
+            else:
+                yield f"{prefix}.{block}.experts.{e}.down_proj.weight", t[e]
 
 
 def _gated(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
