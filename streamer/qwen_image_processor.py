@@ -65,6 +65,30 @@ def value_table(do_rescale: bool, rescale_factor: float, do_normalize: bool, mea
     return np.ascontiguousarray(x.astype(np.float32).T)
 
 
+def common_fields(c: dict[str, Any], what: str) -> dict[str, Any]:
+    """The image and video processors' shared fields from a config merged over its class defaults (`what`: which
+    processor, for errors). min_pixels / max_pixels override size, as transformers' __init__ has it."""
+    size = dict(c["size"]) if isinstance(c["size"], dict) else None
+    if size is None:
+        raise ValueError(f"cannot read the {what} processor's size {c['size']!r} (a dict with shortest_edge and "
+                         "longest_edge, in pixels)")
+    size["shortest_edge"] = c.get("min_pixels", size.get("shortest_edge"))
+    size["longest_edge"] = c.get("max_pixels", size.get("longest_edge"))
+    if c["do_resize"] and (not size.get("shortest_edge") or not size.get("longest_edge")):
+        raise ValueError(f"the {what} processor's size must have shortest_edge and longest_edge (or min_pixels and "
+                         f"max_pixels), got {c['size']}")
+    mean, std = c["image_mean"], c["image_std"]
+    return dict(
+        do_convert_rgb=bool(c["do_convert_rgb"]), do_resize=bool(c["do_resize"]),
+        min_pixels=int(size["shortest_edge"] or 0), max_pixels=int(size["longest_edge"] or 0),
+        resample=int(c["resample"]), do_rescale=bool(c["do_rescale"]), rescale_factor=float(c["rescale_factor"]),
+        do_normalize=bool(c["do_normalize"]),
+        image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
+        image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
+        patch_size=int(c["patch_size"]), temporal_patch_size=int(c["temporal_patch_size"]),
+        merge_size=int(c["merge_size"]))
+
+
 @dataclass
 class QwenImageProcessor:
     do_convert_rgb: bool
@@ -105,28 +129,8 @@ class QwenImageProcessor:
         if kind not in KINDS:
             raise ValueError(f"unsupported image processor {kind!r} for Qwen2-VL; supported: {KINDS}")
         # A null field takes the class default, as transformers' _set_attributes does.
-        c = {**QWEN_IMAGE_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
-        size = dict(c["size"]) if isinstance(c["size"], dict) else None
-        if size is None:
-            raise ValueError(f"cannot read the image processor's size {c['size']!r} (a dict with shortest_edge "
-                             "and longest_edge, in pixels)")
-        # min_pixels / max_pixels override size, as transformers' __init__ has it.
-        size["shortest_edge"] = c.get("min_pixels", size.get("shortest_edge"))
-        size["longest_edge"] = c.get("max_pixels", size.get("longest_edge"))
-        if c["do_resize"] and (not size["shortest_edge"] or not size["longest_edge"]):
-            raise ValueError(f"size must have shortest_edge and longest_edge (or min_pixels and max_pixels), "
-                             f"got {c['size']}")
-        mean, std = c["image_mean"], c["image_std"]
-        return cls(
-            do_convert_rgb=bool(c["do_convert_rgb"]), do_resize=bool(c["do_resize"]),
-            min_pixels=int(size["shortest_edge"] or 0), max_pixels=int(size["longest_edge"] or 0),
-            resample=int(c["resample"]), do_rescale=bool(c["do_rescale"]),
-            rescale_factor=float(c["rescale_factor"]), do_normalize=bool(c["do_normalize"]),
-            image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
-            image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
-            patch_size=int(c["patch_size"]), temporal_patch_size=int(c["temporal_patch_size"]),
-            merge_size=int(c["merge_size"]),
-        )
+        return cls(**common_fields({**QWEN_IMAGE_DEFAULTS, **{k: v for k, v in config.items() if v is not None}},
+                                   "image"))
 
     @classmethod
     def from_folder(cls, folder: Path) -> QwenImageProcessor:
@@ -140,7 +144,7 @@ class QwenImageProcessor:
             raise ValueError("no images to process")
         patches, grids = [], []
         for image in images:
-            p, grid = self._patches(self._geometry(image))
+            p, grid = self._patches(self._geometry(image)[None])  # (a video of one frame)
             patches.append(p)
             grids.append(grid)
         return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids, dtype=torch.int64)
@@ -169,15 +173,17 @@ class QwenImageProcessor:
             image = image.resize((width, height), resample=self.resample)
         return np.asarray(image)
 
-    def _patches(self, array: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        """uint8 [H, W, 3] -> (rescaled and normalized patches [gh * gw, 3 * T * P * P], [1, gh, gw])."""
-        h, w, _ = array.shape
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = h // p, w // p
-        image = np.empty((3, h, w), dtype=np.float32)
+    def _patches(self, frames: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """uint8 [T, H, W, 3] -> (normalized patches [gt * gh * gw, 3 * tp * P * P], [gt, gh, gw]): transformers'
+        patchify (frames padded with the last one, then the same view and permute)."""
+        t, h, w, _ = frames.shape
+        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
+        if pad := -t % tp:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
+            t += pad
+        gt, gh, gw = t // tp, h // p, w // p
+        video = np.empty((t, 3, h, w), dtype=np.float32)
         for c in range(3):
-            image[c] = self._table[c][array[..., c]]
-        blocks = image.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        # (gh/m, gw/m, m, m, C, P, P): merge-block order; each patch repeated over the T frames, then flattened
-        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-        return frames.reshape(gh * gw, 3 * t * p * p), [1, gh, gw]
+            video[:, c] = self._table[c][frames[..., c]]
+        blocks = video.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return np.ascontiguousarray(blocks).reshape(gt * gh * gw, 3 * tp * p * p), [gt, gh, gw]

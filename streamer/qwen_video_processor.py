@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -30,7 +30,7 @@ import torch
 from PIL import Image
 
 from streamer.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from streamer.qwen_image_processor import smart_resize, value_table
+from streamer.qwen_image_processor import QwenImageProcessor, common_fields, smart_resize
 
 # transformers' Qwen2VLVideoProcessor class attributes: a field left out of the config, or null, takes these.
 # (fps / num_frames: None, sample nothing unless asked.)
@@ -86,20 +86,10 @@ def as_frames(video: Any, what: str = "video") -> np.ndarray:
 
 
 @dataclass
-class QwenVideoProcessor:
-    do_convert_rgb: bool
-    do_resize: bool
-    min_pixels: int
-    max_pixels: int
-    resample: int  # a PIL resampling filter (3: bicubic)
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: tuple[float, ...]
-    image_std: tuple[float, ...]
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
+class QwenVideoProcessor(QwenImageProcessor):
+    """The image processor's geometry and values (a still image is a video of identical frames), plus frame
+    sampling and a per-video size."""
+
     min_frames: int = 4
     max_frames: int = 768
     do_sample_frames: bool = False
@@ -107,54 +97,21 @@ class QwenVideoProcessor:
     num_frames: Optional[int] = None  # or this many frames
     cap_pixels_per_frame: bool = False
     max_video_tokens: int = 128000
-    _table: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.image_mean) != 3 or len(self.image_std) != 3:
-            raise ValueError(f"image_mean/image_std need 3 values, got {self.image_mean}, {self.image_std}")
-        if min(self.patch_size, self.temporal_patch_size, self.merge_size) < 1:
-            raise ValueError(f"patch_size {self.patch_size}, temporal_patch_size {self.temporal_patch_size} and "
-                             f"merge_size {self.merge_size} must be positive")
-        if self.do_resize and not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"video min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: need "
-                             "0 < min_pixels <= max_pixels")
+        super().__post_init__()
         if self.fps is not None and self.num_frames is not None:
             raise ValueError("the video processor's fps and num_frames are mutually exclusive")
-        self._table = value_table(self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean,
-                                  self.image_std)
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> QwenVideoProcessor:
         c = {**QWEN_VIDEO_DEFAULTS, **{k: v for k, v in config.items() if v is not None and k in QWEN_VIDEO_DEFAULTS
                                        or k in ("min_pixels", "max_pixels") and v is not None}}
-        size = dict(c["size"]) if isinstance(c["size"], dict) else None
-        if size is None:
-            raise ValueError(f"cannot read the video processor's size {c['size']!r} (a dict with shortest_edge "
-                             "and longest_edge, in pixels)")
-        # min_pixels / max_pixels override size, as Qwen2VLVideoProcessor.__init__ has it.
-        size["shortest_edge"] = c.get("min_pixels", size.get("shortest_edge"))
-        size["longest_edge"] = c.get("max_pixels", size.get("longest_edge"))
-        if c["do_resize"] and (not size.get("shortest_edge") or not size.get("longest_edge")):
-            raise ValueError(f"the video processor's size must have shortest_edge and longest_edge (or min_pixels "
-                             f"and max_pixels), got {c['size']}")
-        mean, std = c["image_mean"], c["image_std"]
-        return cls(
-            do_convert_rgb=bool(c["do_convert_rgb"]), do_resize=bool(c["do_resize"]),
-            min_pixels=int(size["shortest_edge"] or 0), max_pixels=int(size["longest_edge"] or 0),
-            resample=int(c["resample"]), do_rescale=bool(c["do_rescale"]), rescale_factor=float(c["rescale_factor"]),
-            do_normalize=bool(c["do_normalize"]),
-            image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
-            image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3,
-            patch_size=int(c["patch_size"]), temporal_patch_size=int(c["temporal_patch_size"]),
-            merge_size=int(c["merge_size"]), min_frames=int(c["min_frames"]), max_frames=int(c["max_frames"]),
-            do_sample_frames=bool(c["do_sample_frames"]),
-            fps=float(c["fps"]) if c["fps"] is not None else None,
-            num_frames=int(c["num_frames"]) if c["num_frames"] is not None else None,
-            cap_pixels_per_frame=bool(c["cap_pixels_per_frame"]), max_video_tokens=int(c["max_video_tokens"]))
+        return cls(**common_fields(c, "video"), min_frames=int(c["min_frames"]), max_frames=int(c["max_frames"]),
+                   do_sample_frames=bool(c["do_sample_frames"]),
+                   fps=float(c["fps"]) if c["fps"] is not None else None,
+                   num_frames=int(c["num_frames"]) if c["num_frames"] is not None else None,
+                   cap_pixels_per_frame=bool(c["cap_pixels_per_frame"]), max_video_tokens=int(c["max_video_tokens"]))
 
     @classmethod
     def from_folder(cls, folder: Path) -> QwenVideoProcessor:
@@ -191,7 +148,7 @@ class QwenVideoProcessor:
         return torch.arange(0, total, total / n).int().numpy().astype(np.int64)
 
     # ------------------------------------------------------------------ processing
-    def output_size(self, height: int, width: int, num_frames: int) -> tuple[int, int]:
+    def output_size(self, height: int, width: int, num_frames: int = 1) -> tuple[int, int]:
         """(height, width) every frame of a video of that size and frame count is processed at."""
         if not self.do_resize:
             return height, width
@@ -252,21 +209,3 @@ class QwenVideoProcessor:
             return frames
         return np.stack([np.asarray(Image.fromarray(f).resize((width, height), resample=self.resample))
                          for f in frames])
-
-    def _patches(self, frames: np.ndarray) -> tuple[np.ndarray, list[int]]:
-        """uint8 [T, H, W, 3] -> (normalized patches [gt * gh * gw, 3 * tp * P * P], [gt, gh, gw]): transformers'
-        patchify (frames padded with the last one, then the same view and permute)."""
-        t, h, w, _ = frames.shape
-        p, m, tp = self.patch_size, self.merge_size, self.temporal_patch_size
-        if pad := -t % tp:
-            frames = np.concatenate([frames, np.repeat(frames[-1:], pad, axis=0)])
-            t += pad
-        gt, gh, gw = t // tp, h // p, w // p
-        video = np.empty((t, 3, h, w), dtype=np.float32)
-        for c in range(3):
-            video[:, c] = self._table[c][frames[..., c]]
-        blocks = video.reshape(gt, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return np.ascontiguousarray(blocks).reshape(gt * gh * gw, 3 * tp * p * p), [gt, gh, gw]
-
-    def num_tokens(self, grid_thw: torch.Tensor) -> list[int]:
-        return [int(t * h * w) // self.merge_size ** 2 for t, h, w in grid_thw.tolist()]
