@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 from streamer import LLM  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.ernie4_5_moe import ErnieMoE, ernie_sparse  # noqa: E402
-from streamer.models.hunyuan_moe import HunyuanMoE, ntk_alpha_config  # noqa: E402
+from streamer.models.hunyuan_dense import ntk_alpha_rope  # noqa: E402
+from streamer.models.hunyuan_moe import HunyuanMoE  # noqa: E402
 from streamer.models.layers import build_cos_sin_cache  # noqa: E402
 from streamer.models.llama import MLP, Attention  # noqa: E402
 from streamer.models.moe import SparseMoE, unfuse_experts  # noqa: E402
@@ -281,7 +282,8 @@ def _undo(model: torch.nn.Module, mutation: str) -> None:
                 w = weights + mlp.gate.e_score_correction_bias[ids].to(weights.dtype)
                 return w / w.sum(-1, keepdim=True), ids
             mlp.route = biased
-        elif mutation == "qk norm before rotary":
+        elif mutation == "qk norm before rotary":  # (Llama's forward, with Qwen3's norms: before rotary)
+            attn.q_norm, attn.k_norm = attn.query_layernorm, attn.key_layernorm
             attn.forward = types.MethodType(Attention.forward, attn)
         elif mutation == "no residual multiplier":
             layer.residual_multiplier = 1.0
@@ -514,5 +516,5 @@ def test_hunyuan_config() -> None:
                           "mscale_all_dim": 1.0, "type": "dynamic"}}
     cfg = ModelConfig.from_dict(c)
     assert cfg.rms_norm_eps == 1e-5
-    folded = ntk_alpha_config(cfg)
+    folded = ntk_alpha_rope(cfg)
     assert folded.rope_scaling is None and folded.rope_theta == pytest.approx(10000.0 * 1000.0 ** (128 / 126))

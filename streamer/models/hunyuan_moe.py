@@ -9,37 +9,24 @@ architecture name). Llama's pre-norm decoder, with Hunyuan's differences:
   router (`gate.wg`, kept in fp32 as transformers builds it) softmaxes all experts in fp32, keeps the top `moe_topk`
   (an int, or one per layer), always renormalised, and scales the experts' outputs by those fp32 weights.
 
-Checkpoint names as transformers writes them: `mlp.experts.E.{gate,up,down}_proj` (transformers 5's fused
+The attention and the NTK-alpha rotary are Hunyuan dense's (models/hunyuan_dense.py). Checkpoint names as transformers
+writes them: `mlp.experts.E.{gate,up,down}_proj` (transformers 5's fused
 `mlp.experts.gate_up_proj` / `down_proj` load too), `mlp.gate.wg.weight`, `mlp.shared_mlp.*`.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
+from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+from streamer.models.hunyuan_dense import HunYuanAttention, ntk_alpha_rope
 from streamer.models.moe import SparseMoE, unfuse_experts
-
-
-class HunyuanAttention(Attention):
-    """Per-head q/k RMSNorms after rotary."""
-
-    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                 rotary: RotaryEmbedding) -> None:
-        super().__init__(cfg, backend_cls, rotary, qk_norm_cls=RMSNorm)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                decode: Optional[DecodeBatch] = None) -> torch.Tensor:
-        q, k, v = self.project(x)
-        q, k = self.rotary(positions, q, k)
-        return self.attend(self.q_norm(q), self.k_norm(k), v, kv_cache, decode)  # type: ignore[misc]
 
 
 class HunyuanMoE(SparseMoE):
@@ -73,19 +60,10 @@ class HunyuanDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int) -> None:
         nn.Module.__init__(self)
-        self.self_attn = HunyuanAttention(cfg, backend_cls, rotary)
+        self.self_attn = HunYuanAttention(cfg, backend_cls, rotary)
         self.mlp = HunyuanMoE(cfg, index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-def ntk_alpha_config(cfg: ModelConfig) -> ModelConfig:
-    """A config whose "dynamic" rope scaling has a fixed alpha, as plain rotary over the stretched base."""
-    s = cfg.rope_scaling or {}
-    if s.get("rope_type") == "dynamic" and s.get("alpha"):
-        d = cfg.head_dim
-        return replace(cfg, rope_theta=cfg.rope_theta * float(s["alpha"]) ** (d / (d - 2)), rope_scaling=None)
-    return cfg
 
 
 class HunYuanMoEV1ForCausalLM(LlamaForCausalLM):
@@ -93,10 +71,8 @@ class HunYuanMoEV1ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
-        super().__init__(ntk_alpha_config(cfg), backend_cls, max_positions)
+        super().__init__(ntk_alpha_rope(cfg), backend_cls, max_positions)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in unfuse_experts(weights):
-            yield (name.replace(".mlp.gate.wg.", ".mlp.gate.")
-                   .replace(".self_attn.query_layernorm.", ".self_attn.q_norm.")
-                   .replace(".self_attn.key_layernorm.", ".self_attn.k_norm.")), t
+            yield name.replace(".mlp.gate.wg.", ".mlp.gate."), t
