@@ -122,6 +122,25 @@ def test_fused_phi3_targets_match_peft(make_ckpt, tmp_path):
         assert [o.outputs[0].token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("family,name,targets", [
+    ("starcoder2", "dfa_starcoder2", ["q_proj", "v_proj", "c_fc", "c_proj"]),
+    ("arcee", "arcee_b", ["q_proj", "o_proj", "up_proj", "down_proj"]),
+])
+def test_gateless_mlp_targets_match_peft(make_ckpt, tmp_path, family, name, targets):
+    """MLPs without a gate (StarCoder2's c_fc / c_proj, Arcee's lone up_proj) take adapters too."""
+    import tests.test_dense_families_a  # noqa: F401  (registers the starcoder2 test family)
+    import tests.test_dense_families_b  # noqa: F401  (and arcee)
+    base = make_ckpt(name, family=family)
+    adapter = make_adapter(base, tmp_path / family, 5, r=4, alpha=8, targets=targets)
+    expected = peft_greedy(base, adapter, PROMPTS, MAX_NEW)
+    assert expected != peft_greedy(base, None, PROMPTS, MAX_NEW)
+    with LLM(str(base), dtype="float32", enable_lora=True) as llm:
+        params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                            lora_request=LoRARequest(family, str(adapter)))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+
+
 def test_tensor_parallel_matches_peft(llama_dir, adapters, oracle):
     # Column layers split B's rows (and A stays whole), row layers split A's columns; the partial sums meet in
     # the all-reduce. The workers read the adapter folders themselves.

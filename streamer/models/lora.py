@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 # The layers adapters may target, by our parameter's name, and the checkpoint modules each one holds.
 LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+               # MLPs without a gate: Arcee's up_proj, StarCoder2's c_fc / c_proj
+               "up_proj": ("up_proj",), "c_fc": ("c_fc",), "c_proj": ("c_proj",)}
 
 
 @dataclass
