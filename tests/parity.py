@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Callable, Optional
 
+import pytest
 import torch
 
 from streamer import LLM, SamplingParams
@@ -56,6 +57,21 @@ def assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]], top: i
         for i, entry in enumerate(out.prompt_logprobs[1:]):
             err = max(abs(lp.logprob - want[i, t].item()) for t, lp in entry.items())
             assert err < tol, f"position {i + 1} of a {len(p)}-token prompt: {err}"
+
+
+# Whole prompts in one step, and prompts prefilled in chunks of at most 16 tokens over blocks of 8, beside other
+# requests' decodes: `@PREFILL_MODES` runs a test (taking `engine_args`) both ways.
+PREFILL_MODES = pytest.mark.parametrize("engine_args", [{}, dict(max_num_batched_tokens=16, block_size=8)],
+                                        ids=["whole-prefill", "chunked-prefill"])
+
+
+def assert_matches_transformers(llm: LLM, path: Path, prompts: list[list[int]], ref: list[list[int]],
+                                max_new: int) -> None:
+    """The engine's greedy tokens for a batch and for a lone request equal transformers' (`ref`), and so do the
+    first two prompts' logprobs."""
+    assert greedy(llm, prompts, max_new) == ref
+    assert greedy(llm, prompts[1:2], max_new) == ref[1:2]
+    assert_logprobs_match(llm, path, prompts[:2])
 
 
 def greedy_params(max_new: int) -> SamplingParams:

@@ -20,7 +20,8 @@ from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.deepseek import DeepseekMoE, Routing  # noqa: E402
 from streamer.models.layers import RotaryEmbedding  # noqa: E402
 from streamer.models.llama import MLP  # noqa: E402
-from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
+from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy,  # noqa: E402
+                         random_prompts, reference_cache)
 
 MAX_NEW = 12
 CASES: dict[str, dict[str, Any]] = {
@@ -45,16 +46,13 @@ def refs(ckpt) -> Callable[[str], list[list[int]]]:
 
 # ------------------------------------------------------------------------------------------------ parity
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("engine_args", [{}, dict(max_num_batched_tokens=16, block_size=8)],
-                         ids=["whole-prefill", "chunked-prefill"])
+@PREFILL_MODES
 def test_matches_transformers(ckpt, refs, name, engine_args) -> None:
     """Greedy tokens (a batch, and a lone request) and prompt logprobs; with a small token budget prompts are
     prefilled in chunks of at most 16 tokens over blocks of 8, beside other requests' decodes."""
     path = ckpt(name)
     with LLM(str(path), dtype="float32", **engine_args) as llm:
-        assert greedy(llm, PROMPTS, MAX_NEW) == refs(name)
-        assert greedy(llm, PROMPTS[1:2], MAX_NEW) == refs(name)[1:2]
-        assert_logprobs_match(llm, path, PROMPTS[:2])
+        assert_matches_transformers(llm, path, PROMPTS, refs(name), MAX_NEW)
         model = llm.engine.runner.model
         attn = model.layers[0].self_attn
         assert attn.rotary.cos_sin_cache.shape[-1] == 8  # half of each 16-dim head rotates

@@ -31,7 +31,8 @@ from streamer.models.llama import MLP, Attention  # noqa: E402
 from streamer.models.moe import SparseMoE, unfuse_experts  # noqa: E402
 from streamer.models.qwen2_moe import Qwen2MoeSparseMoE, qwen2_moe_sparse, qwen2_moe_window  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
+from tests.parity import (PREFILL_MODES, assert_logprobs_match, assert_matches_transformers,  # noqa: E402
+                         greedy, random_prompts, reference_cache)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -180,16 +181,13 @@ def _moes(model: torch.nn.Module) -> list[SparseMoE]:
 
 # ------------------------------------------------------------------------------------------------ parity
 @pytest.mark.parametrize("name", PARITY)
-@pytest.mark.parametrize("engine_args", [{}, dict(max_num_batched_tokens=16, block_size=8)],
-                         ids=["whole-prefill", "chunked-prefill"])
+@PREFILL_MODES
 def test_matches_transformers(ckpt, refs, name, engine_args) -> None:
     """Greedy tokens (a batch, and a lone request) and prompt logprobs; with a small token budget prompts are
     prefilled in chunks of at most 16 tokens over blocks of 8, beside other requests' decodes."""
     path = ckpt(name)
     with LLM(str(path), dtype="float32", **engine_args) as llm:
-        assert greedy(llm, PROMPTS, MAX_NEW) == refs(name)
-        assert greedy(llm, PROMPTS[1:2], MAX_NEW) == refs(name)[1:2]
-        assert_logprobs_match(llm, path, PROMPTS[:2])
+        assert_matches_transformers(llm, path, PROMPTS, refs(name), MAX_NEW)
         model = llm.engine.runner.model
         kinds = [type(layer.mlp) for layer in model.layers]
         if name == "qwen2_moe":
