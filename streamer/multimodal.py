@@ -17,6 +17,11 @@ Qwen2-VL's and Qwen2.5-VL's videos (multi_modal_data["video"], streamer/qwen_vid
 with more than one temporal grid step: an `ImageInput` (`video` set) whose placeholders are the video token, which
 the same encoder reads (each temporal slice attending to itself) and whose M-RoPE temporal positions step by
 `time_interval` per grid step (Qwen2.5-VL: tokens_per_second * second_per_grid_t).
+Qwen3-VL's videos are written as Qwen3VLProcessor writes them: per temporal grid step, its time as text
+("<1.5 seconds>", tokenized with the model's tokenizer), <|vision_start|>, that step's video tokens and
+<|vision_end|>; each step is an `ImageInput` of its own (a one-step grid, as transformers' get_rope_index splits
+a video's grid; the encoder's attention never crosses steps anyway), so its M-RoPE positions, prefix-cache hash and
+encoder-cache entry are an image's, and the text between steps is ordinary prompt text.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -65,7 +70,7 @@ class ImageInput:
     # Which of its `length` positions take the encoder's feature rows, in order (None: all of them); the others
     # (Mistral 3's [IMG_BREAK] / [IMG_END]) keep their token embeddings
     feature_mask: Optional[np.ndarray] = None
-    video: bool = False  # a video (Qwen2-VL / 2.5-VL): its placeholders are the video token
+    video: bool = False  # a video (Qwen2-VL / 2.5-VL; Qwen3-VL: one temporal step of one): video tokens
     # M-RoPE: the temporal position step per temporal grid step (Qwen2.5-VL's videos: tokens_per_second *
     # second_per_grid_t, floored after the multiplication by the step's index, as transformers does)
     time_interval: float = 1.0
@@ -86,6 +91,14 @@ def hash_pixels(pixels: torch.Tensor) -> bytes:
     return h.digest()
 
 
+def hash_frame(pixels: torch.Tensor, grid: tuple[int, int, int]) -> bytes:
+    """A Qwen3-VL video step's key: its pixels and grid (its time is prompt text, so in the prefix-cache hash)."""
+    h = hashlib.blake2b(b"video frame", digest_size=16)
+    h.update(hash_pixels(pixels))
+    h.update(np.asarray(grid, dtype=np.int64).tobytes())
+    return h.digest()
+
+
 def hash_video(pixels: torch.Tensor, time_interval: float) -> bytes:
     """A video's key: its pixels and its temporal position step (which its tokens' positions, so their KV, read)."""
     h = hashlib.blake2b(b"video", digest_size=16)
@@ -98,11 +111,13 @@ def hash_video(pixels: torch.Tensor, time_interval: float) -> bytes:
 class VideoData:
     """One video of a prompt: its frames (uint8 [T, H, W, 3], or a list of PIL images), their frame rate (None:
     unknown; the processor assumes its default) and whether the processor may still sample them (None: as its
-    config says; False: they are sampled already)."""
+    config says; False: they are sampled already); `indices`: the frames' indices in the video they were sampled
+    from, counted at `fps` (Qwen3-VL's timestamps read them; None: 0, 1, 2, ...)."""
 
     frames: Any
     fps: Optional[float] = None
     sample: Optional[bool] = None
+    indices: Optional[Sequence[int]] = None
 
 
 def _is_video(v: Any) -> bool:
@@ -123,8 +138,15 @@ def _video(v: Any) -> VideoData:
         if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
             raise ValueError(f"multi_modal_data['video'] metadata fps must be a positive number, got {fps!r}")
         sample = meta.get("do_sample_frames")
+        indices = meta.get("frames_indices")
+        if indices is not None:
+            indices = np.asarray(indices)
+            if indices.ndim != 1 or not np.issubdtype(indices.dtype, np.integer) or (indices < 0).any():
+                raise ValueError("multi_modal_data['video'] metadata frames_indices must be a list of frame "
+                                 "indices (non-negative integers)")
+            indices = indices.tolist()
         return VideoData(frames, float(fps) if fps is not None else None,
-                         bool(sample) if sample is not None else None)
+                         bool(sample) if sample is not None else None, indices)
     return VideoData(v)
 
 
@@ -177,10 +199,13 @@ class ImagePrompts:
     tokens per tile of the image (`tile`: the tile size in pixels) and `</img>` (`wrap`), as InternVLProcessor
     expands it.
 
-    Videos (Qwen2-VL and Qwen2.5-VL only: `video_token_id` set): their templates write `<|video_pad|>` inside
+    Videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL: `video_token_id` set): their templates write `<|video_pad|>` inside
     `<|vision_start|>...<|vision_end|>` (`video_placeholder`); each lone video token becomes the video's tokens, one
     per merged patch of each temporal grid step, at M-RoPE positions whose temporal index steps by 1 per grid step
-    (Qwen2-VL) or by tokens_per_second * second_per_grid_t (Qwen2.5-VL: `tokens_per_second` set).
+    (Qwen2-VL) or by tokens_per_second * second_per_grid_t (Qwen2.5-VL: `tokens_per_second` set). Qwen3-VL
+    (`frame_wrap`: the vision start and end ids; `encode_text`: the tokenizer, without special tokens) writes each
+    grid step as "<{time:.1f} seconds>", start, its tokens and end, as Qwen3VLProcessor does, each step an
+    `ImageInput` of one step.
     `no_video`: why a model takes no video (the error a prompt with one gets)."""
 
     def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
@@ -189,8 +214,11 @@ class ImagePrompts:
                  row_breaks: Optional[tuple[int, int]] = None, patch: int = 0, tile_tokens: int = 0,
                  tile: int = 0, video_token_id: Optional[int] = None, video_placeholder: Optional[str] = None,
                  tokens_per_second: Optional[float] = None, no_video: str = "this model takes no video",
-                 max_tokens: Optional[int] = None) -> None:
+                 max_tokens: Optional[int] = None, frame_wrap: Optional[tuple[int, int]] = None,
+                 encode_text: Optional[Callable[[str], list[int]]] = None) -> None:
         self.folder = folder
+        self.frame_wrap = frame_wrap  # Qwen3-VL: each video step between these, after its time as text
+        self.encode_text = encode_text
         self.max_tokens = max_tokens  # a video taking more tokens is refused before its frames are processed
         self.video_token_id = video_token_id
         self.video_placeholder = video_placeholder
@@ -221,8 +249,9 @@ class ImagePrompts:
     @property
     def video_processor(self) -> Any:
         if self._video_processor is None:
-            from streamer.qwen_video_processor import QwenVideoProcessor
-            self._video_processor = QwenVideoProcessor.from_folder(self.folder)
+            from streamer.qwen_video_processor import Qwen3VideoProcessor, QwenVideoProcessor
+            kind = Qwen3VideoProcessor if self.frame_wrap is not None else QwenVideoProcessor
+            self._video_processor = kind.from_folder(self.folder)
         return self._video_processor
 
     def has_placeholders(self, token_ids: list[int]) -> bool:
@@ -257,6 +286,20 @@ class ImagePrompts:
         inputs: list[ImageInput] = []
         prev = 0
         for (start, length, lone), (pixels, n, grid, *interval), video in items:
+            if video and self.frame_wrap is not None:  # Qwen3-VL: each grid step after its time, wrapped
+                tokens, frames = self._frame_tokens(n, grid, interval[1])
+                if not lone and token_ids[start:start + length] != tokens:
+                    raise ValueError("an expanded video does not match its video's frames: each video takes 1 "
+                                     f"placeholder ({self.video_placeholder}) or exactly its tokens, each temporal "
+                                     "step's time (\"<0.5 seconds>\"), <|vision_start|>, its tokens and <|vision_end|>")
+                out += token_ids[prev:start]
+                step_rows = len(pixels) // grid[0]
+                for i, at in enumerate(frames):
+                    px, g = pixels[i * step_rows:(i + 1) * step_rows], (1, grid[1], grid[2])
+                    inputs.append(ImageInput(len(out) + at, n // grid[0], px, hash_frame(px, g), g, video=True))
+                out += tokens
+                prev = start + length
+                continue
             if video:
                 if not lone and token_ids[start:start + length] != [self.video_token_id] * n:
                     raise ValueError(f"a run of {length} video tokens: each video takes 1 placeholder "
@@ -284,6 +327,20 @@ class ImagePrompts:
         if self.merge:
             _place_mrope(inputs, self.merge)
         return out, inputs
+
+    def _frame_tokens(self, n: int, grid: tuple[int, int, int], times: list[float]) -> tuple[list[int], list[int]]:
+        """Qwen3-VL: a video's prompt tokens (Qwen3VLProcessor.replace_video_token, tokenized) and where each grid
+        step's video tokens start in them."""
+        assert self.frame_wrap is not None and self.encode_text is not None and self.video_token_id is not None
+        start, end = self.frame_wrap
+        per_step = n // grid[0]
+        tokens: list[int] = []
+        starts = []
+        for t in times:
+            tokens += self.encode_text(f"<{t:.1f} seconds>") + [start]
+            starts.append(len(tokens))
+            tokens += [self.video_token_id] * per_step + [end]
+        return tokens, starts
 
     def _image_tokens(self, n: int, grid: Optional[tuple[int, int, int]]) -> list[int]:
         """The n tokens an image takes in the prompt."""
@@ -316,21 +373,22 @@ class ImagePrompts:
                 zip(pixels.split(sizes), sizes, grids.tolist())]
 
     def _process_videos(self, videos: Sequence[VideoData]) -> list[tuple[torch.Tensor, int, tuple[int, int, int],
-                                                                         float]]:
-        """Each video's (pixel values, tokens, patch grid, M-RoPE temporal step)."""
+                                                                         float, Optional[list[float]]]]:
+        """Each video's (pixel values, tokens, patch grid, M-RoPE temporal step, Qwen3-VL: each step's time)."""
         if not videos:
             return []
         assert self.merge is not None
         processor = self.video_processor
-        pixels, grids, seconds = processor([v.frames for v in videos], [v.fps for v in videos],
-                                           [v.sample for v in videos], self.max_tokens)
-        sizes = [int(t * h * w) for t, h, w in grids.tolist()]
+        processed = processor.process([v.frames for v in videos], [v.fps for v in videos],
+                                      [v.sample for v in videos], self.max_tokens, [v.indices for v in videos])
         out = []
-        for px, size, g, sec in zip(pixels.split(sizes), sizes, grids.tolist(), seconds):
+        for v in processed:
             # transformers: tokens_per_second * second_per_grid_t, a float32 tensor (Qwen2-VL: 1)
             step = 1.0 if self.tokens_per_second is None else \
-                float(self.tokens_per_second * torch.tensor(sec, dtype=torch.float32))
-            out.append((px, size // self.merge ** 2, tuple(g), step))
+                float(self.tokens_per_second * torch.tensor(v.seconds, dtype=torch.float32))
+            times = processor.timestamps(v) if self.frame_wrap is not None else None
+            t, h, w = v.grid
+            out.append((torch.from_numpy(v.pixels), t * h * w // self.merge ** 2, v.grid, step, times))
         return out
 
     def _video_runs(self, token_ids: list[int]) -> list[tuple[int, int, bool]]:
@@ -340,7 +398,27 @@ class ImagePrompts:
         ids = np.asarray(token_ids, dtype=np.int64)
         mask = np.concatenate([[False], ids == self.video_token_id, [False]])
         edges = np.flatnonzero(mask[1:] != mask[:-1])
-        return [(int(a), int(b - a), int(b - a) == 1) for a, b in zip(edges[::2], edges[1::2])]
+        runs = [(int(a), int(b - a), int(b - a) == 1) for a, b in zip(edges[::2], edges[1::2])]
+        if self.frame_wrap is None:
+            return runs
+        # Qwen3-VL: an expanded video is its steps' runs, each "<t seconds>" <start> tokens <end>: consecutive runs
+        # with only an end, text and a start between them are one video, from the first step's time on
+        start, end = self.frame_wrap
+        groups: list[tuple[int, int, bool]] = []
+        prev_end = -1
+        for a, n, lone in runs:
+            gap = ids[prev_end:a]
+            if not lone and groups and not groups[-1][2] and prev_end >= 0 and ids[prev_end] == end and \
+                    ids[a - 1] == start and not np.isin(gap[1:-1], [start, end]).any():
+                groups[-1] = (groups[-1][0], a + n + 1 - groups[-1][0], False)
+            elif lone:
+                groups.append((a, 1, True))
+            else:
+                before = np.flatnonzero(ids[:max(a - 1, 0)] == start)  # the video's own start, before its first time
+                first = int(before[-1]) + 1 if len(before) else max(a - 1, 0)
+                groups.append((first, a + n + 1 - first, False))
+            prev_end = a + n
+        return groups
 
     def _runs(self, token_ids: list[int]) -> list[tuple[int, int, bool]]:
         """(start, length, lone) of each image in the prompt: a lone placeholder (not followed by image tokens)
@@ -405,11 +483,9 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
     if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                 "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
-        video: dict[str, Any] = {"no_video": f"{arch} takes no video here yet (Qwen2-VL and Qwen2.5-VL do)"}
+        video: dict[str, Any] = {}
         video_id = int(mm.get("video_token_id", 151656))
-        if arch.startswith("Qwen3"):
-            pass
-        elif tokenizer.id_to_token(video_id) is None:
+        if tokenizer.id_to_token(video_id) is None:
             video["no_video"] = f"the model's video token id {video_id} is not in its tokenizer"
         else:
             vision = mm.get("vision_config") or {}
@@ -417,6 +493,9 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
             context = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
             video = dict(video_token_id=video_id, tokens_per_second=tps, max_tokens=context,
                          video_placeholder=f"{text_of(start)}{text_of(video_id)}{text_of(end)}")
+            if arch.startswith("Qwen3"):  # each grid step after its time as text, between start and end
+                video.update(frame_wrap=(start, end),
+                             encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False))
         return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
                             merge=model.vision_tower.spatial_merge_size, **video)
     if arch == "Mistral3ForConditionalGeneration":
@@ -505,7 +584,8 @@ def _qwen_processor(folder: Path) -> Any:
 
 
 def _place_mrope(inputs: list[ImageInput], merge: int) -> None:
-    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index; Qwen3-VL's is the same for images): an image's
+    """Qwen2-VL's M-RoPE positions (transformers' get_rope_index; Qwen3-VL's is the same for images and for each
+    step of a video, a one-step grid of its own): an image's
     or video's tokens sit at (t, h, w) offsets from the position after the text before it, the temporal offset of
     grid step i being floor(i * time_interval) (Qwen2.5-VL's videos: tokens_per_second * second_per_grid_t; else
     1); the text after it continues past the largest position, as the original Qwen2-VL / 2.5-VL code (transformers

@@ -233,6 +233,8 @@ class Qwen3VLMixin(QwenVLMixin):
     to the forward as `deepstack`: after decoder layer i < k, feature set i is added to the residual stream at the
     image tokens (transformers' Qwen3VLTextModel._deepstack_process). Only steps with image tokens carry it, and
     they run eagerly; every other step (decode, the compiled and captured graphs) is the text model's own.
+    Videos take the same path: each temporal grid step is an image of one step (streamer/multimodal.py), whose
+    rows carry DeepStack features as an image's do (transformers adds them at video tokens too).
     Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is the same over a Qwen3-MoE text model, whose checkpoint
     stacks each layer's experts in two tensors (`rename_weights` cuts them into the per-expert names)."""
 
