@@ -137,16 +137,20 @@ def _naive_scan(x, dt, A, B, C, state):
     return torch.stack(ys), state
 
 
-@pytest.mark.parametrize("length,chunk", [(1, 4), (7, 4), (8, 4), (13, 5), (20, 256)])
-def test_ssd_scan_matches_recurrence(length, chunk):
+@pytest.mark.parametrize("length,chunk,groups", [(1, 4, 1), (7, 4, 2), (8, 4, 4), (13, 5, 1), (20, 256, 2),
+                                                 (9, 3, 2)])
+def test_ssd_scan_matches_recurrence(length, chunk, groups):
+    """Any chunk size (longer than the sequence too), B and C shared by each group's heads."""
     g = torch.Generator().manual_seed(length * 31 + chunk)
-    h, p, n = 3, 4, 5
-    x, B, C = (torch.randn(length, h, d, generator=g, dtype=torch.float64) for d in (p, n, n))
+    h, p, n = 4, 3, 5
+    x = torch.randn(length, h, p, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(length, groups, n, generator=g, dtype=torch.float64) for _ in range(2))
     dt = torch.rand(length, h, generator=g, dtype=torch.float64)
     A = -torch.rand(h, generator=g, dtype=torch.float64) * 2
     state = torch.randn(h, p, n, generator=g, dtype=torch.float64)
     y, final = ssd_scan(x, dt, A, B, C, chunk, state)
-    y_ref, final_ref = _naive_scan(x, dt, A, B, C, state)
+    per_head = [t.repeat_interleave(h // groups, dim=1) for t in (B, C)]
+    y_ref, final_ref = _naive_scan(x, dt, A, *per_head, state)
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(final, final_ref)
 

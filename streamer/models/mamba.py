@@ -45,34 +45,50 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~torch.tril(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=0), -torch.inf)
 
 
+def _above_diagonal(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).triu_(1)
+
+
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int,
              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked SSD scan of one sequence (fp32), from `state`. x [L, h, p]; dt [L, h] (discretised); A [h];
-    B, C [L, h, n] (per head); state [h, p, n]. Returns y [L, h, p] (without the D skip) and the final state."""
-    length = x.shape[0]
+    B, C [L, g, n] per group (head h reads group h // (h / g)); state [h, p, n]. Returns y [L, h, p] (without the
+    D skip) and the final state. The result does not depend on the chunk size (up to rounding): a sequence shorter
+    than `chunk` is one chunk of its own length, not padded. B and C stay per group, so their products are computed
+    once for the group's heads."""
+    length, h, p = x.shape
+    g, n = B.shape[1:]
+    r = h // g  # heads per group
+    chunk = min(chunk, length)
     pad = (-length) % chunk
 
     def chunks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [c, chunk, ...], zero-padded
         t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
         return t.reshape(-1, chunk, *t.shape[1:])
 
-    x = chunks(x * dt[..., None])
+    x = chunks(x * dt[..., None])  # [c, l, h, p]
+    c = x.shape[0]
     a = chunks(A * dt).permute(2, 0, 1)  # [h, c, l]  (padding: dt = 0, so no decay and no input)
-    B, C = chunks(B), chunks(C)
+    B, C = chunks(B), chunks(C)  # [c, l, g, n]
     a_cum = torch.cumsum(a, dim=-1)
-    # within each chunk: attention-like, masked by the decays between positions
-    scores = torch.einsum("clhn,cshn->clsh", C, B) * torch.exp(_segsum(a)).permute(1, 2, 3, 0)
-    y = torch.einsum("clsh,cshp->clhp", scores, x)
+    xg = x.view(c, chunk, g, r, p)
+    # within each chunk: attention-like, masked by the decays between positions, exp(a_cum[l] - a_cum[s]) for s <= l
+    # (differences of the cumulative sums, as mamba_ssm's kernels take them: fp32 keeps them exact enough)
+    cum = a_cum.permute(1, 0, 2).reshape(c, g, r, chunk)
+    decays = (cum[..., :, None] - cum[..., None, :]).masked_fill_(_above_diagonal(chunk, x.device), -torch.inf)
+    scores = decays.exp_().mul_(torch.einsum("clgn,csgn->cgls", C, B)[:, :, None])  # [c, g, r, l, s]
+    y = torch.einsum("cgrls,csgrp->clgrp", scores, xg)
     # each chunk's contribution to the state at its end
-    decay = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0)[..., None]  # [c, l, h, 1]
-    states = torch.einsum("clhn,clhp->chpn", B * decay, x)
+    decay = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0).reshape(c, chunk, g, r, 1)
+    states = torch.einsum("clgn,clgrp->cgrpn", B, xg * decay).reshape(c, h, p, n)
     states = torch.cat([state[None].to(states.dtype), states], dim=0)  # [c + 1, h, p, n]
     # the recurrence across chunks: the state entering each chunk (and the final one)
     chunk_decay = torch.exp(_segsum(F.pad(a_cum[:, :, -1], (1, 0))))  # [h, c + 1, c + 1]
     states = torch.einsum("hij,jhpn->ihpn", chunk_decay, states)
     entering, final = states[:-1], states[-1]
-    y = y + torch.einsum("clhn,chpn->clhp", C, entering) * torch.exp(a_cum).permute(1, 2, 0)[..., None]
-    return y.reshape(-1, *y.shape[2:])[:length], final
+    y = y + torch.einsum("clgn,cgrpn->clgrp", C, entering.view(c, g, r, p, n)) \
+        * torch.exp(a_cum).permute(1, 2, 0).reshape(c, chunk, g, r, 1)
+    return y.reshape(c * chunk, h, p)[:length], final
 
 
 class RecurrentMixer(nn.Module):
@@ -196,6 +212,10 @@ class MambaMixer(RecurrentMixer):
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
 
+    def _groups(self, t: torch.Tensor) -> torch.Tensor:
+        """B or C [T, groups * d_state] -> [T, groups, d_state] (fp32)."""
+        return t.float().view(-1, self.n_groups, self.d_state)
+
     def _per_head(self, t: torch.Tensor) -> torch.Tensor:
         """B or C [T, groups * d_state] -> [T, heads, d_state] (head h reads group h // (heads / groups))."""
         return t.float().view(-1, self.n_groups, self.d_state).repeat_interleave(
@@ -215,14 +235,16 @@ class MambaMixer(RecurrentMixer):
             xs, B, C = F.silu(self.conv_decode(xbc[idx], slots)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
             dtr = self._dt(dt[idx])  # [R, heads]
-            state = ssm_state[slots] * torch.exp(dtr * A)[..., None, None] \
-                + (dtr[..., None] * xs)[..., None] * self._per_head(B)[:, :, None, :]
+            state = ssm_state[slots].mul_(torch.exp(dtr * A)[..., None, None])  # (a gathered copy: updated in place)
+            rows = state.shape[0] * self.num_heads  # state += (dt x) outer B, per head, with no temporary
+            state.view(rows, self.head_dim, self.d_state).baddbmm_(
+                (dtr[..., None] * xs).reshape(rows, self.head_dim, 1), self._per_head(B).reshape(rows, 1, self.d_state))
             ssm_state[slots] = state
             y[idx] = (state @ self._per_head(C)[..., None]).squeeze(-1) + D[:, None] * xs
         for slot, a, b in step.prefills:  # chunks of several tokens: conv after the carried window, then SSD
             xs, B, C = F.silu(self.conv_prefill(xbc[a:b], slot)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
-            out, final = ssd_scan(xs, self._dt(dt[a:b]), A, self._per_head(B), self._per_head(C), self.chunk_size,
+            out, final = ssd_scan(xs, self._dt(dt[a:b]), A, self._groups(B), self._groups(C), self.chunk_size,
                                   ssm_state[slot])
             ssm_state[slot] = final
             y[a:b] = out + D[:, None] * xs
