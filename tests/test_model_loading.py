@@ -38,9 +38,9 @@ def test_missing_weights(llama_dir, tmp_path):
 def test_unsupported_architecture(llama_dir, tmp_path):
     d = _copy(llama_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
+    cfg["architectures"] = ["T5ForConditionalGeneration"]  # (an encoder-decoder)
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="unsupported architecture.*T5ForConditionalGeneration"):
         LLM(str(d))
 
 

@@ -20,7 +20,9 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "PhimoeForCausalLM",
                            "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                            "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
-                           "Lfm2MoeForCausalLM")
+                           "Lfm2MoeForCausalLM",
+                           "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
+                           "GPT2LMHeadModel")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
 # rollback), and no tensor parallelism yet.
@@ -138,6 +140,14 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "PhimoeForCausalLM": dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5),
     "Ernie4_5_MoeForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
     "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
+    "GPTNeoXForCausalLM": dict(partial_rotary_factor=0.25, attention_bias=True),
+    "PhiForCausalLM": dict(partial_rotary_factor=0.5),
+    "StableLmForCausalLM": dict(partial_rotary_factor=0.25),
+}
+
+# Older spellings of common config keys, per family: GPT-NeoX's rotary share and base.
+_KEY_ALIASES: dict[str, dict[str, str]] = {
+    "GPTNeoXForCausalLM": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
 }
 
 
@@ -307,6 +317,12 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS))}")
         if arch == "NemotronHForCausalLM":
             c = _nemotron_h(c)
+        for old, new in _KEY_ALIASES.get(arch, {}).items():  # (an older spelling, unless the newer one is given)
+            if c.get(old) is not None and new not in c and new not in (c.get("rope_parameters") or {}):
+                c = dict(c, **{new: c[old]})
+        if arch in ("GPTBigCodeForCausalLM", "GPT2LMHeadModel"):  # (GPT-2's spellings; it imports torch)
+            from streamer.models import gpt_bigcode
+            c = gpt_bigcode.common_config(c, multi_query_default=arch == "GPTBigCodeForCausalLM")
         if arch in ("Mamba2ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):  # (their own spellings)
             from streamer.models import lfm2, mamba2  # (common_config; they import torch: this module does not)
             c = (mamba2 if arch == "Mamba2ForCausalLM" else lfm2).common_config(c)

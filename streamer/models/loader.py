@@ -20,6 +20,11 @@ from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
+from streamer.models.gpt2 import GPT2LMHeadModel
+from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM
+from streamer.models.gpt_neox import GPTNeoXForCausalLM
+from streamer.models.phi import PhiForCausalLM
+from streamer.models.stablelm import StableLmForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from streamer.models.llama import LlamaForCausalLM
@@ -93,6 +98,11 @@ _MODEL_CLASSES["Mamba2ForCausalLM"] = Mamba2ForCausalLM
 _MODEL_CLASSES["FalconH1ForCausalLM"] = FalconH1ForCausalLM
 _MODEL_CLASSES["Lfm2ForCausalLM"] = Lfm2ForCausalLM
 _MODEL_CLASSES["Lfm2MoeForCausalLM"] = Lfm2ForCausalLM  # (its sparse layers by cfg.architecture)
+_MODEL_CLASSES["GPTNeoXForCausalLM"] = GPTNeoXForCausalLM
+_MODEL_CLASSES["PhiForCausalLM"] = PhiForCausalLM
+_MODEL_CLASSES["StableLmForCausalLM"] = StableLmForCausalLM
+_MODEL_CLASSES["GPTBigCodeForCausalLM"] = GPTBigCodeForCausalLM
+_MODEL_CLASSES["GPT2LMHeadModel"] = GPT2LMHeadModel
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,132 @@
+"""GPTBigCode (GPTBigCodeForCausalLM: bigcode/starcoder, starcoderbase (1B to 15.5B), starcoderplus, gpt_bigcode-
+santacoder, WizardCoder-15B, OctoCoder, ...; not StarCoder2, models/starcoder2.py). GPT-2's decoder as BigCode
+trained it, built from the Llama decoder's parts, with these differences from Llama:
+
+- no rotary: learned absolute position embeddings (`wpe`, `n_positions` rows) added to the token embeddings;
+- multi-query attention (`multi_query`, on by default): one k/v head shared by every query head, from one fused
+  `c_attn` linear whose rows are [q (all heads); k; v]; without multi_query every head has its own k/v and the
+  rows are laid out per head, [q_h, k_h, v_h] for each head h (split here into q/k/v either way); biases on
+  c_attn and the output projection (`attn.c_proj`); scores scaled by head_dim ** -0.5 unless
+  `scale_attn_weights` is false (then 1);
+- LayerNorm with a bias (`ln_1`, `ln_2`, `ln_f`; eps `layer_norm_epsilon`), sequential pre-norm layers;
+- the MLP is two biased linears with GELU (`activation_function`, tanh-approximated by default) between them
+  (`c_fc`, `mlp.c_proj`; width `n_inner`, default 4 x hidden), no gate;
+- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: `common_config`) and the LM
+  head tied to `wte` by default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
+from streamer.models.config import ModelConfig
+from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, gelu_approximate
+from streamer.models.layers import RotaryEmbedding, VocabEmbedding
+from streamer.models.llama import Attention, LlamaForCausalLM
+from streamer.models.starcoder2 import LayerNorm
+
+# GPTBigCodeConfig's defaults for what a config.json may leave out
+_DEFAULTS = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024}
+
+
+def common_config(c: dict[str, Any], multi_query_default: bool = True) -> dict[str, Any]:
+    """A GPTBigCode (or GPT-2: no multi_query by default) config in the common names (ModelConfig.from_dict): sizes,
+    the MLP width (n_inner, default 4 x hidden), one kv head with multi_query, head_dim = hidden / heads."""
+    c = dict(c)
+    for old, new in (("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
+                     ("n_positions", "max_position_embeddings")):
+        if c.get(new) is None:
+            c[new] = c.get(old, _DEFAULTS[old])
+    if c.get("intermediate_size") is None:
+        c["intermediate_size"] = c.get("n_inner") or 4 * c["hidden_size"]
+    c["num_key_value_heads"] = 1 if c.get("multi_query", multi_query_default) else c["num_attention_heads"]
+    c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    c.setdefault("tie_word_embeddings", True)
+    return c
+
+
+class GPTBigCodeBlock(ParallelResidualLayer):
+    default_act = "gelu_pytorch_tanh"
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, index: int = 0) -> None:
+        super().__init__()
+        raw = cfg.raw
+        scale = cfg.head_dim ** -0.5 if raw.get("scale_attn_weights", True) else 1.0
+        if raw.get("scale_attn_by_inverse_layer_idx"):  # (GPT-2's option)
+            scale /= float(index + 1)
+        self.self_attn = Attention(dataclasses.replace(cfg, attention_bias=True, o_proj_bias=True, qk_norm=False,
+                                                       sliding_window=None),
+                                   backend_cls, rotary, scale=scale, use_rope=False)
+        self.mlp = GeluMLP(cfg, gelu_approximate(cfg, self.default_act, "activation_function"))
+        eps = float(raw.get("layer_norm_epsilon") or 1e-5)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, eps)
+        self.parallel = False
+
+
+# checkpoint name fragment -> ours (after `transformer.` became `model.`)
+_NAMES = (("model.wte.", "model.embed_tokens."), ("model.ln_f.", "model.norm."), ("model.h.", "model.layers."),
+          (".attn.c_proj.", ".self_attn.o_proj."), (".mlp.c_fc.", ".mlp.fc1."), (".mlp.c_proj.", ".mlp.fc2."),
+          (".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."))
+_C_ATTN = re.compile(r"(model\.layers\.\d+)\.attn\.c_attn\.(\w+)$")
+
+
+class GPTBigCodeForCausalLM(LlamaForCausalLM):
+    decoder_layer: type[ParallelResidualLayer] = GPTBigCodeBlock
+    per_head_qkv = True  # without multi_query, c_attn's rows are per head [q_h, k_h, v_h] (GPT-2's: all q, k, v)
+    # (older checkpoints store the causal mask as buffers)
+    ignored_suffixes = LlamaForCausalLM.ignored_suffixes + (".attn.bias", ".attn.masked_bias")
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        if cfg.raw.get("add_cross_attention"):
+            raise ValueError("GPTBigCode with cross-attention (add_cross_attention) is not supported")
+        super().__init__(cfg, backend_cls, max_positions)
+        eps = float(cfg.raw.get("layer_norm_epsilon") or 1e-5)
+        self.norm = LayerNorm(cfg.hidden_size, eps)
+        self.wpe = VocabEmbedding(cfg.max_position_embeddings, cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.run_layers(positions, x + self.wpe(positions), kv_caches, decode)
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """GPTBigCode's names in Llama's spelling; the fused c_attn split into q/k/v (whole checkpoint tensors: their
+        loaders take each rank's heads, or the one shared kv head)."""
+        heads, dim, kv = self.cfg.num_heads, self.cfg.head_dim, self.cfg.num_kv_heads
+        for name, t in weights:
+            if name.startswith("transformer."):
+                name = "model." + name.removeprefix("transformer.")
+            for frag, ours in _NAMES:
+                name = name.replace(frag, ours)
+            m = _C_ATTN.match(name)
+            if m is None:
+                yield name, t
+                continue
+            layer, suffix = m.groups()
+            if suffix not in ("weight", "bias"):
+                raise ValueError(f"{name!r}: quantized GPTBigCode checkpoints are not supported (the fused c_attn "
+                                 "cannot be split in its packed form)")
+            if not isinstance(t, torch.Tensor):  # (names only: the loader's look at a quantized checkpoint)
+                parts = [t] * 3
+            elif t.shape[0] != (heads + 2 * kv) * dim:
+                raise ValueError(f"tensor {name!r} has {t.shape[0]} rows, expected {(heads + 2 * kv) * dim}")
+            elif kv == heads and self.per_head_qkv:  # without multi_query: per head [q_h, k_h, v_h]
+                parts = [p.reshape(heads * dim, *t.shape[1:]) for p in t.view(heads, 3, dim, *t.shape[1:]).unbind(1)]
+            else:
+                parts = list(t.split([heads * dim, kv * dim, kv * dim]))
+            for proj, part in zip(("q", "k", "v"), parts):
+                yield f"{layer}.self_attn.{proj}_proj.{suffix}", part
+
+    def checkpoint_name(self, internal: str) -> str:
+        name = super().checkpoint_name(internal)
+        name = re.sub(r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn.", name)
+        for frag, ours in _NAMES:
+            name = name.replace(ours, frag)
+        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name
