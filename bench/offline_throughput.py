@@ -2,8 +2,9 @@
 
     python bench/offline_throughput.py                      # ~90M-param Llama, dummy weights, bf16
     python bench/offline_throughput.py --model DIR --num-prompts 64 --input-len 256 --output-len 128
+    python bench/offline_throughput.py --preset mamba2-130m     # a pure Mamba2 of mamba2-130m's shape, dummy weights
 
-Without --model, a Llama config of ~90M parameters is written to a temp folder (with the demo model's
+Without --model, a Llama config of ~90M parameters (or --preset's) is written to a temp folder (with the demo model's
 tokenizer) and both engines use random weights. Prompts are random token ids of exactly --input-len tokens;
 every request generates exactly --output-len tokens (EOS ignored) in both engines.
 """
@@ -24,15 +25,23 @@ LLAMA_90M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_
                  max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
                  torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
 
+# mamba2-130m's shape (transformers' Mamba2Config names), with the benchmark's 8192-id vocabulary
+MAMBA2_130M = dict(architectures=["Mamba2ForCausalLM"], model_type="mamba2", hidden_size=768, num_hidden_layers=24,
+                   state_size=128, expand=2, n_groups=1, num_heads=24, head_dim=64, conv_kernel=4, vocab_size=8192,
+                   chunk_size=256, residual_in_fp32=True, tie_word_embeddings=True, torch_dtype="bfloat16",
+                   layer_norm_epsilon=1e-5, rms_norm=True, use_bias=False, use_conv_bias=True, bos_token_id=1,
+                   eos_token_id=2, pad_token_id=0)
+PRESETS = {"llama-90m": LLAMA_90M, "mamba2-130m": MAMBA2_130M}
 
-def make_dummy_model(folder: Path, dtype: str) -> Path:
-    """A ~90M Llama config (no weights: both engines initialise randomly) with a tokenizer beside it."""
+
+def make_dummy_model(folder: Path, dtype: str, preset: str = "llama-90m") -> Path:
+    """A preset's config (no weights: both engines initialise randomly) with a tokenizer beside it."""
     from streamer.demo_model import default_model_path
     src = default_model_path()
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, folder / name)
-    cfg = dict(LLAMA_90M, torch_dtype=dtype)
+    cfg = dict(PRESETS[preset], torch_dtype=dtype)
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return folder
 
@@ -79,7 +88,8 @@ def run_transformers(model: Path, ps: list[list[int]], out_len: int, dtype: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: ~90M dummy Llama)")
+    ap.add_argument("--model", type=Path, default=None, help="HF checkpoint folder (default: --preset, dummy weights)")
+    ap.add_argument("--preset", default="llama-90m", choices=sorted(PRESETS), help="the model without --model")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
@@ -97,7 +107,7 @@ def main() -> None:
     dummy = args.model is None or args.dummy
     if args.model is None:
         tmp = Path(tempfile.mkdtemp())
-        model = make_dummy_model(tmp / "llama-90m", args.dtype)
+        model = make_dummy_model(tmp / args.preset, args.dtype, args.preset)
     else:
         model = args.model
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
