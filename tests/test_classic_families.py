@@ -23,7 +23,7 @@ from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM  # noqa: E402
 from streamer.models.gpt_neox import GPTNeoXForCausalLM  # noqa: E402
 from streamer.models.layers import build_cos_sin_cache  # noqa: E402
 from streamer.models.stablelm import PerHeadLayerNorm  # noqa: E402
-from streamer.models.starcoder2 import LayerNorm  # noqa: E402
+from streamer.models.layers import LayerNorm  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
 from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 

@@ -21,7 +21,7 @@ from streamer.models.cohere import CohereLayerNorm, cohere2_layer_types  # noqa:
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.gemma3 import GemmaRMSNorm  # noqa: E402
 from streamer.models.layers import ParallelContext, silu_and_mul  # noqa: E402
-from streamer.models.starcoder2 import LayerNorm  # noqa: E402
+from streamer.models.layers import LayerNorm  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
 from tests.parity import (PREFILL_MODES, assert_logprobs_match, assert_matches_transformers,  # noqa: E402
                          greedy, random_prompts, reference_cache)

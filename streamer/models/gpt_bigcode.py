@@ -27,7 +27,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, gelu_approximate
 from streamer.models.layers import RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
-from streamer.models.starcoder2 import LayerNorm
+from streamer.models.layers import LayerNorm
 
 # GPTBigCodeConfig's defaults for what a config.json may leave out
 _DEFAULTS = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024}

@@ -33,7 +33,7 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.starcoder2 import LayerNorm
+from streamer.models.layers import LayerNorm
 
 # hidden_act -> F.gelu's `approximate`, as transformers' ACT2FN computes them (gelu_new, gelu_fast and
 # gelu_pytorch_tanh are all the tanh approximation, written differently)

@@ -359,6 +359,25 @@ class RMSNorm(nn.Module, KernelSwitch):
         return out if residual is None else (out, residual)
 
 
+class LayerNorm(nn.Module):
+    """nn.LayerNorm's computation (weight and bias, in the input's dtype), for the families that use it (StarCoder2,
+    GPT-NeoX, Phi, StableLM, GPTBigCode, Phi-3.5-MoE). With `residual`, adds it first and returns (normed, sum), as
+    RMSNorm's fused add-and-norm does, so the Llama decoder can take either."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return out if residual is None else (out, residual)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]

@@ -23,7 +23,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps
 from streamer.models.layers import RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
-from streamer.models.starcoder2 import LayerNorm
+from streamer.models.layers import LayerNorm
 
 # checkpoint name fragment -> ours
 _PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),

@@ -26,27 +26,9 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.layers import RotaryEmbedding
+from streamer.models.layers import LayerNorm, RotaryEmbedding
 from streamer.models.llama import DecoderLayer, LlamaForCausalLM
 from streamer.models.moe import SparseMoE, unfuse_experts
-
-
-class LayerNorm(nn.Module):
-    """nn.LayerNorm (weight and bias, in the input's dtype); with `residual`, adds it first and returns (normed,
-    sum), as the Llama decoder's fused add-and-norm does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        return out if residual is None else (out, residual)
 
 
 def sparsemixer_top2(scores: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

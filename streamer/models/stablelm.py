@@ -28,7 +28,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import ParallelResidualLayer, layer_norm_eps
 from streamer.models.layers import RotaryEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM
-from streamer.models.starcoder2 import LayerNorm
+from streamer.models.layers import LayerNorm
 
 
 class PerHeadLayerNorm(nn.Module):

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,29 +18,11 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import ColumnParallelLinear, LayerNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 
 # hidden_act -> F.gelu's `approximate`, as transformers' ACT2FN computes them
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
-
-
-class LayerNorm(nn.Module):
-    """nn.LayerNorm's computation (weight and bias, in the input's dtype). With `residual`, adds it first and returns
-    (normed, sum), as the Llama decoder's fused add-and-norm does."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        return out if residual is None else (out, residual)
 
 
 def _use_bias(cfg: ModelConfig) -> bool:
