@@ -25,7 +25,8 @@ from streamer.models.layers import build_cos_sin_cache  # noqa: E402
 from streamer.models.stablelm import PerHeadLayerNorm  # noqa: E402
 from streamer.models.layers import LayerNorm  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
+from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy, random_prompts,  # noqa: E402
+                         reference_cache)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -130,16 +131,13 @@ def refs(ckpt) -> Callable[[str], list[list[int]]]:
 
 # ------------------------------------------------------------------------------------------------ parity
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("engine_args", [{}, dict(max_num_batched_tokens=16, block_size=8)],
-                         ids=["whole-prefill", "chunked-prefill"])
+@PREFILL_MODES
 def test_matches_transformers(ckpt, refs, name, engine_args) -> None:
     """Greedy tokens (a batch, and a lone request) and prompt logprobs; with a small token budget prompts are
     prefilled in chunks of at most 16 tokens over blocks of 8, beside other requests' decodes."""
     path = ckpt(name)
     with LLM(str(path), dtype="float32", **engine_args) as llm:
-        assert greedy(llm, PROMPTS, MAX_NEW) == refs(name)
-        assert greedy(llm, PROMPTS[1:2], MAX_NEW) == refs(name)[1:2]
-        assert_logprobs_match(llm, path, PROMPTS[:2])
+        assert_matches_transformers(llm, path, PROMPTS, refs(name), MAX_NEW)
         model = llm.engine.runner.model
         attn = [layer.self_attn for layer in model.layers]
         bigcode = name.startswith(("bigcode", "gpt2"))
