@@ -2,12 +2,23 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 # Tests run on small CPU tensors: more threads than cores only adds contention.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_caches():
+    """Each test module starts with empty torch.compile caches. Dynamo's recompile limit (64) counts the graphs of
+    every model compiled in the process for one code object (LlamaForCausalLM.forward serves dozens of families):
+    over a whole suite run it would be reached, and a later compiled test would fall back to eager."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
 
 
 @pytest.fixture(scope="session")
