@@ -695,26 +695,31 @@ class EncoderCache:
 def load_image(url: str, allow_remote: bool = True) -> "Image":
     """An image from a chat message's `image_url`: a data: URL (base64) or, if allowed, an http(s) URL.
     ValueError for anything else or anything that is not an image."""
+    return decode_image(_read_url(url, allow_remote, "image", MAX_IMAGE_BYTES, "image/png"))
+
+
+def _read_url(url: str, allow_remote: bool, what: str, limit: int, mime: str) -> bytes:
+    """The bytes of a data: URL (base64) or, if allowed, an http(s) URL, at most `limit` of them; `what` ("image",
+    "video") and an example `mime` type name them in errors."""
     if url.startswith("data:"):
         head, _, payload = url.partition(",")
         if ";base64" not in head:
-            raise ValueError("an image data URL must be base64-encoded (data:image/png;base64,...)")
-        if len(payload) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-            raise ValueError(f"image is larger than {MAX_IMAGE_BYTES >> 20} MiB")
+            raise ValueError(f"{'an' if what[0] in 'aeiou' else 'a'} {what} data URL must be base64-encoded "
+                             f"(data:{mime};base64,...)")
+        if len(payload) > limit * 4 // 3 + 4:
+            raise ValueError(f"{what} is larger than {limit >> 20} MiB")
         try:
-            data = base64.b64decode(payload, validate=True)
+            return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise ValueError("the image data URL is not valid base64") from None
-    elif url.startswith(("http://", "https://")):
+            raise ValueError(f"the {what} data URL is not valid base64") from None
+    if url.startswith(("http://", "https://")):
         if not allow_remote:
-            raise ValueError("this server does not fetch image URLs; send the image as a data: URL")
-        data = _fetch(url)
-    else:
-        raise ValueError(f"image_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
-    return decode_image(data)
+            raise ValueError(f"this server does not fetch {what} URLs; send the {what} as a data: URL")
+        return _fetch(url, what, limit)
+    raise ValueError(f"{what}_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
 
 
-def _fetch(url: str, what: str = "image", limit: int = MAX_IMAGE_BYTES) -> bytes:
+def _fetch(url: str, what: str, limit: int) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:  # noqa: S310 (http(s) only, above)
             data = resp.read(limit + 1)
@@ -733,23 +738,7 @@ def load_video(url: str, allow_remote: bool = True, fps: float = 2.0,
                max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
     """A video from a chat message's `video_url`: a data: URL (base64) or, if allowed, an http(s) URL, decoded
     with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""
-    if url.startswith("data:"):
-        head, _, payload = url.partition(",")
-        if ";base64" not in head:
-            raise ValueError("a video data URL must be base64-encoded (data:video/mp4;base64,...)")
-        if len(payload) > MAX_VIDEO_BYTES * 4 // 3 + 4:
-            raise ValueError(f"video is larger than {MAX_VIDEO_BYTES >> 20} MiB")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("the video data URL is not valid base64") from None
-    elif url.startswith(("http://", "https://")):
-        if not allow_remote:
-            raise ValueError("this server does not fetch video URLs; send the video as a data: URL")
-        data = _fetch(url, "video", MAX_VIDEO_BYTES)
-    else:
-        raise ValueError(f"video_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
-    return decode_video(data, fps, max_frames)
+    return decode_video(_read_url(url, allow_remote, "video", MAX_VIDEO_BYTES, "video/mp4"), fps, max_frames)
 
 
 def decode_video(data: bytes, fps: float = 2.0, max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
