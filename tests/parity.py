@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,13 @@ def random_prompts(n: int, seed: int, min_len: int = 2, max_len: int = 60, vocab
     """n prompts of min_len .. max_len - 1 token ids in [3, vocab) (clear of the test tokenizers' specials)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(min_len, max_len))] for _ in range(n)]
+
+
+def prompts_of_lengths(lengths: tuple[int, ...], seed: int, vocab: int = 500) -> list[list[int]]:
+    """One prompt of each length, token ids in [3, vocab) (the recurrent families' tests choose lengths around
+    their conv window and scan chunks)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 def greedy(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -87,3 +95,22 @@ def assert_state_freed(llm: LLM) -> None:
     assert e.kv.pool.num_free == e.kv.num_blocks
     assert e.kv.state is not None and e.kv.state.num_free == e.kv.state.num_slots, "a state slot leaked"
     assert not e.kv.state.slot_of and not e.seqs
+
+
+# ---------------------------------------------------------------- tokens with their logprobs (the VLM parity tests)
+def tokens_and_logprobs(outs) -> list[tuple[list[int], list[float]]]:
+    """Each output's tokens and each token's own logprob (generated with logprobs >= 0)."""
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+            for o in outs]
+
+
+def assert_outputs_match(got, want, atol: float = 2e-4) -> None:
+    """Equal tokens, and logprobs within atol, output by output (tokens_and_logprobs' form)."""
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
+
+
+def logprob_gap(got, want) -> float:
+    """The largest logprob difference between two such lists."""
+    return max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(got, want))

@@ -4,7 +4,6 @@ others decode, preemption), the state slots all back in their pool at the end, a
 recurrence."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from streamer import LLM, SamplingParams
 from streamer.kv_cache import KVCacheManager, StateSlotPool
 from streamer.models.mamba import ssd_scan
 from streamer.request import Request
-from tests.parity import assert_state_freed, greedy, greedy_params
+from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 from tests.checkpoints import hf_greedy
 
 MAX_NEW = 10
@@ -24,14 +23,9 @@ MAX_NEW = 10
 LENGTHS = (1, 2, 6, 9, 17, 26, 33, 40)
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return _prompts(seed=1)
+    return prompts_of_lengths(LENGTHS, seed=1)
 
 
 @pytest.fixture(scope="module")

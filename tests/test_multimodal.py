@@ -14,6 +14,7 @@ from PIL import Image
 from streamer import LLM, PoolingParams, SamplingParams
 from tests.checkpoints import hf_llava_greedy, make_llava_checkpoint
 from tests.server_utils import LiveServer
+from tests.parity import assert_outputs_match, tokens_and_logprobs
 
 TOKENS = 16  # image tokens per image: (32 / 8) ** 2 patches (CLIP's class token dropped; SigLIP has none)
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -324,17 +325,6 @@ def gemma3_dir(ckpt_root) -> Path:
     return path
 
 
-def _with_logprobs(outs) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_matches(got, want, atol: float = 2e-4) -> None:
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
-
-
 def test_gemma3_images_attend_both_ways_as_in_transformers(gemma3_dir: Path, monkeypatch) -> None:
     """Gemma 3's image tokens see their whole image (transformers' token_type_ids mask): tokens and logprobs equal
     transformers', with whole and chunked prefill (a chunk never ends inside an image) and a prefix-cache hit; the
@@ -351,17 +341,17 @@ def test_gemma3_images_attend_both_ways_as_in_transformers(gemma3_dir: Path, mon
     assert outs[0].prompt_token_ids == llm.tokenizer.encode(text)
     want = hf_gemma3_greedy(gemma3_dir, [(o.prompt_token_ids, [im]) for o, im in zip(outs, ims)]
                             + [(outs[-1].prompt_token_ids, [])], 4)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     chunked = LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=TOKENS + 4,
                   block_size=4)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, params)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, params)), want)
     again = chunked.generate(prompts[:1], params)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[:1])
+    assert_outputs_match(tokens_and_logprobs(again), want[:1])
     check_freed(chunked)
     from streamer.models.vlm import Gemma3VisionMixin
     monkeypatch.setattr(Gemma3VisionMixin, "bidirectional_images", False)
-    causal = _with_logprobs(LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
+    causal = tokens_and_logprobs(LLM(str(gemma3_dir), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
     assert any(not np.allclose(lp, w, atol=2e-3) for (_, lp), (_, w) in zip(causal, want))
 
 
@@ -446,12 +436,12 @@ def test_qwen_vl_equals_transformers(ckpt_root: Path, version: str, monkeypatch)
     assert len(lengths) == 2  # two image sizes, two token counts
     want = hf_qwen_vl_greedy(path, [(o.prompt_token_ids, [im]) for o, im in zip(outs, ims[:2])]
                              + [(outs[2].prompt_token_ids, [ims[2], ims[0]]), (outs[3].prompt_token_ids, [])], 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     chunked = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, block_size=4)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, params)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, params)), want)
     again = chunked.generate(prompts[2:3], params)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[2:3])
+    assert_outputs_match(tokens_and_logprobs(again), want[2:3])
     check_freed(chunked)
     import streamer.multimodal as mm
 
@@ -459,7 +449,7 @@ def test_qwen_vl_equals_transformers(ckpt_root: Path, version: str, monkeypatch)
         for im in inputs:
             im.mrope = np.repeat(np.arange(im.offset, im.end)[None], 3, axis=0)
     monkeypatch.setattr(mm, "_place_mrope", plain)
-    off = _with_logprobs(LLM(str(path), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
+    off = tokens_and_logprobs(LLM(str(path), dtype="float32", num_kv_blocks=64).generate(prompts[:3], params))
     gap = max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(off, want))
     assert gap > 5e-4, gap  # (the tiny model's positions matter little, but well past the tolerance above)
 

@@ -4,7 +4,6 @@ attention "*", relu2 MLP "-", MoE "E"); greedy tokens identical to transformers 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 from streamer import LLM
 from streamer.models.config import ModelConfig
 from streamer.models.nemotron_h import nemotron_h_layer_kinds
-from tests.parity import assert_state_freed, greedy
+from tests.parity import assert_state_freed, greedy, prompts_of_lengths
 from tests.checkpoints import hf_greedy
 from tests.tokenizer_factory import make_bytelevel_tokenizer
 
@@ -65,8 +64,7 @@ def make_nemotron_h(out_dir: Path, **overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(3)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    return prompts_of_lengths(LENGTHS, seed=3)
 
 
 @pytest.fixture(scope="module")

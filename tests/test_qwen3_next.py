@@ -4,7 +4,6 @@ delta-rule state across chunks, requests arriving while others decode, preemptio
 pool at the end, the `mtp.*` weights skipped, and the chunked delta rule against the recurrent one."""
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
@@ -18,7 +17,7 @@ from streamer.models.qwen3_next import (
     qwen3_next_layer_types,
     recurrent_gated_delta_step,
 )
-from tests.parity import assert_state_freed, greedy, greedy_params
+from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 from tests.checkpoints import hf_greedy
 
 MAX_NEW = 8
@@ -28,14 +27,9 @@ MAX_NEW = 8
 LENGTHS = (1, 2, 5, 9, 17, 33, 70, 130)
 
 
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return _prompts(seed=1)
+    return prompts_of_lengths(LENGTHS, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import streamer.models.qwen_vision as qv
 from streamer import LLM, SamplingParams
 from streamer.models.qwen_vision import QWEN_VISION_DEFAULTS, ROPE_THETA, QwenVisionTower
 from streamer.qwen_image_processor import QwenImageProcessor
+from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -240,21 +241,6 @@ def _sized(sizes: list[tuple[int, int]], seed: int) -> list[Image.Image]:
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
 
 
-def _with_logprobs(outs) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_matches(got, want, atol: float = 2e-4) -> None:
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
-
-
-def _gap(got, want) -> float:
-    return max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(got, want))
-
-
 def _run_case(path: Path) -> tuple[LLM, list[dict], list, list]:
     """Prompts with one image (two sizes), two images of different sizes, and none, in one batch: the engine's
     outputs, and transformers' greedy tokens and logprobs for them."""
@@ -280,13 +266,13 @@ def test_qwen3_vl_equals_transformers(qwen3_vl_dir: Path, case) -> None:
     """Tokens and logprobs equal transformers', whole, chunked (max_num_batched_tokens 8: chunks split images, each
     reading its rows of the DeepStack features too) and from the prefix cache."""
     prompts, outs, want = case
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     chunked = LLM(str(qwen3_vl_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, block_size=4)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, PARAMS)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, PARAMS)), want)
     assert chunked.engine.runner.encoder_cache.num_encoded == 3  # three distinct images, each encoded once
     again = chunked.generate(prompts[2:3], PARAMS)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[2:3])
+    assert_outputs_match(tokens_and_logprobs(again), want[2:3])
     kv = chunked.engine.kv
     kv.check_consistency()
     assert kv.pool.num_free == kv.num_blocks
@@ -304,14 +290,14 @@ def test_without_deepstack_or_interleaving_it_differs(qwen3_vl_dir: Path, case, 
         return {}
     with monkeypatch.context() as m:
         m.setattr(vlm.Qwen3VLMixin, "place_image_features", no_deepstack)
-        off = _with_logprobs(LLM(str(qwen3_vl_dir), dtype="float32", num_kv_blocks=64).generate(prompts, PARAMS))
-    assert _gap(off[:3], want[:3]) > 1e-2, _gap(off[:3], want[:3])  # (0.16 here)
-    _assert_matches(off[3:], want[3:])
+        off = tokens_and_logprobs(LLM(str(qwen3_vl_dir), dtype="float32", num_kv_blocks=64).generate(prompts, PARAMS))
+    assert logprob_gap(off[:3], want[:3]) > 1e-2, logprob_gap(off[:3], want[:3])  # (0.16 here)
+    assert_outputs_match(off[3:], want[3:])
     from streamer.models.layers import RotaryEmbedding
     plain = RotaryEmbedding.use_mrope
     monkeypatch.setattr(RotaryEmbedding, "use_mrope", lambda self, section, interleaved=False: plain(self, section))
-    off = _with_logprobs(LLM(str(qwen3_vl_dir), dtype="float32", num_kv_blocks=64).generate(prompts, PARAMS))
-    assert _gap(off[:3], want[:3]) > 1e-2, _gap(off[:3], want[:3])  # (0.15 here)
+    off = tokens_and_logprobs(LLM(str(qwen3_vl_dir), dtype="float32", num_kv_blocks=64).generate(prompts, PARAMS))
+    assert logprob_gap(off[:3], want[:3]) > 1e-2, logprob_gap(off[:3], want[:3])  # (0.15 here)
 
 
 def test_qwen3_vl_moe_equals_transformers(ckpt_root: Path) -> None:
@@ -320,7 +306,7 @@ def test_qwen3_vl_moe_equals_transformers(ckpt_root: Path) -> None:
     from tests.checkpoints import make_qwen3_vl_checkpoint
     path = make_qwen3_vl_checkpoint(ckpt_root / "qwen3_vl_moe", moe=True)
     llm, _, outs, want = _run_case(path)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     model = llm.engine.runner.model
     assert llm.engine.model_config.architecture == "Qwen3MoeForCausalLM"
     assert type(model.layers[0].mlp).__name__ == "SparseMoE" and model.layers[0].mlp.norm_topk_prob

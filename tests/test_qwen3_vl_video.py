@@ -23,6 +23,7 @@ from streamer.qwen_video_processor import QWEN3_VIDEO_DEFAULTS, Qwen3VideoProces
 transformers = pytest.importorskip("transformers")
 
 from tests.test_qwen_video import QWEN_VL_VIDEO_TEMPLATE, data_url, encode_video, frames, pil  # noqa: E402
+from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs  # noqa: E402
 
 # Qwen3-VL's processor settings at a tiny scale: 4-pixel patches (8 x 8 pixels a token), a budget over all frames
 VIDEO_CONFIG = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 4, "merge_size": 2,
@@ -136,21 +137,6 @@ def _hf_greedy(model_dir: Path, llm: LLM, prompts: list[dict], outs, max_new_tok
     return _hf_greedy_with_logprobs(model, items, max_new_tokens, lambda t, kw: kw)
 
 
-def _with_logprobs(outs) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_matches(got, want, atol: float = 2e-4) -> None:
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
-
-
-def _gap(got, want) -> float:
-    return max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(got, want))
-
-
 def _run_case(path: Path):
     prompts = _prompts()
     llm = LLM(str(path), dtype="float32", num_kv_blocks=128)
@@ -169,12 +155,12 @@ def test_video_equals_transformers(video_dir: Path, case) -> None:
     llm, prompts, outs, want = case
     inputs = llm.engine.process_prompt(prompts[0])[2]
     assert [(im.grid, im.length, im.video) for im in inputs] == [((1, 8, 10), 20, True)] * 2  # 4 frames: 2 steps
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     chunked = LLM(str(video_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=8, block_size=4)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, PARAMS)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, PARAMS)), want)
     again = chunked.generate(prompts[2:3], PARAMS)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[2:3])
+    assert_outputs_match(tokens_and_logprobs(again), want[2:3])
     other = chunked.generate([{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames(10, 32, 40, 7)}}],
                              PARAMS)
     # another video at the same times: the text up to its first step's tokens is shared, nothing from them on
@@ -198,27 +184,27 @@ def test_wrong_positions_timestamps_or_deepstack_fail(video_dir: Path, case, mon
                 if im.video:
                     im.mrope = np.repeat(np.arange(im.offset, im.end)[None], 3, axis=0) + (im.mrope.min() - im.offset)
         m.setattr(mm, "_place_mrope", flat_videos)
-        off = _with_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
-    assert _gap(off, want) > 5e-3, _gap(off, want)  # (0.17 here; tokens differ)
+        off = tokens_and_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
+    assert logprob_gap(off, want) > 5e-3, logprob_gap(off, want)  # (0.17 here; tokens differ)
     real_times = Qwen3VideoProcessor.timestamps
     with monkeypatch.context() as m:
         m.setattr(Qwen3VideoProcessor, "timestamps", lambda self, v: [t + 1.0 for t in real_times(self, v)])
-        off = _with_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
-    assert _gap(off, want) > 5e-3, _gap(off, want)  # (0.019 here)
+        off = tokens_and_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts, PARAMS))
+    assert logprob_gap(off, want) > 5e-3, logprob_gap(off, want)  # (0.019 here)
     real_ds = vlm.Qwen3VLMixin.place_image_features
     with monkeypatch.context() as m:
         def no_deepstack(self, embeds, idx, feats):
             real_ds(self, embeds, idx, feats)
             return {}
         m.setattr(vlm.Qwen3VLMixin, "place_image_features", no_deepstack)
-        off = _with_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts[:2], PARAMS))
-    assert _gap(off, want[:2]) > 5e-3, _gap(off, want[:2])  # (0.14 here; tokens differ)
+        off = tokens_and_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=128).generate(prompts[:2], PARAMS))
+    assert logprob_gap(off, want[:2]) > 5e-3, logprob_gap(off, want[:2])  # (0.14 here; tokens differ)
 
 
 def test_qwen3_vl_moe_video_equals_transformers(ckpt_root: Path) -> None:
     path = make_qwen3_vl_video_checkpoint(ckpt_root / "qwen3_vl_moe_video", moe=True)
     _, _, outs, want = _run_case(path)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
 
 
 # ---------------------------------------------------------------------------------------------- the prompt

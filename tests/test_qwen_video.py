@@ -18,6 +18,7 @@ from PIL import Image
 
 from streamer import LLM, SamplingParams
 from streamer.qwen_video_processor import QWEN_VIDEO_DEFAULTS, QwenVideoProcessor, read_video_processor_config
+from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,21 +131,6 @@ def _hf_greedy(model_dir: Path, llm: LLM, prompts: list[dict], outs, max_new_tok
     return _hf_greedy_with_logprobs(model, items, max_new_tokens, lambda t, kw: kw)
 
 
-def _with_logprobs(outs) -> list[tuple[list[int], list[float]]]:
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
-
-
-def _assert_matches(got, want, atol: float = 2e-4) -> None:
-    for (tokens, lps), (want_tokens, want_lps) in zip(got, want, strict=True):
-        assert tokens == want_tokens
-        assert np.allclose(lps, want_lps, atol=atol), (lps, want_lps)
-
-
-def _gap(got, want) -> float:
-    return max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(got, want))
-
-
 def _prompts() -> list[dict]:
     # 5 frames -> padded to 6 -> 3 temporal steps of 4x5 merged tokens (32x40 pixels): 60 video tokens. Qwen2.5-VL:
     # no fps given -> 2 fps -> second_per_grid 1 -> temporal steps 0, 2, 4; the second video at 4 fps -> 0, 1, 2
@@ -170,12 +156,12 @@ def test_video_equals_transformers(video_dir: Path, monkeypatch) -> None:
     inputs = llm.engine.process_prompt(prompts[0])[2]
     assert len(inputs) == 1 and inputs[0].video and inputs[0].grid == (3, 8, 10) and inputs[0].length == 60
     want = _hf_greedy(video_dir, llm, prompts, outs, 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     chunked = LLM(str(video_dir), dtype="float32", num_kv_blocks=96, max_num_batched_tokens=8, block_size=4)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, PARAMS)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, PARAMS)), want)
     again = chunked.generate(prompts[2:3], PARAMS)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[2:3])
+    assert_outputs_match(tokens_and_logprobs(again), want[2:3])
     other = chunked.generate([{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": frames(5, 32, 40, 7)}}], PARAMS)
     assert other[0].num_cached_tokens <= 8  # another video: nothing cached from the video on
     kv = chunked.engine.kv
@@ -189,8 +175,8 @@ def test_video_equals_transformers(video_dir: Path, monkeypatch) -> None:
             im.time_interval = 0.0
         real(inputs, merge)
     monkeypatch.setattr(mm, "_place_mrope", flat_time)
-    off = _with_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=96).generate(prompts, PARAMS))
-    assert _gap(off, want) > 5e-4
+    off = tokens_and_logprobs(LLM(str(video_dir), dtype="float32", num_kv_blocks=96).generate(prompts, PARAMS))
+    assert logprob_gap(off, want) > 5e-4
 
 
 def test_qwen2_5_temporal_step_matters(ckpt_root: Path, monkeypatch) -> None:
@@ -204,9 +190,9 @@ def test_qwen2_5_temporal_step_matters(ckpt_root: Path, monkeypatch) -> None:
     outs = llm.generate(prompts, PARAMS)
     assert llm.engine.process_prompt(prompts[0])[2][0].time_interval == 2.0
     want = _hf_greedy(path, llm, prompts, outs, 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     monkeypatch.setattr(llm.engine.image_prompts, "tokens_per_second", None)  # Qwen2-VL's step
-    assert _gap(_with_logprobs(llm.generate(prompts, PARAMS)), want) > 5e-4
+    assert logprob_gap(tokens_and_logprobs(llm.generate(prompts, PARAMS)), want) > 5e-4
 
 
 # ---------------------------------------------------------------------------------------------- the processor

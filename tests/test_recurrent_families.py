@@ -9,7 +9,6 @@ change)."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 from streamer import LLM
 from tests.checkpoints import hf_greedy, register_family
-from tests.parity import assert_logprobs_match, assert_state_freed, greedy
+from tests.parity import assert_logprobs_match, assert_state_freed, greedy, prompts_of_lengths
 
 MAX_NEW = 8
 # A single token (the decode path from a fresh state), fewer than the conv window, within one SSD chunk (8), several
@@ -129,8 +128,7 @@ register_family("lfm2_moe", _lfm2_moe_config, _lfm2_moe_randomise)
 # ------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    return prompts_of_lengths(LENGTHS, seed=5)
 
 
 @pytest.fixture(scope="module")
