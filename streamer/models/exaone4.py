@@ -22,7 +22,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import MLP, Attention, LlamaForCausalLM
+from streamer.models.llama import Attention, LlamaForCausalLM, MLP, require_silu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -70,8 +70,7 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
-        if cfg.raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"EXAONE 4.0 with hidden_act={cfg.raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(cfg.raw, "EXAONE 4.0")
         exaone4_layer_types(cfg.raw, cfg.num_layers)  # (a bad config fails here, once)
         # (transformers' EXAONE 4.0 has no attention biases, whatever a config says)
         cfg = dataclasses.replace(cfg, attention_bias=False, o_proj_bias=False)

@@ -31,7 +31,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm
+from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
 from streamer.models.mamba import HybridModel, MambaMixer
 
 
@@ -131,8 +131,7 @@ class FalconH1ForCausalLM(HybridModel, LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         raw = cfg.raw
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"FalconH1ForCausalLM with hidden_act={raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(raw, "FalconH1ForCausalLM")
         if raw.get("mlp_bias"):
             raise ValueError("FalconH1ForCausalLM with mlp_bias is not supported")
         super().__init__(cfg, backend_cls, max_positions)

@@ -18,7 +18,7 @@ import torch
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM, require_silu
 
 
 def ntk_alpha_rope(cfg: ModelConfig) -> ModelConfig:
@@ -58,6 +58,5 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
-        if cfg.raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Hunyuan with hidden_act={cfg.raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(cfg.raw, "Hunyuan")
         super().__init__(ntk_alpha_rope(cfg), backend_cls, max_positions)

@@ -107,6 +107,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+def require_silu(raw: dict, family: str) -> None:
+    """Refuse a config whose `hidden_act` is not SiLU, the only activation these gated MLPs compute."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{family} with hidden_act={act!r} is not supported (silu is)")
+
+
 class MLP(nn.Module, KernelSwitch):
     def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
         """`intermediate_size`: default the config's (Llama 4's dense layers have their own)."""

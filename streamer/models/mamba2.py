@@ -23,7 +23,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import LlamaForCausalLM
+from streamer.models.llama import LlamaForCausalLM, require_silu
 from streamer.models.mamba import HybridModel, MambaMixer
 
 
@@ -78,8 +78,7 @@ class Mamba2ForCausalLM(HybridModel, LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
-        if cfg.raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Mamba2ForCausalLM with hidden_act={cfg.raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(cfg.raw, "Mamba2ForCausalLM")
         super().__init__(cfg, backend_cls, max_positions)
         self.residual_in_fp32 = bool(cfg.raw.get("residual_in_fp32", True))
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RotaryEmbedding
-from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM, require_silu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -38,8 +38,7 @@ class MinistralForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
-        if cfg.raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Ministral with hidden_act={cfg.raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(cfg.raw, "Ministral")
         ministral_windows(cfg.raw, cfg.num_layers)  # (a bad config fails here, once)
         # (transformers' Ministral has no attention biases, whatever a config says)
         cfg = dataclasses.replace(cfg, attention_bias=False, o_proj_bias=False)

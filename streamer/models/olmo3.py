@@ -21,7 +21,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig, rope_scaling
 from streamer.models.layers import ParallelContext, RotaryEmbedding, VocabEmbedding
-from streamer.models.llama import MLP, Attention, LlamaForCausalLM
+from streamer.models.llama import Attention, LlamaForCausalLM, MLP, require_silu
 from streamer.models.olmo2 import Olmo2DecoderLayer, Olmo2RMSNorm
 
 DEFAULT_THETA = 500_000.0
@@ -91,8 +91,7 @@ class Olmo3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         nn.Module.__init__(self)
-        if cfg.raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"OLMo 3 with hidden_act={cfg.raw['hidden_act']!r} is not supported (silu is)")
+        require_silu(cfg.raw, "OLMo 3")
         self.cfg = cfg
         types = olmo3_layer_types(cfg.raw, cfg.num_layers)
         rotaries = {t: RotaryEmbedding(cfg.rotary_dim, max_positions, theta, scaling)

@@ -32,7 +32,7 @@ from streamer.attention.op import paged_attention
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding
-from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm
+from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
 from streamer.models.mamba import HybridModel, RecurrentMixer
 from streamer.models.moe import SparseMoE
 
@@ -114,8 +114,7 @@ class GatedDeltaNet(RecurrentMixer):
 
     def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float) -> None:
         super().__init__()
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Qwen3-Next with hidden_act {raw.get('hidden_act')!r} is not supported (silu)")
+        require_silu(raw, "Qwen3-Next")
         self.num_v_heads = int(raw.get("linear_num_value_heads", 32))
         self.num_k_heads = int(raw.get("linear_num_key_heads", 16))
         self.head_k_dim = int(raw.get("linear_key_head_dim", 128))
