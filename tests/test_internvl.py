@@ -18,7 +18,8 @@ from PIL import Image
 from streamer import LLM, SamplingParams
 from tests.checkpoints import _hf_greedy_with_logprobs, _vlm_tokenizer, hf_config
 from tests.server_utils import LiveServer
-from tests.test_multimodal import _assert_matches, _conversation, _data_url, _with_logprobs, check_freed, tokens
+from tests.parity import assert_outputs_match, tokens_and_logprobs
+from tests.test_multimodal import _conversation, _data_url, check_freed, tokens
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (  # noqa: E402
@@ -157,7 +158,7 @@ def test_greedy_equals_transformers(internvl_dir: Path, llm: LLM) -> None:
     base = len(llm.tokenizer.encode(PROMPT)) - 1
     assert [len(o.prompt_token_ids) - base for o in outs[:3]] == [2 + t * TILE_TOKENS for t in TILES[:3]]
     want = hf_internvl_greedy(internvl_dir, [(o.prompt_token_ids, im) for o, im in zip(outs, images)], 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     assert len({tuple(t) for t, _ in want[:3]}) > 1  # the images steer the output
     check_freed(llm)
 
@@ -183,7 +184,7 @@ def test_other_text_models_equal_transformers(text: str, internvl3_dir: Path, ck
     for out, p, im in zip(outs, prompts, images):
         assert out.prompt_token_ids == llm.tokenizer.encode(hf_expanded(p["prompt"], im))
     want = hf_internvl_greedy(folder, [(o.prompt_token_ids, im) for o, im in zip(outs, images)], 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
 
 
 def test_chunked_prefill_splits_images(internvl_dir: Path) -> None:
@@ -192,14 +193,14 @@ def test_chunked_prefill_splits_images(internvl_dir: Path) -> None:
     ims = sized(IMAGE_SIZES, seed=0)
     prompts, _ = _prompts(ims)
     whole = LLM(str(internvl_dir), dtype="float32", num_kv_blocks=128)
-    want = _with_logprobs(whole.generate(prompts, PARAMS))  # (== transformers': the test above)
+    want = tokens_and_logprobs(whole.generate(prompts, PARAMS))  # (== transformers': the test above)
     chunked = LLM(str(internvl_dir), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=16, block_size=4,
                   encoder_cache_bytes=0)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, PARAMS)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, PARAMS)), want)
     assert chunked.engine.runner.encoder_cache.num_encoded > 10  # each chunk re-encoded its image
     again = chunked.generate(prompts[3:4], PARAMS)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[3:4])
+    assert_outputs_match(tokens_and_logprobs(again), want[3:4])
     check_freed(chunked)
 
 
@@ -207,7 +208,7 @@ def test_chunked_prefill_equals_transformers(internvl_dir: Path) -> None:
     ims = sized([(30, 70), (80, 50)], seed=3)
     chunked = LLM(str(internvl_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24, block_size=4)
     outs = chunked.generate([{"prompt": TWO, "multi_modal_data": {"image": ims}}], PARAMS)
-    _assert_matches(_with_logprobs(outs), hf_internvl_greedy(internvl_dir, [(outs[0].prompt_token_ids, ims)], 5))
+    assert_outputs_match(tokens_and_logprobs(outs), hf_internvl_greedy(internvl_dir, [(outs[0].prompt_token_ids, ims)], 5))
 
 
 def test_expanded_prompts_and_errors(llm: LLM) -> None:
@@ -264,7 +265,7 @@ def test_transformers_5_weight_names(internvl_dir: Path, llm: LLM, tmp_path: Pat
     save_file(renamed, str(folder / "model.safetensors"), metadata={"format": "pt"})
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": sized([(40, 24)], seed=9)[0]}}
     v5 = LLM(str(folder), dtype="float32", num_kv_blocks=32)
-    _assert_matches(_with_logprobs(v5.generate(prompt, PARAMS)), _with_logprobs(llm.generate(prompt, PARAMS)), 1e-6)
+    assert_outputs_match(tokens_and_logprobs(v5.generate(prompt, PARAMS)), tokens_and_logprobs(llm.generate(prompt, PARAMS)), 1e-6)
 
 
 # ------------------------------------------------------------------------------------ the encoder and projector

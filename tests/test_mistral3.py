@@ -18,7 +18,8 @@ from PIL import Image
 from streamer import LLM, SamplingParams
 from tests.checkpoints import _hf_greedy_with_logprobs, _vlm_tokenizer, hf_config
 from tests.server_utils import LiveServer
-from tests.test_multimodal import _assert_matches, _conversation, _data_url, _with_logprobs, check_freed, tokens
+from tests.parity import assert_outputs_match, tokens_and_logprobs
+from tests.test_multimodal import _conversation, _data_url, check_freed, tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -154,7 +155,7 @@ def test_greedy_equals_transformers(mistral3_dir: Path, llm: LLM) -> None:
         assert out.prompt_token_ids == llm.tokenizer.encode(hf_expanded(p["prompt"], im))
     assert len({len(o.prompt_token_ids) for o in outs[:3]}) == 3  # three sizes, three token counts
     want = hf_mistral3_greedy(mistral3_dir, [(o.prompt_token_ids, im) for o, im in zip(outs, images)], 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
     assert len({tuple(t) for t, _ in want[:3]}) > 1  # the images steer the output
     check_freed(llm)
 
@@ -165,14 +166,14 @@ def test_chunked_prefill_splits_images(mistral3_dir: Path) -> None:
     ims = sized(IMAGE_SIZES, seed=0)
     prompts = _prompts(ims)
     whole = LLM(str(mistral3_dir), dtype="float32", num_kv_blocks=64)
-    want = _with_logprobs(whole.generate(prompts, PARAMS))  # (== transformers': the test above)
+    want = tokens_and_logprobs(whole.generate(prompts, PARAMS))  # (== transformers': the test above)
     chunked = LLM(str(mistral3_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, block_size=4,
                   encoder_cache_bytes=0)
-    _assert_matches(_with_logprobs(chunked.generate(prompts, PARAMS)), want)
+    assert_outputs_match(tokens_and_logprobs(chunked.generate(prompts, PARAMS)), want)
     assert chunked.engine.runner.encoder_cache.num_encoded > 5  # each chunk re-encoded its image
     again = chunked.generate(prompts[3:4], PARAMS)
     assert again[0].num_cached_tokens > 0
-    _assert_matches(_with_logprobs(again), want[3:4])
+    assert_outputs_match(tokens_and_logprobs(again), want[3:4])
     check_freed(chunked)
 
 
@@ -182,7 +183,7 @@ def test_chunked_prefill_equals_transformers(mistral3_dir: Path) -> None:
     chunked = LLM(str(mistral3_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8, block_size=4)
     outs = chunked.generate(prompts, PARAMS)
     want = hf_mistral3_greedy(mistral3_dir, [(outs[0].prompt_token_ids, ims)], 5)
-    _assert_matches(_with_logprobs(outs), want)
+    assert_outputs_match(tokens_and_logprobs(outs), want)
 
 
 def test_image_step_maps_only_image_tokens() -> None:
@@ -269,7 +270,7 @@ def test_transformers_5_weight_names(mistral3_dir: Path, llm: LLM, tmp_path: Pat
     im = sized([(40, 24)], seed=9)[0]
     prompt = {"prompt": PROMPT, "multi_modal_data": {"image": im}}
     v5 = LLM(str(folder), dtype="float32", num_kv_blocks=32)
-    _assert_matches(_with_logprobs(v5.generate(prompt, PARAMS)), _with_logprobs(llm.generate(prompt, PARAMS)), 1e-6)
+    assert_outputs_match(tokens_and_logprobs(v5.generate(prompt, PARAMS)), tokens_and_logprobs(llm.generate(prompt, PARAMS)), 1e-6)
 
 
 # ------------------------------------------------------------------------------------ the encoder and projector
