@@ -19,6 +19,7 @@ import numpy as np
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.draft_model import DraftPlan, plan_drafts
+from streamer.eagle import EagleDrafter, plan_fill, plan_passes
 from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
@@ -379,7 +380,13 @@ class LLMEngine:
         if not sched.scheduled:
             return None
         inputs = self.prepare(sched)
-        if sched.has_drafts and self.runner.drafter is not None:
+        drafter = self.runner.drafter
+        if isinstance(drafter, EagleDrafter):  # the head fills its KV after every step; proposes before some
+            inputs.eagle = plan_fill(inputs, self.batch.tokens, self.batch.num_tokens, drafter.keep)
+            if sched.has_drafts:
+                counts = np.array([s.num_drafts for s in sched.scheduled], dtype=np.int64)
+                inputs.draft = plan_passes(inputs, counts, self.batch.tokens, self.config.block_size)
+        elif sched.has_drafts and drafter is not None:
             inputs.draft = self._plan_drafts(sched, inputs)
         return sched, inputs
 

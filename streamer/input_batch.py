@@ -24,6 +24,7 @@ from streamer.structured_output import fill_bitmasks
 
 if TYPE_CHECKING:
     from streamer.draft_model import DraftPlan
+    from streamer.eagle import EagleFill
 
 
 def to_device(a: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -108,6 +109,7 @@ class StepInputs:
     lora_loads: list = field(default_factory=list)
     pool: Optional[PoolTokens] = None  # embedding requests' hidden states to sum
     draft: Optional["DraftPlan"] = None  # speculative decoding with a draft model: its passes before this step
+    eagle: Optional["EagleFill"] = None  # with an EAGLE head: its pass over the step's tokens after the step
     images: Optional[ImageStep] = None  # which tokens take image features instead of their embeddings
     rope_positions: Optional[np.ndarray] = None  # M-RoPE: positions shifted by the images before them (int64 [T])
     # Hybrid attention + Mamba models: each request's state slot (int64 [R]; kv_cache.StateSlotPool); None else

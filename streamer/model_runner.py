@@ -38,6 +38,7 @@ from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalt
 
 if TYPE_CHECKING:
     from streamer.draft_model import DraftModel
+    from streamer.eagle import EagleDrafter
 
 logger = logging.getLogger("streamer")
 
@@ -149,14 +150,15 @@ class ModelRunner:
             else:  # NCCL binds each rank to the current device
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
-        self.drafter: Optional["DraftModel"] = None
+        self.drafter: Optional["DraftModel | EagleDrafter"] = None
         # Vision-language models: image features by image, kept across a prompt's chunks (streamer/multimodal.py)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         try:
             self._build(model_dir)
             if config.speculative_model is not None and tp_rank == 0:
                 from streamer.draft_model import DraftModel
-                self.drafter = DraftModel(config, self)
+                from streamer.eagle import EagleDrafter
+                self.drafter = (EagleDrafter if self.eagle else DraftModel)(config, self)
         except BaseException as e:
             failure = self.tp_workers.failure() if self.tp_workers else None
             self.close()  # the workers and the process group go with the engine that failed to start
@@ -179,6 +181,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))
+        self._use_eagle()
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
@@ -228,6 +231,27 @@ class ModelRunner:
         self._set_up_forward()
         if self._use_cuda_graphs():
             self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
+
+    def _use_eagle(self) -> None:
+        """With an EAGLE head for a draft model: the target's forward also returns the features it reads (EAGLE-3:
+        three layers' input streams; EAGLE-1 reads the final hidden states), before anything is compiled."""
+        self.eagle = False
+        path = self.config.speculative_model
+        if path is None:
+            return
+        from streamer.eagle import check_target, is_eagle_checkpoint, target_aux_layers
+        path = Path(path).expanduser()
+        if path.is_dir() and (path / "config.json").is_file() and is_eagle_checkpoint(path):
+            self.eagle = True
+            check_target(self.model, self.model_cfg.architecture)
+            self.model.aux_layers = target_aux_layers(path, self.model_cfg)
+
+    def _split(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's (final hidden states, the EAGLE head's features): see `_use_eagle`."""
+        if not self.model.aux_layers:
+            return out, out
+        width = self.model_cfg.hidden_size
+        return out[:, :width], out[:, width:]
 
     def _set_up_forward(self) -> None:
         """Compile (or not), then warm up: warm-up steps compile every graph, and a compilation that fails
@@ -752,15 +776,19 @@ class ModelRunner:
         step (async scheduling) while this one runs."""
         dev = self.device
         drafts = self.drafter.propose(step.draft) if step.draft is not None else None  # type: ignore[union-attr]
-        hidden = self._run_model(step, drafts)
+        hidden, features = self._split(self._run_model(step, drafts))
         prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
         pooled = self._pool(hidden, step.pool) if step.pool is not None else None
         idx = step.sample_idx
         if len(idx) == 0:
+            if step.eagle is not None:
+                self.drafter.fill(step, step.eagle, features, None)  # type: ignore[union-attr]
             return PendingStep(step, idx, [], prompt_logprobs=prompt_lp, pooled=pooled)
         last = to_device(step.sample_tokens, dev)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
+        if step.eagle is not None:  # the head's KV over this step's tokens, the sampled ones included
+            self.drafter.fill(step, step.eagle, features, out.token_ids)  # type: ignore[union-attr]
         if self.tp_workers is not None:  # workers keep the sampled tokens too: async scheduling's next step reads them
             torch.distributed.broadcast(out.token_ids, src=0)
         self.keep_last_tokens(step.rows[idx], out.token_ids)

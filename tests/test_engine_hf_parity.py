@@ -215,3 +215,20 @@ def test_compiled_with_drafts_matches_transformers(make_ckpt, family, batch16):
     assert _greedy(llm, prompts[:1]) == hf_greedy(path, prompts[:1], MAX_NEW)
     assert llm.engine.num_draft_tokens > 0 and llm.engine.runner.compiled  # no eager fallback on the way
     _assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("family,act", [("llama", "gelu_pytorch_tanh"), ("qwen2", "gelu"), ("mistral", "gelu_new")])
+def test_gelu_gated_mlp_matches_transformers(make_ckpt, family, act, batch16):
+    """A Llama-style config with a GELU `hidden_act` runs GELU(gate) * up, as transformers' ACT2FN does (it once
+    ran SiLU whatever the config said)."""
+    path = make_ckpt(f"{family}_{act}", family=family, hidden_act=act)
+    ref = hf_greedy(path, batch16[:6], MAX_NEW)
+    silu_ref = hf_greedy(make_ckpt(family, family=family), batch16[:6], MAX_NEW)
+    assert ref != silu_ref, "the activation made no difference: the test would not discriminate"
+    assert _greedy(LLM(str(path), dtype="float32"), batch16[:6]) == ref
+
+
+def test_unsupported_mlp_activation_refused(make_ckpt):
+    path = make_ckpt("llama_relu", family="llama", hidden_act="relu")
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        LLM(str(path), dtype="float32")

@@ -7,7 +7,7 @@ ERNIE's differences:
   checkpoints have none); `attention_bias` / `mlp_bias` are not read;
 - transformers' config defaults differ from Llama's: rotary base 500,000, a tied LM head, head_dim 128 (not
   hidden_size / heads), rms_norm_eps 1e-5 (models/config.py _ARCH_DEFAULTS).
-`GatedMLP` (Llama's SwiGLU MLP with optional biases) is also Seed-OSS's (models/seed_oss.py).
+`BiasedMLPDecoderLayer` (Llama's layer, biases optional everywhere) is also Seed-OSS's (models/seed_oss.py).
 """
 from __future__ import annotations
 
@@ -18,22 +18,8 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM
-
-
-class GatedMLP(MLP):
-    """Llama's MLP, down(silu(gate(x)) * up(x)), with biases on all three projections when `bias` is set (the down
-    projection's added after the all-reduce, once)."""
-
-    def __init__(self, cfg: ModelConfig, bias: bool) -> None:
-        nn.Module.__init__(self)
-        act = cfg.raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{cfg.architecture} with hidden_act={act!r} is not supported (silu is)")
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=bias,
-                                                 shard_names=["gate", "up"])
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
 
 class BiasedMLPDecoderLayer(DecoderLayer):
@@ -43,7 +29,7 @@ class BiasedMLPDecoderLayer(DecoderLayer):
                  rotary: RotaryEmbedding, index: int = 0, mlp_bias: bool = False) -> None:
         nn.Module.__init__(self)
         self.self_attn = self.make_attention(cfg, backend_cls, rotary, index)
-        self.mlp = GatedMLP(cfg, mlp_bias)
+        self.mlp = MLP(cfg, bias=mlp_bias)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

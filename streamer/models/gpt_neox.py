@@ -33,20 +33,7 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.layers import LayerNorm
-
-# hidden_act -> F.gelu's `approximate`, as transformers' ACT2FN computes them (gelu_new, gelu_fast and
-# gelu_pytorch_tanh are all the tanh approximation, written differently)
-_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
-
-
-def gelu_approximate(cfg: ModelConfig, default: str, key: str = "hidden_act") -> str:
-    """F.gelu's `approximate` for the config's activation (`key`: GPTBigCode's is activation_function)."""
-    act = cfg.raw.get(key) or default
-    if act not in _GELU:
-        raise ValueError(f"{cfg.architecture} with {key} {act!r} is not supported ({', '.join(_GELU)} are)")
-    return _GELU[act]
-
+from streamer.models.layers import LayerNorm, gelu_approximate
 
 def layer_norm_eps(cfg: ModelConfig) -> float:
     eps = cfg.raw.get("layer_norm_eps")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from torch import nn
 import streamer_kernels as K
 from streamer.models.lora import add_lora, lora_add_
 from streamer.models.quant import fp8_linear
+
+if TYPE_CHECKING:
+    from streamer.models.config import ModelConfig
 from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, int4_supported, int8_supported, kernel_group,
                                  pack_int4, pack_int8, quantize_rtn, quantize_rtn_int8)
 
@@ -381,6 +384,20 @@ class LayerNorm(nn.Module):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+# hidden_act -> F.gelu's `approximate`, as transformers' ACT2FN computes them (gelu_new, gelu_fast and
+# gelu_pytorch_tanh are all the tanh approximation, written differently)
+GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+def gelu_approximate(cfg: ModelConfig, default: str, key: str = "hidden_act") -> str:
+    """F.gelu's `approximate` for the config's activation (`key`: GPTBigCode's is activation_function)."""
+    act = cfg.raw.get(key) or default
+    if act not in GELU_APPROXIMATE:
+        raise ValueError(f"{cfg.architecture} with {key} {act!r} is not supported "
+                         f"({', '.join(GELU_APPROXIMATE)} are)")
+    return GELU_APPROXIMATE[act]
 
 
 # ---------------------------------------------------------------------------------------------- rotary

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import streamer_kernels as K
@@ -29,6 +30,7 @@ from streamer.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
+    GELU_APPROXIMATE,
     default_weight_loader,
     rank_rows_loader,
     silu_and_mul,
@@ -115,16 +117,30 @@ def require_silu(raw: dict, family: str) -> None:
 
 
 class MLP(nn.Module, KernelSwitch):
-    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None) -> None:
-        """`intermediate_size`: default the config's (Llama 4's dense layers have their own)."""
+    """down(act(gate(x)) * up(x)): SiLU (fused kernel on GPU), or GELU where the config's `hidden_act` says so."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: Optional[int] = None, bias: bool = False) -> None:
+        """`intermediate_size`: default the config's (Llama 4's dense layers have their own). `bias`: on all three
+        projections (ERNIE 4.5's `use_bias`, Seed-OSS's; the down projection's is added after the all-reduce)."""
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter] * 2, shard_names=["gate", "up"])
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter] * 2, bias=bias, shard_names=["gate", "up"])
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias=bias)
+        act = cfg.raw.get("hidden_act") or "silu"
+        self.gelu: Optional[str] = None  # F.gelu's `approximate`, for a GELU-gated MLP
+        if act in GELU_APPROXIMATE:
+            self.gelu = GELU_APPROXIMATE[act]
+        elif act not in ("silu", "swish"):
+            raise ValueError(f"{cfg.architecture} with hidden_act {act!r} is not supported "
+                             f"(silu, {', '.join(GELU_APPROXIMATE)} are)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        if self.gelu is not None:
+            gate, up = h.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate=self.gelu) * up)
         act = K.silu_and_mul if self.use_kernel else silu_and_mul
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return self.down_proj(act(h))
 
 
 def add_and_norm(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -230,19 +246,26 @@ class LlamaForCausalLM(nn.Module):
     def run_layers(self, positions: torch.Tensor, x: torch.Tensor, kv_caches: list[torch.Tensor],
                    decode: Optional[DecodeBatch] = None, after_layer: Optional[LayerHook] = None) -> torch.Tensor:
         """The decoder layers over the residual stream's start `x`, then the final norm. `after_layer(i, x,
-        residual) -> (x, residual)` may change the stream after layer i (Qwen3-VL's DeepStack, on image steps)."""
+        residual) -> (x, residual)` may change the stream after layer i (Qwen3-VL's DeepStack, on image steps).
+        With `aux_layers` (an EAGLE-3 head's), the residual streams entering those layers follow the final hidden
+        states in each row: [T, hidden * (1 + len(aux_layers))] (the runner splits them)."""
         residual = None
+        aux = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, kv, decode)
             if after_layer is not None:
                 x, residual = after_layer(i, x, residual)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        out = self.norm(x) if residual is None else self.norm(x, residual)[0]
+        return torch.cat([out, *aux], dim=-1) if aux else out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start (Gemma and Granite scale it)."""
         return self.embed_tokens(input_ids)
 
     packed_head: Optional[torch.Tensor] = None
+    aux_layers: tuple[int, ...] = ()  # see run_layers
     long_rope: Optional[tuple[int, int]] = None
     bidirectional_images = False  # (vision-language models: models/vlm.py)
 

@@ -50,6 +50,7 @@ from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
 from streamer.models.ministral import MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
+from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
@@ -61,6 +62,7 @@ logger = logging.getLogger("streamer")
 # partial rotary); the others subclass its parts.
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+_MODEL_CLASSES[EAGLE1] = _MODEL_CLASSES[EAGLE3] = EagleDraftModel  # speculative heads (streamer/eagle.py) only
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM
 _MODEL_CLASSES["CohereForCausalLM"] = CohereForCausalLM
