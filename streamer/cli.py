@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None, metavar="PATH",
                    help="speculative decoding with this draft model (a checkpoint with the model's tokenizer) "
                         "instead of n-gram lookup; drafts --num-speculative-tokens tokens a step")
+    g.add_argument("--speculative-method", default=None, choices=["mtp"],
+                   help="mtp: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5); "
+                        "drafts --num-speculative-tokens tokens a step")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="draft only while at most this many requests run")
     g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
@@ -93,7 +96,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
-                "prompt_lookup_min", "speculative_max_batch", "speculative_model", "enable_lora", "max_loras", "max_lora_rank",
+                "prompt_lookup_min", "speculative_max_batch", "speculative_model",
+                "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache")
 

@@ -67,6 +67,10 @@ class EngineConfig:
     # tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B) proposes `num_speculative_tokens` tokens greedily, on the
     # device thread, just before the step that verifies them. Its KV cache shares the target's block tables.
     speculative_model: Optional[str] = None
+    # "mtp": the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6: the layer
+    # past the last, which loading otherwise skips), applied again for each of `num_speculative_tokens`
+    # (streamer/eagle.py, models/mtp.py). None: `speculative_model` if given, else n-gram lookup.
+    speculative_method: Optional[str] = None
     # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
@@ -154,11 +158,22 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if self.speculative_model is not None:
+        if self.speculative_method not in (None, "mtp"):
+            raise ValueError(f"speculative_method must be 'mtp' or None, got {self.speculative_method!r}")
+        if self.speculative_method is not None and self.speculative_model is not None:
+            raise ValueError("give speculative_method='mtp' (the checkpoint's own layer drafts) or speculative_model, "
+                             "not both")
+        if self.drafts_with_model:
+            what = "speculative_model" if self.speculative_model is not None else "speculative_method"
             if self.num_speculative_tokens < 1:
-                raise ValueError("speculative_model needs num_speculative_tokens >= 1 (the tokens it drafts a step)")
+                raise ValueError(f"{what} needs num_speculative_tokens >= 1 (the tokens it drafts a step)")
             if tp > 1:
-                raise ValueError("speculative_model does not run with tensor_parallel_size > 1 yet")
+                raise ValueError(f"{what} does not run with tensor_parallel_size > 1 yet")
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """Speculative drafts from a model (a draft checkpoint, an EAGLE head or the MTP layer), not n-grams."""
+        return self.speculative_model is not None or self.speculative_method is not None
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":

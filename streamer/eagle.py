@@ -39,6 +39,7 @@ from streamer.input_batch import StepInputs, to_device
 from streamer.models.config import ModelConfig
 from streamer.models.eagle import EAGLE1, EAGLE3, EAGLE3_NAMES, EagleDraftModel, default_aux_layers
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.mtp import MTP_FAMILIES
 
 if TYPE_CHECKING:
     from streamer.model_runner import ModelRunner
@@ -91,6 +92,20 @@ def target_aux_layers(path: Path, target_cfg: ModelConfig) -> tuple[int, ...]:
     return layers
 
 
+def mtp_config(path: Path, target_cfg: ModelConfig) -> ModelConfig:
+    """The MTP head's config: the target's, as its family's head; ValueError if the checkpoint has no MTP layer."""
+    from streamer.models.loader import _tensor_names, safetensors_files
+    arch = target_cfg.architecture
+    if arch not in MTP_FAMILIES:
+        raise ValueError(f"speculative_method='mtp' drafts with the MTP layer of {', '.join(MTP_FAMILIES)} "
+                         f"checkpoints; {arch} has none")
+    wanted = f"model.layers.{target_cfg.num_layers}.eh_proj.weight"
+    if not any(wanted in _tensor_names(f) for f in safetensors_files(path)):
+        raise ValueError(f"speculative_method='mtp': checkpoint {path} has no multi-token-prediction layer "
+                         f"({wanted} not found)")
+    return dataclasses.replace(target_cfg, draft_head="mtp")
+
+
 def _read_config(path: Path) -> dict:
     with open(path / "config.json") as f:
         return json.load(f)
@@ -135,13 +150,17 @@ class EagleDrafter:
 
     def __init__(self, config: EngineConfig, target: "ModelRunner") -> None:
         from streamer.model_runner import ModelRunner
-        path = Path(config.speculative_model).expanduser()  # type: ignore[arg-type]
-        cfg = eagle_config(path)
-        _check_target(path, cfg, target)
+        if config.speculative_method == "mtp":  # the target checkpoint's own extra layer
+            path, cfg = Path(target.model_dir), mtp_config(target.model_dir, target.model_cfg)
+        else:
+            path = Path(config.speculative_model).expanduser()  # type: ignore[arg-type]
+            cfg = eagle_config(path)
+            _check_target(path, cfg, target)
         draft_config = dataclasses.replace(
             config, model=str(path), tokenizer=None, dtype=str(target.dtype).replace("torch.", ""),
             num_kv_blocks=target.num_blocks, enable_lora=False, quantization=None, cuda_graph_max_batch=0,
-            speculative_model=None, num_speculative_tokens=0, tensor_parallel_size=1, enforce_eager=True,
+            speculative_model=None, speculative_method=None, num_speculative_tokens=0, tensor_parallel_size=1,
+            enforce_eager=True,
             kv_cache_dtype="auto")
         self.runner = ModelRunner(draft_config, path, cfg, target.max_model_len)
         self.model: EagleDraftModel = self.runner.model  # type: ignore[assignment]
@@ -149,8 +168,8 @@ class EagleDrafter:
         self.keep = config.num_speculative_tokens + 1
         self.kept = torch.zeros(config.max_num_seqs, self.keep, cfg.hidden_size, dtype=target.dtype,
                                 device=target.device)
-        logger.info("EAGLE-%d head %s proposes %d tokens a step", self.model.version, path,
-                    config.num_speculative_tokens)
+        logger.info("%s %s proposes %d tokens a step", "MTP layer of" if config.speculative_method else
+                    f"EAGLE-{self.model.version} head", path, config.num_speculative_tokens)
 
     def _run(self, step: StepInputs, input_ids: torch.Tensor, feature: torch.Tensor,
              ) -> tuple[torch.Tensor, torch.Tensor]:

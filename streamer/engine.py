@@ -172,15 +172,15 @@ class LLMEngine:
         rejected drafts, which the state slots cannot do."""
         if self.model_config.architecture not in HYBRID_ARCHITECTURES:
             return
-        if self.config.num_speculative_tokens or self.config.speculative_model is not None:
+        if self.config.num_speculative_tokens or self.config.drafts_with_model:
             raise ValueError(f"speculative decoding does not run with {self.model_config.architecture} (a hybrid "
                              "attention + Mamba model: its recurrent state cannot roll back rejected drafts)")
 
     def _check_multimodal(self) -> None:
         if self.model_config.multimodal is None:
             return
-        if self.config.speculative_model is not None:
-            raise ValueError("speculative_model does not run with a vision-language model yet")
+        if self.config.drafts_with_model:
+            raise ValueError("speculative decoding with a draft model does not run with a vision-language model yet")
 
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;

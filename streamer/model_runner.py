@@ -155,7 +155,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         try:
             self._build(model_dir)
-            if config.speculative_model is not None and tp_rank == 0:
+            if config.drafts_with_model and tp_rank == 0:
                 from streamer.draft_model import DraftModel
                 from streamer.eagle import EagleDrafter
                 self.drafter = (EagleDrafter if self.eagle else DraftModel)(config, self)
@@ -235,11 +235,11 @@ class ModelRunner:
     def _use_eagle(self) -> None:
         """With an EAGLE head for a draft model: the target's forward also returns the features it reads (EAGLE-3:
         three layers' input streams; EAGLE-1 reads the final hidden states), before anything is compiled."""
-        self.eagle = False
+        from streamer.eagle import check_target, is_eagle_checkpoint, target_aux_layers
+        self.eagle = self.config.speculative_method == "mtp"  # (the head reads the final hidden states)
         path = self.config.speculative_model
         if path is None:
             return
-        from streamer.eagle import check_target, is_eagle_checkpoint, target_aux_layers
         path = Path(path).expanduser()
         if path.is_dir() and (path / "config.json").is_file() and is_eagle_checkpoint(path):
             self.eagle = True

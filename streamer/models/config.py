@@ -253,6 +253,8 @@ class ModelConfig:
     mla: Optional[MLADims] = None
     # The vision-language architecture whose text model this is, served alone (TEXT_ONLY_ARCHITECTURES); None else
     text_only_of: Optional[str] = None
+    # "mtp": build the checkpoint's multi-token-prediction layer as a speculative head (models/mtp.py), not the model
+    draft_head: Optional[str] = None
 
     def with_mla_cache(self, latent: bool) -> "ModelConfig":
         """This config with DeepSeek's latent KV cache (True) or the per-head MHA cache (False), and the cache

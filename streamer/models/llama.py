@@ -226,12 +226,16 @@ class LlamaForCausalLM(nn.Module):
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i)
-                                    for i in range(cfg.num_layers))
+                                    for i in self.layer_indices(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         # A sequence classifier's head (its config ties the embeddings: there is no LM head); the runner applies it
         # to the pooled last-token hidden states.
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
+
+    def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
+        """The indices of the decoder layers built (a multi-token-prediction head builds only the one past the last)."""
+        return range(cfg.num_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:

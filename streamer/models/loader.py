@@ -51,6 +51,7 @@ from streamer.models.ministral import MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
 from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
+from streamer.models.mtp import mtp_class
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import dequantizing
@@ -156,6 +157,8 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
                        "lm_head.weight: using that (as transformers does)", folder)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     model_cls = _MODEL_CLASSES[cfg.architecture]
+    if cfg.draft_head == "mtp":  # the checkpoint's multi-token-prediction layer, as a speculative head
+        model_cls = mtp_class(model_cls)
     if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
         model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
     old_dtype = torch.get_default_dtype()

@@ -1,0 +1,108 @@
+"""Multi-token-prediction (MTP) heads as speculative drafters: the extra layer DeepSeek-V3 / R1 and GLM-4.5 / 4.6
+checkpoints carry past their last decoder layer (`model.layers.<num_hidden_layers>.*`; loading the target skips
+it, as transformers does).
+
+At position i the layer reads the embedding of token i + 1 and the target's final hidden state of position i:
+    x = eh_proj([enorm(embed(t[i + 1])), hnorm(h[i])])  ->  one decoder layer of the target's kind (MLA + MoE for
+    DeepSeek)  ->  stream;  logits = shared_head.head(shared_head.norm(stream))
+and predicts token i + 2. Applied again on its own output stream it drafts further (as vLLM does with one layer).
+The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner side is streamer/eagle.py's
+(`EagleDrafter`): the same fill / keep / propose steps as an EAGLE-1 head.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
+from streamer.models.config import ModelConfig
+from streamer.models.layers import ColumnParallelLinear, RMSNorm, VocabEmbedding
+from streamer.models.llama import LlamaForCausalLM
+
+MTP_FAMILIES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+_OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
+
+
+@functools.cache
+def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
+    """The MTP head of a family: its model class, built with only the layer past the last."""
+
+    class MTPHead(target_cls):  # type: ignore[valid-type, misc]
+        version = 1  # (drafts as an EAGLE-1 head does: the target's final hidden states are its features)
+
+        def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
+            return [cfg.num_layers]
+
+        def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                     max_positions: int) -> None:
+            super().__init__(cfg, backend_cls, max_positions)
+            h, eps = cfg.hidden_size, cfg.rms_norm_eps
+            self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+            self.eh_proj = ColumnParallelLinear(2 * h, [h])
+            self.shared_head = nn.Module()
+            self.shared_head.norm = RMSNorm(h, eps)
+            self.shared_head.head = VocabEmbedding(cfg.vocab_size, h)
+            self.norm = None  # type: ignore[assignment]
+            self.lm_head = None
+            self.own = {"embed_tokens.weight": False, "shared_head.head.weight": False}
+            self.mtp_name = re.compile(rf"^model\.layers\.{cfg.num_layers}\.(.*)$")
+
+        def share_target(self, target: LlamaForCausalLM) -> None:
+            """Checkpoints usually repeat the target's embeddings (and LM head) in the layer; where not, share."""
+            if not self.own["embed_tokens.weight"]:
+                self.embed_tokens = target.embed_tokens
+            if not self.own["shared_head.head.weight"]:
+                self.shared_head.head = target.embed_tokens if target.lm_head is None else target.lm_head
+
+        def combine(self, target_features: torch.Tensor) -> torch.Tensor:
+            return target_features
+
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                    kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
+                    feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            embeds = self.embed(input_ids)
+            if feature is None:  # (the runner's warm-up steps)
+                feature = torch.zeros_like(embeds)
+            embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+            x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+            x, residual = self.layers[0](positions, x, None, kv_caches[0], decode)
+            stream = x + residual
+            return self.shared_head.norm(stream), stream
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(hidden, self.shared_head.head.weight).float()
+
+        def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+            return self.compute_logits(hidden).argmax(dim=-1)
+
+        def pack_head_for_cpu(self) -> None:
+            pass
+
+        def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+            """Only the MTP layer's tensors: its decoder layer's as layer 0, the rest by their own names."""
+            for name, t in super().rename_weights(weights):
+                m = self.mtp_name.match(name)
+                if m is None:
+                    continue
+                rest = m.group(1)
+                if rest.split(".")[0] in _OWN:
+                    if rest in self.own:
+                        self.own[rest] = True
+                    yield rest, t
+                else:
+                    yield f"model.layers.0.{rest}", t
+
+        def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
+            if ckpt_name.split(".")[0] in _OWN:
+                return ckpt_name, None
+            return super().param_name(ckpt_name)
+
+        def expected_weights(self) -> set[str]:
+            return super().expected_weights() - {name for name, own in self.own.items() if not own}
+
+    MTPHead.__name__ = MTPHead.__qualname__ = target_cls.__name__ + "MTP"
+    return MTPHead

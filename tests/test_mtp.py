@@ -1,0 +1,152 @@
+"""Speculative decoding with a checkpoint's own multi-token-prediction layer (speculative_method="mtp";
+streamer/models/mtp.py over streamer/eagle.py's runner): every proposal equals a reference built from
+transformers' own DeepSeek-V3 / GLM-4.5 decoder layer loaded with the MTP weights, and greedy output stays
+transformers'. Checkpoints without the layer, and families without one, are refused."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from streamer import LLM, SamplingParams
+from tests.checkpoints import hf_greedy
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(20, 40)) * 2, [300, 12, 450, 3], list(range(100, 150))]
+MAX_NEW = 16
+K = 2
+
+
+def with_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of `src` with an MTP layer, as the released checkpoints store it: model.layers.<num_layers>.* (a
+    decoder layer of the last layer's kind, enorm, hnorm, eh_proj, shared_head.norm / .head, embed_tokens), in a
+    shard of its own."""
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    n, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(src / "model.safetensors")
+    last = f"model.layers.{n - 1}."
+    mtp = {}
+    for name, t in weights.items():
+        if name.startswith(last):
+            noise = torch.randn(t.shape, generator=g) * (0.3 if "norm" in name else t.float().std().item() or 0.05)
+            mtp[f"model.layers.{n}." + name[len(last):]] = (t.float() + noise).to(t.dtype)
+    p = f"model.layers.{n}."
+    mtp.update({p + "enorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
+                p + "hnorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
+                p + "eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=g),
+                p + "shared_head.norm.weight": 1 + 0.3 * torch.randn(h, generator=g),
+                p + "shared_head.head.weight": 0.5 * torch.randn(vocab, h, generator=g),
+                p + "embed_tokens.weight": 0.5 * torch.randn(vocab, h, generator=g)})
+    save_file(mtp, out / "model-mtp.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _fused_experts(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (the checkpoint's layout) stacked as transformers' modules hold them."""
+    e = sorted({int(k.split(".")[2]) for k in w if k.startswith("mlp.experts.")})
+    if not e:
+        return w
+    out = {k: v for k, v in w.items() if not k.startswith("mlp.experts.")}
+    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([w[f"mlp.experts.{i}.gate_proj.weight"],
+                                                              w[f"mlp.experts.{i}.up_proj.weight"]]) for i in e])
+    out["mlp.experts.down_proj"] = torch.stack([w[f"mlp.experts.{i}.down_proj.weight"] for i in e])
+    return out
+
+
+class Reference:
+    """The MTP layer's proposals, computed whole (no cache) by transformers' decoder layer in fp32."""
+
+    def __init__(self, path: Path) -> None:
+        import transformers as tf
+        self.target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        config = self.target.config
+        n = config.num_hidden_layers
+        config._attn_implementation = "eager"
+        layer_cls = type(self.target.model.layers[-1])
+        self.layer = layer_cls(config, n).eval()
+        w = load_file(path / "model-mtp.safetensors")
+        p = f"model.layers.{n}."
+        own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
+        missing, unexpected = self.layer.load_state_dict(
+            _fused_experts({k[len(p):]: v for k, v in w.items() if k[len(p):].split(".")[0] not in own}), strict=False)
+        assert not unexpected and not [m for m in missing if "bias" not in m or "correction" in m], (missing, unexpected)
+        self.w = {k[len(p):]: v for k, v in w.items() if k[len(p):].split(".")[0] in own}
+        self.eps = config.rms_norm_eps
+
+    def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
+
+    def forward(self, ids: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = len(ids)
+        e = self.w["embed_tokens.weight"][torch.tensor(ids)]
+        e[0] = 0.0  # (position 0's embedding is zeroed, as vLLM's DeepSeek MTP does)
+        x = torch.cat([self._rms(e, "enorm.weight"), self._rms(feats, "hnorm.weight")], -1) @ self.w["eh_proj.weight"].T
+        pos = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        with torch.no_grad():
+            stream = self.layer(x[None], attention_mask=mask, position_ids=pos,
+                                position_embeddings=self.target.model.rotary_emb(x[None], pos))
+            stream = stream[0] if isinstance(stream, tuple) else stream
+        stream = stream[0]
+        return self._rms(stream, "shared_head.norm.weight") @ self.w["shared_head.head.weight"].T, stream
+
+    def proposals(self, seq: list[int], count: int) -> list[tuple[int, float]]:
+        with torch.no_grad():
+            feats = self.target.model(torch.tensor([seq[:-1]])).last_hidden_state[0]
+        ids, out = list(seq[1:]), []
+        for _ in range(count):
+            logits, stream = self.forward(ids, feats)
+            top = logits[-1].topk(2)
+            out.append((int(top.indices[0]), float(top.values[0] - top.values[1])))
+            ids.append(out[-1][0])
+            feats = torch.cat([feats, stream[-1:]])
+        return out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_proposals_match_reference_and_output_matches_transformers(make_ckpt, tmp_path, family) -> None:
+    path = with_mtp_layer(make_ckpt(family, family=family), tmp_path / family, seed=3)
+    llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
+    drafter = llm.engine.runner.drafter
+    calls: list = []
+    inner = drafter.propose
+
+    def propose(plan):
+        out = inner(plan)
+        calls.append((list(plan.req_ids), plan.passes[0].positions + 1, plan.counts.copy(), out.cpu()))
+        return out
+    drafter.propose = propose
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
+    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
+    ref, checked = Reference(path), 0
+    for req_ids, known, counts, proposed in calls[:4]:
+        for r, rid in enumerate(req_ids):
+            for j, (tok, gap) in enumerate(ref.proposals(sequences[rid][:int(known[r]) + 1], int(counts[r]))):
+                if gap > 1e-4:
+                    assert int(proposed[r, j]) == tok, f"request {rid} at {known[r]}, draft {j}"
+                    checked += 1
+    assert checked >= 12
+    e = llm.engine
+    assert e.num_draft_tokens > 0
+    e.scheduler.check_invariants()
+    assert e.kv.pool.num_free == e.kv.num_blocks
+
+
+def test_refused_without_a_layer_or_a_family(make_ckpt) -> None:
+    with pytest.raises(ValueError, match="has no multi-token-prediction layer"):
+        LLM(str(make_ckpt("deepseek_v3", family="deepseek_v3")), dtype="float32", speculative_method="mtp",
+            num_speculative_tokens=K)
+    with pytest.raises(ValueError, match="LlamaForCausalLM has none"):
+        LLM(str(make_ckpt("llama", family="llama")), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
+    with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
+        LLM(str(make_ckpt("llama", family="llama")), dtype="float32", speculative_method="mtp")
+    with pytest.raises(ValueError, match="speculative_method must be 'mtp'"):
+        LLM(str(make_ckpt("llama", family="llama")), dtype="float32", speculative_method="eagle",
+            num_speculative_tokens=K)
