@@ -346,3 +346,18 @@ def test_live_mistral_keeps_special_tokens_in_the_text(live):
     kept, without_tools, hermes = _run(main())
     assert kept.choices[0].message.content == "<|pad|>" * 3
     assert without_tools.choices[0].message.content == hermes.choices[0].message.content == ""
+
+
+def test_seed_oss_reads_its_own_tags():
+    """seed_oss reads as qwen3, with <seed:think> ... </seed:think>; <think> is then plain text."""
+    gen = "<seed:bos>assistant\n"
+    mode = reasoning_mode("seed_oss", gen, {})
+    assert mode == ReasoningMode(True, inside=False, tags=("<seed:think>", "</seed:think>"))
+    assert reasoning_mode("seed_oss", gen + "<seed:think>", {}).inside
+    assert not reasoning_mode("seed_oss", gen + "<think>", {}).inside
+    text = "<seed:think>Let me see.</seed:think>The answer <think>x</think>."
+    for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)]:
+        s = mode.splitter()
+        got = [s.feed(c, final=k == len(chunks) - 1) for k, c in enumerate(chunks)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == \
+            ("Let me see.", "The answer <think>x</think>."), chunks

@@ -167,6 +167,22 @@ FORMATS = [
      "<｜tool▁call▁begin｜>f<｜tool▁sep｜>{oops<｜tool▁call▁end｜>", []),
     ("deepseek_v31", "x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{", "x<｜tool▁call▁begin｜>f<｜tool▁sep｜>{",
      []),
+    # Seed-OSS: Qwen3-Coder's XML in its own tags
+    ("seed_oss", "Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+     "</seed:tool_call>", "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("seed_oss", "<tool_call><function=f></function></tool_call>", "<tool_call><function=f></function></tool_call>", []),
+    # Granite 3.x: a JSON array after <|tool_call|> (3.0), <tool_call> (3.1+) or nothing
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}]',
+     "", [("get_weather", {"city": "Paris"}), ("f", {})]),
+    ("granite", ' <tool_call> [{"name": "f", "arguments": {"s": "]"}}]\n\n', "", [("f", {"s": "]"})]),
+    ("granite", '[{"name": "f", "arguments": {}}] done', "done", [("f", {})]),
+    ("granite", '[{"name": "f", "arguments": {}}, 3]', '[{"name": "f", "arguments": {}}, 3]', []),
+    ("granite", '[]', '[]', []),
+    ("granite", 'Sure: [{"name": "f", "arguments": {}}]', 'Sure: [{"name": "f", "arguments": {}}]', []),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {', '<|tool_call|>[{"name": "f", "arguments": {', []),
+    ("granite", '<|tool_call|>see above', '<|tool_call|>see above', []),
+    ("granite", "<|tool_c", "<|tool_c", []),
+    ("llama4_pythonic", '<|python_start|>[f(x=1)]<|python_end|>', "", [("f", {"x": 1})]),
     # Kimi K2
     ("kimi_k2", 'I will.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
      '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.f:1'
@@ -227,6 +243,10 @@ VOCAB = {
                     "function<｜tool▁sep｜>f\n```json\n", "{}", "\n```", "<｜tool", "hi", "\n"],
     "deepseek_v31": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
                      "f", "<｜tool▁sep｜>", "{}", '{"a": 1}', "<｜tool▁", "hi"],
+    "granite": ["<|tool_call|>", "<tool_call>", "<|tool", "[", "]", '{"name": "f", "arguments": {}}', ", ", " ", "\n",
+                "hi", "{", "}", '"'],
+    "seed_oss": ["<seed:tool_call>", "</seed:tool_call>", "<function=f>", "</function>", "<parameter=a>",
+                 "</parameter>", "\n", "1", "<seed:tool", "hi"],
     "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "<|tool_call_end|>",
                 "functions.f:0", "<|tool_call_argument_begin|>", "{}", "<|tool", "hi"],
 }

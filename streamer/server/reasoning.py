@@ -24,7 +24,9 @@ from typing import Any, Optional
 
 START, END = "<think>", "</think>"
 # openai_gptoss (gpt-oss's channels) is read by server/harmony.py, not by a <think> splitter.
-PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "seed_oss", "openai_gptoss")
+# Parsers whose reasoning is delimited by other tags than <think> ... </think>
+TAGS = {"seed_oss": ("<seed:think>", "</seed:think>")}
 
 
 def held(text: str, tag: str) -> int:
@@ -40,8 +42,9 @@ class ThinkSplitter:
     (a partial `<think>` at the very start, a partial `</think>` at the end of the reasoning) is held back until it
     is known, so any split of the output into pieces gives the same result as the whole text at once."""
 
-    def __init__(self, inside: bool) -> None:
+    def __init__(self, inside: bool, start: str = START, end: str = END) -> None:
         self._inside = inside  # the output starts inside the reasoning (the prompt opened it)
+        self._start, self._end = start, end
         self._state = "start"  # "start" (a leading <think> still possible) | "reasoning" | "content"
         self._buf = ""
 
@@ -49,22 +52,23 @@ class ThinkSplitter:
         buf = self._buf + text
         self._buf = ""
         reasoning = ""
+        start, end = self._start, self._end
         if self._state == "start":
-            if buf.startswith(START):
-                buf = buf[len(START):]
+            if buf.startswith(start):
+                buf = buf[len(start):]
                 self._state = "reasoning"
-            elif START.startswith(buf) and not final:  # "", "<", "<thi", ...: not known yet
+            elif start.startswith(buf) and not final:  # "", "<", "<thi", ...: not known yet
                 self._buf = buf
                 return "", ""
             else:
                 self._state = "reasoning" if self._inside else "content"
         if self._state == "reasoning":
-            i = buf.find(END)
+            i = buf.find(end)
             if i < 0:
-                keep = 0 if final else held(buf, END)
+                keep = 0 if final else held(buf, end)
                 self._buf = buf[len(buf) - keep:]
                 return buf[:len(buf) - keep], ""
-            reasoning, buf = buf[:i], buf[i + len(END):]
+            reasoning, buf = buf[:i], buf[i + len(end):]
             self._state = "content"
         return reasoning, buf
 
@@ -77,16 +81,18 @@ class ReasoningMode:
     split: bool
     inside: bool = False
     include: bool = True
+    tags: tuple[str, str] = (START, END)  # (opening, closing)
 
     def splitter(self) -> Optional[ThinkSplitter]:
-        return ThinkSplitter(self.inside) if self.split else None
+        return ThinkSplitter(self.inside, *self.tags) if self.split else None
 
 
-def _last_tag(prompt: str) -> Optional[str]:
-    start, end = prompt.rfind(START), prompt.rfind(END)
+def _last_tag(prompt: str, tags: tuple[str, str]) -> Optional[str]:
+    """Which of the tags the prompt ends inside of: the opening one (reasoning open), the closing one, or None."""
+    start, end = prompt.rfind(tags[0]), prompt.rfind(tags[1])
     if start < 0 and end < 0:
         return None
-    return START if start > end else END
+    return tags[0] if start > end else tags[1]
 
 
 def reasoning_mode(parser: str, prompt: str, template_kwargs: dict[str, Any], *, constrained: bool = False,
@@ -102,14 +108,15 @@ def reasoning_mode(parser: str, prompt: str, template_kwargs: dict[str, Any], *,
         parser = "deepseek_r1"
     if forced_tool or (parser in ("qwen3", "glm45") and template_kwargs.get("enable_thinking") is False):
         return ReasoningMode(split=False, include=include)
-    last = _last_tag(prompt)
+    tags = TAGS.get(parser, (START, END))
+    last = _last_tag(prompt, tags)
     if constrained:
         inside = False
     elif parser == "deepseek_r1":
-        inside = last != END  # unless the prompt closed it already
+        inside = last != tags[1]  # unless the prompt closed it already
     else:
-        inside = last == START  # qwen3, glm45: only when the prompt opened it
-    return ReasoningMode(split=True, inside=inside, include=include)
+        inside = last == tags[0]  # qwen3, glm45, seed_oss: only when the prompt opened it
+    return ReasoningMode(split=True, inside=inside, include=include, tags=tags)
 
 
 def split_all(text: str, inside: bool) -> tuple[str, str]:

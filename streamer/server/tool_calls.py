@@ -165,6 +165,12 @@ class Qwen3CoderToolCalls(BlockToolCalls):
         return _function(name, args)
 
 
+class SeedOssToolCalls(Qwen3CoderToolCalls):
+    """Seed-OSS's calls: Qwen3-Coder's XML inside `<seed:tool_call>` ... `</seed:tool_call>`."""
+
+    START, END = "<seed:tool_call>", "</seed:tool_call>"
+
+
 class Glm45ToolCalls(BlockToolCalls):
     """GLM-4.5 / 4.6's calls: `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>...</tool_call>`.
     Values are text, typed by the tool's JSON schema (`_typed`; JSON where the schema does not say)."""
@@ -343,6 +349,58 @@ class Llama3JsonToolCalls(ToolCallParser):
                 content, self._buf = self._buf, ""
                 return content, calls
         return "", calls
+
+
+class GraniteToolCalls(ToolCallParser):
+    """IBM Granite 3.x: the output is calls when it starts (after whitespace) with `<|tool_call|>` (3.0) or
+    `<tool_call>` (3.1+), or directly with `[`: then a JSON array of `{"name", "arguments"}` objects, read once it is
+    complete. Anything else (text first, an array that is not all calls, an unfinished one) is content; text after
+    the array is content too."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = "start"  # "start" | "array" (expected at self._pos) | "after" (the calls) | "text"
+        self._pos = 0
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self._buf += text
+        buf = self._buf
+        if self._state == "start":
+            p = len(buf) - len(buf.lstrip())
+            tag = next((t for t in self.TAGS if buf.startswith(t, p)), None)
+            if tag is None and not final and (p == len(buf) or any(t.startswith(buf[p:]) for t in self.TAGS)):
+                return "", []  # only whitespace, or a partial tag, so far
+            if tag is not None:
+                p = len(buf) - len(buf[p + len(tag):].lstrip())
+                if p == len(buf) and not final:
+                    return "", []
+            self._state, self._pos = ("array", p) if buf.startswith("[", p) else ("text", 0)
+        if self._state == "array":
+            found = _json_at(buf, self._pos)
+            if found is None and not final:
+                return "", []
+            calls = [_call_object(c) for c in found[0]] if found and isinstance(found[0], list) else [None]
+            if found is None or not calls or any(c is None for c in calls):
+                self._state = "text"
+            else:
+                self._state, self._buf = "after", buf[found[1]:]
+                return self._after(), [self._numbered(c) for c in calls]  # type: ignore[arg-type]
+        if self._state == "after":
+            return self._after(), []
+        return self._take(), []
+
+    def _after(self) -> str:
+        """Whitespace right after the calls is dropped; text after that is content."""
+        self._buf = self._buf.lstrip()
+        if self._buf:
+            self._state = "text"
+        return self._take()
+
+    def _take(self) -> str:
+        content, self._buf = self._buf, ""
+        return content
 
 
 class MistralToolCalls(ToolCallParser):
@@ -547,7 +605,8 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls, "mistral": MistralToolCalls,
     "pythonic": PythonicToolCalls, "qwen3_coder": Qwen3CoderToolCalls, "qwen3_xml": Qwen3CoderToolCalls,
     "glm45": Glm45ToolCalls, "deepseek_v3": DeepSeekV3ToolCalls, "deepseek_v31": DeepSeekV31ToolCalls,
-    "kimi_k2": KimiK2ToolCalls}
+    "kimi_k2": KimiK2ToolCalls, "seed_oss": SeedOssToolCalls, "granite": GraniteToolCalls,
+    "llama4_pythonic": PythonicToolCalls, "llama4_json": Llama3JsonToolCalls}
 # Every name --tool-call-parser takes: "openai" is gpt-oss's harmony format, read by server/harmony.py.
 TOOL_CALL_PARSERS = (*PARSERS, "openai")
 
