@@ -1,5 +1,5 @@
-"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, Gemma 3, Qwen2-VL / 2.5-VL / 3-VL, Mistral 3,
-InternVL 3 / 3.5).
+"""Images in prompts, for vision-language models (models/vlm.py: LLaVA, LLaVA-NeXT, Gemma 3, Qwen2-VL / 2.5-VL / 3-VL,
+Mistral 3, InternVL 3 / 3.5).
 
 An image enters a prompt as a run of placeholder tokens (the model's image token, one per feature row its vision
 encoder makes). Those positions go through the decoder like any other token, except that their input embeddings
@@ -60,7 +60,7 @@ class ImageInput:
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens: the rows of features the encoder makes for it
     pixel_values: torch.Tensor  # float32 on the host, as the image processor made it ([3, H, W]; Qwen: patches;
-    # InternVL: [tiles, 3, S, S])
+    # InternVL, LLaVA-NeXT: [tiles, 3, S, S])
     hash: bytes  # of the pixel values: equal images share prefix-cache blocks and encoder output
     grid: Optional[tuple[int, int, int]] = None  # Qwen2-VL: its patches' (t, h, w) grid
     # M-RoPE (Qwen2-VL): the [3, length] (temporal, height, width) positions of its tokens, and what a token after
@@ -74,6 +74,8 @@ class ImageInput:
     # M-RoPE: the temporal position step per temporal grid step (Qwen2.5-VL's videos: tokens_per_second *
     # second_per_grid_t, floored after the multiplication by the step's index, as transformers does)
     time_interval: float = 1.0
+    # LLaVA-NeXT: the image's (height, width) before preprocessing, which lays its features out (and its hash covers)
+    size: Optional[tuple[int, int]] = None
 
     @property
     def end(self) -> int:
@@ -88,6 +90,17 @@ class ImageInput:
 def hash_pixels(pixels: torch.Tensor) -> bytes:
     h = hashlib.blake2b(np.asarray(pixels.shape, dtype=np.int64).tobytes(), digest_size=16)
     h.update(pixels.contiguous().numpy().tobytes())
+    return h.digest()
+
+
+def hash_sized(pixels: torch.Tensor, size: Optional[tuple[int, int]]) -> bytes:
+    """An image's key: its pixels and, where its features depend on it (LLaVA-NeXT's unpadding), its original size
+    (two sizes can make the same pixels)."""
+    if size is None:
+        return hash_pixels(pixels)
+    h = hashlib.blake2b(b"sized image", digest_size=16)
+    h.update(hash_pixels(pixels))
+    h.update(np.asarray(size, dtype=np.int64).tobytes())
     return h.digest()
 
 
@@ -197,7 +210,9 @@ class ImagePrompts:
     each row closed by `[IMG_BREAK]` and the last by `[IMG_END]` (`row_breaks`: their ids), as PixtralProcessor
     expands it. InternVL's write `<IMG_CONTEXT>`, the image token itself: it becomes `<img>`, `tile_tokens` image
     tokens per tile of the image (`tile`: the tile size in pixels) and `</img>` (`wrap`), as InternVLProcessor
-    expands it.
+    expands it. LLaVA-NeXT's write `<image>` too, which becomes as many image tokens as the image's size makes
+    (`anyres`: the tile size, the patches per tile side and the model's image_grid_pinpoints), as
+    LlavaNextProcessor counts them.
 
     Videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL: `video_token_id` set): their templates write `<|video_pad|>` inside
     `<|vision_start|>...<|vision_end|>` (`video_placeholder`); each lone video token becomes the video's tokens, one
@@ -215,7 +230,8 @@ class ImagePrompts:
                  tile: int = 0, video_token_id: Optional[int] = None, video_placeholder: Optional[str] = None,
                  tokens_per_second: Optional[float] = None, no_video: str = "this model takes no video",
                  max_tokens: Optional[int] = None, frame_wrap: Optional[tuple[int, int]] = None,
-                 encode_text: Optional[Callable[[str], list[int]]] = None) -> None:
+                 encode_text: Optional[Callable[[str], list[int]]] = None,
+                 anyres: Optional[tuple[int, int, tuple[tuple[int, int], ...]]] = None) -> None:
         self.folder = folder
         self.frame_wrap = frame_wrap  # Qwen3-VL: each video step between these, after its time as text
         self.encode_text = encode_text
@@ -229,8 +245,10 @@ class ImagePrompts:
         self.row_breaks = row_breaks
         self.patch = patch
         self.tile_tokens = tile_tokens
+        self.anyres = anyres
         self.processor = _qwen_processor(folder) if merge else _pixtral_processor(folder, patch) if row_breaks \
-            else _internvl_processor(folder, tile) if tile_tokens else _processor(folder)
+            else _internvl_processor(folder, tile) if tile_tokens else _llava_next_processor(folder, anyres) \
+            if anyres else _processor(folder)
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image  # None: each image's own (Qwen2-VL)
         self.placeholder = placeholder  # the text chat templates write for an image
@@ -285,9 +303,9 @@ class ImagePrompts:
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0
-        for (start, length, lone), (pixels, n, grid, *interval), video in items:
+        for (start, length, lone), (pixels, n, grid, *extra), video in items:
             if video and self.frame_wrap is not None:  # Qwen3-VL: each grid step after its time, wrapped
-                tokens, frames = self._frame_tokens(n, grid, interval[1])
+                tokens, frames = self._frame_tokens(n, grid, extra[1])
                 if not lone and token_ids[start:start + length] != tokens:
                     raise ValueError("an expanded video does not match its video's frames: each video takes 1 "
                                      f"placeholder ({self.video_placeholder}) or exactly its tokens, each temporal "
@@ -305,8 +323,8 @@ class ImagePrompts:
                     raise ValueError(f"a run of {length} video tokens: each video takes 1 placeholder "
                                      f"({self.video_placeholder}) or exactly its {n} video tokens")
                 out += token_ids[prev:start]
-                inputs.append(ImageInput(len(out), n, pixels, hash_video(pixels, interval[0]), grid, video=True,
-                                         time_interval=interval[0]))
+                inputs.append(ImageInput(len(out), n, pixels, hash_video(pixels, extra[0]), grid, video=True,
+                                         time_interval=extra[0]))
                 out += [self.video_token_id] * n  # type: ignore[list-item]
                 prev = start + length
                 continue
@@ -320,7 +338,9 @@ class ImagePrompts:
                                  f"({self.placeholder}) or exactly its {n} image tokens")
             out += token_ids[prev:start] + (self.wrap[0] if lone else [])
             mask = None if self.row_breaks is None else np.asarray(image_tokens) == self.image_token_id
-            inputs.append(ImageInput(len(out), n, pixels, hash_pixels(pixels), grid, feature_mask=mask))
+            size = extra[0] if extra else None  # (LLaVA-NeXT's)
+            inputs.append(ImageInput(len(out), n, pixels, hash_sized(pixels, size), grid, feature_mask=mask,
+                                     size=size))
             out += image_tokens + (self.wrap[1] if lone else [])
             prev = start + length
         out += token_ids[prev:]
@@ -352,10 +372,13 @@ class ImagePrompts:
         tokens[-1] = self.row_breaks[1]
         return tokens
 
-    def _process(self, images: Sequence["Image"]) -> list[tuple[torch.Tensor, int, Optional[tuple[int, int, int]]]]:
-        """Each image's (pixel values, tokens, patch grid; Mistral 3: its grid of merged tokens)."""
+    def _process(self, images: Sequence["Image"]) -> list[tuple[Any, ...]]:
+        """Each image's (pixel values, tokens, patch grid; Mistral 3: its grid of merged tokens; LLaVA-NeXT: and its
+        original (height, width))."""
         if not images:
             return []
+        if self.anyres:
+            return [(px, self.processor.num_tokens(*size), None, size) for px, size in self.processor(list(images))]
         if self.row_breaks:
             out = []
             for px in self.processor(list(images)):
@@ -506,6 +529,9 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
                 raise ValueError(f"the tokenizer has no {name} token (Mistral 3's images need it)")
         return ImagePrompts(folder, image, None, text_of(image), limit, row_breaks=(ids[0], ids[1]),
                             patch=model.image_patch)
+    if arch == "LlavaNextForConditionalGeneration":
+        return ImagePrompts(folder, image, None, text_of(image), limit,
+                            anyres=(model.tile_size, model.side, model.grid_pinpoints))
     if arch == "InternVLForConditionalGeneration":
         names = _internvl_token_names(Path(config.tokenizer or model_dir))
         ids = [tokenizer.token_to_id(t) for t in names]
@@ -527,6 +553,11 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
 def _processor(folder: Path) -> Any:
     from streamer.image_processor import ImageProcessor
     return ImageProcessor.from_folder(folder)
+
+
+def _llava_next_processor(folder: Path, anyres: tuple[int, int, tuple[tuple[int, int], ...]]) -> Any:
+    from streamer.llava_next_image_processor import LlavaNextImageProcessor
+    return LlavaNextImageProcessor.from_folder(folder, *anyres)
 
 
 def _pixtral_processor(folder: Path, patch: int) -> Any:

@@ -57,7 +57,8 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                            "Gemma3ForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration")
@@ -70,6 +71,7 @@ _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM"}  # (InternVL3.5's MoE models)
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
+                 "LlavaNextForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
                  "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
                  "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision"),
@@ -96,7 +98,8 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                           num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=128000),
 }
 # The image token each architecture's config defaults to.
-_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "Gemma3ForConditionalGeneration": 262144,
+_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "LlavaNextForConditionalGeneration": 32000,
+                "Gemma3ForConditionalGeneration": 262144,
                 "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
                 "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
                 "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667}

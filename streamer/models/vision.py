@@ -1,5 +1,6 @@
-"""The vision encoders LLaVA puts in front of its language model: CLIP's and SigLIP's ViT, as transformers'
-CLIPVisionModel / SiglipVisionModel compute them, up to the hidden states LLaVA reads.
+"""The vision encoders LLaVA puts in front of its language model (LLaVA-NeXT too, on each tile of an image): CLIP's
+and SigLIP's ViT, as transformers' CLIPVisionModel / SiglipVisionModel compute them, up to the hidden states LLaVA
+reads.
 
 LLaVA takes the hidden states of one encoder layer (`vision_feature_layer`, usually -2) or of several
 (concatenated along the hidden dim), never the pooled output: post_layernorm, SigLIP's pooling head and the

@@ -1,5 +1,6 @@
 """Vision-language models: a vision encoder and a projector in front of a text model of one of the supported
-families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector), Gemma 3
+families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP projector), LLaVA-NeXT
+(LlavaNextForConditionalGeneration: LLaVA's on "anyres" tiles, unpadded, a learned newline after each row), Gemma 3
 (Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL /
 Qwen3-VL, Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP) and
 InternVL 3 / 3.5 (InternVLForConditionalGeneration: InternViT on 448-pixel tiles, a pixel shuffle, LayerNorm, a
@@ -159,6 +160,102 @@ class LlavaMixin(VisionLanguageMixin):
     @property
     def tokens_per_image(self) -> int:
         return self.vision_tower.num_tokens
+
+
+# LlavaNextConfig's image_grid_pinpoints for a config that names none (llava-v1.6's)
+DEFAULT_GRID_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+
+
+class LlavaNextMixin(LlavaMixin):
+    """LLaVA-NeXT (llava-v1.6): LLaVA's encoder and projector on each image's tiles (streamer/
+    llava_next_image_processor.py: the base image, then the image fitted into the best of `image_grid_pinpoints`,
+    cut into tiles of the encoder's size). An image's features are the base tile's, then the tiles' laid out as
+    one grid, cropped back to the image's aspect ratio and with `image_newline` after each row (transformers'
+    pack_image_features); their number depends on the image's size (`ImageInput.size`)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)
+        from streamer.llava_next_image_processor import as_pinpoints
+        spec = self.vision_tower.spec
+        self.side = spec.image_size // spec.patch_size
+        if self.vision_tower.num_tokens != self.side ** 2:  # (transformers could not lay the tiles out either)
+            raise ValueError(f"vision_feature_select_strategy {self.vision_tower.strategy!r} leaves "
+                             f"{self.vision_tower.num_tokens} features a tile of this {spec.model_type} encoder, "
+                             f"not its {self.side}x{self.side} patch grid (CLIP takes \"default\", SigLIP \"full\")")
+        self.grid_pinpoints = as_pinpoints(cfg.multimodal.get("image_grid_pinpoints") or DEFAULT_GRID_PINPOINTS,
+                                           spec.image_size)
+        # (held by a module of its own: parameter names are module.attribute throughout the loader)
+        self.image_newline = nn.Module()
+        self.image_newline.register_parameter("weight", nn.Parameter(torch.empty(cfg.hidden_size),
+                                                                     requires_grad=False))
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    @property
+    def tile_size(self) -> int:
+        return self.vision_tower.spec.image_size
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        # An image takes at least a tile's worth of tokens (its base tile's), so a step touches at most
+        # max_tokens / side^2 images, plus two cut by the chunk's ends, each encoded whole (its largest grid + 1)
+        s = self.vision_tower.spec
+        tiles = (-(-max_tokens // self.side ** 2) + 2) * (max(h * w for h, w in self.grid_pinpoints)
+                                                         // self.tile_size ** 2 + 1)
+        return tiles * s.num_positions * (s.hidden_size * 16 + s.intermediate_size * 6)
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each image's features [its tokens, hidden]: all images' tiles through the encoder in one batch."""
+        pixels = torch.cat([im.pixel_values for im in images]).to(device, non_blocking=True)
+        feats = self.multi_modal_projector(self.vision_tower(pixels))
+        tiles = feats.split([im.pixel_values.shape[0] for im in images])
+        return [self.pack(f, im.size) for f, im in zip(tiles, images)]  # type: ignore[arg-type]
+
+    def pack(self, feats: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """One image's tile features [1 + rows * cols, side^2, hidden] (base tile first) -> its token rows: the
+        base tile's, then the grid's unpadded rows, each followed by the newline."""
+        from streamer.llava_next_image_processor import feature_grid, unpadded
+        rows, cols = feature_grid(*size, self.grid_pinpoints, self.tile_size)
+        if feats.shape[0] != 1 + rows * cols:
+            raise ValueError(f"an image of {size[1]}x{size[0]} (WxH) has {feats.shape[0]} tiles; the model's "
+                             f"image_grid_pinpoints make it 1 + {rows}x{cols}")
+        s = self.side
+        grid = feats[1:].view(rows, cols, s, s, -1).permute(0, 2, 1, 3, 4).reshape(rows * s, cols * s, -1)
+        (r0, r1), (c0, c1) = unpadded(*size, rows * s, cols * s)
+        grid = grid[r0:r1, c0:c1]
+        newline = self.image_newline.weight.to(grid.dtype).expand(grid.shape[0], 1, -1)
+        return torch.cat([feats[0], torch.cat([grid, newline], dim=1).flatten(0, 1)])
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """LLaVA's names, and the newline's (`image_newline`; transformers 5's `model.image_newline`) as
+        `image_newline.weight`."""
+        for name, t in super().rename_weights(weights):
+            yield ("image_newline.weight" if name in ("image_newline", "model.image_newline") else name), t
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        newline: list[torch.Tensor] = []
+
+        def others() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if name == "image_newline.weight":
+                    newline.append(t)
+                else:
+                    yield name, t
+
+        loaded = super().load_weights(others())
+        param = self.image_newline.weight
+        for t in newline:
+            if t.shape != param.shape:
+                raise ValueError(f"unexpected tensor 'image_newline' {tuple(t.shape)} in the checkpoint")
+            param.data.copy_(t)
+            loaded.add("image_newline.weight")
+        return loaded
+
+    def checkpoint_name(self, internal: str) -> str:
+        if internal == "image_newline.weight":
+            return "image_newline"
+        return super().checkpoint_name(internal)  # type: ignore[misc]
 
 
 # Gemma3Config's encoder for a config that names none (SiglipVisionConfig's defaults otherwise).
@@ -381,7 +478,8 @@ class InternVLMixin(VisionLanguageMixin):
         return list(feats.flatten(0, 1).split([im.pixel_values.shape[0] * self.tile_tokens for im in images]))
 
 
-_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
+_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "LlavaNextForConditionalGeneration": LlavaNextMixin,
+           "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
            "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
            "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
            "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin}
