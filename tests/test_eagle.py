@@ -160,7 +160,7 @@ class Reference:
 
 
 # ---------------------------------------------------------------------------------------------- tests
-def _spy(llm: LLM) -> list:
+def spy_proposals(llm: LLM) -> list:
     """Record every proposing pass: (request ids, the last known token's position, counts, proposals)."""
     drafter = llm.engine.runner.drafter
     calls: list = []
@@ -174,7 +174,9 @@ def _spy(llm: LLM) -> list:
     return calls
 
 
-def _assert_proposals_match(ref: Reference, calls: list, sequences: dict[str, list[int]]) -> int:
+def assert_proposals_match(ref, calls: list, sequences: dict[str, list[int]]) -> int:
+    """Each recorded proposal equals `ref.proposals` (a reference's) for its request's tokens up to then, except
+    near-ties; returns how many were compared."""
     checked = 0
     for req_ids, known, counts, proposed in calls:
         for r, rid in enumerate(req_ids):
@@ -193,14 +195,14 @@ def test_proposals_match_reference_and_output_matches_transformers(target, tmp_p
     head = make_head(tmp_path / "head", target, version, seed=7, **kw)
     llm = LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
     assert type(llm.engine.runner.drafter).__name__ == "EagleDrafter"
-    calls = _spy(llm)
+    calls = spy_proposals(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
     got = [o.outputs[0].token_ids for o in outs]
     assert got == hf_greedy(target, PROMPTS, MAX_NEW)
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
     assert sum(len(c[0]) for c in calls) >= len(PROMPTS) * 3, "too few proposing steps to test anything"
-    assert _assert_proposals_match(Reference(head, target), calls[:6], sequences) >= 20
+    assert assert_proposals_match(Reference(head, target), calls[:6], sequences) >= 20
     e = llm.engine
     assert e.num_draft_tokens > 0
     e.scheduler.check_invariants()
@@ -213,14 +215,14 @@ def test_chunked_prefill_preemption_and_sampling(target, tmp_path) -> None:
     head = make_head(tmp_path / "head", target, 3, seed=9)
     llm = LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K,
               max_num_batched_tokens=16, block_size=8, num_kv_blocks=16)
-    calls = _spy(llm)
+    calls = spy_proposals(llm)
     prompts = PROMPTS[:4] + [list(range(200, 230)), list(range(60, 90))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(target, prompts, MAX_NEW)
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was big enough: nothing was preempted"
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, prompts)}
-    assert _assert_proposals_match(Reference(head, target), calls[-8:], sequences) >= 10
+    assert assert_proposals_match(Reference(head, target), calls[-8:], sequences) >= 10
     sampled = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=3))
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in sampled)
@@ -250,12 +252,12 @@ def test_compiled_target(target, tmp_path) -> None:
     llm = LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K,
               enforce_eager=False)
     assert llm.engine.runner.compiled
-    calls = _spy(llm)
+    calls = spy_proposals(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]],
                         SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(target, PROMPTS[:3], MAX_NEW)
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
-    assert _assert_proposals_match(Reference(head, target), calls[:4], sequences) >= 10
+    assert assert_proposals_match(Reference(head, target), calls[:4], sequences) >= 10
 
 
 def test_server(target, tmp_path) -> None:

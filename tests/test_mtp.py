@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from streamer import LLM, SamplingParams
 from tests.checkpoints import hf_greedy
+from tests.test_eagle import assert_proposals_match, spy_proposals
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], list(range(20, 40)) * 2, [300, 12, 450, 3], list(range(100, 150))]
 MAX_NEW = 16
@@ -112,27 +113,12 @@ class Reference:
 def test_proposals_match_reference_and_output_matches_transformers(make_ckpt, tmp_path, family) -> None:
     path = with_mtp_layer(make_ckpt(family, family=family), tmp_path / family, seed=3)
     llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
-    drafter = llm.engine.runner.drafter
-    calls: list = []
-    inner = drafter.propose
-
-    def propose(plan):
-        out = inner(plan)
-        calls.append((list(plan.req_ids), plan.passes[0].positions + 1, plan.counts.copy(), out.cpu()))
-        return out
-    drafter.propose = propose
+    calls = spy_proposals(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
-    ref, checked = Reference(path), 0
-    for req_ids, known, counts, proposed in calls[:4]:
-        for r, rid in enumerate(req_ids):
-            for j, (tok, gap) in enumerate(ref.proposals(sequences[rid][:int(known[r]) + 1], int(counts[r]))):
-                if gap > 1e-4:
-                    assert int(proposed[r, j]) == tok, f"request {rid} at {known[r]}, draft {j}"
-                    checked += 1
-    assert checked >= 12
+    assert assert_proposals_match(Reference(path), calls[:4], sequences) >= 12
     e = llm.engine
     assert e.num_draft_tokens > 0
     e.scheduler.check_invariants()
