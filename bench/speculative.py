@@ -1,6 +1,9 @@
-"""Speculative decoding, n-gram drafts and a draft model: one stream, with and without, side by side in one process.
+"""Speculative decoding, n-gram drafts, a draft model and an EAGLE head: one stream, with and without, side by side
+in one process.
 
-    python bench/speculative.py [--tokens 256] [--rounds 3] [--k 4] [--compiled] [--draft-layers 1]
+    python bench/speculative.py [--tokens 256] [--rounds 3] [--k 4] [--compiled] [--draft-layers 1] [--eagle PATH]
+
+`--eagle PATH`: an EAGLE-3 head for the demo model, trained by tools/train_eagle_head.py (a row for the demo model).
 
 The draft model is cut from the target itself (its first layers, embeddings and head: a self-speculative draft),
 since no trained draft/target pair can be downloaded here; on random weights its acceptance means little.
@@ -34,12 +37,15 @@ def draft_of(model: str | None, keep: int) -> str:
     return str(first_layers(resolve_model_dir(model), out, keep))
 
 
-def run(model: str | None, tokens: int, rounds: int, k: int, compiled: bool, draft_layers: int) -> list[str]:
+def run(model: str | None, tokens: int, rounds: int, k: int, compiled: bool, draft_layers: int,
+        eagle: str | None = None) -> list[str]:
     kw = {} if not compiled else {"enforce_eager": False}
     engines = {"plain": LLM(model, **kw), f"n-gram k={k}": LLM(model, num_speculative_tokens=k, **kw)}
     if draft_layers:
         engines[f"draft: first {draft_layers} layer(s), k={k}"] = LLM(
             model, num_speculative_tokens=k, speculative_model=draft_of(model, draft_layers), **kw)
+    if eagle and model is None:  # an EAGLE head trained for the demo model (tools/train_eagle_head.py)
+        engines[f"EAGLE-3 head, k={k}"] = LLM(model, num_speculative_tokens=k, speculative_model=eagle, **kw)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
@@ -78,13 +84,17 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=1,
                     help="also a draft model cut from each model's first N layers (0: no draft row)")
     ap.add_argument("--bench-model", default=str(Path.home() / ".cache" / "streamer-bench" / "llama-90m"))
+    ap.add_argument("--eagle", default=None, metavar="PATH",
+                    help="also an EAGLE-3 head for the demo model (tools/train_eagle_head.py --out PATH)")
+    ap.add_argument("--demo-only", action="store_true", help="skip the 90M bench model")
     args = ap.parse_args()
     print(f"one stream, {args.tokens} greedy tokens per prompt, {len(PROMPTS)} prompts x {args.rounds} rounds\n")
     print("| model | decoding | tok/s (median) | range | vs plain | drafts accepted | outputs equal to plain |")
     print("|---|---|---:|---|---:|---|---|")
-    cases = [(None, False), (args.bench_model, False)] + ([(None, True)] if args.compiled else [])
+    cases = [(None, False)] + ([] if args.demo_only else [(args.bench_model, False)]) \
+        + ([(None, True)] if args.compiled else [])
     for model, compiled in cases:
-        for row in run(model, args.tokens, args.rounds, args.k, compiled, args.draft_layers):
+        for row in run(model, args.tokens, args.rounds, args.k, compiled, args.draft_layers, args.eagle):
             print(row, flush=True)
 
 

@@ -277,3 +277,19 @@ def test_server(target, tmp_path) -> None:
         prom = httpx.get(server.url + "/metrics", timeout=30).text
         assert metric(prom, "vllm:spec_decode_num_draft_tokens_total") > 0
         server.wait_idle()
+
+
+def test_trained_demo_head_tool(tmp_path) -> None:
+    """tools/train_eagle_head.py writes an EAGLE-3 head that loads and drafts for the demo model (a smoke run:
+    two steps on a few files; a real run's acceptance is in bench/RESULTS.md)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from train_eagle_head import main
+    main(["--out", str(tmp_path / "head"), "--steps", "2", "--batch-size", "1", "--seq-len", "32", "--max-files", "3"])
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(dtype="float32").generate(["def f(x):"], params)[0].outputs[0].token_ids
+    llm = LLM(dtype="float32", speculative_model=str(tmp_path / "head"), num_speculative_tokens=2)
+    assert llm.generate(["def f(x):"], params)[0].outputs[0].token_ids == plain
+    assert llm.engine.num_draft_tokens > 0
