@@ -24,7 +24,7 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, gelu_approximate
+from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate
 from streamer.models.layers import RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
@@ -110,17 +110,11 @@ class GPTBigCodeForCausalLM(LlamaForCausalLM):
                 yield name, t
                 continue
             layer, suffix = m.groups()
-            if suffix not in ("weight", "bias"):
-                raise ValueError(f"{name!r}: quantized GPTBigCode checkpoints are not supported (the fused c_attn "
-                                 "cannot be split in its packed form)")
-            if not isinstance(t, torch.Tensor):  # (names only: the loader's look at a quantized checkpoint)
-                parts = [t] * 3
-            elif t.shape[0] != (heads + 2 * kv) * dim:
-                raise ValueError(f"tensor {name!r} has {t.shape[0]} rows, expected {(heads + 2 * kv) * dim}")
-            elif kv == heads and self.per_head_qkv:  # without multi_query: per head [q_h, k_h, v_h]
-                parts = [p.reshape(heads * dim, *t.shape[1:]) for p in t.view(heads, 3, dim, *t.shape[1:]).unbind(1)]
-            else:
-                parts = list(t.split([heads * dim, kv * dim, kv * dim]))
+            rows = (heads + 2 * kv) * dim
+            if self.per_head_qkv:  # grouped by kv head: multi_query [q; k; v], else per head [q_h, k_h, v_h]
+                parts = fused_qkv_parts(name, t, kv, dim, rows, "GPTBigCode")
+            else:  # GPT-2's [all q; all k; all v]: one group, of one query "head" as wide as all of them
+                parts = fused_qkv_parts(name, t, 1, kv * dim, rows, "GPT-2")
             for proj, part in zip(("q", "k", "v"), parts):
                 yield f"{layer}.self_attn.{proj}_proj.{suffix}", part
 

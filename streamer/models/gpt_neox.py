@@ -17,13 +17,14 @@ GPT-NeoX's differences:
 - an untied LM head stored as `embed_out`; embeddings `embed_in`, final norm `final_layer_norm`.
 
 `ParallelResidualLayer`, `GeluMLP` and `gelu_approximate` are shared with Phi (models/phi.py) and StableLM
-(models/stablelm.py).
+(models/stablelm.py), and with Falcon, GPT-J and OPT (models/falcon.py, gptj.py, opt.py); `fused_qkv_parts` (a fused
+q/k/v cut into q, k and v) with GPTBigCode and Falcon.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +42,14 @@ def layer_norm_eps(cfg: ModelConfig) -> float:
 
 
 class GeluMLP(nn.Module):
-    """fc2(gelu(fc1(x))), both linears biased (GPT-NeoX's dense_h_to_4h / dense_4h_to_h, Phi's fc1 / fc2)."""
+    """fc2(gelu(fc1(x))), both linears biased unless `bias` is off (GPT-NeoX's dense_h_to_4h / dense_4h_to_h, Phi's
+    fc1 / fc2; Falcon's `bias`)."""
 
-    def __init__(self, cfg: ModelConfig, approximate: str) -> None:
+    def __init__(self, cfg: ModelConfig, approximate: str, bias: bool = True) -> None:
         super().__init__()
         self.approximate = approximate
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
-        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size], bias=bias)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
@@ -91,6 +93,24 @@ class GPTNeoXLayer(ParallelResidualLayer):
         self.parallel = bool(cfg.raw.get("use_parallel_residual", True))
 
 
+def fused_qkv_parts(name: str, t: Any, kv_heads: int, head_dim: int, rows: int, family: str) -> list[Any]:
+    """A fused q/k/v checkpoint tensor (weight or bias; `name` ends in its kind) cut into q, k and v. Its rows are
+    grouped by kv head: each of the `kv_heads` groups holds its query heads' rows, then its key head's, then its value
+    head's. That covers GPT-NeoX's per-head [q_h, k_h, v_h] (groups of one query head), multi-query [all q; k; v] (one
+    group) and Falcon-40B's grouped layout. A names-only look (the loader's, at a quantized checkpoint) passes through
+    thrice; a quantized tensor is refused (its packed form cannot be cut by rows)."""
+    if name.rsplit(".", 1)[-1] not in ("weight", "bias"):
+        raise ValueError(f"{name!r}: quantized {family} checkpoints are not supported (the fused q/k/v cannot be split "
+                         "in its packed form)")
+    if not isinstance(t, torch.Tensor):
+        return [t] * 3
+    if t.shape[0] != rows:
+        raise ValueError(f"tensor {name!r} has {t.shape[0]} rows, expected {rows}")
+    rest = t.shape[1:]
+    groups = t.reshape(kv_heads, -1, head_dim, *rest)  # (GPT-2's transposed Conv1D weights are not contiguous)
+    return [groups[:, :-2].reshape(-1, *rest), groups[:, -2].reshape(-1, *rest), groups[:, -1].reshape(-1, *rest)]
+
+
 # checkpoint name fragment -> ours (after `gpt_neox.` is dropped)
 _NEOX_NAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                (".mlp.dense_4h_to_h.", ".mlp.fc2."))
@@ -130,15 +150,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
                 yield f"model.{name}", t
                 continue
             layer, suffix = qkv.groups()
-            if suffix not in ("weight", "bias"):
-                raise ValueError(f"{name!r}: quantized GPT-NeoX checkpoints are not supported (the fused, "
-                                 "per-head interleaved query_key_value cannot be split in its packed form)")
-            if not isinstance(t, torch.Tensor):  # (names only: the loader's look at a quantized checkpoint)
-                parts = [t] * 3
-            else:
-                if t.shape[0] != 3 * heads * dim:
-                    raise ValueError(f"tensor {name!r} has {t.shape[0]} rows, expected 3 * {heads} * {dim}")
-                parts = [p.reshape(heads * dim, *t.shape[1:]) for p in t.view(heads, 3, dim, *t.shape[1:]).unbind(1)]
+            parts = fused_qkv_parts(name, t, heads, dim, 3 * heads * dim, "GPT-NeoX")  # (per head: groups of one)
             for proj, part in zip(("q", "k", "v"), parts):
                 yield f"model.{layer}.self_attn.{proj}_proj.{suffix}", part
 

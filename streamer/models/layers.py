@@ -364,20 +364,29 @@ class RMSNorm(nn.Module, KernelSwitch):
 
 class LayerNorm(nn.Module):
     """nn.LayerNorm's computation (weight and bias, in the input's dtype), for the families that use it (StarCoder2,
-    GPT-NeoX, Phi, StableLM, GPTBigCode, Phi-3.5-MoE). With `residual`, adds it first and returns (normed, sum), as
-    RMSNorm's fused add-and-norm does, so the Llama decoder can take either."""
+    GPT-NeoX, Phi, StableLM, GPTBigCode, Phi-3.5-MoE, Falcon, GPT-J, OPT, Nemotron). With `residual`, adds it first and
+    returns (normed, sum), as RMSNorm's fused add-and-norm does, so the Llama decoder can take either. `affine` False:
+    no weight nor bias (OLMo's, OPT's `layer_norm_elementwise_affine: false`)."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+        self.size = size
+        self.weight: Optional[nn.Parameter] = None
+        self.bias: Optional[nn.Parameter] = None
+        if affine:
+            self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+
+    def scale(self) -> Optional[torch.Tensor]:
+        """The multiplier applied after normalising (Nemotron's LayerNorm1P stores it less one)."""
+        return self.weight
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is not None:
             x = x + residual
             residual = x
-        out = F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        out = F.layer_norm(x, (self.size,), self.scale(), self.bias, self.eps)
         return out if residual is None else (out, residual)
 
 

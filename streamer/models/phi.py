@@ -8,7 +8,7 @@ decoder in models/llama.py). The Llama decoder's attention and weight loading, w
 - biases on q, k, v and the output projection (`dense`);
 - optional `qk_layernorm`: q and k LayerNorm-ed (one weight and bias shared by all heads) before rotary;
 - the MLP is two biased linears with GELU (tanh-approximated, `gelu_new`) between them (`fc1`, `fc2`), no gate;
-- the LM head has a bias, and is untied.
+- the LM head has a bias, and is untied (`HeadBias`, GPT-J's too).
 """
 from __future__ import annotations
 
@@ -46,20 +46,29 @@ class PhiDecoderLayer(ParallelResidualLayer):
         self.parallel = True
 
 
-class PhiForCausalLM(LlamaForCausalLM):
-    decoder_layer = PhiDecoderLayer
+class HeadBias(LlamaForCausalLM):
+    """A Llama-built model whose LM head has a bias (Phi's, GPT-J's), so is never tied: logits + bias."""
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         if cfg.tie_word_embeddings:
-            raise ValueError("Phi with tie_word_embeddings is not supported (its LM head has a bias of its own)")
+            raise ValueError(f"{cfg.architecture} with tie_word_embeddings is not supported (its LM head has a bias "
+                             "of its own)")
         super().__init__(cfg, backend_cls, max_positions)
-        self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
         assert self.lm_head is not None
         self.lm_head.bias = nn.Parameter(torch.zeros(cfg.vocab_size), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) + self.lm_head.bias.float()  # type: ignore[union-attr]
+
+
+class PhiForCausalLM(HeadBias):
+    decoder_layer = PhiDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)
+        self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, t in weights:

@@ -1,0 +1,133 @@
+"""Falcon (FalconForCausalLM: tiiuae/falcon-7b, falcon-40b, falcon-180B, Falcon2-11B and their instruct tunes; not
+Falcon-H1, models/falcon_h1.py). The Llama decoder's attention and weight loading, with Falcon's differences:
+
+- q, k and v come out of one fused `query_key_value` linear whose rows are grouped by kv head (split into q/k/v as
+  they load: models/gpt_neox.py fused_qkv_parts), in one of three layouts:
+  `new_decoder_architecture` (40B, 180B, Falcon2): `num_kv_heads` groups, each its query heads' rows then its k
+  and v (GQA); else `multi_query` (7B; the default): [all q; k; v], one kv head shared by every query head; else
+  every head its own k/v, per head [q_h, k_h, v_h];
+- `bias` puts biases on query_key_value, `dense` (o_proj) and the MLP's linears (off in the released models);
+- LayerNorm with a bias (eps `layer_norm_epsilon`), and layers (models/gpt_neox.py ParallelResidualLayer) that are
+  parallel with two norms (new_decoder_architecture with `num_ln_in_parallel_attn` 2, its default: 40B, 180B):
+  x + attn(ln_attn(x)) + mlp(ln_mlp(x)); parallel with one (`parallel_attn`, 7B; Falcon2-11B's
+  num_ln_in_parallel_attn 1): x + attn(ln(x)) + mlp(ln(x)); or, with parallel_attn false, sequential (Llama's order);
+- full rotary, Llama's rotate-halves layout; head_dim is always hidden_size / heads;
+- the MLP is two linears with GELU (`activation`, exact by default) between them (`dense_h_to_4h`, `dense_4h_to_h`;
+  width `ffn_hidden_size`, 4 x hidden by default), no gate;
+- the LM head tied to `word_embeddings` by default; names under `transformer.` (`h.{i}`, `ln_f`).
+
+ALiBi (`alibi: true`, Falcon-RW-1B / 7B) is refused, as are the layer shapes transformers itself cannot run.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable
+
+import torch
+
+from streamer.attention.base import AttentionBackend, AttentionSpec
+from streamer.models.config import ModelConfig
+from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps
+from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
+from streamer.models.llama import Attention, LlamaForCausalLM
+
+# FalconConfig's defaults for what a config.json may leave out
+_DEFAULTS = {"vocab_size": 65024, "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
+             "max_position_embeddings": 2048, "tie_word_embeddings": True}
+
+
+def common_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A Falcon config in the common names (ModelConfig.from_dict), as FalconConfig reads it: `n_embed` (an older
+    spelling, winning over hidden_size), the kv heads of each layout, the MLP width, `bias` on every linear, the
+    LayerNorm eps as `layer_norm_eps`."""
+    if c.get("alibi"):
+        raise ValueError("Falcon with alibi: true (Falcon-RW) is not supported: ALiBi attention biases are not "
+                         "implemented (the rotary Falcons are supported)")
+    c = {**_DEFAULTS, **c}
+    if c.get("n_embed") is not None:
+        c["hidden_size"] = c["n_embed"]
+    heads = c["num_attention_heads"]
+    if c.get("new_decoder_architecture"):
+        c["num_key_value_heads"] = c.get("num_kv_heads") or heads
+    else:  # (transformers builds [q; k; v] per head without multi_query, whatever num_kv_heads says)
+        c["num_key_value_heads"] = 1 if c.get("multi_query", True) else heads
+    c["head_dim"] = c["hidden_size"] // heads
+    c["intermediate_size"] = c.get("ffn_hidden_size") or 4 * c["hidden_size"]
+    c["attention_bias"] = bool(c.get("bias", False))
+    c["layer_norm_eps"] = c.get("layer_norm_epsilon", 1e-5)
+    return c
+
+
+def layer_shape(raw: dict[str, Any]) -> tuple[bool, bool]:
+    """(parallel attention and MLP, two norms a layer) of a Falcon config, refusing the combinations transformers'
+    FalconDecoderLayer builds but cannot run (it reads a norm it did not build)."""
+    new = bool(raw.get("new_decoder_architecture"))
+    parallel = bool(raw.get("parallel_attn", True))
+    norms = raw.get("num_ln_in_parallel_attn") or (2 if new else 1)
+    if not parallel:
+        if new:
+            raise ValueError("Falcon with new_decoder_architecture and parallel_attn: false is not supported "
+                             "(transformers cannot run it either)")
+        return False, True
+    if norms not in (1, 2) or (norms == 2 and not new):
+        raise ValueError(f"Falcon with num_ln_in_parallel_attn {norms}"
+                         f"{'' if new else ' without new_decoder_architecture'} is not supported (transformers "
+                         "cannot run it either; 1, or 2 with new_decoder_architecture, are)")
+    return True, norms == 2
+
+
+class FalconLayer(ParallelResidualLayer):
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, index: int = 0) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, backend_cls, rotary)  # (cfg.attention_bias: the config's `bias`)
+        self.mlp = GeluMLP(cfg, gelu_approximate(cfg, "gelu", "activation"), bias=cfg.attention_bias)
+        self.parallel, two_norms = layer_shape(cfg.raw)
+        eps = layer_norm_eps(cfg)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, eps)  # (ln_attn with two norms)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, eps) if two_norms else None  # (or ln_mlp)
+
+
+# checkpoint name fragment -> ours (after `transformer.` became `model.`)
+_NAMES = (("model.word_embeddings.", "model.embed_tokens."), ("model.ln_f.", "model.norm."),
+          ("model.h.", "model.layers."), (".self_attention.dense.", ".self_attn.o_proj."),
+          (".mlp.dense_h_to_4h.", ".mlp.fc1."), (".mlp.dense_4h_to_h.", ".mlp.fc2."))
+_TWO_NORMS = ((".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm."))
+_QKV = re.compile(r"(model\.layers\.\d+)\.self_attention\.query_key_value\.(\w+)$")
+
+
+class FalconForCausalLM(LlamaForCausalLM):
+    decoder_layer = FalconLayer
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        two_norms = layer_shape(cfg.raw)[1]
+        super().__init__(cfg, backend_cls, max_positions)
+        self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
+        self.names = _NAMES + (_TWO_NORMS if two_norms else ())
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Falcon's names in Llama's spelling; the fused query_key_value split into q/k/v (whole checkpoint tensors:
+        their loaders take each rank's heads, or the shared kv head). Every layout is grouped by kv head (7B's one
+        group, per-head groups without multi_query)."""
+        c = self.cfg
+        rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        for name, t in weights:
+            if name.startswith("transformer."):
+                name = "model." + name.removeprefix("transformer.")
+            for frag, ours in self.names:
+                name = name.replace(frag, ours)
+            m = _QKV.match(name)
+            if m is None:
+                yield name, t
+                continue
+            layer, suffix = m.groups()
+            for proj, part in zip("qkv", fused_qkv_parts(name, t, c.num_kv_heads, c.head_dim, rows, "Falcon")):
+                yield f"{layer}.self_attn.{proj}_proj.{suffix}", part
+
+    def checkpoint_name(self, internal: str) -> str:
+        name = super().checkpoint_name(internal)
+        name = re.sub(r"\.self_attn\.[qkv]_proj\.", ".self_attention.query_key_value.", name)
+        for frag, ours in self.names:
+            name = name.replace(ours, frag)
+        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name

@@ -1,0 +1,92 @@
+"""GPT-J (GPTJForCausalLM: EleutherAI/gpt-j-6b and the models trained or tuned in its shape: GPT4All-J, Dolly v1,
+Pygmalion-6B, ...). The Llama decoder's attention and weight loading, with GPT-J's differences:
+
+- one LayerNorm a layer (`ln_1`, with a bias, eps `layer_norm_epsilon`), read by attention and the MLP in parallel:
+  x + attn(ln(x)) + mlp(ln(x)) (models/gpt_neox.py ParallelResidualLayer); a final LayerNorm (`ln_f`);
+- partial rotary in GPT-J's own layout: the first `rotary_dim` dims of each head (64 of 256 in GPT-J-6B) rotate in
+  interleaved pairs (2i, 2i + 1), not Llama's halves; the base is always 10000;
+- separate q, k, v and `out_proj` (o_proj), none with a bias;
+- the MLP is two biased linears with GELU (`activation_function`, tanh-approximated `gelu_new` by default) between
+  them (`fc_in`, `fc_out`; width `n_inner`, 4 x hidden by default), no gate;
+- the LM head has a bias, and is untied (models/phi.py HeadBias);
+- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: models/gpt_bigcode.py
+  common_config), with GPT-J's defaults.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from streamer.attention.base import AttentionBackend, AttentionSpec
+from streamer.models import gpt_bigcode
+from streamer.models.config import ModelConfig
+from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, layer_norm_eps
+from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
+from streamer.models.llama import Attention
+from streamer.models.phi import HeadBias
+
+# GPTJConfig's defaults for what a config.json may leave out
+_DEFAULTS = {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16, "rotary_dim": 64,
+             "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5}
+
+
+def common_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-J config in the common names (ModelConfig.from_dict): GPT-2's spellings, `rotary_dim` as the share of
+    each head that rotates, base 10000 (GPT-J reads no rope_theta nor scaling), no attention biases."""
+    c = gpt_bigcode.common_config({**_DEFAULTS, **c}, multi_query_default=False)
+    rotary, head_dim = c["rotary_dim"], c["head_dim"]
+    if rotary is None or rotary % 2 or not 0 < rotary <= head_dim:
+        # (transformers' rotary_dim null rotates hidden_size dims of each head: it only runs with one head)
+        raise ValueError(f"GPT-J with rotary_dim {rotary!r} is not supported (an even number of dims up to "
+                         f"head_dim {head_dim} is)")
+    # Half a dim over: ModelConfig.rotary_dim truncates head_dim * factor, which rotary / head_dim can fall short of.
+    c["partial_rotary_factor"] = (rotary + 0.5) / head_dim
+    c.update(rope_theta=10000.0, rope_scaling=None, rope_parameters=None, attention_bias=False,
+             layer_norm_eps=c["layer_norm_epsilon"])
+    return c
+
+
+class GPTJBlock(ParallelResidualLayer):
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 rotary: RotaryEmbedding, index: int = 0) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, backend_cls, rotary)
+        self.mlp = GeluMLP(cfg, gelu_approximate(cfg, "gelu_new", "activation_function"))
+        self.input_layernorm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
+        self.post_attention_layernorm = None
+        self.parallel = True
+
+
+# checkpoint name fragment -> ours (after `transformer.` became `model.`)
+_NAMES = (("model.wte.", "model.embed_tokens."), ("model.ln_f.", "model.norm."), ("model.h.", "model.layers."),
+          (".ln_1.", ".input_layernorm."), (".attn.out_proj.", ".self_attn.o_proj."), (".attn.", ".self_attn."),
+          (".mlp.fc_in.", ".mlp.fc1."), (".mlp.fc_out.", ".mlp.fc2."))
+# (older checkpoints store the causal mask as buffers)
+_BUFFERS = (".attn.bias", ".attn.masked_bias")
+
+
+class GPTJForCausalLM(HeadBias):
+    decoder_layer = GPTJBlock
+    rope_is_neox = False
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)
+        self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            if name.endswith(_BUFFERS):
+                continue
+            if name.startswith("transformer."):
+                name = "model." + name.removeprefix("transformer.")
+            for frag, ours in _NAMES:
+                name = name.replace(frag, ours)
+            yield name, t
+
+    def checkpoint_name(self, internal: str) -> str:
+        name = super().checkpoint_name(internal)
+        for frag, ours in _NAMES:  # (in order: o_proj goes back to out_proj before self_attn to attn)
+            name = name.replace(ours, frag)
+        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name
