@@ -3,7 +3,9 @@ hf_greedy's min_new_tokens does), cached transformers references, and prompt log
 position."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -114,3 +116,20 @@ def assert_outputs_match(got, want, atol: float = 2e-4) -> None:
 def logprob_gap(got, want) -> float:
     """The largest logprob difference between two such lists."""
     return max(np.abs(np.array(lp) - np.array(w)).max() for (_, lp), (_, w) in zip(got, want))
+
+
+def checkpoint_variant(src: Path, dst: Path, config: dict | None = None, weights=None) -> Path:
+    """A copy of checkpoint `src` with config.json keys replaced and / or its tensors changed by weights(dict)."""
+    if not (dst / "config.json").exists():
+        shutil.copytree(src, dst)
+        if config:
+            cfg = json.loads((dst / "config.json").read_text())
+            cfg.update(config)
+            (dst / "config.json").write_text(json.dumps(cfg))
+        if weights is not None:
+            from safetensors.torch import load_file, save_file
+            f = dst / "model.safetensors"
+            tensors = load_file(f)
+            weights(tensors)
+            save_file(tensors, f, metadata={"format": "pt"})
+    return dst

@@ -8,8 +8,6 @@ afterwards; and for each family a distinctive part of it shown to matter (change
 change)."""
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,8 @@ import torch
 
 from streamer import LLM
 from tests.checkpoints import hf_greedy, register_family
-from tests.parity import assert_logprobs_match, assert_state_freed, greedy, prompts_of_lengths
+from tests.parity import (assert_logprobs_match, assert_state_freed, checkpoint_variant, greedy,
+                          prompts_of_lengths)
 
 MAX_NEW = 8
 # A single token (the decode path from a fresh state), fewer than the conv window, within one SSD chunk (8), several
@@ -153,23 +152,6 @@ def ref(ckpt, prompts):
     return get
 
 
-def _variant(src: Path, dst: Path, config: dict | None = None, weights=None) -> Path:
-    """A copy of checkpoint `src` with config.json keys replaced and / or its tensors changed by weights(dict)."""
-    if not (dst / "config.json").exists():
-        shutil.copytree(src, dst)
-        if config:
-            cfg = json.loads((dst / "config.json").read_text())
-            cfg.update(config)
-            (dst / "config.json").write_text(json.dumps(cfg))
-        if weights is not None:
-            from safetensors.torch import load_file, save_file
-            f = dst / "model.safetensors"
-            tensors = load_file(f)
-            weights(tensors)
-            save_file(tensors, f, metadata={"format": "pt"})
-    return dst
-
-
 # ------------------------------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_transformers(ckpt, ref, prompts, family):
@@ -241,7 +223,7 @@ def test_lfm2_layout_and_conv_bias(ckpt, prompts):
     """`full_attn_idxs` instead of layer_types (attention first and last), biases on the short convs."""
     path = ckpt("lfm2", "_bias", conv_bias=True, layer_types=["full_attention", "conv", "conv", "full_attention"])
     want = hf_greedy(path, prompts, MAX_NEW)
-    alt = _variant(path, path.parent / "recurrent_lfm2_idxs", config={"layer_types": None, "full_attn_idxs": [0, 3]})
+    alt = checkpoint_variant(path, path.parent / "recurrent_lfm2_idxs", config={"layer_types": None, "full_attn_idxs": [0, 3]})
     llm = LLM(str(alt), dtype="float32", max_num_batched_tokens=16, block_size=8)
     assert greedy(llm, prompts, MAX_NEW) == want
     assert_state_freed(llm)
@@ -271,7 +253,7 @@ _DISTINCTIVE = {
 def test_distinctive_part_matters(ckpt, ref, prompts, family, change):
     name, config, weights = next(c for c in _DISTINCTIVE[family] if c[0] == change)
     base = ckpt(family)
-    path = _variant(base, base.parent / f"{base.name}_{name}", config, weights)
+    path = checkpoint_variant(base, base.parent / f"{base.name}_{name}", config, weights)
     want = hf_greedy(path, prompts[3:], MAX_NEW)
     assert want != ref(family)[3:], f"{family}: {name} does not change transformers' tokens"
     llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16, block_size=8)
@@ -291,7 +273,7 @@ def _stack_experts(t: dict) -> None:
 def test_lfm2_moe_stacked_experts(ckpt, ref, prompts):
     """LFM2-MoE's experts stacked per layer (transformers 5's layout) load as the per-expert ones do."""
     base = ckpt("lfm2_moe")
-    path = _variant(base, base.parent / f"{base.name}_stacked", weights=_stack_experts)
+    path = checkpoint_variant(base, base.parent / f"{base.name}_stacked", weights=_stack_experts)
     llm = LLM(str(path), dtype="float32")
     assert greedy(llm, prompts, MAX_NEW) == ref("lfm2_moe")
 

@@ -1,6 +1,7 @@
 """The model's shape, read from a Hugging Face config.json (both the classic and the transformers-5 spelling)."""
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,14 +22,18 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                            "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM",
+                           "MambaForCausalLM", "FalconMambaForCausalLM",
                            "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
-                           "GPT2LMHeadModel")
+                           "GPT2LMHeadModel", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
+                           "OlmoForCausalLM", "NemotronForCausalLM")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
-# rollback), and no tensor parallelism yet.
+# rollback), and no tensor parallelism yet. Pure recurrent models (mamba2.py, mamba1.py) are among them: no attention
+# layer, so no KV cache at all.
 HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                         "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
-                        "Lfm2MoeForCausalLM")
+                        "Lfm2MoeForCausalLM",
+                        "MambaForCausalLM", "FalconMambaForCausalLM")
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
@@ -42,7 +47,9 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
                       "Mamba2ForCausalLM": "its Mamba layers are not split over ranks yet",
                       "FalconH1ForCausalLM": "its Mamba layers are not split over ranks yet",
                       "Lfm2ForCausalLM": "its short-convolution layers are not split over ranks yet",
-                      "Lfm2MoeForCausalLM": "its short-convolution layers are not split over ranks yet"}
+                      "Lfm2MoeForCausalLM": "its short-convolution layers are not split over ranks yet",
+                      "MambaForCausalLM": "its Mamba layers are not split over ranks yet",
+                      "FalconMambaForCausalLM": "its Mamba layers are not split over ranks yet"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -146,12 +153,17 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "GPTNeoXForCausalLM": dict(partial_rotary_factor=0.25, attention_bias=True),
     "PhiForCausalLM": dict(partial_rotary_factor=0.5),
     "StableLmForCausalLM": dict(partial_rotary_factor=0.25),
+    "NemotronForCausalLM": dict(partial_rotary_factor=0.5, rms_norm_eps=1e-5),  # (rms_norm_eps: its LayerNorms')
 }
 
-# Older spellings of common config keys, per family: GPT-NeoX's rotary share and base.
+# Older spellings of common config keys, per family: GPT-NeoX's rotary share and base; Nemotron's norm eps.
 _KEY_ALIASES: dict[str, dict[str, str]] = {
     "GPTNeoXForCausalLM": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+    "NemotronForCausalLM": {"norm_eps": "rms_norm_eps"},
 }
+# Families whose config.json spells the common keys its own way and leaves others to its config class's defaults:
+# architecture -> the module (streamer.models.*) whose `common_config(c)` rewrites it in the common names.
+_OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt"}
 
 
 def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
@@ -325,12 +337,17 @@ class ModelConfig:
         for old, new in _KEY_ALIASES.get(arch, {}).items():  # (an older spelling, unless the newer one is given)
             if c.get(old) is not None and new not in c and new not in (c.get("rope_parameters") or {}):
                 c = dict(c, **{new: c[old]})
+        if arch in _OWN_SPELLINGS:  # (the module's common_config; they import torch: this module does not)
+            c = importlib.import_module(f"streamer.models.{_OWN_SPELLINGS[arch]}").common_config(c)
         if arch in ("GPTBigCodeForCausalLM", "GPT2LMHeadModel"):  # (GPT-2's spellings; it imports torch)
             from streamer.models import gpt_bigcode
             c = gpt_bigcode.common_config(c, multi_query_default=arch == "GPTBigCodeForCausalLM")
         if arch in ("Mamba2ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):  # (their own spellings)
             from streamer.models import lfm2, mamba2  # (common_config; they import torch: this module does not)
             c = (mamba2 if arch == "Mamba2ForCausalLM" else lfm2).common_config(c)
+        if arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):  # (Mamba v1's spellings; mamba1 imports torch)
+            from streamer.models import mamba1
+            c = mamba1.common_config(c)
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}

@@ -25,11 +25,17 @@ from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM
 from streamer.models.gpt_neox import GPTNeoXForCausalLM
 from streamer.models.phi import PhiForCausalLM
 from streamer.models.stablelm import StableLmForCausalLM
+from streamer.models.falcon import FalconForCausalLM
+from streamer.models.gptj import GPTJForCausalLM
+from streamer.models.opt import OPTForCausalLM
+from streamer.models.olmo import OlmoForCausalLM
+from streamer.models.nemotron import NemotronForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.lfm2 import Lfm2ForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
+from streamer.models.mamba1 import MambaForCausalLM
 from streamer.models.mamba2 import Mamba2ForCausalLM
 from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.vlm import vlm_class
@@ -98,6 +104,8 @@ _MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
 _MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
 _MODEL_CLASSES["NemotronHForCausalLM"] = NemotronHForCausalLM
 _MODEL_CLASSES["Mamba2ForCausalLM"] = Mamba2ForCausalLM
+_MODEL_CLASSES["MambaForCausalLM"] = MambaForCausalLM
+_MODEL_CLASSES["FalconMambaForCausalLM"] = MambaForCausalLM  # (its B / C / dt norms by cfg.architecture)
 _MODEL_CLASSES["FalconH1ForCausalLM"] = FalconH1ForCausalLM
 _MODEL_CLASSES["Lfm2ForCausalLM"] = Lfm2ForCausalLM
 _MODEL_CLASSES["Lfm2MoeForCausalLM"] = Lfm2ForCausalLM  # (its sparse layers by cfg.architecture)
@@ -106,6 +114,11 @@ _MODEL_CLASSES["PhiForCausalLM"] = PhiForCausalLM
 _MODEL_CLASSES["StableLmForCausalLM"] = StableLmForCausalLM
 _MODEL_CLASSES["GPTBigCodeForCausalLM"] = GPTBigCodeForCausalLM
 _MODEL_CLASSES["GPT2LMHeadModel"] = GPT2LMHeadModel
+_MODEL_CLASSES["FalconForCausalLM"] = FalconForCausalLM
+_MODEL_CLASSES["GPTJForCausalLM"] = GPTJForCausalLM
+_MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
+_MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
+_MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 
 
 def safetensors_files(folder: Path) -> list[Path]:
