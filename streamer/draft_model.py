@@ -86,10 +86,16 @@ def plan_drafts(step: StepInputs, num_drafts: np.ndarray, tokens: np.ndarray, co
         passes.append(_forward_step(fed, last[m] + j, np.ones(len(m), dtype=np.int64), table[m], block_size,
                                     None if j == 0 else m))
         members.append(m)
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each proposal
-    target_idx = np.repeat(qsl[1:][who] - counts, counts) + within  # after each one's last known token
-    source_idx = np.repeat(np.arange(len(who)) * len(passes), counts) + within
+    target_idx, source_idx = placement(qsl, who, counts, len(passes))
     return DraftPlan([step.req_ids[i] for i in who], counts, catch_up, passes, members, target_idx, source_idx)
+
+
+def placement(qsl: np.ndarray, who: np.ndarray, counts: np.ndarray, num_passes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each proposal (r, j), r-major, goes in the target's input_ids (after request who[r]'s last known
+    token), and where it is in the flattened [R, num_passes] proposals."""
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # j of each proposal
+    return (np.repeat(qsl[1:][who] - counts, counts) + within,
+            np.repeat(np.arange(len(who)) * num_passes, counts) + within)
 
 
 def _catch_up(tokens: np.ndarray, rows: np.ndarray, computed: np.ndarray, last: np.ndarray, table: np.ndarray,

@@ -34,7 +34,7 @@ import torch
 
 from streamer.attention.base import forward_context
 from streamer.config import EngineConfig
-from streamer.draft_model import DraftPlan, _forward_step
+from streamer.draft_model import DraftPlan, _forward_step, placement
 from streamer.input_batch import StepInputs, to_device
 from streamer.models.config import ModelConfig
 from streamer.models.eagle import EAGLE1, EAGLE3, EAGLE3_NAMES, EagleDraftModel, default_aux_layers
@@ -137,10 +137,7 @@ def plan_passes(step: StepInputs, num_drafts: np.ndarray, tokens: np.ndarray, bl
         passes.append(_forward_step(fed, start[m] + j, np.ones(len(m), dtype=np.int64), table[m], block_size))
         members.append(m)
     passes[0].rows = rows
-    qsl = step.query_start_loc
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    target_idx = np.repeat(qsl[1:][who] - counts, counts) + within
-    source_idx = np.repeat(np.arange(len(who)) * len(passes), counts) + within
+    target_idx, source_idx = placement(step.query_start_loc, who, counts, len(passes))
     return DraftPlan([step.req_ids[i] for i in who], counts, [], passes, members, target_idx, source_idx)
 
 

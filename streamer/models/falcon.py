@@ -27,7 +27,8 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps, to_ours,
+                                      to_theirs)
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention, LlamaForCausalLM
 
@@ -113,10 +114,7 @@ class FalconForCausalLM(LlamaForCausalLM):
         c = self.cfg
         rows = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         for name, t in weights:
-            if name.startswith("transformer."):
-                name = "model." + name.removeprefix("transformer.")
-            for frag, ours in self.names:
-                name = name.replace(frag, ours)
+            name = to_ours(name, self.names, "transformer.")
             m = _QKV.match(name)
             if m is None:
                 yield name, t
@@ -128,6 +126,4 @@ class FalconForCausalLM(LlamaForCausalLM):
     def checkpoint_name(self, internal: str) -> str:
         name = super().checkpoint_name(internal)
         name = re.sub(r"\.self_attn\.[qkv]_proj\.", ".self_attention.query_key_value.", name)
-        for frag, ours in self.names:
-            name = name.replace(ours, frag)
-        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name
+        return to_theirs(name, self.names, "transformer.")

@@ -24,7 +24,8 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate, to_ours,
+                                      to_theirs)
 from streamer.models.layers import RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
@@ -101,10 +102,7 @@ class GPTBigCodeForCausalLM(LlamaForCausalLM):
         loaders take each rank's heads, or the one shared kv head)."""
         heads, dim, kv = self.cfg.num_heads, self.cfg.head_dim, self.cfg.num_kv_heads
         for name, t in weights:
-            if name.startswith("transformer."):
-                name = "model." + name.removeprefix("transformer.")
-            for frag, ours in _NAMES:
-                name = name.replace(frag, ours)
+            name = to_ours(name, _NAMES, "transformer.")
             m = _C_ATTN.match(name)
             if m is None:
                 yield name, t
@@ -120,7 +118,4 @@ class GPTBigCodeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_name(self, internal: str) -> str:
         name = super().checkpoint_name(internal)
-        name = re.sub(r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn.", name)
-        for frag, ours in _NAMES:
-            name = name.replace(ours, frag)
-        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name
+        return to_theirs(re.sub(r"\.self_attn\.[qkv]_proj\.", ".attn.c_attn.", name), _NAMES, "transformer.")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,24 @@ def fused_qkv_parts(name: str, t: Any, kv_heads: int, head_dim: int, rows: int, 
 
 
 # checkpoint name fragment -> ours (after `gpt_neox.` is dropped)
+def to_ours(name: str, names: Sequence[tuple[str, str]], root: str = "") -> str:
+    """A checkpoint tensor name in Llama's spelling: its `root` (GPT-2's, GPT-J's, Falcon's `transformer.`) read as
+    `model.`, then each (theirs, ours) fragment replaced, in order."""
+    if root and name.startswith(root):
+        name = "model." + name.removeprefix(root)
+    for frag, ours in names:
+        name = name.replace(frag, ours)
+    return name
+
+
+def to_theirs(name: str, names: Sequence[tuple[str, str]], root: str = "") -> str:
+    """`to_ours` undone, for error messages (the fragments in the same order: one that contains another, listed
+    first, goes back first)."""
+    for frag, ours in names:
+        name = name.replace(ours, frag)
+    return root + name.removeprefix("model.") if root and name.startswith("model.") else name
+
+
 _NEOX_NAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _QKV = re.compile(r"(layers\.\d+)\.attention\.query_key_value\.(\w+)$")
@@ -143,8 +161,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
             if name.endswith(self.ignored_suffixes):
                 continue
             name = name.replace("embed_in.", "embed_tokens.").replace("final_layer_norm.", "norm.")
-            for frag, ours in _NEOX_NAMES:
-                name = name.replace(frag, ours)
+            name = to_ours(name, _NEOX_NAMES)
             qkv = _QKV.search(name)
             if qkv is None:
                 yield f"model.{name}", t
@@ -159,7 +176,5 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         if name.startswith("lm_head."):
             return name.replace("lm_head.", "embed_out.")
         name = re.sub(r"\.self_attn\.[qkv]_proj\.", ".attention.query_key_value.", name)
-        for frag, ours in _NEOX_NAMES:
-            name = name.replace(ours, frag)
-        name = name.replace("model.embed_tokens.", "model.embed_in.").replace("model.norm.", "model.final_layer_norm.")
+        name = to_theirs(name, _NEOX_NAMES).replace("model.embed_tokens.", "model.embed_in.").replace("model.norm.", "model.final_layer_norm.")
         return "gpt_neox." + name.removeprefix("model.")

@@ -21,7 +21,7 @@ import torch
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models import gpt_bigcode
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, layer_norm_eps
+from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, layer_norm_eps, to_ours, to_theirs
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention
 from streamer.models.phi import HeadBias
@@ -79,14 +79,8 @@ class GPTJForCausalLM(HeadBias):
         for name, t in weights:
             if name.endswith(_BUFFERS):
                 continue
-            if name.startswith("transformer."):
-                name = "model." + name.removeprefix("transformer.")
-            for frag, ours in _NAMES:
-                name = name.replace(frag, ours)
-            yield name, t
+            yield to_ours(name, _NAMES, "transformer."), t
 
     def checkpoint_name(self, internal: str) -> str:
-        name = super().checkpoint_name(internal)
-        for frag, ours in _NAMES:  # (in order: o_proj goes back to out_proj before self_attn to attn)
-            name = name.replace(ours, frag)
-        return "transformer." + name.removeprefix("model.") if name.startswith("model.") else name
+        # (in order: o_proj goes back to out_proj before self_attn to attn)
+        return to_theirs(super().checkpoint_name(internal), _NAMES, "transformer.")

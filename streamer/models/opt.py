@@ -25,7 +25,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.arcee import UNGATED_PACKED, UpMLP
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import ParallelResidualLayer
+from streamer.models.gpt_neox import ParallelResidualLayer, to_ours, to_theirs
 from streamer.models.layers import GELU_APPROXIMATE, LayerNorm, ReplicatedLinear, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 
@@ -139,12 +139,8 @@ class OPTForCausalLM(LlamaForCausalLM):
                 name = "model." + name.removeprefix("model.").removeprefix("decoder.")
             if name.startswith("model.final_layer_norm.") and not self.has_final_norm:
                 continue
-            for frag, ours in _NAMES:
-                name = name.replace(frag, ours)
-            yield name, t
+            yield to_ours(name, _NAMES), t
 
     def checkpoint_name(self, internal: str) -> str:
-        name = super().checkpoint_name(internal)
-        for frag, ours in _NAMES:
-            name = name.replace(ours, frag)
+        name = to_theirs(super().checkpoint_name(internal), _NAMES)
         return "model.decoder." + name.removeprefix("model.") if name.startswith("model.") else name

@@ -20,7 +20,8 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps, to_ours,
+                                      to_theirs)
 from streamer.models.layers import RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
@@ -72,12 +73,7 @@ class PhiForCausalLM(HeadBias):
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, t in weights:
-            for frag, ours in _PHI_NAMES:
-                name = name.replace(frag, ours)
-            yield name, t
+            yield to_ours(name, _PHI_NAMES), t
 
     def checkpoint_name(self, internal: str) -> str:
-        name = super().checkpoint_name(internal)
-        for frag, ours in _PHI_NAMES:
-            name = name.replace(ours, frag)
-        return name
+        return to_theirs(super().checkpoint_name(internal), _PHI_NAMES)
