@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--dummy", action="store_true", help="random weights (the folder needs only config.json)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -80,6 +81,7 @@ def main() -> None:
     workloads = {"shared prefix": [system + rand(args.suffix_len) for _ in range(args.num_requests)],
                  "no shared prefix": [rand(total) for _ in range(args.num_requests)]}
     engine_args = dict(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs,
                        max_model_len=max(2048, total + args.output_len + 1),
                        load_format="dummy" if args.dummy else "auto")
     EngineConfig(**engine_args)  # validate before the long runs

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fp8: the KV cache in float8_e4m3fn, twice the tokens in the same memory")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--state-checkpoints", type=int, default=None,
+                   help="hybrid / recurrent models: recurrent-state checkpoints kept for prefix caching "
+                        "(default: max-num-seqs, within the memory budget)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--priority-aging", type=float, default=None,
                    help="seconds of waiting that count as one priority level")
@@ -93,7 +96,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
                 "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "num_kv_blocks",
-                "enable_prefix_caching", "scheduling_policy", "priority_aging", "attention_backend",
+                "enable_prefix_caching", "state_checkpoints", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",

@@ -31,6 +31,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
     num_kv_blocks: Optional[int] = None  # override the computed pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
+    # Hybrid / recurrent models' prefix caching: slots for checkpoints of the recurrent state at block boundaries
+    # (kv_cache.StateCheckpoints); None: one per max_num_seqs, within half the memory budget with the requests'.
+    state_checkpoints: Optional[int] = None
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority"
     priority_aging: Optional[float] = None  # seconds of waiting that count as one priority level
     attention_backend: Optional[str] = None  # "torch" | "triton"; None = triton on CUDA, torch on CPU
@@ -119,6 +122,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
+        if self.state_checkpoints is not None and (not isinstance(self.state_checkpoints, int)
+                                                   or self.state_checkpoints < 0):
+            raise ValueError(f"state_checkpoints must be an integer >= 0, got {self.state_checkpoints!r}")
         if self.enforce_eager not in (None, True, False):
             raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
         if (not isinstance(self.cuda_graph_max_batch, int) or isinstance(self.cuda_graph_max_batch, bool)

@@ -24,7 +24,8 @@ from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from streamer.pooling import Classifier, PoolingParams, default_pooling, finish_pooled, truncate_prompt
+from streamer.pooling import (Classifier, PoolingParams, default_pooling, embedding_width, finish_pooled,
+                              truncate_prompt)
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_media, check_truncation, image_prompts_for
@@ -113,12 +114,10 @@ class LLMEngine:
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
-        if hybrid and config.enable_prefix_caching:
-            logger.info("prefix caching is off for this hybrid attention + Mamba model (its recurrent state cannot "
-                        "be reused from cached blocks)")
-        self.prefix_caching = config.enable_prefix_caching and not hybrid
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, self.prefix_caching,
-                                 state_slots=self.runner.num_state_slots)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 state_slots=self.runner.num_state_slots,
+                                 checkpoint_slots=self.runner.num_checkpoint_slots)
+        self.prefix_caching = self.kv.enable_prefix_caching  # (a hybrid model's needs checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
@@ -343,7 +342,7 @@ class LLMEngine:
         if pooling.task not in (None, "embed"):
             raise ValueError(f"task {pooling.task!r} needs a sequence-classification model "
                              "(*ForSequenceClassification); this one makes embeddings")
-        hidden = self.model_config.hidden_size
+        hidden = embedding_width(self.runner.model)
         if pooling.dimensions is not None and pooling.dimensions > hidden:
             raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size {hidden}")
         return dataclasses.replace(pooling, task="embed", pooling=pooling.pooling or self.default_pooling)
@@ -368,6 +367,7 @@ class LLMEngine:
         may read them while the loop goes on)."""
         self.batch.sync(self.kv)
         inputs = self.batch.prepare(sched)
+        inputs.state_copies = self.kv.take_state_copies()
         if self.scheduler.lora_slots is not None:
             inputs.lora_loads = self.scheduler.lora_slots.take_loads()
         return inputs

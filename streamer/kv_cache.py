@@ -118,11 +118,101 @@ class StateSlotPool:
             raise AssertionError("state slots lost or out of range")
 
 
+class StateCheckpoints:
+    """Prefix caching for hybrid / recurrent models: a cached block's KV is not enough to resume from, the recurrent
+    state after it is needed too. Copies of request states taken at block boundaries ("checkpoints") live in slots of
+    their own in the layers' state tensors, found by the hash of the block they end. A checkpoint slot is filled by a
+    save (copied from a request's slot before the step's forward) and read by restores (copied into a request's
+    slot); the model's layers do both copies (models/mamba.py `RecurrentMixer.begin_step`), saves first.
+
+    Eviction is LRU, with one twist: a request that saves a checkpoint while it decodes pushes its previous
+    decode-time checkpoint to the front (only the latest serves a follow-up turn of the conversation), so a long
+    generation holds one slot, not one per block. Slots a step copies from or to are pinned until the step's copies
+    are taken (`take`): a later save of the same step may not overwrite them."""
+
+    def __init__(self, first_slot: int, num_slots: int) -> None:
+        self.slots: list[int] = list(range(first_slot + num_slots - 1, first_slot - 1, -1))  # free; pop(): low first
+        self.num_slots = num_slots
+        self.first_slot = first_slot
+        self.lru: OrderedDict[bytes, int] = OrderedDict()  # block hash -> slot; front = first evicted
+        self.latest: dict[str, bytes] = {}  # request id -> its last decode-time checkpoint
+        self.pinned: set[int] = set()
+        self.saves: list[tuple[int, int]] = []  # (request slot, checkpoint slot)
+        self.restores: list[tuple[int, int]] = []  # (checkpoint slot, request slot)
+        self.num_saves = 0
+        self.num_restores = 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.lru
+
+    def save(self, block_hash: bytes, src_slot: int, request_id: str, decoding: bool) -> None:
+        """Checkpoint a request's state (its slot's content once the steps so far have run) as the state after the
+        block `block_hash` ends."""
+        if block_hash in self.lru:
+            self.lru.move_to_end(block_hash)
+            return
+        if decoding:  # (before a slot is taken: the superseded one is the first choice)
+            prev = self.latest.get(request_id)
+            if prev is not None and prev in self.lru:
+                self.lru.move_to_end(prev, last=False)
+            self.latest[request_id] = block_hash
+        slot = self._take_slot()
+        if slot is None:  # every slot is in this step's copies
+            return
+        self.lru[block_hash] = slot
+        self.pinned.add(slot)
+        self.saves.append((src_slot, slot))
+        self.num_saves += 1
+
+    def restore(self, block_hash: bytes, dst_slot: int) -> None:
+        """Start a request (its slot) from the state after the block `block_hash` (which must be checkpointed)."""
+        slot = self.lru[block_hash]
+        self.lru.move_to_end(block_hash)
+        self.pinned.add(slot)
+        self.restores.append((slot, dst_slot))
+        self.num_restores += 1
+
+    def _take_slot(self) -> Optional[int]:
+        if self.slots:
+            return self.slots.pop()
+        for h, slot in self.lru.items():  # least recently used first
+            if slot not in self.pinned:
+                del self.lru[h]
+                return slot
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self.latest.pop(request_id, None)
+
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies to run before the next step: (saves, restores)."""
+        saves, restores = self.saves, self.restores
+        self.saves, self.restores, self.pinned = [], [], set()
+        return saves, restores
+
+    def clear(self) -> None:
+        self.slots.extend(self.lru.values())
+        self.lru.clear()
+        self.latest.clear()
+
+    def check_consistency(self) -> None:
+        held = list(self.lru.values())
+        every = held + self.slots
+        if sorted(every) != list(range(self.first_slot, self.first_slot + self.num_slots)):
+            raise AssertionError("checkpoint slots lost, shared or out of range")
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 state_slots: int = 0) -> None:
-        """state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks."""
+                 state_slots: int = 0, checkpoint_slots: int = 0) -> None:
+        """state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks. With prefix
+        caching, checkpoint_slots more follow them (after one scratch slot): `StateCheckpoints`."""
         self.state = StateSlotPool(state_slots) if state_slots > 0 else None
+        # (a hybrid model caches prefixes only where it has a checkpoint of the state)
+        self.checkpoints = StateCheckpoints(state_slots + 1, checkpoint_slots) \
+            if state_slots > 0 and checkpoint_slots > 0 and enable_prefix_caching else None
+        if state_slots > 0 and self.checkpoints is None:
+            enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -150,6 +240,14 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks, always leaving its last token to compute."""
         if not self.enable_prefix_caching:
             return [], 0
+        hits = self._cached_chain(req)
+        if self.checkpoints is not None:  # resume only where the recurrent state was checkpointed
+            while hits and req.block_hashes[len(hits) - 1] not in self.checkpoints:
+                hits.pop()
+        return hits, len(hits) * self.block_size
+
+    def _cached_chain(self, req: Request) -> list[int]:
+        """The cached blocks of the request's longest cached prefix (not its last token's block)."""
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for h in req.block_hashes[:max_blocks]:
@@ -157,7 +255,18 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        return hits, len(hits) * self.block_size
+        return hits
+
+    def chunk_stops(self, req: Request, num_hit: int) -> list[int]:
+        """Where a hybrid model's request admitted with `num_hit` cached tokens should end prefill chunks, so that
+        its state is checkpointed there (saves happen at chunk ends on block boundaries): where the cached KV chain
+        ends (its prefix is shared with an earlier request, so likely with later ones: the state there makes it a
+        full hit next time) and at the prompt's last full block (a repeat of the prompt resumes there)."""
+        if self.checkpoints is None:
+            return []
+        bs = self.block_size
+        ends = (len(self._cached_chain(req)) * bs, (req.num_tokens - 1) // bs * bs)
+        return sorted({p for p in ends if p > num_hit})
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's prefix-cache lookup (for /metrics)."""
@@ -179,6 +288,8 @@ class KVCacheManager:
         if not hit_blocks:  # the common decode case: usually the last block still has room
             total = req.num_computed_tokens + num_new_tokens
             if total <= len(blocks) * self.block_size:
+                if self.checkpoints is not None:
+                    self._checkpoint(req)
                 if self.enable_prefix_caching and total % self.block_size == 0:
                     self._cache_full_blocks(req, blocks, total)
                 return True
@@ -193,7 +304,11 @@ class KVCacheManager:
             if not self.state.num_free:
                 return False
             self.state.allocate(req.request_id)
+        elif self.checkpoints is not None:
+            self._checkpoint(req)
         if hit_blocks:
+            if self.checkpoints is not None:
+                self.checkpoints.restore(req.block_hashes[len(hit_blocks) - 1], self.state_slot(req.request_id))
             self.pool.touch(hit_blocks)
             blocks = blocks + hit_blocks
             self._num_cached_blocks[req.request_id] = len(blocks)
@@ -215,6 +330,22 @@ class KVCacheManager:
         if full > done:
             self._num_cached_blocks[req.request_id] = full
 
+    def _checkpoint(self, req: Request) -> None:
+        """A running request whose computed tokens end a block: its state (after the steps so far) is the state
+        after that block. (A block whose last token is still in flight has no hash yet: no checkpoint.)"""
+        done = req.num_computed_tokens
+        k = done // self.block_size
+        if done % self.block_size or k == 0 or k > len(req.block_hashes):
+            return
+        slot = self.state_slot(req.request_id)
+        if slot >= 0:
+            self.checkpoints.save(req.block_hashes[k - 1], slot, req.request_id,  # type: ignore[union-attr]
+                                  decoding=done > req.num_prompt_tokens)
+
+    def take_state_copies(self) -> Optional[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+        """The state copies (saves, restores) to run before the next step; None without checkpoints."""
+        return None if self.checkpoints is None else self.checkpoints.take()
+
     def _note_change(self, req: Request, first: int) -> None:
         prev = self.changes.get(req.request_id)
         self.changes[req.request_id] = (req, first if prev is None else min(first, prev[1]))
@@ -228,6 +359,9 @@ class KVCacheManager:
         return -1 if self.state is None else self.state.slot_of.get(request_id, -1)
 
     def free(self, req: Request) -> None:
+        if self.checkpoints is not None:  # its state as it leaves (read before anything reuses the slot)
+            self._checkpoint(req)
+            self.checkpoints.forget(req.request_id)
         if self.state is not None:
             self.state.free(req.request_id)
         blocks = self.req_blocks.pop(req.request_id, None)
@@ -254,6 +388,8 @@ class KVCacheManager:
         for h, b in self.pool.cached.items():
             if self.pool.block_hash[b] != h:
                 raise AssertionError(f"cache map and block {b}'s hash disagree")
+        if self.checkpoints is not None:
+            self.checkpoints.check_consistency()
         if self.state is not None:
             self.state.check_consistency()
             if set(self.state.slot_of) != set(self.req_blocks):

@@ -57,7 +57,9 @@ class LoRAAdapter:
         return state
 
 
-_UNSUPPORTED = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)", "lora_bias": "lora_bias"}
+# (fan_in_fan_out, which PEFT sets for GPT-2's Conv1D layers, is fine: it only transposes merged weights, A and B
+# are stored [r, in] and [out, r] either way)
+_UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "lora_bias"}
 
 
 def read_config(path: Path) -> dict[str, Any]:

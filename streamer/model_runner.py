@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -206,7 +206,7 @@ class ModelRunner:
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.kv_dtype = self._kv_dtype()
-        self.num_state_slots = self._num_state_slots()
+        self.num_state_slots, self.num_checkpoint_slots = self._num_state_slots()
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
@@ -216,10 +216,10 @@ class ModelRunner:
         # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
         self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
                                       dtype=self.kv_dtype, device=self.device) for layer in self.model.layers]
-        if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot
-            self.model.allocate_state(self.num_state_slots + 1, self.dtype, self.device)
-            logger.info("Mamba state: %d slots of %.1f MiB", self.num_state_slots,
-                        self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
+        if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints'
+            self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots, self.dtype, self.device)
+            logger.info("Mamba state: %d slots (and %d checkpoints) of %.1f MiB", self.num_state_slots,
+                        self.num_checkpoint_slots, self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
@@ -454,20 +454,32 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(attns) * self.block_size * attns[0].num_kv_heads * attns[0].head_dim * elem
 
-    def _num_state_slots(self) -> int:
-        """A hybrid model's Mamba state slots: one per running sequence (max_num_seqs), unless that would take more
-        than half the memory budget (then as many as half holds: they bound how many sequences run at once)."""
+    def _num_state_slots(self) -> tuple[int, int]:
+        """A hybrid model's Mamba state slots, one per running sequence (max_num_seqs), and with prefix caching its
+        state checkpoints' (`state_checkpoints`, default as many again), all within half the memory budget. Where
+        that half is short, the checkpoints get a fifth of it and the sequences the rest (their slots then bound
+        how many sequences run at once)."""
         if not self.hybrid:
-            return 0
+            return 0, 0
+        n, checkpoints = self.config.max_num_seqs, self.config.state_checkpoints
+        caching = self.config.enable_prefix_caching
+        if not caching:
+            checkpoints = 0
+        if self.config.num_kv_blocks is not None:  # (tests and benchmarks: exact sizes, no budget)
+            return n, n if checkpoints is None else checkpoints
         per_slot = self.model.state_bytes_per_slot(self.dtype)
-        half = self._memory_budget() // (2 if attention_layers(self.model) else 1)  # (no KV: all of it)
-        n = self.config.max_num_seqs
-        if self.config.num_kv_blocks is None and n * per_slot > half:
-            n = max(1, half // per_slot)
+        total = max(self._memory_budget() // (2 if attention_layers(self.model) else 1) // per_slot, 1)
+        if checkpoints is None:
+            checkpoints = n if 2 * n <= total else total // 5
+        if n + checkpoints > total:
+            checkpoints = min(checkpoints, total - 1)
+            n = total - checkpoints
             logger.warning("Mamba state for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
                            "budget: %d slots, so at most %d sequences run at once", self.config.max_num_seqs,
                            per_slot / 2 ** 20, n, n)
-        return int(n)
+        if caching and not checkpoints:
+            logger.warning("no memory left for Mamba state checkpoints: prefix caching is off")
+        return int(n), int(checkpoints)
 
     def _memory_budget(self) -> int:
         """Bytes for the KV cache (and a hybrid model's Mamba state)."""
@@ -487,7 +499,7 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block()
         budget = self._memory_budget()
         if self.hybrid:  # the Mamba state comes out of the same budget
-            budget -= self.num_state_slots * self.model.state_bytes_per_slot(self.dtype)
+            budget -= (self.num_state_slots + self.num_checkpoint_slots) * self.model.state_bytes_per_slot(self.dtype)
         # More blocks than every sequence slot can fill would only waste memory.
         useful = self.config.max_num_seqs * self.max_blocks_per_req
         # (no KV per block, a model without attention layers: as many as the sequences can fill, up to 256K)
@@ -534,6 +546,7 @@ class ModelRunner:
         if (slots < 0).any():
             raise RuntimeError("a request of a hybrid model has no Mamba state slot")
         first = qsl[:-1]
+        saves, restores = step.state_copies or ((), ())
         fresh = np.flatnonzero(step.positions[first] == 0)
         q_lens = np.diff(qsl)
         one = np.flatnonzero(q_lens == 1)
@@ -542,7 +555,14 @@ class ModelRunner:
             fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
             decode_tokens=to_device(first[one].astype(np.int64), dev) if len(one) else None,
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
-            prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many])
+            prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many],
+            saves=self._slot_pairs(saves), restores=self._slot_pairs(restores))
+
+    def _slot_pairs(self, pairs: Sequence[tuple[int, int]]) -> Optional[torch.Tensor]:
+        """[(from slot, to slot)] -> int64 [2, N] on the device (None: no copies)."""
+        if not pairs:
+            return None
+        return to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)
 
     def _sampling_batch(self, rows: SamplingRows) -> SamplingBatch:
         n = len(rows.temperature)

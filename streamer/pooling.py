@@ -83,6 +83,13 @@ def default_pooling(model_dir: Path) -> str:
     return "last"
 
 
+def embedding_width(model: Any) -> int:
+    """The width of the final hidden states an embedding pools, which `dimensions` may not exceed: the model's
+    `output_width` where its family narrows them after the layers (OPT-350m's project_out: 512 of 1024), else its
+    hidden size."""
+    return getattr(model, "output_width", None) or model.cfg.hidden_size
+
+
 def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[float]:
     """The pooled vector from the summed hidden states (numpy float64 [H]): averaged, cut to `dimensions`,
     normalised. (numpy is imported here: `import streamer` stays light.)"""

@@ -200,6 +200,8 @@ class Scheduler:
             n = min(want, budget)
             if req.whole_images:
                 n = req.fit_chunk(req.num_computed_tokens, n)
+            if n > 1 and self.kv.checkpoints is not None:
+                n = self._fit_checkpoints(req, req.num_computed_tokens, n)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
                 continue
@@ -231,6 +233,20 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
         return out
 
+    def _fit_checkpoints(self, req: Request, start: int, n: int) -> int:
+        """Hybrid models with prefix caching: a chunk of n tokens from `start` ends at the request's next chunk stop
+        or, cut short by the budget, on a block boundary, where the state gets checkpointed (kv_cache.py
+        StateCheckpoints)."""
+        end = start + n
+        for stop in req.chunk_stops:
+            if start < stop < end:
+                return stop - start
+        if end < req.num_tokens:
+            aligned = end - end % self.kv.block_size
+            if aligned > start:
+                return aligned - start
+        return n
+
     def _pending_is_last(self, req: Request) -> bool:
         """Will the token in flight end the request by length? Then computing it would be wasted."""
         return (req.num_output_tokens + req.num_pending >= req.max_tokens
@@ -255,6 +271,9 @@ class Scheduler:
             hits, num_hit = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = req.fit_chunk(num_hit, min(req.num_tokens - num_hit, budget))
+            if self.kv.checkpoints is not None:
+                req.chunk_stops = [] if skip_cache else self.kv.chunk_stops(req, num_hit)
+                n = self._fit_checkpoints(req, num_hit, n)
             if n == 0 or not self.kv.allocate_slots(req, n, hits):  # (0: its next image does not fit this step)
                 self._release_lora(req)
                 break

@@ -48,7 +48,7 @@ def test_matches_transformers(make_ckpt, moe_ckpt, moe_ref, prompts, variant):
                          layer_types=["attention", "mamba", "mamba", "attention"])
         ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32")
-    assert llm.engine.prefix_caching is False  # (the state cannot be reused from cached blocks)
+    assert llm.engine.prefix_caching is True  # (resuming from checkpoints of the state: test_hybrid_prefix_caching)
     assert greedy(llm, prompts, MAX_NEW) == ref
     assert greedy(llm, prompts[:1], MAX_NEW) == ref[:1]  # alone, after the batch: its slot starts fresh
     assert len({tuple(r) for r in ref}) > 4, "degenerate reference: the test would not discriminate"

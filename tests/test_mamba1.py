@@ -98,7 +98,7 @@ def ref(ckpt, prompts):
 def test_matches_transformers(ckpt, ref, prompts, family, engine_args):
     path = ckpt(family)
     llm = LLM(str(path), dtype="float32", **engine_args)
-    assert llm.engine.prefix_caching is False
+    assert llm.engine.prefix_caching is True  # (from state checkpoints: test_hybrid_prefix_caching.py)
     assert_matches_transformers(llm, path, prompts, ref(family), MAX_NEW)
     assert_state_freed(llm)
 

@@ -85,7 +85,7 @@ def _check_reference(ref: list[list[int]]) -> None:
 
 def test_matches_transformers(ckpt, ref, prompts):
     llm = LLM(str(ckpt), dtype="float32")
-    assert llm.engine.prefix_caching is False
+    assert llm.engine.prefix_caching is True  # (from state checkpoints: test_hybrid_prefix_caching.py)
     assert greedy(llm, prompts, MAX_NEW) == ref
     assert greedy(llm, prompts[:1], MAX_NEW) == ref[:1]  # alone, after the batch: its slot starts fresh
     _check_reference(ref)

@@ -51,7 +51,7 @@ def test_matches_transformers(make_ckpt, ckpt, ref, prompts, variant):
                          mlp_only_layers=[], linear_num_key_heads=4, linear_value_head_dim=16, seed=1)
         expected = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32")
-    assert llm.engine.prefix_caching is False  # (the state cannot be reused from cached blocks)
+    assert llm.engine.prefix_caching is True  # (from state checkpoints: test_hybrid_prefix_caching.py)
     attention_at = 1 if variant == "moe" else 3  # KV caches for the full-attention layer only
     assert [c.numel() > 0 for c in llm.engine.runner.kv_caches] == [i == attention_at for i in range(4)]
     assert greedy(llm, prompts, MAX_NEW) == expected

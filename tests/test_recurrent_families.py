@@ -156,7 +156,7 @@ def ref(ckpt, prompts):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_matches_transformers(ckpt, ref, prompts, family):
     llm = LLM(str(ckpt(family)), dtype="float32")
-    assert llm.engine.prefix_caching is False
+    assert llm.engine.prefix_caching is True  # (from state checkpoints: test_hybrid_prefix_caching.py)
     want = ref(family)
     assert greedy(llm, prompts, MAX_NEW) == want
     assert greedy(llm, prompts[:2], MAX_NEW) == want[:2]  # after the batch, in used slots: they start fresh

@@ -55,6 +55,10 @@ class MambaStep:
     decode_tokens: Optional[torch.Tensor]  # int64 [R1]: the token of each request that computes exactly one
     decode_slots: Optional[torch.Tensor]  # int64 [R1]: their slots
     prefills: list[tuple[int, int, int]]  # (slot, first token, end) of each request computing several tokens
+    # Prefix caching (kv_cache.StateCheckpoints): states copied between slots before the step, saves (a request's
+    # slot -> a checkpoint slot) first, then restores (a checkpoint slot -> a request's slot); int64 [2, N] each
+    saves: Optional[torch.Tensor] = None
+    restores: Optional[torch.Tensor] = None
 
 
 class DecodeBatch(NamedTuple):

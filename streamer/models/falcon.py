@@ -27,8 +27,8 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps, to_ours,
-                                      to_theirs)
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps,
+                                      renamed_lora_parts, to_ours, to_theirs)
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention, LlamaForCausalLM
 
@@ -99,6 +99,7 @@ _QKV = re.compile(r"(model\.layers\.\d+)\.self_attention\.query_key_value\.(\w+)
 
 class FalconForCausalLM(LlamaForCausalLM):
     decoder_layer = FalconLayer
+    lora_parts = renamed_lora_parts
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

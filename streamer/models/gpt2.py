@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 
 from streamer.models.gpt_bigcode import GPTBigCodeBlock, GPTBigCodeForCausalLM
+from streamer.models.gpt_neox import renamed_lora_parts
 
 # Conv1D weights, stored [in, out]
 _CONV1D = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -39,3 +40,9 @@ class GPT2LMHeadModel(GPTBigCodeForCausalLM):
                     t = t.t()
                 yield name, t
         return super().rename_weights(linear_layout())
+
+    def lora_parts(self, module: str, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """PEFT's B is [out, r] on a Conv1D too (its fan_in_fan_out only transposes merged weights): handed over
+        as the checkpoint stores the module's weight, transposed, for rename_weights to turn back."""
+        conv1d = _CONV1D.search(f"{module}.weight") is not None
+        return renamed_lora_parts(self, module, b.t() if conv1d else b)

@@ -24,8 +24,8 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate, to_ours,
-                                      to_theirs)
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate,
+                                      renamed_lora_parts, to_ours, to_theirs)
 from streamer.models.layers import RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
@@ -79,6 +79,7 @@ _C_ATTN = re.compile(r"(model\.layers\.\d+)\.attn\.c_attn\.(\w+)$")
 
 class GPTBigCodeForCausalLM(LlamaForCausalLM):
     decoder_layer: type[ParallelResidualLayer] = GPTBigCodeBlock
+    lora_parts = renamed_lora_parts
     per_head_qkv = True  # without multi_query, c_attn's rows are per head [q_h, k_h, v_h] (GPT-2's: all q, k, v)
     # (older checkpoints store the causal mask as buffers)
     ignored_suffixes = LlamaForCausalLM.ignored_suffixes + (".attn.bias", ".attn.masked_bias")

@@ -130,6 +130,14 @@ def to_theirs(name: str, names: Sequence[tuple[str, str]], root: str = "") -> st
     return root + name.removeprefix("model.") if root and name.startswith("model.") else name
 
 
+def renamed_lora_parts(model: Any, module: str, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A LoRA adapter's module (named as in the checkpoint) in our spelling, with its B [out, r]: read by the
+    model's `rename_weights` as the module's weight is, so a fused query_key_value's B is cut into q, k and v by rows
+    exactly as its weight (the families' layouts differ; A is shared by the three). The families whose checkpoint
+    names differ from Llama's set `lora_parts = renamed_lora_parts` (streamer/models/lora.py place_adapter)."""
+    return [(name.removesuffix(".weight"), part) for name, part in model.rename_weights([(f"{module}.weight", b)])]
+
+
 _NEOX_NAMES = ((".attention.dense.", ".self_attn.o_proj."), (".mlp.dense_h_to_4h.", ".mlp.fc1."),
                (".mlp.dense_4h_to_h.", ".mlp.fc2."))
 _QKV = re.compile(r"(layers\.\d+)\.attention\.query_key_value\.(\w+)$")
@@ -137,6 +145,7 @@ _QKV = re.compile(r"(layers\.\d+)\.attention\.query_key_value\.(\w+)$")
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     decoder_layer = GPTNeoXLayer
+    lora_parts = renamed_lora_parts
     # (older checkpoints store the causal mask and the rotary frequencies as buffers)
     ignored_suffixes = LlamaForCausalLM.ignored_suffixes + ("attention.bias", "attention.masked_bias",
                                                            "rotary_emb.inv_freq")

@@ -21,7 +21,8 @@ import torch
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models import gpt_bigcode
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, layer_norm_eps, to_ours, to_theirs
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, layer_norm_eps, renamed_lora_parts, to_ours,
+                                      to_theirs)
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention
 from streamer.models.phi import HeadBias
@@ -69,6 +70,7 @@ _BUFFERS = (".attn.bias", ".attn.masked_bias")
 class GPTJForCausalLM(HeadBias):
     decoder_layer = GPTJBlock
     rope_is_neox = False
+    lora_parts = renamed_lora_parts
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

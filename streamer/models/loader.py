@@ -198,8 +198,11 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         missing = model.expected_weights() - loaded
         if missing:
             names = sorted(model.checkpoint_name(m) for m in missing)
+            head = (f"; no LM head ({model.checkpoint_name('lm_head.weight')}), and config.json does not tie it to "
+                    "the embeddings (tie_word_embeddings is false): set tie_word_embeddings: true if the model "
+                    "shares them" if "lm_head.weight" in missing else "")
             raise ValueError(f"checkpoint {folder} is missing {len(names)} tensor(s): {', '.join(names[:8])}"
-                             + (" ..." if len(names) > 8 else ""))
+                             + (" ..." if len(names) > 8 else "") + head)
         model.kv_scales = _per_layer(kv_scales, cfg.num_layers)
     return model.eval()
 
@@ -280,12 +283,19 @@ def _read(where: dict[str, Path], original: dict[str, str], name: str) -> Option
         return f.get_tensor(original[name])
 
 
+# The checkpoint names (their ends) of the token embeddings and of the LM head: Llama's, and the classic families'
+# (GPT-NeoX's embed_in / embed_out, Falcon's word_embeddings, GPT-2's, GPTBigCode's and GPT-J's wte; OPT and Phi
+# spell them as Llama does).
+_EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "word_embeddings.weight", "wte.weight")
+_HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
+
+
 def _stores_own_head(files: list[Path]) -> bool:
-    """Whether a checkpoint whose config ties the LM head holds an lm_head.weight that is not the embedding matrix
+    """Whether a checkpoint whose config ties the LM head holds a head weight that is not the embedding matrix
     (transformers 5 writes tie_word_embeddings: true into configs of models it does not tie, Mistral 3's)."""
     where = {name: path for path in files for name in _tensor_names(path)}
-    heads = [n for n in where if n.endswith("lm_head.weight")]
-    embeds = [n for n in where if n.endswith("embed_tokens.weight") and "vision" not in n]
+    heads = [n for n in where if n.endswith(_HEAD_NAMES)]
+    embeds = [n for n in where if n.endswith(_EMBEDDING_NAMES) and "vision" not in n]
     if len(heads) != 1 or len(embeds) != 1:
         return False
     tensors = []

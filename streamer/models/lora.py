@@ -28,11 +28,14 @@ import streamer_kernels as K
 if TYPE_CHECKING:
     from streamer.models.layers import PackableLinear
 
-# The layers adapters may target, by our parameter's name, and the checkpoint modules each one holds.
+# The layers adapters may target, by our parameter's name, and the checkpoint modules each one holds (in Llama's
+# spelling: a family whose checkpoints name them otherwise renames an adapter's modules as it renames its weights,
+# `lora_parts`).
 LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
-               # MLPs without a gate: Arcee's up_proj, StarCoder2's c_fc / c_proj
-               "up_proj": ("up_proj",), "c_fc": ("c_fc",), "c_proj": ("c_proj",)}
+               # MLPs without a gate: Arcee's up_proj, StarCoder2's c_fc / c_proj, GeluMLP's fc1 / fc2 (GPT-NeoX,
+               # Falcon, GPT-J, Phi, GPTBigCode, GPT-2)
+               "up_proj": ("up_proj",), "c_fc": ("c_fc",), "c_proj": ("c_proj",), "fc1": ("fc1",), "fc2": ("fc2",)}
 
 
 @dataclass
@@ -199,17 +202,44 @@ def place_adapter(model: Any, layers: dict[str, LoRAWeights], slot: Optional[int
         for w in layers.values():
             w.clear(slot)
     for module, (a, b) in modules.items():
-        name, shard = model.param_name(f"{module}.weight")
-        w = layers.get(name.removesuffix(".weight"))
-        if w is None:
-            targets = sorted({m for subs in LORA_LAYERS.values() for m in subs})
-            raise ValueError(f"LoRA on {module!r} is not supported (adapters may target {', '.join(targets)})")
-        if shard is not None:
-            w.place(slot, w.layer().shard_names.index(shard), a, b, module)  # type: ignore[union-attr]
-            continue
-        parts = model._fused_parts(name, b) if len(w.sub_sizes) > 1 else None
-        if parts is None:
-            w.place(slot, 0, a, b, module)
-        else:  # a fused checkpoint module (Phi-3's qkv_proj): one A, B's rows split over the sub-matrices
-            for i, (_, part) in enumerate(parts):
-                w.place(slot, i, a, part, module)
+        targets = _our_modules(model, module, b)
+        if not targets:
+            raise ValueError(_unsupported(model, layers, module))
+        for target, b_part in targets:
+            _place_module(model, layers, slot, module, target, a, b_part)
+
+
+def _our_modules(model: Any, module: str, b: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """An adapter's module in our spelling, with its B: as is, or, for a family whose checkpoints name modules
+    otherwise, through the model's `lora_parts` (a fused query_key_value becomes q, k and v, B cut by rows)."""
+    rename = getattr(model, "lora_parts", None)
+    return [(module, b)] if rename is None else rename(module, b)
+
+
+def _place_module(model: Any, layers: dict[str, LoRAWeights], slot: Optional[int], module: str, target: str,
+                  a: torch.Tensor, b: torch.Tensor) -> None:
+    """One adapter matrix pair into the layer holding `target` (our spelling; `module` names it in errors)."""
+    name, shard = model.param_name(f"{target}.weight")
+    w = layers.get(name.removesuffix(".weight"))
+    if w is None:
+        raise ValueError(_unsupported(model, layers, module))
+    if shard is not None:
+        w.place(slot, w.layer().shard_names.index(shard), a, b, module)  # type: ignore[union-attr]
+        return
+    parts = model._fused_parts(name, b) if len(w.sub_sizes) > 1 else None
+    if parts is None:
+        w.place(slot, 0, a, b, module)
+    else:  # a fused checkpoint module (Phi-3's qkv_proj): one A, B's rows split over the sub-matrices
+        for i, (_, part) in enumerate(parts):
+            w.place(slot, i, a, part, module)
+
+
+def _unsupported(model: Any, layers: dict[str, LoRAWeights], module: str) -> str:
+    """The refusal of a target, listing the modules this model's adapters may target in its checkpoints' names."""
+    names = set()
+    for name, w in layers.items():
+        shards = w.layer().shard_names if len(w.sub_sizes) > 1 else [None]  # type: ignore[union-attr]
+        for shard in shards:
+            internal = f"{name}.weight" if shard is None else f"{name}.weight:{shard}"
+            names.add(model.checkpoint_name(internal).rsplit(".", 2)[-2])
+    return f"LoRA on {module!r} is not supported (adapters may target {', '.join(sorted(names))})"

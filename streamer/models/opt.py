@@ -25,7 +25,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.arcee import UNGATED_PACKED, UpMLP
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import ParallelResidualLayer, to_ours, to_theirs
+from streamer.models.gpt_neox import ParallelResidualLayer, renamed_lora_parts, to_ours, to_theirs
 from streamer.models.layers import GELU_APPROXIMATE, LayerNorm, ReplicatedLinear, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 
@@ -102,6 +102,7 @@ _NAMES = (("model.final_layer_norm.", "model.norm."), (".self_attn.out_proj.", "
 class OPTForCausalLM(LlamaForCausalLM):
     decoder_layer = OPTDecoderLayer
     packed = UNGATED_PACKED  # (fc1 is the MLP's up_proj, no gate to pack it with)
+    lora_parts = renamed_lora_parts
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
@@ -112,6 +113,7 @@ class OPTForCausalLM(LlamaForCausalLM):
         affine = bool(raw.get("layer_norm_elementwise_affine", True))
         self.norm: nn.Module = LayerNorm(hidden, _EPS, affine) if self.has_final_norm else AddOnly()
         width = raw.get("word_embed_proj_dim") or hidden
+        self.output_width = width  # the final hidden states' (what embeddings pool: streamer/pooling.py)
         self.project_in: Optional[ReplicatedLinear] = None
         self.project_out: Optional[ReplicatedLinear] = None
         if width != hidden:  # embeddings (and the head) narrower than the layers

@@ -20,8 +20,8 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps, to_ours,
-                                      to_theirs)
+from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps,
+                                      renamed_lora_parts, to_ours, to_theirs)
 from streamer.models.layers import RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
@@ -65,6 +65,7 @@ class HeadBias(LlamaForCausalLM):
 
 class PhiForCausalLM(HeadBias):
     decoder_layer = PhiDecoderLayer
+    lora_parts = renamed_lora_parts
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
