@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamer", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    gen.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded demo model)")
+    gen.add_argument("--model", default=None, help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--lora", default=None, metavar="PATH", help="run with this PEFT LoRA adapter folder")
     gen.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None,
-                       help="HF checkpoint folder (default: the embedded demo model)")
+                       help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
     add_engine_args(serve)
     try:
         from streamer.server.cli import add_serve_args, cmd_serve

@@ -48,10 +48,11 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if model is None:
         from streamer.demo_model import default_model_path
         return Path(default_model_path())
-    path = Path(model).expanduser()
+    from streamer.gguf import hf_folder  # a GGUF (file, folder or first shard): its converted HF folder
+    path = hf_folder(Path(model).expanduser())
     if not path.is_dir():
         raise FileNotFoundError(f"model folder not found: {model} (streamer loads local Hugging Face checkpoint "
-                                "folders; nothing is downloaded)")
+                                "folders and GGUF files; nothing is downloaded)")
     return path
 
 

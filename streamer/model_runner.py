@@ -26,7 +26,7 @@ from streamer.lora import LoRAAdapter
 from streamer.models import lora
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
-from streamer.models.loader import load_model
+from streamer.models.loader import _MODEL_CLASSES, load_model
 from streamer.models.quant import fp8_supported
 from streamer.models.moe import SparseMoE
 from streamer.models.woq import parse_int_quant
@@ -290,7 +290,10 @@ class ModelRunner:
         if self.device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
         cfg = self.model_cfg
-        if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
+        check = getattr(_MODEL_CLASSES.get(cfg.architecture), "check_tensor_parallel", None)
+        if check is not None:  # the model's own rules (hybrids: their recurrent layers' heads too)
+            check(cfg, tp)
+        elif cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
             raise ValueError(f"tensor_parallel_size {tp} does not split the model's {cfg.num_heads} attention "
                              f"heads / {cfg.num_kv_heads} kv heads evenly")
 
@@ -477,6 +480,10 @@ class ModelRunner:
             logger.warning("Mamba state for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
                            "budget: %d slots, so at most %d sequences run at once", self.config.max_num_seqs,
                            per_slot / 2 ** 20, n, n)
+        if self.tp_size > 1:  # every rank must hold the same slots: the smallest budget decides
+            counts = torch.tensor([n, checkpoints], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN)
+            n, checkpoints = (int(c) for c in counts.tolist())
         if caching and not checkpoints:
             logger.warning("no memory left for Mamba state checkpoints: prefix caching is off")
         return int(n), int(checkpoints)

@@ -210,3 +210,17 @@ def test_async_scheduling_and_preemption(ckpt, engine_args):
     else:
         assert llm.engine.num_overlapped_steps > 0
     assert_state_freed(llm)
+
+
+def test_tensor_parallel_restores_on_every_rank(ckpt):
+    """Each rank holds its heads' state and runs the copies itself (from the step's inputs)."""
+    path = ckpt("granitemoehybrid")
+    prompts = prompts_of_lengths((13, 22), seed=8)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    llm = LLM(str(path), dtype="float32", block_size=BS, tensor_parallel_size=2)
+    try:
+        assert run(llm, prompts) == (ref, [0, 0])
+        assert run(llm, prompts) == (ref, [12, 20])
+        assert_state_freed(llm)
+    finally:
+        llm.close()

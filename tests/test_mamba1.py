@@ -207,11 +207,9 @@ def test_selective_scan_matches_recurrence(length):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_refuses_speculative_decoding_and_tensor_parallelism(ckpt, family):
+def test_refuses_speculative_decoding(ckpt, family):  # (tensor parallelism: test_hybrid_tp.py)
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(str(ckpt(family)), dtype="float32", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="does not support tensor parallelism"):
-        LLM(str(ckpt(family)), dtype="float32", tensor_parallel_size=2)
 
 
 def test_refuses_other_activations(ckpt):

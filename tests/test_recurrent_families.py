@@ -289,11 +289,9 @@ def test_mamba2_bf16_runs(ckpt, ref, prompts):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_refuses_speculative_decoding_and_tensor_parallelism(ckpt, family):
+def test_refuses_speculative_decoding(ckpt, family):  # (tensor parallelism: test_hybrid_tp.py)
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(str(ckpt(family)), dtype="float32", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="does not support tensor parallelism"):
-        LLM(str(ckpt(family)), dtype="float32", tensor_parallel_size=2)
 
 
 def test_hub_configs():

@@ -27,9 +27,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPT2LMHeadModel", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
                            "OlmoForCausalLM", "NemotronForCausalLM")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
-# recurrent state besides the KV cache, so no prefix caching (state cannot be reused) nor speculative decoding (nor
-# rollback), and no tensor parallelism yet. Pure recurrent models (mamba2.py, mamba1.py) are among them: no attention
-# layer, so no KV cache at all.
+# recurrent state besides the KV cache, so prefix caching resumes only from checkpoints of that state
+# (kv_cache.StateCheckpoints), and no speculative decoding (no rollback). Under tensor parallelism their recurrent layers split by heads (channels), each rank's state slots
+# holding its heads' state (models/mamba.py). Pure recurrent models (mamba2.py, mamba1.py) are among them: no
+# attention layer, so no KV cache at all.
 HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
                         "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
                         "Lfm2MoeForCausalLM",
@@ -39,17 +40,7 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "GraniteMoeHybridForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "BambaForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "Qwen3NextForCausalLM": "its Gated DeltaNet layers are not split over ranks yet",
-                      "NemotronHForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "Mamba2ForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "FalconH1ForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "Lfm2ForCausalLM": "its short-convolution layers are not split over ranks yet",
-                      "Lfm2MoeForCausalLM": "its short-convolution layers are not split over ranks yet",
-                      "MambaForCausalLM": "its Mamba layers are not split over ranks yet",
-                      "FalconMambaForCausalLM": "its Mamba layers are not split over ranks yet"}
+                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",

@@ -43,13 +43,13 @@ def _mixer_width(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
     return int(inner), heads, int(inner) // heads if d_head in (None, "auto") else int(d_head)
 
 
-def mup_vector(raw: dict[str, Any], hidden: int) -> torch.Tensor:
-    """The in_proj output's per-channel multipliers: [z (inner), x (inner), B, C (groups x d_state each), dt (heads)]
-    times ssm_multipliers[0..4] (transformers' compute_mup_vector)."""
-    inner, heads, _ = _mixer_width(raw, hidden)
-    gs = int(raw.get("mamba_n_groups", 1)) * int(raw.get("mamba_d_state", 256))
+def mup_vector(raw: dict[str, Any], mixer: MambaMixer) -> torch.Tensor:
+    """The in_proj output's per-channel multipliers (on this rank's share of it): [z (inner), x (inner), B, C
+    (groups x d_state each), dt (heads)] times ssm_multipliers[0..4] (transformers' compute_mup_vector)."""
+    gs = mixer.n_groups * mixer.d_state
+    sizes = (mixer.inner, mixer.inner, gs, gs, mixer.num_heads)
     mults = [float(m) for m in (raw.get("ssm_multipliers") or [1.0] * 5)]
-    return torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip((inner, inner, gs, gs, heads), mults)])
+    return torch.cat([torch.full((n,), m, dtype=torch.float32) for n, m in zip(sizes, mults)])
 
 
 class FalconH1Mixer(MambaMixer):
@@ -68,7 +68,7 @@ class FalconH1Mixer(MambaMixer):
         super().__init__(hidden, m, cfg.rms_norm_eps, inner=inner, norm=norm,
                          out_bias=bool(raw.get("projectors_bias", False)))
         self.in_multiplier = float(raw.get("ssm_in_multiplier", 1.0))
-        self.register_buffer("mup_vector", mup_vector(raw, hidden).to(torch.get_default_dtype()), persistent=False)
+        self.register_buffer("mup_vector", mup_vector(raw, self).to(torch.get_default_dtype()), persistent=False)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.in_proj(x * self.in_multiplier) * self.mup_vector
@@ -127,6 +127,11 @@ class FalconH1DecoderLayer(nn.Module):
 
 class FalconH1ForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = FalconH1DecoderLayer
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        MambaMixer.check_split(tp, "mamba_n_heads", _mixer_width(cfg.raw, cfg.hidden_size)[1], "mamba_n_groups",
+                               int(cfg.raw.get("mamba_n_groups", 1)))
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

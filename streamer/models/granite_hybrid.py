@@ -95,6 +95,11 @@ _LAYER = re.compile(r"^(model\.layers\.\d+)\.(shared_mlp|block_sparse_moe)\.(.+)
 class GraniteMoeHybridForCausalLM(HybridModel, GraniteForCausalLM):
     decoder_layer = HybridDecoderLayer
 
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        MambaMixer.check_split(tp, "mamba_n_heads", int(cfg.raw.get("mamba_n_heads", 128)), "mamba_n_groups",
+                               int(cfg.raw.get("mamba_n_groups", 1)))
+
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in weights:
             m = _LAYER.match(name)

@@ -32,9 +32,9 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import RMSNorm, RotaryEmbedding
+from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.mamba import HybridModel, RecurrentMixer
+from streamer.models.mamba import HybridModel, PartsLinear, RecurrentMixer, check_divides, split_conv, split_parts
 from streamer.models.moe import SparseMoE, unfuse_experts
 
 _MOE_ARCH = "Lfm2MoeForCausalLM"
@@ -87,14 +87,18 @@ def lfm2_layer_kinds(raw: dict[str, Any], num_layers: int) -> list[str]:
 
 
 class ShortConv(RecurrentMixer):
-    """LFM2's gated short convolution; its state is the conv window alone (`ssm_state` is empty)."""
+    """LFM2's gated short convolution; its state is the conv window alone (`ssm_state` is empty). With tensor
+    parallelism each rank holds hidden / tp of its channels: in_proj column-parallel by parts (B, C, x), the conv
+    over them, out_proj row-parallel."""
 
     def __init__(self, hidden: int, kernel: int, bias: bool) -> None:
         super().__init__()
-        self.conv_dim, self.d_conv, self.state_shape = hidden, kernel, (0,)
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.conv1d = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        channels = split_parts([hidden])
+        self.conv_dim, self.d_conv, self.state_shape = channels[0][1], kernel, (0,)
+        self.in_proj = PartsLinear(hidden, channels * 3, bias=bias)
+        self.conv1d = split_conv(nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=bias),
+                                 channels)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +180,10 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 class Lfm2ForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = Lfm2DecoderLayer
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        check_divides(tp, hidden_size=cfg.hidden_size)  # (the short convolutions' channels)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return unfuse_experts(self._renamed(weights))

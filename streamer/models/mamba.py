@@ -15,18 +15,27 @@ vectorised over them) and the prefill chunks (slot, token range in the flattened
 the carried conv state, then the chunked SSD scan (as transformers' torch_forward) from the carried SSM state.
 Rows past the pool (`slot == num_slots`) are a scratch slot for the warm-up steps.
 
+Under tensor parallelism every recurrent layer splits by heads (channels), as vLLM splits them: each rank computes
+its heads from its share of the input projection and conv, keeps their state in its own slots (so a slot is about
+1 / tp of the whole), and the output projection all-reduces (`Parts` below).
+
 The math (per token t, head h): x, B, C = silu(conv1d(xBC)); dt = clamp(softplus(dt + dt_bias), limits);
 state = exp(dt * A) * state + dt * x (outer) B; y = state . C + D * x; out = out_proj(rmsnorm_grouped(y * silu(z))).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from streamer.attention.base import MambaStep, current_metadata
+from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RowParallelLinear, _check_shape,
+                                    rank_rows_loader)
+
+if TYPE_CHECKING:
+    from streamer.models.config import ModelConfig
 
 
 def _float(v: Any) -> float:
@@ -34,6 +43,86 @@ def _float(v: Any) -> float:
     if isinstance(v, dict):
         v = v.get("__float__", v)
     return float(v)
+
+
+# Tensor parallelism (as vLLM splits these layers): each rank holds whole heads, with the conv channels and state that
+# belong to them; a projection whose output concatenates parts (Mamba2's in_proj: z, x, B, C, dt) splits each part
+# on its own. Parts: (rows in the checkpoint, rows on each rank); a part with fewer rows in the checkpoint than all
+# ranks hold together (B/C groups fewer than the ranks) is replicated, consecutive ranks sharing one chunk.
+Parts = Sequence[tuple[int, int]]
+
+
+def split_parts(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Parts split evenly over the ranks; ValueError where one does not divide."""
+    tp = ParallelContext.size
+    for n in sizes:
+        if n % tp:
+            raise ValueError(f"a recurrent layer's width {n} is not divisible by tensor_parallel_size {tp}")
+    return [(n, n // tp) for n in sizes]
+
+
+def rank_parts(loaded: torch.Tensor, parts: Parts, name: str = "") -> torch.Tensor:
+    """This rank's rows of a checkpoint tensor whose rows are `parts` laid end to end."""
+    rank, tp = ParallelContext.rank, ParallelContext.size
+    total = sum(n for n, _ in parts)
+    if loaded.shape[0] != total:
+        raise ValueError(f"tensor {name!r} has {loaded.shape[0]} rows, expected {total}")
+    rows, start = [], 0
+    for n, local in parts:
+        sharing = tp * local // n  # ranks that hold the same chunk (1 unless replicated)
+        lo = start + rank // sharing * local
+        rows.append(loaded[lo:lo + local])
+        start += n
+    return torch.cat(rows)
+
+
+def parts_loader(parts: Parts):
+    """A weight loader that copies this rank's `rank_parts` of a checkpoint tensor."""
+    def load(param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+        rows = rank_parts(loaded, parts, name)
+        _check_shape(name, param, rows)
+        param.data.copy_(rows)
+    return load
+
+
+class PartsLinear(ColumnParallelLinear):
+    """A column-parallel linear whose checkpoint weight (and bias) concatenates `parts`, each split on its own."""
+
+    def __init__(self, input_size: int, parts: Parts, bias: bool = False) -> None:
+        super().__init__(input_size, [sum(local for _, local in parts) * ParallelContext.size], bias)
+        self.load_parts = parts_loader(parts)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Any = None) -> None:
+        self.load_parts(param, loaded, name)
+
+
+def split_conv(conv: nn.Conv1d, parts: Parts) -> nn.Conv1d:
+    """A depthwise conv over this rank's channels (`parts`), its weight and bias loaded as theirs."""
+    load = parts_loader(parts)
+    for p in conv.parameters():
+        p.weight_loader = load  # type: ignore[attr-defined]
+    return conv
+
+
+def per_rank(*params: nn.Parameter) -> None:
+    """Per-head (or per-channel) parameters: this rank's rows."""
+    for p in params:
+        p.weight_loader = rank_rows_loader  # type: ignore[attr-defined]
+
+
+def check_divides(tp: int, **counts: int) -> None:
+    """ValueError naming the first config field whose count `tp` ranks cannot split evenly."""
+    for field, n in counts.items():
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {field} ({n}): the recurrent layers' "
+                             "heads are split over the ranks")
+
+
+def check_groups(tp: int, field: str, groups: int) -> None:
+    """B/C groups either split over the ranks or are shared by consecutive ranks (replicated, as vLLM does)."""
+    if groups % tp and tp % groups:
+        raise ValueError(f"tensor_parallel_size {tp} and {field} ({groups}): neither divides the other, so the B/C "
+                         "groups can neither be split over the ranks nor shared by them")
 
 
 def _segsum(x: torch.Tensor) -> torch.Tensor:
@@ -153,6 +242,23 @@ class HybridModel:
     state slots and no KV cache, and runs them eagerly."""
 
     is_hybrid = True
+    has_attention = True  # (pure recurrent models: no attention heads to split)
+
+    @classmethod
+    def check_tensor_parallel(cls, cfg: "ModelConfig", tp: int) -> None:
+        """Refuse, before any worker starts, a config whose layers do not split over `tp` ranks (ValueError naming
+        the config field): the attention heads (kv heads may be replicated), then the recurrent layers'."""
+        if cls.has_attention:
+            check_divides(tp, num_attention_heads=cfg.num_heads)
+            if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {tp} and num_key_value_heads ({cfg.num_kv_heads}): neither "
+                                 "divides the other")
+        cls.check_mixers(cfg, tp)
+
+    @classmethod
+    def check_mixers(cls, cfg: "ModelConfig", tp: int) -> None:
+        """The recurrent layers' part of `check_tensor_parallel` (each family's own fields)."""
+        raise NotImplementedError
 
     def recurrent_layers(self) -> list[RecurrentMixer]:
         return [m for m in self.modules() if isinstance(m, RecurrentMixer)]  # type: ignore[attr-defined]
@@ -167,7 +273,12 @@ class HybridModel:
 
 class MambaMixer(RecurrentMixer):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
-    `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`)."""
+    `mamba.A_log`, `mamba.D`, `mamba.norm`, `mamba.out_proj`).
+
+    With tensor parallelism each rank holds heads / tp heads (`num_heads`, `inner`, `conv_dim` are this rank's) and
+    the B/C groups they read: groups / tp of them, or, with fewer groups than ranks, the one its heads belong to
+    (shared by tp / groups consecutive ranks). in_proj is column-parallel by parts (z, x, B, C, dt), out_proj
+    row-parallel; a norm group split over ranks sums its mean square over them."""
 
     def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float, inner: Optional[int] = None,
                  norm: str = "gated", out_bias: Optional[bool] = None) -> None:
@@ -180,38 +291,55 @@ class MambaMixer(RecurrentMixer):
             raise ValueError(f"unknown Mamba norm {norm!r}")
         self.norm_mode = norm
         expand = int(raw.get("mamba_expand", 2))
-        self.num_heads = int(raw.get("mamba_n_heads", 128))
-        self.inner = expand * hidden_size if inner is None else inner
+        heads = int(raw.get("mamba_n_heads", 128))
+        width = expand * hidden_size if inner is None else inner
         d_head = raw.get("mamba_d_head", "auto")
-        self.head_dim = self.inner // self.num_heads if d_head in (None, "auto") else int(d_head)
-        if self.head_dim * self.num_heads != self.inner:
-            raise ValueError(f"mamba_n_heads ({self.num_heads}) x mamba_d_head ({self.head_dim}) != mamba_expand x "
-                             f"hidden_size ({self.inner})")
-        self.n_groups = int(raw.get("mamba_n_groups", 1))
+        self.head_dim = width // heads if d_head in (None, "auto") else int(d_head)
+        if self.head_dim * heads != width:
+            raise ValueError(f"mamba_n_heads ({heads}) x mamba_d_head ({self.head_dim}) != mamba_expand x "
+                             f"hidden_size ({width})")
+        groups = int(raw.get("mamba_n_groups", 1))
         self.d_state = int(raw.get("mamba_d_state", 256))
         self.d_conv = int(raw.get("mamba_d_conv", 4))
         self.chunk_size = int(raw.get("mamba_chunk_size", 256))
-        if self.num_heads % self.n_groups:
-            raise ValueError(f"mamba_n_groups ({self.n_groups}) does not divide mamba_n_heads ({self.num_heads})")
+        if heads % groups:
+            raise ValueError(f"mamba_n_groups ({groups}) does not divide mamba_n_heads ({heads})")
+        tp = ParallelContext.size
+        check_divides(tp, mamba_n_heads=heads)
+        check_groups(tp, "mamba_n_groups", groups)
         limit = raw.get("time_step_limit") or (0.0, float("inf"))
         self.dt_min, self.dt_max = _float(limit[0]), _float(limit[1])
         self.eps = eps
-        self.conv_dim = self.inner + 2 * self.n_groups * self.d_state
+        # this rank's share
+        self.num_heads, self.inner, self.n_groups = heads // tp, width // tp, max(1, groups // tp)
+        self.group_ranks = max(1, tp // groups)  # ranks sharing each group (its norm spans them)
+        self.total_groups, self.group_index = groups, ParallelContext.rank // self.group_ranks
+        gs = (groups * self.d_state, self.n_groups * self.d_state)
+        x_part = (width, self.inner)
+        self.conv_dim = self.inner + 2 * gs[1]
         bias = bool(raw.get("mamba_proj_bias", False))
-        self.in_proj = nn.Linear(hidden_size, self.inner + self.conv_dim + self.num_heads, bias=bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
-                                bias=bool(raw.get("mamba_conv_bias", True)))
+        self.in_proj = PartsLinear(hidden_size, [x_part, x_part, gs, gs, (heads, self.num_heads)], bias=bias)
+        self.conv1d = split_conv(nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
+                                           bias=bool(raw.get("mamba_conv_bias", True))), [x_part, gs, gs])
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
+        per_rank(self.dt_bias, self.A_log, self.D)
         self.norm: Optional[nn.Module] = None
         if norm != "none":
             self.norm = nn.Module()
             self.norm.weight = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias if out_bias is None else out_bias)
+            per_rank(self.norm.weight)
+        self.out_proj = RowParallelLinear(width, hidden_size, bias=bias if out_bias is None else out_bias)
         for p in self.parameters():
             p.requires_grad_(False)
         self.state_shape = (self.num_heads, self.head_dim, self.d_state)
+
+    @staticmethod
+    def check_split(tp: int, heads_field: str, heads: int, groups_field: str, groups: int) -> None:
+        """The mixer's part of a model's `check_tensor_parallel` (under the family's names for the fields)."""
+        check_divides(tp, **{heads_field: heads})
+        check_groups(tp, groups_field, groups)
 
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
@@ -261,14 +389,24 @@ class MambaMixer(RecurrentMixer):
     def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The SSM's output y [T, inner] (fp32) gated by silu(z), RMS-normed per group of channels (`norm_mode`),
         in `dtype`."""
-        t = y.shape[0]
         if self.norm_mode == "gated":  # gated RMSNorm (norm after the gate)
-            g = (y * F.silu(gate.float())).view(t, self.n_groups, -1)
-            g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.norm.weight * g.view(t, -1).to(dtype)  # type: ignore[union-attr]
+            g = self._rms_per_group(y * F.silu(gate.float()))
+            return self.norm.weight * g.to(dtype)  # type: ignore[union-attr]
         if self.norm_mode == "none":
             return (y * F.silu(gate)).to(dtype)
-        g = y.view(t, self.n_groups, -1)  # norm, then the gate (all in fp32)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        g = self.norm.weight.float() * g.view(t, -1)  # type: ignore[union-attr]
+        # norm, then the gate (all in fp32)
+        g = self.norm.weight.float() * self._rms_per_group(y)  # type: ignore[union-attr]
         return (g * F.silu(gate.float())).to(dtype)
+
+    def _rms_per_group(self, g: torch.Tensor) -> torch.Tensor:
+        """[T, inner] fp32 divided by its RMS per group of channels. A group this rank holds part of (fewer groups
+        than ranks): the mean squares of the ranks sharing it, averaged (a [T, groups] all-reduce, zero elsewhere)."""
+        t = g.shape[0]
+        g = g.view(t, self.n_groups, -1)
+        ms = g.pow(2).mean(-1, keepdim=True)
+        if self.group_ranks > 1:
+            shares = ms.new_zeros(t, self.total_groups)
+            shares[:, self.group_index] = ms[:, 0, 0]
+            torch.distributed.all_reduce(shares)
+            ms = shares[:, self.group_index, None, None] / self.group_ranks
+        return (g * torch.rsqrt(ms + self.eps)).view(t, -1)

@@ -37,9 +37,10 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, MambaStep
 from streamer.models.config import ModelConfig
-from streamer.models.layers import RMSNorm, RotaryEmbedding
+from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import require_silu
-from streamer.models.mamba import RecurrentMixer, _float
+from streamer.models.mamba import (PartsLinear, RecurrentMixer, _float, check_divides, per_rank, split_conv,
+                                   split_parts)
 from streamer.models.mamba2 import Mamba2ForCausalLM
 
 FALCON_MAMBA = "FalconMambaForCausalLM"
@@ -172,25 +173,31 @@ def _rms(t: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Mamba1Mixer(RecurrentMixer):
-    """Mamba v1's selective-scan mixer (see the module docstring); parameter names as in the checkpoints."""
+    """Mamba v1's selective-scan mixer (see the module docstring); parameter names as in the checkpoints.
+
+    With tensor parallelism each rank holds d_inner / tp channels (`inner` is this rank's) and their state, as vLLM
+    splits it: in_proj column-parallel by parts (x, z), x_proj row-parallel (every rank gets the whole dt, B, C),
+    dt_proj, A_log and D by rows, out_proj row-parallel."""
 
     def __init__(self, hidden_size: int, raw: dict[str, Any], bcdt_eps: Optional[float] = None) -> None:
         """`bcdt_eps`: Falcon-Mamba's RMSNorm eps for B, C and dt (None: Mamba's, no such norm)."""
         super().__init__()
-        self.inner = inner_size(raw)
+        channels = split_parts([inner_size(raw)])
+        width, self.inner = channels[0]
         self.d_state = int(raw.get("state_size", 16))
         self.d_conv = int(raw.get("conv_kernel", 4))
         self.dt_rank = dt_rank(raw)
         self.bcdt_eps = bcdt_eps
         bias = bool(raw.get("use_bias", False))
-        self.in_proj = nn.Linear(hidden_size, 2 * self.inner, bias=bias)
-        self.conv1d = nn.Conv1d(self.inner, self.inner, self.d_conv, groups=self.inner,
-                                bias=bool(raw.get("use_conv_bias", True)))
-        self.x_proj = nn.Linear(self.inner, self.dt_rank + 2 * self.d_state, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)
+        self.in_proj = PartsLinear(hidden_size, channels * 2, bias=bias)
+        self.conv1d = split_conv(nn.Conv1d(self.inner, self.inner, self.d_conv, groups=self.inner,
+                                           bias=bool(raw.get("use_conv_bias", True))), channels)
+        self.x_proj = RowParallelLinear(width, self.dt_rank + 2 * self.d_state)
+        self.dt_proj = nn.Linear(self.dt_rank, self.inner, bias=True)  # (its weight read directly: not packed)
         self.A_log = nn.Parameter(torch.zeros(self.inner, self.d_state))
         self.D = nn.Parameter(torch.ones(self.inner))
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=bias)
+        per_rank(self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D)
+        self.out_proj = RowParallelLinear(width, hidden_size, bias=bias)
         self.requires_grad_(False)
         self.conv_dim, self.state_shape = self.inner, (self.inner, self.d_state)
         self.plans = StepPlans()  # (the model shares one among its layers)
@@ -302,6 +309,10 @@ class MambaForCausalLM(Mamba2ForCausalLM):
     # (Falcon-Mamba's B / C / dt norms have placeholder weights in transformers, never saved nor used)
     ignored_suffixes = Mamba2ForCausalLM.ignored_suffixes + ("b_layernorm.weight", "c_layernorm.weight",
                                                              "dt_layernorm.weight")
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        check_divides(tp, intermediate_size=inner_size(cfg.raw))  # (d_inner: the channels and their state)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

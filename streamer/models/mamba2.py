@@ -75,6 +75,12 @@ class Mamba2Block(nn.Module):
 
 class Mamba2ForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = Mamba2Block
+    has_attention = False
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        m = _mixer_config(cfg.raw)
+        MambaMixer.check_split(tp, "num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

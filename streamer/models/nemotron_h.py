@@ -28,7 +28,7 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import RMSNorm, RotaryEmbedding
+from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 
@@ -55,12 +55,15 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class Relu2MLP(nn.Module):
-    """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate)."""
+    """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate). `split`: over the
+    tensor-parallel ranks as a dense MLP (fc1 column-, fc2 row-parallel); else whole on every rank (a routed
+    expert: each rank computes the same output)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None, split: bool = False) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(hidden, inter, bias=bias)
-        self.fc2 = nn.Linear(inter, hidden if out is None else out, bias=bias)
+        out = hidden if out is None else out
+        self.fc1: nn.Module = ColumnParallelLinear(hidden, [inter], bias) if split else nn.Linear(hidden, inter, bias)
+        self.fc2: nn.Module = RowParallelLinear(inter, out, bias) if split else nn.Linear(inter, out, bias)
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +94,8 @@ class NemotronHMoE(nn.Module):
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
                                                          requires_grad=False)
         self.experts = nn.ModuleList(Relu2MLP(width, inter, False) for _ in range(self.num_experts))
-        self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias)
+        self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias,
+                                       split=True)
         self.fc1_latent_proj = nn.Linear(hidden, width, bias=bias).requires_grad_(False) if latent else None
         self.fc2_latent_proj = nn.Linear(width, hidden, bias=bias).requires_grad_(False) if latent else None
 
@@ -157,7 +161,8 @@ class NemotronHBlock(nn.Module):
         elif self.kind == "attention":
             self.self_attn = Attention(cfg, backend_cls, rotary, use_rope=False)
         elif self.kind == "mlp":
-            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)))
+            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)),
+                                  split=True)
         else:
             self.mixer = NemotronHMoE(cfg)
 
@@ -177,6 +182,11 @@ _STACKED = re.compile(r"^experts\.(up_proj|down_proj)(?:\.weight)?$")
 
 class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = NemotronHBlock
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        m = _mixer_config(cfg.raw)
+        MambaMixer.check_split(tp, "mamba_num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

@@ -31,9 +31,9 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.attention.op import paged_attention
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
-from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding
+from streamer.models.layers import ColumnParallelLinear, ParallelContext, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
-from streamer.models.mamba import HybridModel, RecurrentMixer
+from streamer.models.mamba import HybridModel, RecurrentMixer, check_divides, per_rank, split_conv, split_parts
 from streamer.models.moe import SparseMoE
 
 
@@ -108,34 +108,43 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 class GatedDeltaNet(RecurrentMixer):
     """Qwen3-Next's linear attention; parameter names as in the checkpoints (`linear_attn.in_proj_qkvz`,
-    `in_proj_ba`, `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`)."""
+    `in_proj_ba`, `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`).
+
+    With tensor parallelism each rank holds key heads / tp key heads and their value heads (`num_k_heads`,
+    `num_v_heads`, `key_dim`, `value_dim`, `conv_dim` are this rank's): the projections hold their rows per key head,
+    so they split by rows (column-parallel), the conv by parts (q, k, v), out_proj by its input (row-parallel)."""
 
     chunk_size = 64
 
     def __init__(self, hidden_size: int, raw: dict[str, Any], eps: float) -> None:
         super().__init__()
         require_silu(raw, "Qwen3-Next")
-        self.num_v_heads = int(raw.get("linear_num_value_heads", 32))
-        self.num_k_heads = int(raw.get("linear_num_key_heads", 16))
+        v_heads = int(raw.get("linear_num_value_heads", 32))
+        k_heads = int(raw.get("linear_num_key_heads", 16))
         self.head_k_dim = int(raw.get("linear_key_head_dim", 128))
         self.head_v_dim = int(raw.get("linear_value_head_dim", 128))
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_key_heads ({self.num_k_heads}) does not divide linear_num_value_heads "
-                             f"({self.num_v_heads})")
-        self.ratio = self.num_v_heads // self.num_k_heads
+        if v_heads % k_heads:
+            raise ValueError(f"linear_num_key_heads ({k_heads}) does not divide linear_num_value_heads ({v_heads})")
+        tp = ParallelContext.size
+        check_divides(tp, linear_num_key_heads=k_heads)
+        self.num_v_heads, self.num_k_heads = v_heads // tp, k_heads // tp
+        self.ratio = v_heads // k_heads
         self.key_dim = self.head_k_dim * self.num_k_heads
         self.value_dim = self.head_v_dim * self.num_v_heads
         self.d_conv = int(raw.get("linear_conv_kernel_dim", 4))
         self.eps = eps
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim, bias=False)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+        key, value = self.key_dim * tp, self.value_dim * tp
+        self.conv1d = split_conv(nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
+                                           bias=False), split_parts([key, key, value]))
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, [2 * key + 2 * value])
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, [2 * v_heads])
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        per_rank(self.dt_bias, self.A_log)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.head_v_dim))
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(value, hidden_size)
         for p in self.parameters():
             p.requires_grad_(False)
         self.state_shape = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
@@ -196,9 +205,9 @@ class GatedAttention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding) -> None:
         super().__init__(replace(cfg, qk_norm=False), backend_cls, rotary, qk_norm_cls=GemmaRMSNorm)
-        kv = self.kv_size
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [2 * self.q_size, kv, kv], bias=cfg.attention_bias,
-                                             shard_names=["q", "k", "v"], replicable=True)
+        kv = self.kv_size * ParallelContext.size  # (whole-model sizes, as Attention's: kv heads maybe replicated)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [2 * self.q_size * ParallelContext.size, kv, kv],
+                                             bias=cfg.attention_bias, shard_names=["q", "k", "v"], replicable=True)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 decode: Optional[DecodeBatch] = None) -> torch.Tensor:
@@ -263,6 +272,10 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 class Qwen3NextForCausalLM(HybridModel, LlamaForCausalLM):
     decoder_layer = Qwen3NextDecoderLayer
+
+    @classmethod
+    def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
+        check_divides(tp, linear_num_key_heads=int(cfg.raw.get("linear_num_key_heads", 16)))  # (value heads follow)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
