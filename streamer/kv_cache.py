@@ -258,15 +258,14 @@ class KVCacheManager:
         return hits
 
     def chunk_stops(self, req: Request, num_hit: int) -> list[int]:
-        """Where a hybrid model's request admitted with `num_hit` cached tokens should end prefill chunks, so that
+        """Where a hybrid model's request admitted with `num_hit` cached tokens should end a prefill chunk, so that
         its state is checkpointed there (saves happen at chunk ends on block boundaries): where the cached KV chain
-        ends (its prefix is shared with an earlier request, so likely with later ones: the state there makes it a
-        full hit next time) and at the prompt's last full block (a repeat of the prompt resumes there)."""
+        ends, past the hit. Its prefix is shared with an earlier request, so likely with later ones, which then
+        resume there. (Only sharing seen pays the extra step a stop costs: a first prompt has none.)"""
         if self.checkpoints is None:
             return []
-        bs = self.block_size
-        ends = (len(self._cached_chain(req)) * bs, (req.num_tokens - 1) // bs * bs)
-        return sorted({p for p in ends if p > num_hit})
+        end = len(self._cached_chain(req)) * self.block_size
+        return [end] if end > num_hit else []
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's prefix-cache lookup (for /metrics)."""

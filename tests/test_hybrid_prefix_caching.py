@@ -2,7 +2,8 @@
 blocks only where the recurrent state after them was checkpointed, and the state is restored there.
 
 Engine tests: for every hybrid / recurrent family, greedy tokens equal transformers' (fp32) when prompts repeat
-(resumed from the prompt's last full block), when a conversation continues (resumed from the last checkpoint taken
+(a repeat ends a chunk where the cached blocks end, so the next one resumes at the last full block), when a
+conversation continues (resumed from the last checkpoint taken
 while decoding) and when prompts share a prefix (the second request ends a chunk where the shared blocks end, the
 third resumes there); and the hits really happened. Property test: with a simulated model whose "state" is the
 token sequence it has consumed, every request's state, whatever the interleaving of arrivals, chunks, preemptions
@@ -62,7 +63,9 @@ def test_resumes_from_checkpoints_and_matches_transformers(ckpt, family):
 
     first, hits = run(llm, prompts)
     assert first == ref and hits == [0] * len(prompts)
-    # The same prompts again: each resumes at its last full block (its last token is always computed)
+    # The same prompts again (resuming where chunks ended on block boundaries, then ending a chunk where the cached
+    # blocks end), and a third time: each resumes at its last full block (its last token is always computed).
+    assert run(llm, prompts)[0] == ref
     again, hits = run(llm, prompts)
     assert again == ref
     assert hits == [(len(p) - 1) // BS * BS for p in prompts]
@@ -94,9 +97,10 @@ def test_resumes_from_checkpoints_and_matches_transformers(ckpt, family):
 
 
 def test_checkpoint_slots_and_switch_off(ckpt):
-    """`state_checkpoints` sizes the checkpoint pool. With two slots a prompt's checkpoint survives the decode-time
-    saves of its own request (each supersedes the one before, which goes first), so a repeat still resumes; 0, or
-    no prefix caching, switches the cache off; a negative count is refused."""
+    """`state_checkpoints` sizes the checkpoint pool. With two slots the checkpoint a repeated prompt takes where
+    the cached blocks end survives its own request's decode-time saves (each supersedes the one before, which goes
+    first), so the next repeat resumes there; 0, or no prefix caching, switches the cache off; a negative count is
+    refused."""
     path = ckpt("granitemoehybrid")
     prompts = prompts_of_lengths((9, 14, 19, 23, 27), seed=2)
     ref = hf_greedy(path, prompts, MAX_NEW)
@@ -104,6 +108,7 @@ def test_checkpoint_slots_and_switch_off(ckpt):
     assert llm.engine.kv.checkpoints.num_slots == 2
     for p, want in zip(prompts, ref):
         assert run(llm, [p]) == ([want], [0])
+        assert run(llm, [p])[0] == [want]
         assert run(llm, [p]) == ([want], [(len(p) - 1) // BS * BS])
     assert_state_freed(llm)
     for args in (dict(state_checkpoints=0), dict(enable_prefix_caching=False)):
@@ -170,10 +175,11 @@ def test_states_resume_exactly(ops, block_size, num_blocks, budget, max_seqs, ch
 
 
 def test_hits_in_the_simulation():
-    """The property test's hits are not vacuous. A repeated prompt resumes at its last full block; prompts sharing
-    15 tokens: the second ends a chunk at the shared blocks' end (12), the third resumes there."""
+    """The property test's hits are not vacuous. A prompt repeated: the first run checkpoints where its first chunk
+    ends (16), where the second resumes, ending a chunk where the cached blocks end (20), where the third resumes.
+    Prompts sharing 15 tokens: the second ends a chunk at the shared blocks' end (12), the third resumes there."""
     sim = StateSim(4, 64, 16, 4, True, "fcfs", checkpoints=4)
-    for _ in range(2):
+    for _ in range(3):
         req = Request(f"same{sim.n}", list(range(100, 123)), SamplingParams(max_tokens=5), 5, block_size=4)
         sim.n += 1
         sim.sched.add(req)
@@ -182,8 +188,8 @@ def test_hits_in_the_simulation():
     for _ in range(3):
         sim.add(23, 5, 2, 0)
         sim.drain()
-    assert [r.num_cached_tokens for r in sim.finished] == [0, 20, 0, 0, 12]
-    assert sim.kv.checkpoints.num_restores == 2
+    assert [r.num_cached_tokens for r in sim.finished] == [0, 16, 20, 0, 0, 12]
+    assert sim.kv.checkpoints.num_restores == 3
 
 
 def test_engine_config_refuses_bad_checkpoint_count():
@@ -200,7 +206,7 @@ def test_async_scheduling_and_preemption(ckpt, engine_args):
     prompts = prompts_of_lengths((6, 17, 25, 30, 11, 21), seed=4)
     ref = hf_greedy(path, prompts, MAX_NEW)
     llm = LLM(str(path), dtype="float32", block_size=BS, **engine_args)
-    for _ in range(2):
+    for _ in range(3):
         assert run(llm, prompts)[0] == ref
     turns = [p + r + [5, 6] for p, r in zip(prompts, ref)]
     assert run(llm, turns)[0] == hf_greedy(path, turns, MAX_NEW)
@@ -220,6 +226,7 @@ def test_tensor_parallel_restores_on_every_rank(ckpt):
     llm = LLM(str(path), dtype="float32", block_size=BS, tensor_parallel_size=2)
     try:
         assert run(llm, prompts) == (ref, [0, 0])
+        assert run(llm, prompts)[0] == ref
         assert run(llm, prompts) == (ref, [12, 20])
         assert_state_freed(llm)
     finally:
