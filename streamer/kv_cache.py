@@ -7,6 +7,7 @@ cache hit revives a block); blocks without a hash sit at its front and are reuse
 """
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict
 from typing import Iterable, Optional
@@ -88,7 +89,9 @@ class StateSlotPool:
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
-        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out low slots first
+        # A min-heap: the lowest free slot first, so the running requests' slots stay packed (their decode states
+        # are then updated through one view of their span: models/mamba.py)
+        self.free_slots: list[int] = list(range(num_slots))
         self.slot_of: dict[str, int] = {}
 
     @property
@@ -100,13 +103,13 @@ class StateSlotPool:
         if slot is None:
             if not self.free_slots:
                 raise RuntimeError("no free state slot")
-            slot = self.slot_of[request_id] = self.free_slots.pop()
+            slot = self.slot_of[request_id] = heapq.heappop(self.free_slots)
         return slot
 
     def free(self, request_id: str) -> None:
         slot = self.slot_of.pop(request_id, None)
         if slot is not None:
-            self.free_slots.append(slot)
+            heapq.heappush(self.free_slots, slot)
 
     def check_consistency(self) -> None:
         held = list(self.slot_of.values())

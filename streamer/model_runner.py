@@ -123,6 +123,16 @@ class PromptLogprobsOut:
     top_logprobs: np.ndarray  # float32 [K, N]
 
 
+def _dense_span(slots: np.ndarray) -> Optional[tuple[int, int]]:
+    """[lo, hi) of the decode requests' state slots where they fill at least two thirds of it (the slot pool hands
+    out its lowest free slot, so running requests' slots stay packed): updating the span's states in place through a
+    view reads and writes each once, where gathering them and scattering them back costs about twice that."""
+    if len(slots) < 2:
+        return None
+    lo, hi = int(slots.min()), int(slots.max()) + 1
+    return (lo, hi) if 3 * len(slots) >= 2 * (hi - lo) else None
+
+
 def attention_layers(model: torch.nn.Module) -> list:
     """The decoder layers' attention modules (a hybrid model's recurrent layers have none)."""
     return [layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None]
@@ -558,10 +568,12 @@ class ModelRunner:
         q_lens = np.diff(qsl)
         one = np.flatnonzero(q_lens == 1)
         many = np.flatnonzero(q_lens > 1)
+        span = _dense_span(slots[one])
         return MambaStep(
             fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
             decode_tokens=to_device(first[one].astype(np.int64), dev) if len(one) else None,
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
+            decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
             prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many],
             saves=self._slot_pairs(saves), restores=self._slot_pairs(restores))
 

@@ -190,3 +190,35 @@ def test_state_slot_pool_refuses_when_dry():
     pool.free("a")  # (twice: no effect)
     assert pool.allocate("c") in (0, 1)
     pool.check_consistency()
+
+
+def test_decode_states_updated_in_place_over_their_span(moe_ckpt, moe_ref, prompts, monkeypatch):
+    """Decode steps whose requests' slots fill most of their span update the states through a view of it, the
+    span's other slots (here also prefilling requests' slots) untouched by zero inputs; the others gather and
+    scatter. All three happen here (requests arriving while others decode), and the tokens equal transformers'."""
+    from streamer.model_runner import ModelRunner
+    seen: list[str] = []
+    build = ModelRunner._mamba_step
+
+    def spy(self, step):
+        m = build(self, step)
+        if m.decode_slots is not None and len(m.decode_slots) > 1:
+            span = m.decode_span
+            seen.append("gather" if span is None else "span+prefill" if any(
+                span[0] <= slot < span[1] for slot, _, _ in m.prefills) else "span")
+        return m
+    monkeypatch.setattr(ModelRunner, "_mamba_step", spy)
+    llm = LLM(str(moe_ckpt), dtype="float32", max_num_batched_tokens=12)
+    engine = llm.engine
+    out: dict[str, list[int]] = {}
+    arrivals = {0: [7, 1], 3: [2, 5], 5: [4], 9: [0, 6], 14: [3]}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, greedy_params(MAX_NEW))
+        for u in engine.step():
+            out.setdefault(u.req.request_id, []).extend(u.new_token_ids)
+        step += 1
+    assert [out[str(i)] for i in range(len(prompts))] == moe_ref
+    assert {"gather", "span", "span+prefill"} <= set(seen), seen
+    assert_state_freed(llm)

@@ -138,7 +138,7 @@ def _inputs(length: int, seed: int):
 def test_chunk_rule_matches_recurrence(length, chunk):
     q, k, v, gate, beta, state = _inputs(length, length * 31 + chunk)
     out, final = chunk_gated_delta_rule(q, k, v, gate, beta, chunk, state)
-    s = state[None]
+    s = state[None].float()  # (fp32, as the engine keeps it: updated in place)
     ys = []
     for t in range(length):
         y, s = recurrent_gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], gate[t:t + 1], beta[t:t + 1], s)

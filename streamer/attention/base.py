@@ -55,6 +55,11 @@ class MambaStep:
     decode_tokens: Optional[torch.Tensor]  # int64 [R1]: the token of each request that computes exactly one
     decode_slots: Optional[torch.Tensor]  # int64 [R1]: their slots
     prefills: list[tuple[int, int, int]]  # (slot, first token, end) of each request computing several tokens
+    # The decode slots' span [lo, hi) where they fill most of it: the layers then update the states in place through
+    # a view of the span (no gathered copy written back), each request's row at `decode_pos` (its slot - lo) and the
+    # span's other slots left as they are. None: gather the slots.
+    decode_span: Optional[tuple[int, int]] = None
+    decode_pos: Optional[torch.Tensor] = None
     # Prefix caching (kv_cache.StateCheckpoints): states copied between slots before the step, saves (a request's
     # slot -> a checkpoint slot) first, then restores (a checkpoint slot -> a request's slot); int64 [2, N] each
     saves: Optional[torch.Tensor] = None

@@ -217,6 +217,20 @@ class RecurrentMixer(nn.Module):
             self.ssm_state[step.fresh_slots] = 0
         return step
 
+    def decode_states(self, step: MambaStep) -> torch.Tensor:
+        """The one-token requests' recurrent states, for the caller to update in place: a view of their slots' span
+        where the runner found them packed (`MambaStep.decode_span`: rows laid out as `over_span` lays inputs,
+        other slots' rows left as they are by zero inputs), else a gathered copy that `store_states` writes back."""
+        assert self.ssm_state is not None
+        if step.decode_span is not None:
+            lo, hi = step.decode_span
+            return self.ssm_state[lo:hi]
+        return self.ssm_state[step.decode_slots]
+
+    def store_states(self, step: MambaStep, states: torch.Tensor) -> None:
+        if step.decode_span is None:  # (a view was updated in place)
+            self.ssm_state[step.decode_slots] = states  # type: ignore[index]
+
     def conv_decode(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One new input per request [R, conv_dim] -> the conv's output (before its activation), the windows
         shifted along."""
@@ -235,6 +249,23 @@ class RecurrentMixer(nn.Module):
         self.conv_state[slot] = seq[:, seq.shape[1] - (self.d_conv - 1):]
         weight = self.conv1d.weight
         return F.conv1d(seq[None].to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim)[0].T
+
+
+def over_span(step: MambaStep, t: torch.Tensor) -> torch.Tensor:
+    """A one-token request's inputs [R, ...] laid out as `RecurrentMixer.decode_states` lays the states: over the
+    span's slots (zeros for the slots of no one-token request: a step with zero dt, gate or beta leaves a state as
+    it is), or as they are."""
+    if step.decode_span is None:
+        return t
+    lo, hi = step.decode_span
+    out = t.new_zeros(hi - lo, *t.shape[1:])
+    out[step.decode_pos] = t
+    return out
+
+
+def from_span(step: MambaStep, t: torch.Tensor) -> torch.Tensor:
+    """Outputs computed over `decode_states`' rows -> the one-token requests' [R, ...]."""
+    return t if step.decode_span is None else t[step.decode_pos]
 
 
 class HybridModel:
@@ -366,13 +397,7 @@ class MambaMixer(RecurrentMixer):
             idx, slots = step.decode_tokens, step.decode_slots
             xs, B, C = F.silu(self.conv_decode(xbc[idx], slots)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
-            dtr = self._dt(dt[idx])  # [R, heads]
-            state = ssm_state[slots].mul_(torch.exp(dtr * A)[..., None, None])  # (a gathered copy: updated in place)
-            rows = state.shape[0] * self.num_heads  # state += (dt x) outer B, per head, with no temporary
-            state.view(rows, self.head_dim, self.d_state).baddbmm_(
-                (dtr[..., None] * xs).reshape(rows, self.head_dim, 1), self._per_head(B).reshape(rows, 1, self.d_state))
-            ssm_state[slots] = state
-            y[idx] = (state @ self._per_head(C)[..., None]).squeeze(-1) + D[:, None] * xs
+            y[idx] = self._decode(step, self._dt(dt[idx]), xs, A, B, C) + D[:, None] * xs
         for slot, a, b in step.prefills:  # chunks of several tokens: conv after the carried window, then SSD
             xs, B, C = F.silu(self.conv_prefill(xbc[a:b], slot)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
@@ -381,6 +406,21 @@ class MambaMixer(RecurrentMixer):
             ssm_state[slot] = final
             y[a:b] = out + D[:, None] * xs
         return self.out_proj(self.gate_and_norm(y.view(x.shape[0], inner), gate, x.dtype))
+
+    def _decode(self, step: MambaStep, dt: torch.Tensor, xs: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor) -> torch.Tensor:
+        """One recurrence step of each one-token request (dt [R, heads], xs [R, heads, head_dim], B, C [R, groups *
+        d_state]), the states updated in place: y [R, heads, head_dim] without the D skip."""
+        state = self.decode_states(step)
+        rows, hd, n = state.shape[0] * self.num_heads, self.head_dim, self.d_state
+        dt, xs = over_span(step, dt), over_span(step, xs)
+        state.mul_(torch.exp(dt * A)[..., None, None])
+        # state += (dt x) outer B, per head, with no temporary
+        state.view(rows, hd, n).baddbmm_((dt[..., None] * xs).reshape(rows, hd, 1),
+                                         over_span(step, self._per_head(B)).reshape(rows, 1, n))
+        self.store_states(step, state)
+        y = torch.bmm(state.view(rows, hd, n), over_span(step, self._per_head(C)).reshape(rows, n, 1))
+        return from_span(step, y.view(-1, self.num_heads, hd))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """[z; xBC; dt] of each token (Falcon-H1 scales them)."""

@@ -39,7 +39,8 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, MambaStep
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import require_silu
-from streamer.models.mamba import (PartsLinear, RecurrentMixer, _float, check_divides, per_rank, split_conv,
+from streamer.models.mamba import (PartsLinear, RecurrentMixer, _float, check_divides, from_span, over_span, per_rank,
+                                   split_conv,
                                    split_parts)
 from streamer.models.mamba2 import Mamba2ForCausalLM
 
@@ -217,7 +218,7 @@ class Mamba1Mixer(RecurrentMixer):
         xf, A = xc.float(), -torch.exp(self.A_log.float())
         y = torch.empty(x.shape[0], self.inner, dtype=torch.float32, device=x.device)
         if dec is not None:
-            y[dec] = self._decode(step.decode_slots, dt[dec], xf[dec], B[dec], C[dec], A)
+            y[dec] = self._decode(step, dt[dec], xf[dec], B[dec], C[dec], A)
         if plan is not None:
             plan.put(y, self._scan(plan, *map(plan.rows, (dt, xf, B, C)), A))
         y = y + xf * self.D.float()
@@ -231,15 +232,16 @@ class Mamba1Mixer(RecurrentMixer):
         dt = F.softplus(F.linear(dt, self.dt_proj.weight).float() + self.dt_proj.bias.float())
         return dt, B.float(), C.float()
 
-    def _decode(self, slots: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    def _decode(self, step: MambaStep, dt: torch.Tensor, x: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 A: torch.Tensor) -> torch.Tensor:
-        """One recurrence step of each one-token request (rows of dt, x [R, inner], B, C [R, d_state]): y [R, inner]
-        without the D skip."""
-        assert self.ssm_state is not None
-        state = self.ssm_state[slots].mul_(torch.exp(dt[..., None] * A))  # (a gathered copy: updated in place)
-        state.add_((dt * x)[..., None] * B[:, None, :])
-        self.ssm_state[slots] = state
-        return torch.bmm(state, C[..., None]).squeeze(-1)
+        """One recurrence step of each one-token request (rows of dt, x [R, inner], B, C [R, d_state]), the states
+        updated in place: y [R, inner] without the D skip."""
+        state = self.decode_states(step)
+        dt, x, B, C = (over_span(step, t) for t in (dt, x, B, C))
+        state.mul_(torch.exp(dt[..., None] * A))
+        state.baddbmm_((dt * x)[..., None], B[:, None, :])  # += (dt x) outer B, with no temporary
+        self.store_states(step, state)
+        return from_span(step, torch.bmm(state, C[..., None]).squeeze(-1))
 
     def _conv_prefills(self, x: torch.Tensor, plan: PrefillPlan) -> torch.Tensor:
         """Every prefill chunk's conv output [P, inner] (before its activation), each after its carried window;

@@ -33,7 +33,8 @@ from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ColumnParallelLinear, ParallelContext, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
-from streamer.models.mamba import HybridModel, RecurrentMixer, check_divides, per_rank, split_conv, split_parts
+from streamer.models.mamba import (HybridModel, RecurrentMixer, check_divides, from_span, over_span, per_rank,
+                                   split_conv, split_parts)
 from streamer.models.moe import SparseMoE
 
 
@@ -96,14 +97,15 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for each of R requests (fp32), as transformers'
     torch_recurrent_gated_delta_rule: q, k [R, H, Dk] (L2-normalised, q not yet scaled); v [R, H, Dv]; g, beta
-    [R, H]; state [R, H, Dk, Dv]. Returns out [R, H, Dv] and the new state."""
-    q, k, v = q.float(), k.float(), v.float()
-    q = q / (q.shape[-1] ** 0.5)
-    s = state * g.float().exp()[..., None, None]
-    kv_mem = (s * k.unsqueeze(-1)).sum(dim=-2)
-    delta = (v - kv_mem) * beta.float().unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    return (s * q.unsqueeze(-1)).sum(dim=-2), s
+    [R, H]; state [R, H, Dk, Dv] (contiguous fp32), updated in place. Returns out [R, H, Dv] and the state."""
+    r, h, dk = k.shape
+    dv = v.shape[-1]
+    q, k, v = q.float().reshape(r * h, 1, dk) / dk ** 0.5, k.float().reshape(r * h, 1, dk), v.float()
+    state.mul_(g.float().exp()[..., None, None])
+    s = state.view(r * h, dk, dv)  # (products as batched matmuls: no state-sized temporaries)
+    delta = (v.reshape(r * h, 1, dv) - torch.bmm(k, s)) * beta.float().reshape(r * h, 1, 1)
+    s.baddbmm_(k.transpose(1, 2), delta)
+    return torch.bmm(q, s).view(r, h, dv), state
 
 
 class GatedDeltaNet(RecurrentMixer):
@@ -180,10 +182,11 @@ class GatedDeltaNet(RecurrentMixer):
         if step.decode_tokens is not None:  # one token each: a recurrence step, all of them at once
             idx, slots = step.decode_tokens, step.decode_slots
             h = F.silu(self.conv_decode(mixed[idx], slots)).to(x.dtype)
-            q, k, v = self._qkv(h)
-            o, state = recurrent_gated_delta_step(q, k, v, g[idx], beta[idx], ssm_state[slots])
-            ssm_state[slots] = state
-            out[idx] = o
+            q, k, v = (over_span(step, t) for t in self._qkv(h))
+            state = self.decode_states(step)
+            o, _ = recurrent_gated_delta_step(q, k, v, over_span(step, g[idx]), over_span(step, beta[idx]), state)
+            self.store_states(step, state)
+            out[idx] = from_span(step, o)
         for slot, start, end in step.prefills:  # several tokens: conv after the carried window, then by chunks
             h = F.silu(self.conv_prefill(mixed[start:end], slot)).to(x.dtype)
             q, k, v = self._qkv(h)
