@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, MambaStep, forward_context
+from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, MambaStep, PrefillBatch,
+                                     forward_context)
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
@@ -121,6 +122,10 @@ class PromptLogprobsOut:
     ranks: np.ndarray  # int64 [K]: its rank (1 = most likely)
     top_ids: np.ndarray  # int64 [K, N]
     top_logprobs: np.ndarray  # float32 [K, N]
+
+
+# Hybrid models: prefill chunks of at most this many tokens are convolved and scanned together (PrefillBatch)
+_BATCHED_CHUNK = 64
 
 
 def _dense_span(slots: np.ndarray) -> Optional[tuple[int, int]]:
@@ -575,7 +580,25 @@ class ModelRunner:
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
             decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
             prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many],
+            **self._prefill_batch(slots, qsl, many),
             saves=self._slot_pairs(saves), restores=self._slot_pairs(restores))
+
+    def _prefill_batch(self, slots: np.ndarray, qsl: np.ndarray, many: np.ndarray) -> dict[str, Any]:
+        """MambaStep's `prefill_batch` (the chunks of at most _BATCHED_CHUNK tokens, where there are several:
+        padding them to the longest costs little next to one call per chunk and layer) and `long_prefills`."""
+        lens = qsl[many + 1] - qsl[many]
+        short = lens <= _BATCHED_CHUNK
+        if short.sum() < 2:
+            return dict(long_prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many])
+        rows, lens = many[short], lens[short]
+        pos = np.minimum(np.arange(lens.max()), lens[:, None] - 1)  # (past a chunk's end: its last token again)
+        dev = self.device
+        batch = PrefillBatch(rows=to_device((qsl[rows][:, None] + pos).astype(np.int64), dev),
+                             valid=to_device(np.arange(lens.max()) < lens[:, None], dev),
+                             lens=to_device(lens.astype(np.int64), dev),
+                             slots=to_device(slots[rows].astype(np.int64), dev))
+        return dict(prefill_batch=batch,
+                    long_prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many[~short]])
 
     def _slot_pairs(self, pairs: Sequence[tuple[int, int]]) -> Optional[torch.Tensor]:
         """[(from slot, to slot)] -> int64 [2, N] on the device (None: no copies)."""

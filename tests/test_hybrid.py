@@ -222,3 +222,28 @@ def test_decode_states_updated_in_place_over_their_span(moe_ckpt, moe_ref, promp
     assert [out[str(i)] for i in range(len(prompts))] == moe_ref
     assert {"gather", "span", "span+prefill"} <= set(seen), seen
     assert_state_freed(llm)
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid", "lfm2"])
+def test_short_chunks_batched_long_ones_alone(make_ckpt, family, monkeypatch):
+    """A step's prefill chunks of at most 64 tokens are convolved (and scanned) together, padded to the longest;
+    longer ones one by one: steps with both, and the tokens equal transformers'."""
+    import tests.test_recurrent_families  # noqa: F401  (registers lfm2)
+    from streamer.model_runner import ModelRunner
+    path = make_ckpt("granitemoehybrid" if family == "granitemoehybrid" else "recurrent_lfm2", family=family)
+    prompts = prompts_of_lengths((3, 70, 9, 130, 1, 64, 65), seed=6)
+    ref = hf_greedy(path, prompts, MAX_NEW)
+    mixed = []
+    build = ModelRunner._mamba_step
+
+    def spy(self, step):
+        m = build(self, step)
+        mixed.append(m.prefill_batch is not None and bool(m.long_prefills))
+        if m.prefill_batch is not None:
+            assert int(m.prefill_batch.lens.max()) <= 64 and all(b - a > 64 for _, a, b in m.long_prefills)
+        return m
+    monkeypatch.setattr(ModelRunner, "_mamba_step", spy)
+    llm = LLM(str(path), dtype="float32")
+    assert greedy(llm, prompts, MAX_NEW) == ref
+    assert any(mixed)
+    assert_state_freed(llm)

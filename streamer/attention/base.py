@@ -47,6 +47,17 @@ class AttentionMetadata:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's short prefill chunks padded at their ends to one length L, for recurrent layers to convolve and scan
+    together (one call instead of one per chunk)."""
+
+    rows: torch.Tensor  # int64 [N, L]: each chunk's tokens' rows in the step (past its end: its last row again)
+    valid: torch.Tensor  # bool [N, L]: within the chunk
+    lens: torch.Tensor  # int64 [N]
+    slots: torch.Tensor  # int64 [N]: their state slots
+
+
+@dataclass
 class MambaStep:
     """A step's requests as the Mamba layers see them (models/mamba.py): each request's recurrent state lives in a
     slot of the layers' state tensors."""
@@ -60,6 +71,9 @@ class MambaStep:
     # span's other slots left as they are. None: gather the slots.
     decode_span: Optional[tuple[int, int]] = None
     decode_pos: Optional[torch.Tensor] = None
+    # The prefill chunks again, split for layers that batch them: the short ones (`PrefillBatch`), the others
+    prefill_batch: Optional[PrefillBatch] = None
+    long_prefills: list[tuple[int, int, int]] = field(default_factory=list)
     # Prefix caching (kv_cache.StateCheckpoints): states copied between slots before the step, saves (a request's
     # slot -> a checkpoint slot) first, then restores (a checkpoint slot -> a request's slot); int64 [2, N] each
     saves: Optional[torch.Tensor] = None

@@ -108,7 +108,10 @@ class ShortConv(RecurrentMixer):
         y = torch.empty_like(bx)
         if step.decode_tokens is not None:  # one token each: the windows shift by one
             y[step.decode_tokens] = self.conv_decode(bx[step.decode_tokens], step.decode_slots).to(y.dtype)
-        for slot, lo, hi in step.prefills:  # a chunk: convolved after its carried window
+        batch = step.prefill_batch
+        if batch is not None:  # short chunks at once, each convolved after its carried window
+            y[batch.rows[batch.valid]] = self.conv_prefill_batch(bx[batch.rows], batch)[batch.valid].to(y.dtype)
+        for slot, lo, hi in step.long_prefills:  # longer ones one by one
             y[lo:hi] = self.conv_prefill(bx[lo:hi], slot).to(y.dtype)
         return self.out_proj(c * y)
 

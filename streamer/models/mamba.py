@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import MambaStep, current_metadata
+from streamer.attention.base import MambaStep, PrefillBatch, current_metadata
 from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RowParallelLinear, _check_shape,
                                     rank_rows_loader)
 
@@ -145,39 +145,51 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     D skip) and the final state. The result does not depend on the chunk size (up to rounding): a sequence shorter
     than `chunk` is one chunk of its own length, not padded. B and C stay per group, so their products are computed
     once for the group's heads."""
-    length, h, p = x.shape
-    g, n = B.shape[1:]
+    y, final = ssd_scan_batch(x[None], dt[None], A, B[None], C[None], chunk, state[None])
+    return y[0], final[0]
+
+
+def ssd_scan_batch(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk: int,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ssd_scan` of N sequences of one length at once: x [N, L, h, p]; dt [N, L, h]; B, C [N, L, g, n]; state
+    [N, h, p, n]. A shorter sequence padded at its end with dt = 0 (no decay and no input) ends in its own final
+    state."""
+    nb, length, h, p = x.shape
+    g, n = B.shape[2:]
     r = h // g  # heads per group
     chunk = min(chunk, length)
     pad = (-length) % chunk
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [c, chunk, ...], zero-padded
-        t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad))
-        return t.reshape(-1, chunk, *t.shape[1:])
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [N, L, ...] -> [N, c, chunk, ...], zero-padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(nb, -1, chunk, *t.shape[2:])
 
-    x = chunks(x * dt[..., None])  # [c, l, h, p]
-    c = x.shape[0]
-    a = chunks(A * dt).permute(2, 0, 1)  # [h, c, l]  (padding: dt = 0, so no decay and no input)
-    B, C = chunks(B), chunks(C)  # [c, l, g, n]
+    x = chunks(x * dt[..., None])  # [N, c, l, h, p]
+    c = x.shape[1]
+    a = chunks(A * dt).permute(0, 3, 1, 2)  # [N, h, c, l]  (padding: dt = 0, so no decay and no input)
+    B, C = chunks(B), chunks(C)  # [N, c, l, g, n]
     a_cum = torch.cumsum(a, dim=-1)
-    xg = x.view(c, chunk, g, r, p)
+    xg = x.view(nb, c, chunk, g, r, p)
     # within each chunk: attention-like, masked by the decays between positions, exp(a_cum[l] - a_cum[s]) for s <= l
     # (differences of the cumulative sums, as mamba_ssm's kernels take them: fp32 keeps them exact enough)
-    cum = a_cum.permute(1, 0, 2).reshape(c, g, r, chunk)
+    cum = a_cum.permute(0, 2, 1, 3).reshape(nb, c, g, r, chunk)
     decays = (cum[..., :, None] - cum[..., None, :]).masked_fill_(_above_diagonal(chunk, x.device), -torch.inf)
-    scores = decays.exp_().mul_(torch.einsum("clgn,csgn->cgls", C, B)[:, :, None])  # [c, g, r, l, s]
-    y = torch.einsum("cgrls,csgrp->clgrp", scores, xg)
+    scores = decays.exp_().mul_(torch.einsum("bclgn,bcsgn->bcgls", C, B)[:, :, :, None])  # [N, c, g, r, l, s]
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", scores, xg)
     # each chunk's contribution to the state at its end
-    decay = torch.exp(a_cum[:, :, -1:] - a_cum).permute(1, 2, 0).reshape(c, chunk, g, r, 1)
-    states = torch.einsum("clgn,clgrp->cgrpn", B, xg * decay).reshape(c, h, p, n)
-    states = torch.cat([state[None].to(states.dtype), states], dim=0)  # [c + 1, h, p, n]
-    # the recurrence across chunks: the state entering each chunk (and the final one)
-    chunk_decay = torch.exp(_segsum(F.pad(a_cum[:, :, -1], (1, 0))))  # [h, c + 1, c + 1]
-    states = torch.einsum("hij,jhpn->ihpn", chunk_decay, states)
-    entering, final = states[:-1], states[-1]
-    y = y + torch.einsum("clgn,cgrpn->clgrp", C, entering.view(c, g, r, p, n)) \
-        * torch.exp(a_cum).permute(1, 2, 0).reshape(c, chunk, g, r, 1)
-    return y.reshape(c * chunk, h, p)[:length], final
+    decay = torch.exp(a_cum[..., -1:] - a_cum).permute(0, 2, 3, 1).reshape(nb, c, chunk, g, r, 1)
+    states = torch.einsum("bclgn,bclgrp->bcgrpn", B, xg * decay).reshape(nb, c, h, p, n)
+    if c == 1:  # one chunk: the state enters it as it is and leaves decayed by all of it, plus the chunk's part
+        entering = state[:, None].to(states.dtype)
+        final = states[:, 0].add_(entering[:, 0] * torch.exp(a_cum[:, :, 0, -1])[..., None, None])
+    else:  # the recurrence across chunks: the state entering each chunk (and the final one)
+        states = torch.cat([state[:, None].to(states.dtype), states], dim=1)  # [N, c + 1, h, p, n]
+        chunk_decay = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [N, h, c + 1, c + 1]
+        states = torch.einsum("bhij,bjhpn->bihpn", chunk_decay, states)
+        entering, final = states[:, :-1], states[:, -1]
+    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, entering.view(nb, c, g, r, p, n)) \
+        * torch.exp(a_cum).permute(0, 2, 3, 1).reshape(nb, c, chunk, g, r, 1)
+    return y.reshape(nb, c * chunk, h, p)[:, :length], final
 
 
 class RecurrentMixer(nn.Module):
@@ -240,6 +252,18 @@ class RecurrentMixer(nn.Module):
         weight = self.conv1d.weight  # [conv_dim, 1, d_conv]
         h = (window.to(weight.dtype) * weight[:, 0]).sum(-1)
         return h if self.conv1d.bias is None else h + self.conv1d.bias
+
+    def conv_prefill_batch(self, x: torch.Tensor, batch: PrefillBatch) -> torch.Tensor:
+        """`conv_prefill` of a step's short chunks at once (x [N, L, conv_dim], padded at their ends): the conv's
+        outputs [N, L, conv_dim] (past a chunk's end: not meaningful), each window then holding its chunk's last
+        inputs."""
+        assert self.conv_state is not None
+        windows = self.conv_state[batch.slots]  # [N, conv_dim, K - 1]
+        seq = torch.cat([windows, x.transpose(1, 2).to(windows.dtype)], dim=2)  # [N, conv_dim, K - 1 + L]
+        keep = batch.lens[:, None] + torch.arange(self.d_conv - 1, device=x.device)  # its last K - 1 inputs
+        self.conv_state[batch.slots] = seq.gather(2, keep[:, None, :].expand(-1, self.conv_dim, -1))
+        weight = self.conv1d.weight
+        return F.conv1d(seq.to(weight.dtype), weight, self.conv1d.bias, groups=self.conv_dim).transpose(1, 2)
 
     def conv_prefill(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """A chunk of one request's inputs [L, conv_dim] -> the conv's output over them (before its activation),
@@ -376,8 +400,8 @@ class MambaMixer(RecurrentMixer):
         return F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_min, self.dt_max)
 
     def _groups(self, t: torch.Tensor) -> torch.Tensor:
-        """B or C [T, groups * d_state] -> [T, groups, d_state] (fp32)."""
-        return t.float().view(-1, self.n_groups, self.d_state)
+        """B or C [..., groups * d_state] -> [..., groups, d_state] (fp32)."""
+        return t.float().unflatten(-1, (self.n_groups, self.d_state))
 
     def _per_head(self, t: torch.Tensor) -> torch.Tensor:
         """B or C [T, groups * d_state] -> [T, heads, d_state] (head h reads group h // (heads / groups))."""
@@ -398,7 +422,16 @@ class MambaMixer(RecurrentMixer):
             xs, B, C = F.silu(self.conv_decode(xbc[idx], slots)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
             y[idx] = self._decode(step, self._dt(dt[idx]), xs, A, B, C) + D[:, None] * xs
-        for slot, a, b in step.prefills:  # chunks of several tokens: conv after the carried window, then SSD
+        batch = step.prefill_batch
+        if batch is not None:  # short chunks, padded to one length: conv after the carried windows, then SSD
+            xs, B, C = F.silu(self.conv_prefill_batch(xbc[batch.rows], batch)).split([inner, gn, gn], dim=-1)
+            xs = xs.float().unflatten(-1, (self.num_heads, self.head_dim))
+            dtr = self._dt(dt[batch.rows]) * batch.valid[..., None]  # (padding: dt = 0 leaves the state)
+            out, final = ssd_scan_batch(xs, dtr, A, self._groups(B), self._groups(C), self.chunk_size,
+                                        ssm_state[batch.slots])
+            ssm_state[batch.slots] = final
+            y[batch.rows[batch.valid]] = (out + D[:, None] * xs)[batch.valid]
+        for slot, a, b in step.long_prefills:  # longer chunks, one by one
             xs, B, C = F.silu(self.conv_prefill(xbc[a:b], slot)).split([inner, gn, gn], dim=-1)
             xs = xs.float().view(-1, self.num_heads, self.head_dim)
             out, final = ssd_scan(xs, self._dt(dt[a:b]), A, self._groups(B), self._groups(C), self.chunk_size,
