@@ -163,14 +163,7 @@ class StateSim(Sim):
        policy=st.sampled_from(["fcfs", "priority"]), max_loras=st.sampled_from([0, 0, 2]))
 def test_states_resume_exactly(ops, block_size, num_blocks, budget, max_seqs, checkpoints, policy, max_loras):
     sim = StateSim(block_size, num_blocks, budget, max_seqs, True, policy, max_loras, checkpoints=checkpoints)
-    for op in ops:
-        if op[0] == "add":
-            sim.add(*op[1:])
-        elif op[0] == "step":
-            sim.step()
-        else:
-            sim.abort(op[1])
-    sim.drain()
+    sim.run(ops)
     assert sim.kv.state.num_free == sim.kv.state.num_slots
 
 

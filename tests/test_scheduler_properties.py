@@ -129,6 +129,17 @@ class Sim:
         for req in self.sched.waiting:
             assert req.lora_slot == 0
 
+    def run(self, ops: list[tuple]) -> None:
+        """Replay `ops` (add / step / abort), then run every request to its end."""
+        for op in ops:
+            if op[0] == "add":
+                self.add(*op[1:])
+            elif op[0] == "step":
+                self.step()
+            else:
+                self.abort(op[1])
+        self.drain()
+
     def drain(self) -> None:
         for _ in range(5000):
             if not self.sched.has_work():
@@ -147,15 +158,7 @@ class Sim:
        budget=st.integers(1, 64), max_seqs=st.integers(1, 8), caching=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), max_loras=st.sampled_from([0, 0, 1, 2]))
 def test_random_interleavings(ops, block_size, num_blocks, budget, max_seqs, caching, policy, max_loras):
-    sim = Sim(block_size, num_blocks, budget, max_seqs, caching, policy, max_loras)
-    for op in ops:
-        if op[0] == "add":
-            sim.add(*op[1:])
-        elif op[0] == "step":
-            sim.step()
-        else:
-            sim.abort(op[1])
-    sim.drain()
+    Sim(block_size, num_blocks, budget, max_seqs, caching, policy, max_loras).run(ops)
 
 
 image_ops = st.lists(st.one_of(
