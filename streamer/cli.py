@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None,
                        help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
+    serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the same, as a flag (either spelling)")
     add_engine_args(serve)
     try:
         from streamer.server.cli import add_serve_args, cmd_serve
@@ -240,7 +242,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from streamer.bench.cli import main as bench_main
         return bench_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:  # `serve --model M`, as `serve M`
+        if args.model is not None and args.model != flag:
+            parser.error(f"two models given: {args.model!r} and --model {flag!r}")
+        args.model = flag
     return int(args.func(args) or 0)
 
 

@@ -162,3 +162,17 @@ def test_bad_engine_argument_is_one_line_and_exit_2(flag, value, field):
     assert p.returncode == 2
     assert p.stderr.startswith("streamer serve: error:") and field in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_model_as_positional_or_flag(monkeypatch, capsys):
+    """`serve M` and `serve --model M` (vLLM's users type either) name the same model; two different ones: exit 2."""
+    import streamer.server.cli as server_cli
+    from streamer.cli import main
+    seen: list[Optional[str]] = []
+    monkeypatch.setattr(server_cli, "cmd_serve", lambda args: seen.append(args.model) or 0)
+    assert [main(a) for a in (["serve", "/m"], ["serve", "--model", "/m"], ["serve", "/m", "--model", "/m"],
+                              ["serve"])] == [0, 0, 0, 0]
+    assert seen == ["/m", "/m", "/m", None]
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "/a", "--model", "/b"])
+    assert exc.value.code == 2 and "two models given" in capsys.readouterr().err
