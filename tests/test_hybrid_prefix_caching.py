@@ -224,3 +224,33 @@ def test_tensor_parallel_restores_on_every_rank(ckpt):
         assert_state_freed(llm)
     finally:
         llm.close()
+
+
+def test_live_server_reports_cached_tokens(ckpt):
+    """Through the server and the openai client: a conversation's next turn resumes from its first turn's
+    checkpoint (usage's cached_tokens, /metrics' prefix-cache hits), with transformers' tokens."""
+    import httpx
+    import openai
+
+    from tests.server_utils import LiveServer, metric
+    path = ckpt("granitemoehybrid")
+    first = prompts_of_lengths((21,), seed=9)[0]
+    answer = hf_greedy(path, [first], MAX_NEW)[0]
+    turn = first + answer + [11, 12, 13]
+    want = hf_greedy(path, [turn], MAX_NEW)[0]
+    with LiveServer(path, block_size=BS) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+
+        def complete(prompt: list[int]):
+            return client.completions.create(model=server.model_name, prompt=prompt, max_tokens=MAX_NEW,
+                                             temperature=0.0, extra_body={"ignore_eos": True,
+                                                                          "return_token_ids": True})
+        out = complete(first)
+        assert out.choices[0].token_ids == answer
+        out = complete(turn)
+        assert out.choices[0].token_ids == want
+        cached = out.usage.prompt_tokens_details.cached_tokens
+        assert cached > len(first), cached  # (into the answer: the checkpoint taken while it decoded)
+        prom = httpx.get(server.url + "/metrics", timeout=30).text
+        assert metric(prom, "vllm:prefix_cache_hits_total") == cached
+        server.wait_idle()
