@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, current_metadata
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, PrefillBatch, current_metadata
 from streamer.attention.op import paged_attention
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
@@ -171,6 +171,26 @@ class GatedDeltaNet(RecurrentMixer):
                        .float()) for t in (q, k))
         return q, k, v.reshape(-1, self.num_v_heads, self.head_v_dim)
 
+    def _prefill_batch(self, batch: PrefillBatch, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       out: torch.Tensor, dtype: torch.dtype) -> None:
+        """A step's short chunks at once (padded at their ends with g = beta = 0, which leave a state as it is):
+        their requests' heads side by side, as one sequence of N x heads heads, for the chunked rule."""
+        assert self.ssm_state is not None
+        n, length = batch.rows.shape
+        h = F.silu(self.conv_prefill_batch(mixed[batch.rows], batch)).to(dtype)  # [N, L, conv_dim]
+
+        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [N * L, H, ...] -> [L, N * H, ...]
+            t = t.unflatten(0, (n, length))
+            return t.transpose(0, 1).reshape(length, n * t.shape[2], *t.shape[3:])
+        q, k, v = (side_by_side(t) for t in self._qkv(h.flatten(0, 1)))
+        keep = batch.valid[..., None]
+        gs, betas = (side_by_side((t[batch.rows] * keep).flatten(0, 1)) for t in (g, beta))
+        state = self.ssm_state[batch.slots].flatten(0, 1)  # [N * H, Dk, Dv]
+        o, final = chunk_gated_delta_rule(q, k, v, gs, betas, self.chunk_size, state)
+        self.ssm_state[batch.slots] = final.unflatten(0, (n, -1))
+        o = o.unflatten(1, (n, -1)).transpose(0, 1)  # [N, L, H, Dv]
+        out[batch.rows[batch.valid]] = o[batch.valid]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = self.begin_step()
         ssm_state = self.ssm_state
@@ -187,7 +207,9 @@ class GatedDeltaNet(RecurrentMixer):
             o, _ = recurrent_gated_delta_step(q, k, v, over_span(step, g[idx]), over_span(step, beta[idx]), state)
             self.store_states(step, state)
             out[idx] = from_span(step, o)
-        for slot, start, end in step.prefills:  # several tokens: conv after the carried window, then by chunks
+        if step.prefill_batch is not None:
+            self._prefill_batch(step.prefill_batch, mixed, g, beta, out, x.dtype)
+        for slot, start, end in step.long_prefills:  # several tokens: conv after the carried window, then by chunks
             h = F.silu(self.conv_prefill(mixed[start:end], slot)).to(x.dtype)
             q, k, v = self._qkv(h)
             o, final = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], self.chunk_size,
