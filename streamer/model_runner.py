@@ -128,6 +128,11 @@ class PromptLogprobsOut:
 _BATCHED_CHUNK = 64
 
 
+def _chunks(slots: np.ndarray, qsl: np.ndarray, reqs: np.ndarray) -> list[tuple[int, int, int]]:
+    """(state slot, first token, end) of each of the step's requests `reqs`."""
+    return [(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in reqs]
+
+
 def _dense_span(slots: np.ndarray) -> Optional[tuple[int, int]]:
     """[lo, hi) of the decode requests' state slots where they fill at least two thirds of it (the slot pool hands
     out its lowest free slot, so running requests' slots stay packed): updating the span's states in place through a
@@ -560,8 +565,8 @@ class ModelRunner:
 
     def _mamba_step(self, step: StepInputs) -> MambaStep:
         """What the Mamba layers need of the step: each request's state slot (the warm-up steps': the scratch
-        slot), which start fresh (their first token: with no prefix caching, position 0 is where computing
-        starts), the one-token requests and the prefill chunks."""
+        slot), which start fresh (at position 0: one resumed from a prefix-cache checkpoint starts past it, its
+        state restored by `restores`), the one-token requests and the prefill chunks."""
         qsl, dev = step.query_start_loc, self.device
         n = step.num_reqs
         slots = step.state_slots if step.state_slots is not None else np.full(n, self.num_state_slots, np.int64)
@@ -579,8 +584,7 @@ class ModelRunner:
             decode_tokens=to_device(first[one].astype(np.int64), dev) if len(one) else None,
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
             decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
-            prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many],
-            **self._prefill_batch(slots, qsl, many),
+            prefills=_chunks(slots, qsl, many), **self._prefill_batch(slots, qsl, many),
             saves=self._slot_pairs(saves), restores=self._slot_pairs(restores))
 
     def _prefill_batch(self, slots: np.ndarray, qsl: np.ndarray, many: np.ndarray) -> dict[str, Any]:
@@ -589,7 +593,7 @@ class ModelRunner:
         lens = qsl[many + 1] - qsl[many]
         short = lens <= _BATCHED_CHUNK
         if short.sum() < 2:
-            return dict(long_prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many])
+            return dict(long_prefills=_chunks(slots, qsl, many))
         rows, lens = many[short], lens[short]
         pos = np.minimum(np.arange(lens.max()), lens[:, None] - 1)  # (past a chunk's end: its last token again)
         dev = self.device
@@ -598,7 +602,7 @@ class ModelRunner:
                              lens=to_device(lens.astype(np.int64), dev),
                              slots=to_device(slots[rows].astype(np.int64), dev))
         return dict(prefill_batch=batch,
-                    long_prefills=[(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in many[~short]])
+                    long_prefills=_chunks(slots, qsl, many[~short]))
 
     def _slot_pairs(self, pairs: Sequence[tuple[int, int]]) -> Optional[torch.Tensor]:
         """[(from slot, to slot)] -> int64 [2, N] on the device (None: no copies)."""
