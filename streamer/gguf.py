@@ -505,9 +505,16 @@ def _chat_template(meta: _Meta) -> Any:
 
 
 # --------------------------------------------------------------------------------------------- conversion
-def _open(files: list[Path]) -> _Meta:
+def _reader(path: Path) -> Any:
     from gguf import GGUFReader
-    readers = [GGUFReader(str(p)) for p in files]
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError) as e:  # (empty, truncated, or not a GGUF: the reader's message alone names no file)
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _open(files: list[Path]) -> _Meta:
+    readers = [_reader(p) for p in files]
     values = _read_values(readers[0])  # (a split file's metadata is in its first shard)
     if "general.architecture" not in values:
         raise ValueError(f"{files[0]}: no general.architecture in its metadata: not a model GGUF")

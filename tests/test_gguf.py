@@ -345,6 +345,11 @@ def test_unsupported_architecture_and_type(tmp_path):
         sgguf.hf_folder(write_minimal_gguf(tmp_path / "bloom.gguf", "bloom"))
     with pytest.raises(ValueError, match="Q8_K cannot be dequantized"):
         sgguf.hf_folder(write_minimal_gguf(tmp_path / "q8k.gguf", "llama", Q.Q8_K))
+    for name, content in (("empty.gguf", b""), ("text.gguf", b"not a gguf file at all")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=f"{name}: not a readable GGUF file"):
+            sgguf.hf_folder(tmp_path / name)
+    assert not list(sgguf.cache_root().glob(".tmp-*")), "a failed conversion left its temporary folder"
 
 
 def test_live_llm_generate(ckpt, tmp_path, caplog):
