@@ -118,7 +118,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  state_slots=self.runner.num_state_slots,
                                  checkpoint_slots=self.runner.num_checkpoint_slots)
-        self.prefix_caching = self.kv.enable_prefix_caching  # (a hybrid model's needs checkpoint slots)
+        self.prefix_caching = self.kv.enable_prefix_caching  # (off for a hybrid model without checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,

@@ -260,15 +260,16 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def chunk_stops(self, req: Request, num_hit: int) -> list[int]:
-        """Where a hybrid model's request admitted with `num_hit` cached tokens should end a prefill chunk, so that
+    def chunk_stop(self, req: Request, num_hit: int) -> int:
+        """Where a hybrid model's request admitted with `num_hit` cached tokens should end a prefill chunk (0: no
+        stop), so that
         its state is checkpointed there (saves happen at chunk ends on block boundaries): where the cached KV chain
         ends, past the hit. Its prefix is shared with an earlier request, so likely with later ones, which then
         resume there. (Only sharing seen pays the extra step a stop costs: a first prompt has none.)"""
         if self.checkpoints is None:
-            return []
+            return 0
         end = len(self._cached_chain(req)) * self.block_size
-        return [end] if end > num_hit else []
+        return end if end > num_hit else 0
 
     def record_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count one admitted request's prefix-cache lookup (for /metrics)."""

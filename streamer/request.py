@@ -91,9 +91,9 @@ class Request:
         # hashes: a block's KV depends on which factors rotated it.
         self.long_rope = self.long_rope_threshold is not None and len(self.prompt_token_ids) > self.long_rope_threshold
         self.lora_slot = 0  # the model's slot holding its adapter while it runs (0: none)
-        # Hybrid models with prefix caching: positions where a prefill chunk should end, for the recurrent state to
-        # be checkpointed there (kv_cache.KVCacheManager.chunk_stops; set at admission)
-        self.chunk_stops: list[int] = []
+        # Hybrid models with prefix caching: where a prefill chunk should end (0: nowhere in particular), for the
+        # recurrent state to be checkpointed there (kv_cache.KVCacheManager.chunk_stop; set at admission)
+        self.chunk_stop = 0
         self._extend_hashes()
 
     # ------------------------------------------------------------------ state

@@ -234,13 +234,12 @@ class Scheduler:
         return out
 
     def _fit_checkpoints(self, req: Request, start: int, n: int) -> int:
-        """Hybrid models with prefix caching: a chunk of n tokens from `start` ends at the request's next chunk stop
-        or, cut short by the budget, on a block boundary, where the state gets checkpointed (kv_cache.py
+        """Hybrid models with prefix caching: a chunk of n tokens from `start` ends at the request's chunk stop or,
+        cut short by the budget, on a block boundary, where the state gets checkpointed (kv_cache.py
         StateCheckpoints)."""
         end = start + n
-        for stop in req.chunk_stops:
-            if start < stop < end:
-                return stop - start
+        if start < req.chunk_stop < end:
+            return req.chunk_stop - start
         if end < req.num_tokens:
             aligned = end - end % self.kv.block_size
             if aligned > start:
@@ -272,7 +271,7 @@ class Scheduler:
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
             n = req.fit_chunk(num_hit, min(req.num_tokens - num_hit, budget))
             if self.kv.checkpoints is not None:
-                req.chunk_stops = [] if skip_cache else self.kv.chunk_stops(req, num_hit)
+                req.chunk_stop = 0 if skip_cache else self.kv.chunk_stop(req, num_hit)
                 n = self._fit_checkpoints(req, num_hit, n)
             if n == 0 or not self.kv.allocate_slots(req, n, hits):  # (0: its next image does not fit this step)
                 self._release_lora(req)

@@ -54,6 +54,29 @@ def reference_cache(ckpt: Callable[[str], Path], prompts: list[list[int]], max_n
     return ref
 
 
+def family_checkpoints(make_ckpt: Callable[..., Path], prefix: str) -> Callable[..., Path]:
+    """(family, name suffix, **config overrides) -> the checkpoint folder `{prefix}{family}{name}`, built once."""
+    def get(family: str, name: str = "", **overrides: object) -> Path:
+        return make_ckpt(f"{prefix}{family}{name}", family=family, **overrides)
+    return get
+
+
+def family_references(ckpt: Callable[..., Path], prompts: list[list[int]],
+                      max_new: int) -> Callable[..., list[list[int]]]:
+    """`ckpt`'s arguments -> transformers' greedy tokens for `prompts`, computed once per family + name (the
+    overrides go with the name). A degenerate reference (continuations alike, or repeating a token) is refused."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(family: str, name: str = "", **overrides: object) -> list[list[int]]:
+        key = family + name
+        if key not in cache:
+            refs = cache[key] = hf_greedy(ckpt(family, name, **overrides), prompts, max_new)
+            assert len({tuple(r) for r in refs}) > len(prompts) - 2, "degenerate reference"
+            assert sum(len(set(r)) for r in refs) > 2 * len(prompts), "degenerate reference"
+        return cache[key]
+    return get
+
+
 def assert_logprobs_match(llm: LLM, path: Path, prompts: list[list[int]], top: int = 10, tol: float = 1e-4) -> None:
     """At every prompt position, the logprobs of the engine's `top` most likely tokens (and of the prompt's own
     token) within `tol` of transformers' on the same checkpoint (fp32)."""

@@ -7,15 +7,14 @@ against a plain recurrence; each family's distinctive parts shown to matter (cha
 change, and the engine follows); the Hub checkpoints' shapes; refusals."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from streamer import LLM
 from tests.checkpoints import hf_greedy, register_family
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, assert_state_freed, checkpoint_variant, greedy,
-                          prompts_of_lengths)
+from tests.parity import (PREFILL_MODES, assert_matches_transformers, assert_state_freed, checkpoint_variant,
+                          family_checkpoints, family_references, greedy, prompts_of_lengths)
 
 MAX_NEW = 8
 # A single token (the decode path from a fresh state: in a whole-prefill batch, a one-token row between prefill chunks,
@@ -72,24 +71,12 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ckpt(make_ckpt):
-    def get(family: str, name: str = "", **overrides) -> Path:
-        return make_ckpt(f"mamba1_{family}{name}", family=family, **overrides)
-    return get
-
-
-_REFS: dict[str, list[list[int]]] = {}
+    return family_checkpoints(make_ckpt, "mamba1_")
 
 
 @pytest.fixture(scope="module")
 def ref(ckpt, prompts):
-    def get(family: str, name: str = "", **overrides) -> list[list[int]]:
-        key = family + name
-        if key not in _REFS:
-            _REFS[key] = hf_greedy(ckpt(family, name, **overrides), prompts, MAX_NEW)
-            assert len({tuple(r) for r in _REFS[key]}) > len(prompts) - 2, "degenerate reference"
-            assert sum(len(set(r)) for r in _REFS[key]) > 2 * len(prompts), "degenerate reference"
-        return _REFS[key]
-    return get
+    return family_references(ckpt, prompts, MAX_NEW)
 
 
 # ------------------------------------------------------------------------------------------------------ tests
