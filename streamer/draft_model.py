@@ -26,7 +26,7 @@ import torch
 
 from streamer.config import EngineConfig
 from streamer.input_batch import StepInputs, to_device
-from streamer.models.config import ModelConfig
+from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
 
 if TYPE_CHECKING:
     from streamer.model_runner import ModelRunner
@@ -161,6 +161,9 @@ class DraftModel:
 def _check_compatible(path: Path, cfg: ModelConfig, config: EngineConfig, target: "ModelRunner") -> None:
     """The draft must speak the target's tokens: a vocabulary no larger than the target's (embedding tables are
     often padded, e.g. Qwen2.5-0.5B's 151,936 rows for 7B's 152,064) and, where both ship one, the same one."""
+    if cfg.architecture in HYBRID_ARCHITECTURES:
+        raise ValueError(f"speculative_model {path}: {cfg.architecture} (a hybrid attention + Mamba model) cannot "
+                         "draft: its recurrent state would go through the proposals the target rejects")
     if cfg.vocab_size > target.model_cfg.vocab_size:
         raise ValueError(f"speculative_model {path}: its vocabulary ({cfg.vocab_size}) is larger than the target "
                          f"model's ({target.model_cfg.vocab_size}); the draft must use the target's tokenizer")

@@ -19,7 +19,7 @@ import numpy as np
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.draft_model import DraftPlan, plan_drafts
-from streamer.eagle import EagleDrafter, plan_fill, plan_passes
+from streamer.eagle import EagleDrafter, is_eagle_checkpoint, plan_fill, plan_passes
 from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
@@ -117,7 +117,8 @@ class LLMEngine:
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  state_slots=self.runner.num_state_slots,
-                                 checkpoint_slots=self.runner.num_checkpoint_slots)
+                                 checkpoint_slots=self.runner.num_checkpoint_slots,
+                                 snapshot_slots=self.runner.num_snapshot_slots)
         self.prefix_caching = self.kv.enable_prefix_caching  # (off for a hybrid model without checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
@@ -168,13 +169,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ images (streamer/multimodal.py)
     def _check_hybrid(self) -> None:
-        """Hybrid attention + Mamba models: speculative decoding would need the recurrent state rolled back past
-        rejected drafts, which the state slots cannot do."""
+        """Hybrid attention + Mamba models verify n-gram or draft-model drafts with their recurrent states
+        snapshotted (kv_cache.StateSnapshots). An EAGLE or MTP head would also need its own features recomputed
+        where a state rolls back: not yet."""
         if self.model_config.architecture not in HYBRID_ARCHITECTURES:
             return
-        if self.config.num_speculative_tokens or self.config.drafts_with_model:
-            raise ValueError(f"speculative decoding does not run with {self.model_config.architecture} (a hybrid "
-                             "attention + Mamba model: its recurrent state cannot roll back rejected drafts)")
+        cfg = self.config
+        if cfg.speculative_method is not None or (cfg.speculative_model is not None
+                                                  and is_eagle_checkpoint(Path(cfg.speculative_model).expanduser())):
+            raise ValueError(f"speculative decoding with an EAGLE or MTP head does not run with "
+                             f"{self.model_config.architecture} (a hybrid attention + Mamba model) yet: use "
+                             "n-gram drafts (num_speculative_tokens alone) or a draft model")
 
     def _check_multimodal(self) -> None:
         if self.model_config.multimodal is None:
@@ -458,7 +463,7 @@ class LLMEngine:
             return
         for req in running:
             if (req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None
-                    or req.num_computed_tokens != len(req.all_token_ids) - 1):
+                    or not self.scheduler.may_draft(req)):
                 continue  # not decoding, or its next token depends on host state the drafts would skip
             room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
             k = min(cfg.num_speculative_tokens, room)
@@ -498,6 +503,8 @@ class LLMEngine:
         req.num_draft_computed = min(req.num_draft_computed, req.num_tokens + accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        if accepted < len(drafts):
+            self.kv.reject_drafts(req)  # (a hybrid model: its recurrent state goes back to before the step)
         update = self._append_token(state, sampled[0], result, row, now)
         for j in range(1, accepted + 1):
             if update.finished:
@@ -510,8 +517,8 @@ class LLMEngine:
             update.finished = more.finished
         if not update.finished:
             # The drafts past the accepted ones were computed but are not the sequence: recompute from the
-            # last token on (their KV slots are simply overwritten).
-            req.num_computed_tokens = len(req.all_token_ids) - 1
+            # last token on (their KV slots are simply overwritten), or from before the step (a hybrid model).
+            req.num_computed_tokens = min(req.num_computed_tokens, len(req.all_token_ids) - 1)
             req.num_pending = 0
             self.batch.truncate(req.request_id, len(req.all_token_ids))
         return update

@@ -114,8 +114,9 @@ class StepInputs:
     rope_positions: Optional[np.ndarray] = None  # M-RoPE: positions shifted by the images before them (int64 [T])
     # Hybrid attention + Mamba models: each request's state slot (int64 [R]; kv_cache.StateSlotPool); None else
     state_slots: Optional[np.ndarray] = None
-    # ... and with prefix caching, the state copies to run first: (saves, restores), each [(from slot, to slot)]
-    state_copies: Optional[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = None
+    # ... and the state copies to run first, batch after batch, each [(from slot, to slot)] (kv_cache.py
+    # KVCacheManager.take_state_copies: prefix caching's checkpoints, speculative decoding's snapshots)
+    state_copies: Optional[list[list[tuple[int, int]]]] = None
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:

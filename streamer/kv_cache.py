@@ -205,17 +205,53 @@ class StateCheckpoints:
             raise AssertionError("checkpoint slots lost, shared or out of range")
 
 
+class StateSnapshots:
+    """Speculative decoding on hybrid / recurrent models: a verify step runs the last known token and the drafts
+    through the recurrent layers, so the state it leaves includes every draft, accepted or not. Before such a step
+    each verifying request's state is copied into a snapshot slot (after the checkpoint slots); when a draft is
+    rejected the state is copied back (`rollback`) and the request recomputes from where that step started: its
+    known tokens since then, and new drafts, form its next chunk. Snapshots live for one step: slot j is the step's
+    j-th verifying request's, and a rollback's copy runs before the next step's snapshots overwrite the slots."""
+
+    def __init__(self, first_slot: int, num_slots: int) -> None:
+        self.first_slot = first_slot
+        self.num_slots = num_slots
+        self.taken: dict[str, tuple[int, int]] = {}  # request id -> (snapshot slot, its computed tokens then)
+        self.saves: list[tuple[int, int]] = []  # (request slot, snapshot slot)
+        self.rollbacks: list[tuple[int, int]] = []  # (snapshot slot, request slot)
+        self.num_rollbacks = 0
+
+    def snapshot(self, verifying: list[tuple[str, int, int]]) -> None:
+        """This step's verifying requests: (request id, state slot, computed tokens before the step)."""
+        if len(verifying) > self.num_slots:
+            raise RuntimeError(f"{len(verifying)} requests verify drafts, with {self.num_slots} snapshot slots")
+        self.taken = {}
+        for j, (rid, slot, computed) in enumerate(verifying):
+            self.taken[rid] = (self.first_slot + j, computed)
+            self.saves.append((slot, self.first_slot + j))
+
+    def rollback(self, request_id: str, slot: int) -> int:
+        """Restore the request's state (into `slot`) from before its verify step; returns that step's start."""
+        snap, computed = self.taken.pop(request_id)
+        self.rollbacks.append((snap, slot))
+        self.num_rollbacks += 1
+        return computed
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 state_slots: int = 0, checkpoint_slots: int = 0) -> None:
+                 state_slots: int = 0, checkpoint_slots: int = 0, snapshot_slots: int = 0) -> None:
         """state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks. With prefix
-        caching, checkpoint_slots more follow them (after one scratch slot): `StateCheckpoints`."""
+        caching, checkpoint_slots more follow them (after one scratch slot): `StateCheckpoints`; with speculative
+        decoding, snapshot_slots after those: `StateSnapshots`."""
         self.state = StateSlotPool(state_slots) if state_slots > 0 else None
         # (a hybrid model caches prefixes only where it has a checkpoint of the state)
         self.checkpoints = StateCheckpoints(state_slots + 1, checkpoint_slots) \
             if state_slots > 0 and checkpoint_slots > 0 and enable_prefix_caching else None
         if state_slots > 0 and self.checkpoints is None:
             enable_prefix_caching = False
+        self.snapshots = StateSnapshots(state_slots + 1 + checkpoint_slots, snapshot_slots) \
+            if state_slots > 0 and snapshot_slots > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
@@ -345,9 +381,33 @@ class KVCacheManager:
             self.checkpoints.save(req.block_hashes[k - 1], slot, req.request_id,  # type: ignore[union-attr]
                                   decoding=done > req.num_prompt_tokens)
 
-    def take_state_copies(self) -> Optional[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-        """The state copies (saves, restores) to run before the next step; None without checkpoints."""
-        return None if self.checkpoints is None else self.checkpoints.take()
+    def take_state_copies(self) -> Optional[list[list[tuple[int, int]]]]:
+        """The state copies to run before the next step, [(from slot, to slot)] batches in order: rollbacks (a
+        checkpoint taken now must see the state restored), checkpoint saves, checkpoint restores, snapshots (of the
+        states the step starts from). None: no copies kinds at all (not a hybrid model)."""
+        if self.checkpoints is None and self.snapshots is None:
+            return None
+        saves, restores = self.checkpoints.take() if self.checkpoints is not None else ([], [])
+        rollbacks, snapshots = [], []
+        if self.snapshots is not None:
+            rollbacks, snapshots = self.snapshots.rollbacks, self.snapshots.saves
+            self.snapshots.rollbacks, self.snapshots.saves = [], []
+        return [rollbacks, saves, restores, snapshots]
+
+    def snapshot_states(self, verifying: list[tuple[Request, int]]) -> None:
+        """Speculative decoding on a hybrid model: this step's requests that verify drafts, each with its computed
+        tokens before the step; their states are copied aside first (`StateSnapshots`)."""
+        if self.snapshots is not None:
+            self.snapshots.snapshot([(req.request_id, self.state_slot(req.request_id), start)
+                                     for req, start in verifying])
+
+    def reject_drafts(self, req: Request) -> None:
+        """A speculative step rejected some of the request's drafts. Attention's KV past the accepted ones is simply
+        overwritten later, but a recurrent state went through all of them: it goes back to its snapshot, and the
+        request's computed tokens to where that step started. (Before the step's tokens are appended: a request
+        they finish checkpoints its state as it leaves.)"""
+        if self.snapshots is not None and req.request_id in self.snapshots.taken:
+            req.num_computed_tokens = self.snapshots.rollback(req.request_id, self.state_slot(req.request_id))
 
     def _note_change(self, req: Request, first: int) -> None:
         prev = self.changes.get(req.request_id)

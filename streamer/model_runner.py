@@ -227,6 +227,8 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(max_model_len, self.block_size)
         self.kv_dtype = self._kv_dtype()
         self.num_state_slots, self.num_checkpoint_slots = self._num_state_slots()
+        # Speculative decoding on a hybrid model: a snapshot slot per request that may verify drafts in one step
+        self.num_snapshot_slots = config.speculative_max_batch if self.hybrid and config.num_speculative_tokens else 0
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
@@ -236,10 +238,12 @@ class ModelRunner:
         # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
         self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
                                       dtype=self.kv_dtype, device=self.device) for layer in self.model.layers]
-        if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints'
-            self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots, self.dtype, self.device)
-            logger.info("Mamba state: %d slots (and %d checkpoints) of %.1f MiB", self.num_state_slots,
-                        self.num_checkpoint_slots, self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
+        if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints', snapshots'
+            self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots + self.num_snapshot_slots,
+                                      self.dtype, self.device)
+            logger.info("Mamba state: %d slots (and %d checkpoints, %d snapshots) of %.1f MiB", self.num_state_slots,
+                        self.num_checkpoint_slots, self.num_snapshot_slots,
+                        self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
@@ -526,7 +530,8 @@ class ModelRunner:
         per_block = self.kv_bytes_per_block()
         budget = self._memory_budget()
         if self.hybrid:  # the Mamba state comes out of the same budget
-            budget -= (self.num_state_slots + self.num_checkpoint_slots) * self.model.state_bytes_per_slot(self.dtype)
+            budget -= (self.num_state_slots + self.num_checkpoint_slots + self.num_snapshot_slots) \
+                * self.model.state_bytes_per_slot(self.dtype)
         # More blocks than every sequence slot can fill would only waste memory.
         useful = self.config.max_num_seqs * self.max_blocks_per_req
         # (no KV per block, a model without attention layers: as many as the sequences can fill, up to 256K)
@@ -566,14 +571,13 @@ class ModelRunner:
     def _mamba_step(self, step: StepInputs) -> MambaStep:
         """What the Mamba layers need of the step: each request's state slot (the warm-up steps': the scratch
         slot), which start fresh (at position 0: one resumed from a prefix-cache checkpoint starts past it, its
-        state restored by `restores`), the one-token requests and the prefill chunks."""
+        state restored by a copy), the one-token requests and the prefill chunks."""
         qsl, dev = step.query_start_loc, self.device
         n = step.num_reqs
         slots = step.state_slots if step.state_slots is not None else np.full(n, self.num_state_slots, np.int64)
         if (slots < 0).any():
             raise RuntimeError("a request of a hybrid model has no Mamba state slot")
         first = qsl[:-1]
-        saves, restores = step.state_copies or ((), ())
         fresh = np.flatnonzero(step.positions[first] == 0)
         q_lens = np.diff(qsl)
         one = np.flatnonzero(q_lens == 1)
@@ -585,7 +589,7 @@ class ModelRunner:
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
             decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
             prefills=_chunks(slots, qsl, many), **self._prefill_batch(slots, qsl, many),
-            saves=self._slot_pairs(saves), restores=self._slot_pairs(restores))
+            copies=tuple(self._slot_pairs(pairs) for pairs in step.state_copies or () if pairs))
 
     def _prefill_batch(self, slots: np.ndarray, qsl: np.ndarray, many: np.ndarray) -> dict[str, Any]:
         """MambaStep's `prefill_batch` (the chunks of at most _BATCHED_CHUNK tokens, where there are several:
@@ -604,10 +608,8 @@ class ModelRunner:
         return dict(prefill_batch=batch,
                     long_prefills=_chunks(slots, qsl, many[~short]))
 
-    def _slot_pairs(self, pairs: Sequence[tuple[int, int]]) -> Optional[torch.Tensor]:
-        """[(from slot, to slot)] -> int64 [2, N] on the device (None: no copies)."""
-        if not pairs:
-            return None
+    def _slot_pairs(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """[(from slot, to slot)] -> int64 [2, N] on the device."""
         return to_device(np.asarray(pairs, dtype=np.int64).T.copy(), self.device)
 
     def _sampling_batch(self, rows: SamplingRows) -> SamplingBatch:

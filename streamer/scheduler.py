@@ -231,7 +231,20 @@ class Scheduler:
             req.num_pending += samples
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
+        if self.kv.snapshots is not None:
+            self.kv.snapshot_states([(s.req, s.start) for s in out.scheduled if s.num_drafts])
         return out
+
+    def may_draft(self, req: Request) -> bool:
+        """Speculative decoding: may the request's next chunk carry drafts? When it decodes: only its last known
+        token is left to compute. On a hybrid model also right after drafts were rejected, when its state went back
+        to before them (kv_cache.StateSnapshots) and its next chunk recomputes the accepted ones: a few known tokens
+        more (never a prompt, nor a longer recompute, which runs without drafts)."""
+        gap = len(req.all_token_ids) - 1 - req.num_computed_tokens
+        if gap == 0:
+            return True
+        return (self.kv.snapshots is not None and 0 < gap <= self.config.num_speculative_tokens
+                and req.num_output_tokens > 0)
 
     def _fit_checkpoints(self, req: Request, start: int, n: int) -> int:
         """Hybrid models with prefix caching: a chunk of n tokens from `start` ends at the request's chunk stop or,

@@ -118,11 +118,6 @@ def test_abort_frees_the_state_slot(moe_ckpt, prompts):
     assert_state_freed(llm)
 
 
-def test_speculative_decoding_refused(moe_ckpt):
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(str(moe_ckpt), dtype="float32", num_speculative_tokens=2)
-
-
 def _naive_scan(x, dt, A, B, C, state):
     ys = []
     for t in range(x.shape[0]):

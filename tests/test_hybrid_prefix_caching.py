@@ -138,8 +138,7 @@ class StateSim(Sim):
         self.state: dict[int, tuple] = {}
 
     def run_states(self, out: SchedulerOutput) -> SchedulerOutput:
-        saves, restores = self.kv.take_state_copies()
-        for pairs in (saves, restores):  # (each batch reads before it writes, as an index copy does)
+        for pairs in self.kv.take_state_copies():  # (each batch reads before it writes, as an index copy does)
             before = dict(self.state)
             for src, dst in pairs:
                 self.state[dst] = before.get(src, ())
@@ -148,7 +147,7 @@ class StateSim(Sim):
             req, slot = s.req, self.kv.state_slot(s.req.request_id)
             if s.start == 0:
                 self.state[slot] = ()
-            seen = [(t, id(req.lora)) for t in req.all_token_ids]
+            seen = [(t, id(req.lora)) for t in req.all_token_ids + req.draft_token_ids[:s.num_drafts]]
             assert self.state[slot] == tuple(seen[:s.start]), f"{req.request_id} resumes from a wrong state"
             self.state[slot] += tuple(seen[s.start:s.start + s.num_tokens])
             end = s.start + s.num_tokens

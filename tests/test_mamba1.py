@@ -193,12 +193,6 @@ def test_selective_scan_matches_recurrence(length):
     torch.testing.assert_close(selective_scan(dA.clone(), dBx.clone()), _naive_scan(dA, dBx))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_refuses_speculative_decoding(ckpt, family):  # (tensor parallelism: test_hybrid_tp.py)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(str(ckpt(family)), dtype="float32", num_speculative_tokens=2)
-
-
 def test_refuses_other_activations(ckpt):
     """The conv's activation is `hidden_act`: only SiLU is computed."""
     base = ckpt("mamba1")

@@ -118,11 +118,6 @@ def test_layer_types():
         qwen3_next_layer_types({"layer_types": ["sliding_attention", "full_attention"]}, 2)
 
 
-def test_speculative_decoding_refused(ckpt):
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(str(ckpt), dtype="float32", num_speculative_tokens=2)
-
-
 def _inputs(length: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     h, dk, dv = 3, 8, 5

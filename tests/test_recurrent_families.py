@@ -275,12 +275,6 @@ def test_mamba2_bf16_runs(ckpt, ref, prompts):
     assert_state_freed(llm)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_refuses_speculative_decoding(ckpt, family):  # (tensor parallelism: test_hybrid_tp.py)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(str(ckpt(family)), dtype="float32", num_speculative_tokens=2)
-
-
 def test_hub_configs():
     """The Hub's config.json spellings: Mamba-Codestral-7B's (SSM `num_heads` / `head_dim`, no attention, no MLP, no
     length) and LFM2-1.2B's (`block_ff_dim` adjusted to 8192, `norm_eps`, `tie_embedding`, `full_attn_idxs`)."""

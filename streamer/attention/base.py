@@ -74,10 +74,10 @@ class MambaStep:
     # The prefill chunks again, split for layers that batch them: the short ones (`PrefillBatch`), the others
     prefill_batch: Optional[PrefillBatch] = None
     long_prefills: list[tuple[int, int, int]] = field(default_factory=list)
-    # Prefix caching (kv_cache.StateCheckpoints): states copied between slots before the step, saves (a request's
-    # slot -> a checkpoint slot) first, then restores (a checkpoint slot -> a request's slot); int64 [2, N] each
-    saves: Optional[torch.Tensor] = None
-    restores: Optional[torch.Tensor] = None
+    # States copied between slots before the step, batch after batch (int64 [2, N] each: from slots, to slots):
+    # prefix caching's checkpoints (kv_cache.StateCheckpoints) and speculative decoding's snapshots (StateSnapshots),
+    # in the order kv_cache.KVCacheManager.take_state_copies gives
+    copies: tuple[torch.Tensor, ...] = ()
 
 
 class DecodeBatch(NamedTuple):

@@ -220,10 +220,9 @@ class RecurrentMixer(nn.Module):
         step: Optional[MambaStep] = current_metadata().mamba
         if step is None or self.conv_state is None or self.ssm_state is None:
             raise RuntimeError(f"a {type(self).__name__} layer ran without its state (MambaStep / allocate_state)")
-        for copies in (step.saves, step.restores):  # (in this order: a restore may read a state saved this step)
-            if copies is not None:
-                self.conv_state[copies[1]] = self.conv_state[copies[0]]
-                self.ssm_state[copies[1]] = self.ssm_state[copies[0]]
+        for copies in step.copies:  # (in order: a batch may read a state the one before wrote)
+            self.conv_state[copies[1]] = self.conv_state[copies[0]]
+            self.ssm_state[copies[1]] = self.ssm_state[copies[0]]
         if step.fresh_slots is not None:  # first chunks: start from zero
             self.conv_state[step.fresh_slots] = 0
             self.ssm_state[step.fresh_slots] = 0
