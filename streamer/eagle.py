@@ -86,9 +86,10 @@ def target_aux_layers(path: Path, target_cfg: ModelConfig) -> tuple[int, ...]:
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
     layers = tuple(int(i) for i in ids) if ids else default_aux_layers(target_cfg.num_layers)
-    if len(layers) != 3 or not all(0 <= i < target_cfg.num_layers for i in layers):
-        raise ValueError(f"speculative_model {path}: EAGLE-3 reads 3 target layers in [0, {target_cfg.num_layers}); "
-                         f"got {list(layers)}")
+    if len(set(layers)) != 3 or not all(0 <= i < target_cfg.num_layers for i in layers):
+        raise ValueError(f"speculative_model {path}: EAGLE-3 reads 3 distinct target layers in [0, "
+                         f"{target_cfg.num_layers}); got {list(layers)}" + ("" if ids else " (its default for a "
+                         f"{target_cfg.num_layers}-layer target: set eagle_aux_hidden_state_layer_ids)"))
     return layers
 
 
@@ -99,7 +100,7 @@ def mtp_config(path: Path, target_cfg: ModelConfig) -> ModelConfig:
     if arch not in MTP_FAMILIES:
         raise ValueError(f"speculative_method='mtp' drafts with the MTP layer of {', '.join(MTP_FAMILIES)} "
                          f"checkpoints; {arch} has none")
-    wanted = f"model.layers.{target_cfg.num_layers}.eh_proj.weight"
+    wanted = MTP_FAMILIES[arch].format(n=target_cfg.num_layers)
     if not any(wanted in _tensor_names(f) for f in safetensors_files(path)):
         raise ValueError(f"speculative_method='mtp': checkpoint {path} has no multi-token-prediction layer "
                          f"({wanted} not found)")

@@ -19,7 +19,7 @@ import numpy as np
 from streamer.config import EngineConfig
 from streamer.detokenizer import IncrementalDetokenizer
 from streamer.draft_model import DraftPlan, plan_drafts
-from streamer.eagle import EagleDrafter, is_eagle_checkpoint, plan_fill, plan_passes
+from streamer.eagle import EagleDrafter, plan_fill, plan_passes
 from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
@@ -107,7 +107,6 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                            config.max_model_len, limit)
         self._check_multimodal()
-        self._check_hybrid()
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
         # How the model takes images (None: it takes none)
         self.image_prompts = image_prompts_for(self.model_config, self.runner.model, self.tokenizer, self.model_dir,
@@ -168,19 +167,6 @@ class LLMEngine:
         return self.loras.resolve(lora)
 
     # ------------------------------------------------------------------ images (streamer/multimodal.py)
-    def _check_hybrid(self) -> None:
-        """Hybrid attention + Mamba models verify n-gram or draft-model drafts with their recurrent states
-        snapshotted (kv_cache.StateSnapshots). An EAGLE or MTP head would also need its own features recomputed
-        where a state rolls back: not yet."""
-        if self.model_config.architecture not in HYBRID_ARCHITECTURES:
-            return
-        cfg = self.config
-        if cfg.speculative_method is not None or (cfg.speculative_model is not None
-                                                  and is_eagle_checkpoint(Path(cfg.speculative_model).expanduser())):
-            raise ValueError(f"speculative decoding with an EAGLE or MTP head does not run with "
-                             f"{self.model_config.architecture} (a hybrid attention + Mamba model) yet: use "
-                             "n-gram drafts (num_speculative_tokens alone) or a draft model")
-
     def _check_multimodal(self) -> None:
         if self.model_config.multimodal is None:
             return

@@ -228,7 +228,8 @@ class ModelRunner:
         self.kv_dtype = self._kv_dtype()
         self.num_state_slots, self.num_checkpoint_slots = self._num_state_slots()
         # Speculative decoding on a hybrid model: a snapshot slot per request that may verify drafts in one step
-        self.num_snapshot_slots = config.speculative_max_batch if self.hybrid and config.num_speculative_tokens else 0
+        self.num_snapshot_slots = min(config.speculative_max_batch, self.num_state_slots) \
+            if self.hybrid and config.num_speculative_tokens else 0
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks

@@ -238,7 +238,10 @@ def test_wrong_heads_refused(target, tmp_path) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
     (head / "config.json").write_text(json.dumps(dict(cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 9]})))
-    with pytest.raises(ValueError, match="EAGLE-3 reads 3 target layers"):
+    with pytest.raises(ValueError, match="EAGLE-3 reads 3 distinct target layers"):
+        LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
+    (head / "config.json").write_text(json.dumps(dict(cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 2]})))
+    with pytest.raises(ValueError, match="3 distinct"):  # (the target would return two streams)
         LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
     from streamer.eagle import check_target
     from streamer.models.gpt2 import GPT2LMHeadModel

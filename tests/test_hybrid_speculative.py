@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import streamer.engine
@@ -27,7 +28,7 @@ from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler
 from tests.parity import assert_state_freed, family_checkpoints, family_references, greedy_params, prompts_of_lengths
-from tests.test_eagle import make_head
+from tests.test_eagle import Reference, assert_proposals_match, make_head, spy_proposals
 from tests.test_hybrid_prefix_caching import StateSim
 from tests.test_nemotron_h import make_nemotron_h
 from tests.test_scheduler_properties import ops
@@ -163,17 +164,40 @@ def test_draft_model_drafts_for_a_hybrid_target(ckpt, refs, make_ckpt):
     assert_state_freed(llm)
 
 
-def test_heads_and_hybrid_drafts_are_refused(ckpt, llama_dir, tmp_path):
-    """An EAGLE or MTP head would need its features recomputed where a state rolls back: not yet. A hybrid cannot
-    draft: its state would go through the proposals that the target rejects."""
-    path = ckpt("granitemoehybrid")
-    with pytest.raises(ValueError, match="EAGLE or MTP"):
-        LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=2)
-    head = make_head(tmp_path / "head", path, version=1)
-    with pytest.raises(ValueError, match="EAGLE or MTP"):
-        LLM(str(path), dtype="float32", speculative_model=str(head), num_speculative_tokens=2)
+@pytest.mark.parametrize("family,version", [("granitemoehybrid", 1), ("granitemoehybrid", 3), ("qwen3_next", 1)])
+def test_eagle_head_drafts_for_a_hybrid_target(ckpt, refs, family, version, tmp_path):
+    """An EAGLE head reads the target's features. Those of the positions a verify step computed up to a rejected
+    draft are right (the state went through them in order), so after a rollback the head drafts from them, and the
+    step that recomputes them refills its KV. Every proposal the head makes equals the reference's (transformers'
+    target features, the head in float64); the drafts then verified are the oracle's, so that every outcome occurs."""
+    path, want = ckpt(family), refs(family)
+    head = make_head(tmp_path / "head", path, version, seed=7, aux=[0, 1, 3] if version == 3 else None)
+    llm = LLM(str(path), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
+    e = llm.engine
+    calls = spy_proposals(llm)
+    oracle = OracleDrafts([p + r for p, r in zip(PROMPTS, want)], spoil=0.35)
+    spied = e.runner.drafter.propose
+
+    def propose(plan):
+        out = spied(plan).clone()  # (the spy keeps the head's own)
+        for r, rid in enumerate(plan.req_ids):
+            tokens = np.array(e.seqs[rid].req.all_token_ids)
+            out[r, :plan.counts[r]] = torch.tensor(oracle(tokens, int(plan.counts[r]), 1, 1))
+        return out
+    e.runner.drafter.propose = propose
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy_params(MAX_NEW))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
+    assert assert_proposals_match(Reference(head, path), calls, sequences) >= 20
+    assert e.kv.snapshots.num_rollbacks > 0 and 0 < e.num_accepted_tokens < e.num_draft_tokens
+    assert_state_freed(llm)
+
+
+def test_hybrid_drafts_are_refused(ckpt, llama_dir):
+    """A hybrid cannot draft: its state would go through the proposals that the target rejects."""
     with pytest.raises(ValueError, match="cannot draft"):
-        LLM(str(llama_dir), dtype="float32", speculative_model=str(path), num_speculative_tokens=2)
+        LLM(str(llama_dir), dtype="float32", speculative_model=str(ckpt("granitemoehybrid")),
+            num_speculative_tokens=2)
 
 
 # ------------------------------------------------------------------------ the bookkeeping, with a simulated model

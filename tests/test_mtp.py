@@ -21,10 +21,10 @@ MAX_NEW = 16
 K = 2
 
 
-def with_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
+def with_mtp_layer(src: Path, out: Path, seed: int = 0, own_head: bool = True) -> Path:
     """A copy of `src` with an MTP layer, as the released checkpoints store it: model.layers.<num_layers>.* (a
     decoder layer of the last layer's kind, enorm, hnorm, eh_proj, shared_head.norm / .head, embed_tokens), in a
-    shard of its own."""
+    shard of its own. own_head=False: without shared_head.head and embed_tokens (the target's serve)."""
     shutil.copytree(src, out)
     cfg = json.loads((src / "config.json").read_text())
     n, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
@@ -43,6 +43,8 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 0) -> Path:
                 p + "shared_head.norm.weight": 1 + 0.3 * torch.randn(h, generator=g),
                 p + "shared_head.head.weight": 0.5 * torch.randn(vocab, h, generator=g),
                 p + "embed_tokens.weight": 0.5 * torch.randn(vocab, h, generator=g)})
+    if not own_head:
+        del mtp[p + "shared_head.head.weight"], mtp[p + "embed_tokens.weight"]
     save_file(mtp, out / "model-mtp.safetensors", metadata={"format": "pt"})
     return out
 
@@ -77,6 +79,8 @@ class Reference:
             _fused_experts({k[len(p):]: v for k, v in w.items() if k[len(p):].split(".")[0] not in own}), strict=False)
         assert not unexpected and not [m for m in missing if "bias" not in m or "correction" in m], (missing, unexpected)
         self.w = {k[len(p):]: v for k, v in w.items() if k[len(p):].split(".")[0] in own}
+        self.w.setdefault("embed_tokens.weight", self.target.model.embed_tokens.weight.detach())
+        self.w.setdefault("shared_head.head.weight", self.target.lm_head.weight.detach())
         self.eps = config.rms_norm_eps
 
     def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -109,9 +113,9 @@ class Reference:
         return out
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_proposals_match_reference_and_output_matches_transformers(make_ckpt, tmp_path, family) -> None:
-    path = with_mtp_layer(make_ckpt(family, family=family), tmp_path / family, seed=3)
+@pytest.mark.parametrize("family,own_head", [("deepseek_v3", True), ("glm4_moe", True), ("deepseek_v3", False)])
+def test_proposals_match_reference_and_output_matches_transformers(make_ckpt, tmp_path, family, own_head) -> None:
+    path = with_mtp_layer(make_ckpt(family, family=family), tmp_path / family, seed=3, own_head=own_head)
     llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
     calls = spy_proposals(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -136,3 +140,85 @@ def test_refused_without_a_layer_or_a_family(make_ckpt) -> None:
     with pytest.raises(ValueError, match="speculative_method must be 'mtp'"):
         LLM(str(make_ckpt("llama", family="llama")), dtype="float32", speculative_method="eagle",
             num_speculative_tokens=K)
+
+
+# ------------------------------------------------------------------ Qwen3-Next: `mtp.*` beside a hybrid target
+def with_qwen3_next_mtp(src: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of a Qwen3-Next checkpoint with its MTP module as the released ones store it: mtp.layers.0.* (a
+    full-attention layer: here the target's layer 1, the tiny model's one, with noise), mtp.fc,
+    mtp.pre_fc_norm_embedding / _hidden and mtp.norm (zero-centred norms), in a shard of its own."""
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    assert cfg["layer_types"][1] == "full_attention"
+    h = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    mtp = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers.1."):
+            noise = torch.randn(t.shape, generator=g) * (0.3 if "norm" in name else t.float().std().item() or 0.05)
+            mtp["mtp.layers.0." + name[len("model.layers.1."):]] = (t.float() + noise).to(t.dtype)
+    mtp.update({"mtp.fc.weight": 0.15 * torch.randn(h, 2 * h, generator=g),
+                "mtp.pre_fc_norm_embedding.weight": 0.3 * torch.randn(h, generator=g),
+                "mtp.pre_fc_norm_hidden.weight": 0.3 * torch.randn(h, generator=g),
+                "mtp.norm.weight": 0.3 * torch.randn(h, generator=g)})
+    save_file(mtp, out / "model-mtp.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1)))
+    return out
+
+
+class Qwen3NextReference(Reference):
+    """Qwen3-Next's MTP proposals, computed whole by transformers' decoder layer (a full-attention one, as vLLM
+    builds it) and its target in fp32: fc over [normed embedding, normed target state], the layer, the final norm;
+    the target's LM head reads it, and it is the next pass's feature. Zero-centred norms, no position zeroed."""
+
+    def __init__(self, path: Path) -> None:
+        import transformers as tf
+        self.target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        config = self.target.config
+        config._attn_implementation = "eager"
+        self.layer = type(self.target.model.layers[1])(config, 1).eval()
+        w = load_file(path / "model-mtp.safetensors")
+        missing, unexpected = self.layer.load_state_dict(
+            _fused_experts({k[len("mtp.layers.0."):]: v for k, v in w.items() if k.startswith("mtp.layers.0.")}),
+            strict=False)
+        assert not unexpected and not missing, (missing, unexpected)
+        self.w = {k[len("mtp."):]: v for k, v in w.items() if not k.startswith("mtp.layers.")}
+        self.eps = config.rms_norm_eps
+
+    def _rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1 + self.w[name])
+
+    def forward(self, ids: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = len(ids)
+        e = self.target.model.embed_tokens.weight[torch.tensor(ids)]
+        x = torch.cat([self._rms(e, "pre_fc_norm_embedding.weight"), self._rms(feats, "pre_fc_norm_hidden.weight")],
+                      -1) @ self.w["fc.weight"].T
+        pos = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        with torch.no_grad():
+            stream = self.layer(x[None], attention_mask=mask, position_ids=pos,
+                                position_embeddings=self.target.model.rotary_emb(x[None], pos))[0]
+            out = self._rms(stream, "norm.weight")
+            return out @ self.target.lm_head.weight.T, out
+
+
+def test_qwen3_next_mtp_drafts_for_its_hybrid_model(make_ckpt, tmp_path) -> None:
+    """The proposals equal the reference's, and greedy output stays transformers' while rejected drafts roll the
+    target's recurrent state back. The checkpoint without `mtp.*` is refused."""
+    import tests.test_recurrent_families  # noqa: F401  (registers the qwen3_next test family)
+    src = make_ckpt("qwen3_next_mtp_src", family="qwen3_next")
+    with pytest.raises(ValueError, match="mtp.fc.weight not found"):
+        LLM(str(src), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
+    path = with_qwen3_next_mtp(src, tmp_path / "qwen3_next", seed=3)
+    llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
+    assert type(llm.engine.runner.drafter.model).__name__ == "Qwen3NextMTP"
+    calls = spy_proposals(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
+    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
+    assert assert_proposals_match(Qwen3NextReference(path), calls, sequences) >= 20
+    e = llm.engine
+    assert e.num_draft_tokens > 0 and e.kv.snapshots.num_rollbacks > 0
+    e.scheduler.check_invariants()
+    assert e.kv.pool.num_free == e.kv.num_blocks and e.kv.state.num_free == e.kv.state.num_slots

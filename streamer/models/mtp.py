@@ -8,9 +8,15 @@ At position i the layer reads the embedding of token i + 1 and the target's fina
 and predicts token i + 2. Applied again on its own output stream it drafts further (as vLLM does with one layer).
 The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner side is streamer/eagle.py's
 (`EagleDrafter`): the same fill / keep / propose steps as an EAGLE-1 head.
+
+Qwen3-Next checkpoints store theirs apart, as `mtp.*` (`Qwen3NextMTP`, below): the same shape with other names
+(fc, pre_fc_norm_embedding / _hidden, norm), zero-centred norms, and the normed output as the next feature. Its
+target is hybrid: a rejected draft rolls the target's recurrent state back (kv_cache.StateSnapshots), while the
+head, plain attention, just overwrites its KV when the target recomputes.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Callable, Iterable, Optional
@@ -21,15 +27,23 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RMSNorm, VocabEmbedding
+from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
 
-MTP_FAMILIES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# family -> a tensor only a checkpoint with the MTP layer has ({n}: the number of decoder layers)
+MTP_FAMILIES = {"DeepseekV3ForCausalLM": "model.layers.{n}.eh_proj.weight",
+                "Glm4MoeForCausalLM": "model.layers.{n}.eh_proj.weight",
+                "Qwen3NextForCausalLM": "mtp.fc.weight"}
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
 
 
 @functools.cache
 def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
-    """The MTP head of a family: its model class, built with only the layer past the last."""
+    """The MTP head of a family: its model class, built with only the layer past the last (Qwen3-Next: a module
+    of its own, `Qwen3NextMTP`)."""
+    if issubclass(target_cls, Qwen3NextForCausalLM):
+        return Qwen3NextMTP
 
     class MTPHead(target_cls):  # type: ignore[valid-type, misc]
         version = 1  # (drafts as an EAGLE-1 head does: the target's final hidden states are its features)
@@ -49,14 +63,15 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             self.norm = None  # type: ignore[assignment]
             self.lm_head = None
             self.own = {"embed_tokens.weight": False, "shared_head.head.weight": False}
+            self.target_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
             self.mtp_name = re.compile(rf"^model\.layers\.{cfg.num_layers}\.(.*)$")
 
         def share_target(self, target: LlamaForCausalLM) -> None:
             """Checkpoints usually repeat the target's embeddings (and LM head) in the layer; where not, share."""
             if not self.own["embed_tokens.weight"]:
                 self.embed_tokens = target.embed_tokens
-            if not self.own["shared_head.head.weight"]:
-                self.shared_head.head = target.embed_tokens if target.lm_head is None else target.lm_head
+            if not self.own["shared_head.head.weight"]:  # (the target's LM head may be prepacked for the CPU)
+                self.target_logits = target.compute_logits
 
         def combine(self, target_features: torch.Tensor) -> torch.Tensor:
             return target_features
@@ -74,6 +89,8 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             return self.shared_head.norm(stream), stream
 
         def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            if self.target_logits is not None:
+                return self.target_logits(hidden)
             return torch.nn.functional.linear(hidden, self.shared_head.head.weight).float()
 
         def propose(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,3 +123,73 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
 
     MTPHead.__name__ = MTPHead.__qualname__ = target_cls.__name__ + "MTP"
     return MTPHead
+
+
+class Qwen3NextMTP(LlamaForCausalLM):
+    """Qwen3-Next's MTP module (`mtp.*` in the released checkpoints; `num_nextn_predict_layers` = 1), as vLLM runs
+    it: x = fc([pre_fc_norm_embedding(embed(t[i + 1])), pre_fc_norm_hidden(h[i])]) -> one full-attention decoder
+    layer of the target's kind (gated attention, the sparse MoE of a layer 0) -> norm; the target's LM head reads
+    that, and it is also the next pass's feature. Every norm is zero-centred (Gemma's). No position is zeroed.
+    Embeddings and LM head are the target's. A plain attention model: no recurrent state of its own."""
+
+    version = 1
+    decoder_layer = Qwen3NextDecoderLayer
+    own = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        layer_cfg = dataclasses.replace(cfg, raw={**cfg.raw, "layer_types": ["full_attention"] * cfg.num_layers})
+        super().__init__(layer_cfg, backend_cls, max_positions)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = ColumnParallelLinear(2 * h, [h])
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = GemmaRMSNorm(h, eps), GemmaRMSNorm(h, eps)
+        self.norm = GemmaRMSNorm(h, eps)
+        self.lm_head = None
+        self.target_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
+        return [0]
+
+    def share_target(self, target: LlamaForCausalLM) -> None:
+        self.embed_tokens = target.embed_tokens
+        self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
+
+    def combine(self, target_features: torch.Tensor) -> torch.Tensor:
+        return target_features
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
+                feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = self.embed(input_ids)
+        if feature is None:  # (the runner's warm-up steps)
+            feature = torch.zeros_like(embeds)
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(feature)], dim=-1))
+        x, residual = self.layers[0](positions, x, None, kv_caches[0], decode)
+        out = self.norm(x, residual)[0]
+        return out, out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.target_logits is not None, "share_target first"
+        return self.target_logits(hidden)
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden).argmax(dim=-1)
+
+    def pack_head_for_cpu(self) -> None:
+        pass
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Only the `mtp.*` tensors: its decoder layer's as layer 0, its final norm as the model's."""
+        for name, t in weights:
+            if not name.startswith("mtp."):
+                continue
+            rest = name[len("mtp."):]
+            yield (rest if rest.split(".")[0] in self.own else f"model.{rest}"), t
+
+    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
+        if ckpt_name.split(".")[0] in self.own:
+            return ckpt_name, None
+        return super().param_name(ckpt_name)
+
+    def expected_weights(self) -> set[str]:
+        return super().expected_weights() - {"embed_tokens.weight"}

@@ -16,7 +16,8 @@ sparse MoE with a gated shared expert (or a dense SwiGLU: `mlp_only_layers`, `de
 Like the Mamba layers of models/granite_hybrid.py, a linear-attention layer keeps no KV cache: each running request
 holds its conv window and recurrent state in a slot (kv_cache.StateSlotPool), driven by the step's MambaStep from
 the forward context (fresh slots zeroed, one-token rows vectorised, prefill chunks from the carried state).
-The multi-token-prediction weights (`mtp.*`) of released checkpoints are skipped.
+The multi-token-prediction module (`mtp.*`) of released checkpoints is not part of the model: with
+speculative_method="mtp" it drafts (models/mtp.py Qwen3NextMTP).
 """
 from __future__ import annotations
 
