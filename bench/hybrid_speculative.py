@@ -8,7 +8,8 @@ so n-gram lookup would propose little. The drafts therefore come from an oracle:
 each draft spoilt (replaced by another token) with probability `spoil`; a spoilt draft is rejected and the ones after
 it with it. This measures the engine's side of speculative decoding (verify steps, snapshots, rollbacks and the
 recomputed tokens after them) at a known acceptance, not any drafter. A row with the real n-gram lookup shows what
-its misses cost. Every row checks that the output is identical to plain greedy decoding.
+its misses cost. Every row checks that the output is identical to plain greedy decoding. On a hybrid, the rows
+with many misses run again without the engine's draft backoff (LLMEngine._settle_backoff).
 
 Prints per model: tok/s, the ratio to plain decoding, drafts accepted / proposed, rollbacks and steps, best of
 --rounds. (Prefix caching off: the prompts repeat across rows.)
@@ -70,9 +71,13 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
     spec = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=False, num_speculative_tokens=k,
                prompt_lookup_min=2)
     spec.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4))
-    real = streamer.engine.propose_ngram
-    for spoil in (None,) + SPOILS:  # None: the real n-gram lookup
+    real, backoff = streamer.engine.propose_ngram, streamer.engine._MAX_DRAFT_BACKOFF
+    hybrid = spec.engine.kv.snapshots is not None
+    # (spoil, backoff on): None = the real n-gram lookup; a hybrid's misses also run without the backoff
+    runs = [(None, True)] + [(x, True) for x in SPOILS] + ([(x, False) for x in SPOILS if x >= 0.3] if hybrid else [])
+    for spoil, on in runs:
         streamer.engine.propose_ngram = real if spoil is None else Oracle(sequences, spoil, vocab)
+        streamer.engine._MAX_DRAFT_BACKOFF = backoff if on else 0
         e = spec.engine
         before = (e.num_draft_tokens, e.num_accepted_tokens, e.num_steps,
                   e.kv.snapshots.num_rollbacks if e.kv.snapshots is not None else 0)
@@ -80,10 +85,10 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
         after = (e.num_draft_tokens, e.num_accepted_tokens, e.num_steps,
                  e.kv.snapshots.num_rollbacks if e.kv.snapshots is not None else 0)
         drafts, accepted, steps, rollbacks = ((a - b) // rounds for a, b in zip(after, before))
-        name = "n-gram lookup" if spoil is None else f"oracle, spoil {spoil:.1f}"
+        name = ("n-gram lookup" if spoil is None else f"oracle, spoil {spoil:.1f}") + ("" if on else ", no backoff")
         rows.append((name, s, base_s / s, f"{accepted}/{drafts}", rollbacks if e.kv.snapshots is not None else "-",
                      steps, outs == ref))
-    streamer.engine.propose_ngram = real
+    streamer.engine.propose_ngram, streamer.engine._MAX_DRAFT_BACKOFF = real, backoff
     spec.close()
     return rows
 
@@ -101,12 +106,12 @@ def main() -> None:
     args = ap.parse_args()
     models: list[Optional[str]] = [args.model] + ([args.dense] if args.dense else [])
     print(f"{args.batch} x {args.tokens} tokens, greedy, K={args.k}, {args.dtype}, best of {args.rounds}")
-    print(f"{'model':<26} {'drafts':<20} {'s':>7} {'tok/s':>8} {'vs plain':>9} {'accepted':>11} {'rollbacks':>10}"
+    print(f"{'model':<26} {'drafts':<32} {'s':>7} {'tok/s':>8} {'vs plain':>9} {'accepted':>11} {'rollbacks':>10}"
           f" {'steps':>6} {'same':>5}")
     for path in models:
         rows = run_model(path, args.dummy, args.dtype, args.tokens, args.batch, args.k, args.rounds)  # type: ignore
         for name, s, ratio, acc, rb, steps, same in rows:
-            print(f"{str(path)[-26:]:<26} {name:<20} {s:>7.2f} {args.batch * args.tokens / s:>8.1f} {ratio:>8.2f}x"
+            print(f"{str(path)[-26:]:<26} {name:<32} {s:>7.2f} {args.batch * args.tokens / s:>8.1f} {ratio:>8.2f}x"
                   f" {acc:>11} {rb!s:>10} {steps:>6} {'yes' if same else 'NO':>5}")
 
 

@@ -38,6 +38,7 @@ from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.tokenizer import Tokenizer
 
 logger = logging.getLogger("streamer")
+_MAX_DRAFT_BACKOFF = 16  # steps (LLMEngine._settle_backoff)
 
 PromptType = Union[str, Sequence[int], dict]
 # A request's adapter: a registered adapter's name, or a LoRARequest (registered on first use).
@@ -456,6 +457,9 @@ class LLMEngine:
             row = self.batch.row_of.get(req.request_id)
             if k <= 0 or row is None:
                 continue
+            if req.draft_backoff:
+                req.draft_backoff -= 1
+                continue
             if self.runner.drafter is not None:  # placeholders: the draft model fills them on the device
                 req.draft_token_ids = [0] * k
                 continue
@@ -491,6 +495,7 @@ class LLMEngine:
         self.num_accepted_tokens += accepted
         if accepted < len(drafts):
             self.kv.reject_drafts(req)  # (a hybrid model: its recurrent state goes back to before the step)
+        self._settle_backoff(req, accepted, len(drafts))
         update = self._append_token(state, sampled[0], result, row, now)
         for j in range(1, accepted + 1):
             if update.finished:
@@ -508,6 +513,20 @@ class LLMEngine:
             req.num_pending = 0
             self.batch.truncate(req.request_id, len(req.all_token_ids))
         return update
+
+    def _settle_backoff(self, req: Request, accepted: int, num_drafts: int) -> None:
+        """Hybrid models: a verify step that accepts nothing costs more than the plain step it replaces (the next
+        one recomputes through the recurrent layers' chunk path, and the state is copied out and back), so a request
+        whose drafts keep missing decodes without them for a while: from the third miss in a row on, 1, 2, 4, ...
+        up to 16 steps after each; an accepted draft ends the backoff (bench/RESULTS.md, session 15)."""
+        if self.kv.snapshots is None or not num_drafts:
+            return
+        if accepted:
+            req.draft_misses = 0
+        else:
+            req.draft_misses += 1
+            if req.draft_misses >= 3:
+                req.draft_backoff = min(1 << (req.draft_misses - 3), _MAX_DRAFT_BACKOFF)
 
     def _append_token(self, state: SeqState, token: int, result: RunnerOutput, row: int, now: float) -> SeqUpdate:
         req = state.req

@@ -87,6 +87,10 @@ class Request:
         self.draft_token_ids: list[int] = []
         # A draft model's KV: how many leading positions of this sequence it holds (streamer/draft_model.py).
         self.num_draft_computed = 0
+        # Hybrid models: verify steps in a row that accepted no draft, and steps left to decode without drafts
+        # (LLMEngine._settle_backoff)
+        self.draft_misses = 0
+        self.draft_backoff = 0
         # LongRoPE models: the sequence's KV is computed with the long factors (see Scheduler). Part of the blocks'
         # hashes: a block's KV depends on which factors rotated it.
         self.long_rope = self.long_rope_threshold is not None and len(self.prompt_token_ids) > self.long_rope_threshold

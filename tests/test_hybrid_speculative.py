@@ -116,6 +116,28 @@ def test_greedy_with_drafts_matches_transformers(ckpt, refs, family, monkeypatch
     e.kv.check_consistency()
 
 
+def test_drafts_that_keep_missing_back_off(ckpt, refs, monkeypatch):
+    """A hybrid's rejected draft costs more than the plain step it replaces, so a request whose drafts keep missing
+    decodes without them for a while (from the third miss in a row: 1, 2, 4, ... up to 16 steps); an accepted draft
+    ends that. Every draft wrong here: far fewer verifications than steps, and the output unchanged."""
+    path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
+    llm, oracle = spec_llm(path, monkeypatch, [p + r for p, r in zip(PROMPTS, want)], spoil=1.0)
+    e = llm.engine
+    assert generate(llm, PROMPTS) == want
+    assert e.num_accepted_tokens == 0 and e.kv.snapshots.num_rollbacks == len(oracle.calls)
+    # Per request: misses 1-3 draft back to back, then 1 + 2 + 4 steps without before misses 4, 5 and 6.
+    assert len(oracle.calls) <= len(PROMPTS) * 7 < len(PROMPTS) * (MAX_NEW - 1)
+    req = Request("x", [5, 6, 7], SamplingParams(max_tokens=4), 4, block_size=4)
+    backoffs = []
+    for _ in range(9):
+        e._settle_backoff(req, 0, 3)
+        backoffs.append(req.draft_backoff)
+    assert backoffs == [0, 0, 1, 2, 4, 8, 16, 16, 16]
+    e._settle_backoff(req, 1, 3)
+    assert req.draft_misses == 0
+    assert_state_freed(llm)
+
+
 @pytest.mark.parametrize("engine_args", [
     dict(max_num_batched_tokens=8, block_size=4),  # chunked prefill; budgets that cut drafts short
     dict(num_kv_blocks=16, block_size=4, max_num_batched_tokens=16),  # preemption
