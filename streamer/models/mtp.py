@@ -38,6 +38,27 @@ MTP_FAMILIES = {"DeepseekV3ForCausalLM": "model.layers.{n}.eh_proj.weight",
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
 
 
+class MTPDrafting:
+    """What EagleDrafter asks of an MTP head beyond its forward (both heads below): features pass through as the
+    target gives them (its final hidden states), greedy proposals, and no prepacked LM head of its own."""
+
+    target_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # the target's, where the head shares it
+
+    def combine(self, target_features: torch.Tensor) -> torch.Tensor:
+        return target_features
+
+    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden).argmax(dim=-1)  # type: ignore[attr-defined]
+
+    def pack_head_for_cpu(self) -> None:
+        pass
+
+    def inputs(self, input_ids: torch.Tensor, feature: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens' embeddings and the features (zeros in the runner's warm-up steps, which pass none)."""
+        embeds = self.embed(input_ids)  # type: ignore[attr-defined]
+        return embeds, torch.zeros_like(embeds) if feature is None else feature
+
+
 @functools.cache
 def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     """The MTP head of a family: its model class, built with only the layer past the last (Qwen3-Next: a module
@@ -45,7 +66,7 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     if issubclass(target_cls, Qwen3NextForCausalLM):
         return Qwen3NextMTP
 
-    class MTPHead(target_cls):  # type: ignore[valid-type, misc]
+    class MTPHead(MTPDrafting, target_cls):  # type: ignore[valid-type, misc]
         version = 1  # (drafts as an EAGLE-1 head does: the target's final hidden states are its features)
 
         def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
@@ -63,7 +84,6 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             self.norm = None  # type: ignore[assignment]
             self.lm_head = None
             self.own = {"embed_tokens.weight": False, "shared_head.head.weight": False}
-            self.target_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
             self.mtp_name = re.compile(rf"^model\.layers\.{cfg.num_layers}\.(.*)$")
 
         def share_target(self, target: LlamaForCausalLM) -> None:
@@ -73,15 +93,10 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             if not self.own["shared_head.head.weight"]:  # (the target's LM head may be prepacked for the CPU)
                 self.target_logits = target.compute_logits
 
-        def combine(self, target_features: torch.Tensor) -> torch.Tensor:
-            return target_features
-
         def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                     kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
                     feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-            embeds = self.embed(input_ids)
-            if feature is None:  # (the runner's warm-up steps)
-                feature = torch.zeros_like(embeds)
+            embeds, feature = self.inputs(input_ids, feature)
             embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
             x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
             x, residual = self.layers[0](positions, x, None, kv_caches[0], decode)
@@ -92,12 +107,6 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
             if self.target_logits is not None:
                 return self.target_logits(hidden)
             return torch.nn.functional.linear(hidden, self.shared_head.head.weight).float()
-
-        def propose(self, hidden: torch.Tensor) -> torch.Tensor:
-            return self.compute_logits(hidden).argmax(dim=-1)
-
-        def pack_head_for_cpu(self) -> None:
-            pass
 
         def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
             """Only the MTP layer's tensors: its decoder layer's as layer 0, the rest by their own names."""
@@ -125,7 +134,7 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     return MTPHead
 
 
-class Qwen3NextMTP(LlamaForCausalLM):
+class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
     """Qwen3-Next's MTP module (`mtp.*` in the released checkpoints; `num_nextn_predict_layers` = 1), as vLLM runs
     it: x = fc([pre_fc_norm_embedding(embed(t[i + 1])), pre_fc_norm_hidden(h[i])]) -> one full-attention decoder
     layer of the target's kind (gated attention, the sparse MoE of a layer 0) -> norm; the target's LM head reads
@@ -145,7 +154,6 @@ class Qwen3NextMTP(LlamaForCausalLM):
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = GemmaRMSNorm(h, eps), GemmaRMSNorm(h, eps)
         self.norm = GemmaRMSNorm(h, eps)
         self.lm_head = None
-        self.target_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
         return [0]
@@ -154,15 +162,10 @@ class Qwen3NextMTP(LlamaForCausalLM):
         self.embed_tokens = target.embed_tokens
         self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
 
-    def combine(self, target_features: torch.Tensor) -> torch.Tensor:
-        return target_features
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
                 feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds = self.embed(input_ids)
-        if feature is None:  # (the runner's warm-up steps)
-            feature = torch.zeros_like(embeds)
+        embeds, feature = self.inputs(input_ids, feature)
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(feature)], dim=-1))
         x, residual = self.layers[0](positions, x, None, kv_caches[0], decode)
         out = self.norm(x, residual)[0]
@@ -171,12 +174,6 @@ class Qwen3NextMTP(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.target_logits is not None, "share_target first"
         return self.target_logits(hidden)
-
-    def propose(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(hidden).argmax(dim=-1)
-
-    def pack_head_for_cpu(self) -> None:
-        pass
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Only the `mtp.*` tensors: its decoder layer's as layer 0, its final norm as the model's."""
