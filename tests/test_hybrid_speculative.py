@@ -328,3 +328,54 @@ def test_a_checkpoint_after_a_rollback_holds_the_restored_state():
         sim.drain()
         restores += sim.kv.checkpoints.num_restores
     assert restores > 0
+
+
+def test_live_server_streams_verified_runs(ckpt, refs, monkeypatch):
+    """Through the server and the openai client, requests at once (plain, streamed, and a stream dropped after its
+    first chunk): every answer is transformers' greedy one, several tokens arriving per chunk; the engine ends
+    with its blocks and state slots whole."""
+    import asyncio
+
+    import openai
+
+    from tests.server_utils import LiveServer, metric
+    path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
+    monkeypatch.setattr(streamer.engine, "propose_ngram", OracleDrafts([p + r for p, r in zip(PROMPTS, want)], 0.35))
+    extra = {"min_tokens": MAX_NEW, "return_token_ids": True}
+    with LiveServer(path, num_speculative_tokens=K) as server:
+        async def main():
+            async with openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as c:
+                def create(prompt, stream):
+                    return c.completions.create(model=server.model_name, prompt=prompt, max_tokens=MAX_NEW,
+                                                temperature=0.0, stream=stream, extra_body=extra)
+
+                async def plain(prompt):
+                    return (await create(prompt, False)).choices[0].token_ids, 1
+
+                async def streamed(prompt):
+                    ids, chunks = [], 0
+                    async for ch in await create(prompt, True):
+                        if ch.choices and ch.choices[0].token_ids:
+                            ids += ch.choices[0].token_ids
+                            chunks += 1
+                    return ids, chunks
+
+                async def dropped(prompt):
+                    stream = await create(prompt, True)
+                    async for _ in stream:
+                        break
+                    await stream.close()
+                    return None, 0
+                return await asyncio.gather(plain(PROMPTS[0]), plain(PROMPTS[1]), streamed(PROMPTS[2]),
+                                            streamed(PROMPTS[3]), dropped(PROMPTS[1]))
+
+        results = asyncio.run(asyncio.wait_for(main(), 300))
+        server.wait_idle()
+        import httpx
+        prom = httpx.get(server.url + "/metrics", timeout=30).text
+        e = server.engine.engine
+        assert [ids for ids, _ in results[:4]] == want
+        assert results[2][1] + results[3][1] < 2 * MAX_NEW, "no chunk carried a verified run"
+        assert e.kv.snapshots.num_rollbacks > 0
+        assert metric(prom, "vllm:spec_decode_num_accepted_tokens_total") == e.num_accepted_tokens > 0
+        assert e.kv.state.num_free == e.kv.state.num_slots and not e.kv.state.slot_of
