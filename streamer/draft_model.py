@@ -127,9 +127,11 @@ class DraftModel:
 
     def __init__(self, config: EngineConfig, target: "ModelRunner") -> None:
         from streamer.model_runner import ModelRunner
-        path = Path(config.speculative_model).expanduser()  # type: ignore[arg-type]
+        from streamer.gguf import hf_folder  # a GGUF draft (file, folder or first shard): its converted HF folder
+        path = hf_folder(Path(config.speculative_model).expanduser())  # type: ignore[arg-type]
         if not path.is_dir():
-            raise FileNotFoundError(f"speculative_model folder not found: {path}")
+            raise FileNotFoundError(f"speculative_model not found: {config.speculative_model} (a Hugging Face "
+                                    "checkpoint folder or a GGUF file)")
         cfg = ModelConfig.from_dir(path)
         _check_compatible(path, cfg, config, target)
         draft_config = dataclasses.replace(

@@ -362,3 +362,19 @@ def test_live_llm_generate(ckpt, tmp_path, caplog):
     out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].text
     assert out.prompt_token_ids[0] == llm.tokenizer.bos_token_id  # (add_bos_token carried over)
+
+
+def test_gguf_draft_model(ckpt, tmp_path):
+    """`speculative_model` takes a GGUF file too (converted like a model's): a Q8_0 copy of a GGUF target drafts
+    for it. Its drafts are the target's own argmax up to quantization, so most are accepted; the output stays the
+    target's plain greedy output."""
+    target = _gguf(ckpt, tmp_path, "llama", Q.F32)
+    draft = _gguf(ckpt, tmp_path, "llama", Q.Q8_0)
+    want = greedy(LLM(str(target), dtype="float32"), PROMPTS, MAX_NEW)
+    llm = LLM(str(target), dtype="float32", speculative_model=str(draft), num_speculative_tokens=3)
+    assert greedy(llm, PROMPTS, MAX_NEW) == want
+    e = llm.engine
+    assert type(llm.engine.runner.drafter).__name__ == "DraftModel"
+    assert e.num_accepted_tokens > 0.8 * e.num_draft_tokens > 0
+    with pytest.raises(FileNotFoundError, match="a Hugging Face checkpoint folder or a GGUF file"):
+        LLM(str(target), dtype="float32", speculative_model=str(tmp_path / "nothing.gguf"), num_speculative_tokens=3)
