@@ -87,11 +87,22 @@ def test_tp2_matches_one_process_and_transformers(ckpt, prompts, name):
         assert 2 * half == whole, "each rank holds half of each state slot"
 
 
+def test_nemotron_h_experts_split_over_ranks(ckpt):
+    """Nemotron-H's routed experts split along their intermediate size, as its shared expert does: each rank holds
+    a slice of every expert, and sums its slices' outputs before one all-reduce a layer (their tokens match
+    transformers in test_tp2_matches_one_process_and_transformers)."""
+    with LLM(str(ckpt("nemotron_h")), tensor_parallel_size=2, **ENGINE) as llm:
+        moe = next(layer.mixer for layer in llm.engine.runner.model.layers if layer.kind == "moe")
+        for expert in moe.experts:  # (moe_intermediate_size 32)
+            assert expert.fc1.output_sizes == [16] and expert.fc2.input_size == 16, "half of each expert a rank"
+
+
 # (checkpoint, config changes, the field the error names)
 REFUSALS = [
     ("mamba2", {"num_heads": 7}, "num_heads"),
     ("mamba2", {"num_heads": 6, "n_groups": 3}, "n_groups"),  # 3 groups neither split over 2 ranks nor shared
     ("nemotron_h", {"mamba_num_heads": 9}, "mamba_num_heads"),
+    ("nemotron_h", {"moe_intermediate_size": 33}, "moe_intermediate_size"),  # (its experts split too)
     ("granite_moe", {"mamba_n_heads": 5}, "mamba_n_heads"),
     ("granite_moe", {"num_attention_heads": 3}, "num_attention_heads"),
     ("qwen3_next", {"linear_num_key_heads": 1}, "linear_num_key_heads"),

@@ -297,13 +297,15 @@ class ReplicatedLinear(PackableLinear):
 
 
 class RowParallelLinear(PackableLinear):
-    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
+    """y = x W^T with W's input columns split across ranks; partial sums are all-reduced (reduce=False: left to
+    the caller, who sums several such outputs first, e.g. a token's routed experts; the bias is then rank 0's)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce: bool = True) -> None:
         super().__init__()
         tp = ParallelContext.size
         if input_size % tp:
             raise ValueError(f"input size {input_size} is not divisible by tensor_parallel_size {tp}")
+        self.reduce = reduce
         self.tp_rank, self.tp_size = ParallelContext.rank, tp
         self.input_size = input_size // tp
         self._add_weight(output_size, self.input_size, bias)
@@ -318,9 +320,9 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)
-        if self.tp_size > 1:  # each rank multiplied its slice of the input features: sum the partial products
+        if self.tp_size > 1 and self.reduce:  # each rank multiplied its slice of the input features: sum them
             torch.distributed.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None or (not self.reduce and self.tp_rank) else y + self.bias
 
 
 class VocabEmbedding(nn.Module):

@@ -141,7 +141,8 @@ def attach(model: torch.nn.Module, slots: int, rank: int) -> dict[str, LoRAWeigh
     from streamer.models.layers import ColumnParallelLinear, RowParallelLinear
     found: dict[str, LoRAWeights] = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in LORA_LAYERS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if name.rsplit(".", 1)[-1] in LORA_LAYERS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
+                and ".experts." not in name:  # (routed experts take no adapters)
             w = LoRAWeights(module, slots, rank)
             module.lora = w
             _lora_layers.append(weakref.ref(w))

@@ -28,7 +28,7 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 
@@ -55,15 +55,15 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 
 
 class Relu2MLP(nn.Module):
-    """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate). `split`: over the
-    tensor-parallel ranks as a dense MLP (fc1 column-, fc2 row-parallel); else whole on every rank (a routed
-    expert: each rank computes the same output)."""
+    """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate), split over the
+    tensor-parallel ranks along its intermediate size (fc1 column-, fc2 row-parallel). reduce=False: each rank
+    returns its partial sum (a routed expert: the MoE sums its experts' and reduces once)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None, split: bool = False) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None, reduce: bool = True) -> None:
         super().__init__()
         out = hidden if out is None else out
-        self.fc1: nn.Module = ColumnParallelLinear(hidden, [inter], bias) if split else nn.Linear(hidden, inter, bias)
-        self.fc2: nn.Module = RowParallelLinear(inter, out, bias) if split else nn.Linear(inter, out, bias)
+        self.fc1 = ColumnParallelLinear(hidden, [inter], bias)
+        self.fc2 = RowParallelLinear(inter, out, bias, reduce=reduce)
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,9 +93,9 @@ class NemotronHMoE(nn.Module):
         self.gate.weight = nn.Parameter(torch.empty(self.num_experts, hidden, dtype=torch.float32), requires_grad=False)
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
                                                          requires_grad=False)
-        self.experts = nn.ModuleList(Relu2MLP(width, inter, False) for _ in range(self.num_experts))
-        self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias,
-                                       split=True)
+        # (split over the ranks like the shared expert: each holds 1 / tp of every expert)
+        self.experts = nn.ModuleList(Relu2MLP(width, inter, False, reduce=False) for _ in range(self.num_experts))
+        self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias)
         self.fc1_latent_proj = nn.Linear(hidden, width, bias=bias).requires_grad_(False) if latent else None
         self.fc2_latent_proj = nn.Linear(width, hidden, bias=bias).requires_grad_(False) if latent else None
 
@@ -123,6 +123,8 @@ class NemotronHMoE(nn.Module):
             rows, slot = torch.where(ids == e)
             y = self.experts[e](h[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.float())
+        if ParallelContext.size > 1:  # every rank summed its part of each expert
+            torch.distributed.all_reduce(out)
         out = out.to(x.dtype)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
@@ -161,8 +163,7 @@ class NemotronHBlock(nn.Module):
         elif self.kind == "attention":
             self.self_attn = Attention(cfg, backend_cls, rotary, use_rope=False)
         elif self.kind == "mlp":
-            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)),
-                                  split=True)
+            self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)))
         else:
             self.mixer = NemotronHMoE(cfg)
 
@@ -187,6 +188,11 @@ class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
     def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
         m = _mixer_config(cfg.raw)
         MambaMixer.check_split(tp, "mamba_num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
+        if "moe" in nemotron_h_layer_kinds(cfg.raw):  # (experts split along their intermediate size)
+            for field in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
+                if int(cfg.raw.get(field, 7688)) % tp:
+                    raise ValueError(f"tensor_parallel_size {tp} does not divide {field} "
+                                     f"({cfg.raw.get(field, 7688)}): each rank holds a slice of every expert")
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
