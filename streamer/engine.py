@@ -449,11 +449,10 @@ class LLMEngine:
         if len(running) > cfg.speculative_max_batch:
             return
         for req in running:
-            if (req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None
-                    or not self.scheduler.may_draft(req)):
-                continue  # not decoding, or its next token depends on host state the drafts would skip
+            if req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None:
+                continue  # its next token depends on host state the drafts would skip
             room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
-            k = min(cfg.num_speculative_tokens, room)
+            k = min(self.scheduler.draft_limit(req), room)  # (0: not decoding, or at a block boundary)
             row = self.batch.row_of.get(req.request_id)
             if k <= 0 or row is None:
                 continue

@@ -430,6 +430,8 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks is not None:
             self._note_change(req, 0)
+            if self.enable_prefix_caching:  # blocks that accepted drafts filled, hashed only once verified
+                self._cache_full_blocks(req, blocks, min(req.num_computed_tokens, len(req.all_token_ids) - 1))
         self._num_cached_blocks.pop(req.request_id, None)
         if blocks:
             # Tail first: when evicting, the end of a prefix chain goes before its (more shareable) start.

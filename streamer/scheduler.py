@@ -235,16 +235,21 @@ class Scheduler:
             self.kv.snapshot_states([(s.req, s.start) for s in out.scheduled if s.num_drafts])
         return out
 
-    def may_draft(self, req: Request) -> bool:
-        """Speculative decoding: may the request's next chunk carry drafts? When it decodes: only its last known
-        token is left to compute. On a hybrid model also right after drafts were rejected, when its state went back
-        to before them (kv_cache.StateSnapshots) and its next chunk recomputes the accepted ones: a few known tokens
-        more (never a prompt, nor a longer recompute, which runs without drafts)."""
+    def draft_limit(self, req: Request) -> int:
+        """Speculative decoding: how many drafts the request's next chunk may carry (0: none). When it decodes: only
+        its last known token is left to compute. On a hybrid model also right after drafts were rejected, when its
+        state went back to before them (kv_cache.StateSnapshots) and its next chunk recomputes the accepted ones: a
+        few known tokens more (never a prompt, nor a longer recompute, which runs without drafts). With prefix
+        caching a hybrid's chunk ends no further than the next block boundary, so that the request's computed
+        tokens land on every boundary and each gets its state checkpoint (a next turn resumes from the last)."""
+        k = self.config.num_speculative_tokens
         gap = len(req.all_token_ids) - 1 - req.num_computed_tokens
-        if gap == 0:
-            return True
-        return (self.kv.snapshots is not None and 0 < gap <= self.config.num_speculative_tokens
-                and req.num_output_tokens > 0)
+        if gap and not (self.kv.snapshots is not None and 0 < gap <= k and req.num_output_tokens > 0):
+            return 0
+        if self.kv.checkpoints is not None:
+            boundary = (req.num_computed_tokens // self.kv.block_size + 1) * self.kv.block_size
+            k = min(k, boundary - len(req.all_token_ids))
+        return max(k, 0)
 
     def _fit_checkpoints(self, req: Request, start: int, n: int) -> int:
         """Hybrid models with prefix caching: a chunk of n tokens from `start` ends at the request's chunk stop or,

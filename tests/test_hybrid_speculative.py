@@ -23,7 +23,7 @@ import streamer.engine
 import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
 import tests.test_recurrent_families  # noqa: F401
 from streamer import LLM
-from streamer.kv_cache import KVCacheManager
+from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler
@@ -114,6 +114,25 @@ def test_greedy_with_drafts_matches_transformers(ckpt, refs, family, monkeypatch
     assert e.num_steps < len(PROMPTS) * MAX_NEW // 2, "drafts did not save steps"
     assert_state_freed(llm)
     e.kv.check_consistency()
+
+
+@pytest.mark.parametrize("spoil", [0.0, 0.3])
+def test_next_turn_resumes_as_far_as_without_drafts(ckpt, refs, monkeypatch, spoil):
+    """Verified runs of drafts would jump over block boundaries, where the state is checkpointed while decoding, and
+    a conversation's next turn would find no checkpoint to resume from. A hybrid's verify chunk therefore ends no
+    further than the next boundary: the next turn's cache hit is the same as without drafts."""
+    path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
+    turns = [p + r + [7, 8, 9] for p, r in zip(PROMPTS, want)]
+    plain = LLM(str(path), dtype="float32", block_size=4)
+    assert generate(plain, PROMPTS) == want
+    hits = [o.num_cached_tokens for o in plain.generate([{"prompt_token_ids": t} for t in turns],
+                                                        SamplingParams(max_tokens=1))]
+    assert min(h - len(p) for h, p in zip(hits, PROMPTS)) > 4, "no checkpoint into the answers: nothing to compare"
+    llm, _ = spec_llm(path, monkeypatch, [p + r for p, r in zip(PROMPTS, want)], spoil=spoil, block_size=4)
+    assert generate(llm, PROMPTS) == want
+    assert llm.engine.num_accepted_tokens > 0
+    outs = llm.generate([{"prompt_token_ids": t} for t in turns], SamplingParams(max_tokens=1))
+    assert [o.num_cached_tokens for o in outs] == hits
 
 
 def test_drafts_that_keep_missing_back_off(ckpt, refs, monkeypatch):
@@ -225,18 +244,23 @@ def test_hybrid_drafts_are_refused(ckpt, llama_dir):
 # ------------------------------------------------------------------------ the bookkeeping, with a simulated model
 class SpecStateSim(StateSim):
     """StateSim with speculative decoding, as the engine does it: before each schedule the decoding requests
-    (`Scheduler.may_draft`) get random drafts; a sampling step accepts a random number of them, then one more
+    (`Scheduler.draft_limit`) get random drafts; a sampling step accepts a random number of them, then one more
     token, and a rejection rolls the state back (`KVCacheManager.reject_drafts`) before the tokens are appended.
-    The state check counts drafts as tokens consumed, so a state left holding a rejected draft fails it."""
+    The state check counts drafts as tokens consumed, so a state left holding a rejected draft fails it. The KV
+    check (as test_scheduler_properties' Sim): every position a chunk attends to holds the token its request has
+    there, so a cached block whose KV came from a rejected draft fails it when another request hits it.
+    hybrid=False: an attention-only model (no state, no rollback: rejected drafts' KV is overwritten)."""
 
-    def __init__(self, *args, k: int, max_batch: int, **kw) -> None:
+    def __init__(self, *args, k: int, max_batch: int, hybrid: bool = True, **kw) -> None:
         super().__init__(*args, **kw)
         self.cfg = dataclasses.replace(self.cfg, num_speculative_tokens=k, speculative_max_batch=max_batch)
         self.kv = KVCacheManager(self.kv.num_blocks, self.cfg.block_size, True, state_slots=self.cfg.max_num_seqs,
-                                 checkpoint_slots=self.kv.checkpoints.num_slots, snapshot_slots=max_batch)
+                                 checkpoint_slots=self.kv.checkpoints.num_slots, snapshot_slots=max_batch) \
+            if hybrid else KVCacheManager(self.kv.num_blocks, self.cfg.block_size, True)
         self.sched = Scheduler(self.cfg, self.kv, max_model_len=10_000)
-        schedule = self.sched.schedule
-        self.sched.schedule = lambda: self.run_states(schedule())  # type: ignore[method-assign]
+        if hybrid:
+            schedule = self.sched.schedule
+            self.sched.schedule = lambda: self.run_states(schedule())  # type: ignore[method-assign]
         self.outcomes: list[tuple[int, int]] = []  # (drafts, accepted)
 
     def run_states(self, out):
@@ -256,13 +280,28 @@ class SpecStateSim(StateSim):
             return
         for req in running:
             room = req.max_tokens - req.num_output_tokens - 1
-            n = min(self.rng.randint(0, self.cfg.num_speculative_tokens), room)
-            if n > 0 and self.sched.may_draft(req):
+            n = min(self.rng.randint(0, self.cfg.num_speculative_tokens), room, self.sched.draft_limit(req))
+            if n > 0:
                 req.draft_token_ids = [self.rng.randrange(50_000) for _ in range(n)]
+
+    def check_kv(self, out) -> None:
+        bs = self.cfg.block_size
+
+        def where(blocks: list[int], pos: int) -> int:
+            return blocks[pos // bs] * bs + pos % bs
+        for s in out.scheduled:  # the step writes each fed token's KV ...
+            seq, blocks = s.req.all_token_ids + s.req.draft_token_ids[:s.num_drafts], self.kv.blocks_of(s.req.request_id)
+            for pos in range(s.start, s.start + s.num_tokens):
+                self.slots[where(blocks, pos)] = seq[pos]
+        for s in out.scheduled:  # ... before any of them attends
+            seq, blocks = s.req.all_token_ids + s.req.draft_token_ids[:s.num_drafts], self.kv.blocks_of(s.req.request_id)
+            for pos in range(s.start + s.num_tokens):
+                assert self.slots.get(where(blocks, pos)) == seq[pos], f"{s.req.request_id} reads wrong KV at {pos}"
 
     def step(self) -> None:
         self.propose()
         out = self.sched.schedule()
+        self.check_kv(out)
         for s in out.scheduled:
             if not s.samples:
                 continue
@@ -274,7 +313,7 @@ class SpecStateSim(StateSim):
                 self.kv.reject_drafts(req)
             for t in drafts[:accepted] + [self.rng.randrange(50_000)]:
                 req.append_token(t)
-                if req.num_output_tokens >= req.max_tokens:
+                if req.num_output_tokens >= req.max_tokens or self.rng.random() < 0.05:  # (or a stop token)
                     self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
                     self.live.remove(req)
                     self.finished.append(req)
@@ -283,6 +322,17 @@ class SpecStateSim(StateSim):
                 req.num_computed_tokens = min(req.num_computed_tokens, len(req.all_token_ids) - 1)
                 req.num_pending = 0
         self.sched.check_invariants()
+
+    def next_turns(self) -> None:
+        """Each finished request's conversation goes on: its tokens and one more, as a new prompt."""
+        for req in list(self.finished):
+            if cdiv(len(req.all_token_ids) + 7, self.cfg.block_size) > self.kv.num_blocks:
+                continue  # (the engine rejects these up front)
+            turn = Request(f"turn{self.n}", req.all_token_ids + [1], SamplingParams(max_tokens=6), 6,
+                           block_size=self.cfg.block_size, hash_blocks=True)
+            self.n += 1
+            self.sched.add(turn)
+            self.live.append(turn)
 
 
 @settings(max_examples=120, deadline=None)
@@ -294,7 +344,23 @@ def test_states_resume_exactly_with_drafts(ops, block_size, num_blocks, budget, 
     sim = SpecStateSim(block_size, num_blocks, budget, max_seqs, True, policy, checkpoints=checkpoints, k=k,
                        max_batch=max_batch)
     sim.run(ops)
+    sim.next_turns()
+    sim.drain()
     assert sim.kv.state.num_free == sim.kv.state.num_slots
+    sim.kv.check_consistency()
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(8, 40), budget=st.integers(1, 48),
+       max_seqs=st.integers(1, 6), k=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_attention_kv_stays_right_with_drafts(ops, block_size, num_blocks, budget, max_seqs, k, seed):
+    """An attention-only model: rejected drafts' KV is overwritten, never cached; next turns hit what is right."""
+    sim = SpecStateSim(block_size, num_blocks, budget, max_seqs, True, "fcfs", checkpoints=1, k=k,
+                       max_batch=max_seqs, hybrid=False)
+    sim.rng.seed(seed)
+    sim.run(ops)
+    sim.next_turns()
+    sim.drain()
     sim.kv.check_consistency()
 
 
@@ -379,3 +445,18 @@ def test_live_server_streams_verified_runs(ckpt, refs, monkeypatch):
         assert e.kv.snapshots.num_rollbacks > 0
         assert metric(prom, "vllm:spec_decode_num_accepted_tokens_total") == e.num_accepted_tokens > 0
         assert e.kv.state.num_free == e.kv.state.num_slots and not e.kv.state.slot_of
+
+
+def test_no_rejected_draft_kv_is_cached():
+    """A request that stops inside a verified run (a stop token, drawn where a draft was rejected) has KV from the
+    rejected draft at its last position: the blocks it leaves cached end before it, and a next turn hits only right
+    KV. Many seeds, a pool big enough that nothing is evicted before the next turns look."""
+    for hybrid in (False, True):
+        for seed in range(40):
+            sim = SpecStateSim(2, 256, 64, 4, True, "fcfs", checkpoints=8, k=3, max_batch=4, hybrid=hybrid)
+            sim.rng.seed(seed)
+            for i in range(4):
+                sim.add(7 + 3 * i, 20, i, 0)
+            sim.drain()
+            sim.next_turns()
+            sim.drain()
