@@ -12,7 +12,7 @@ its misses cost. Every row checks that the output is identical to plain greedy d
 with many misses run again without the engine's draft backoff (LLMEngine._settle_backoff).
 
 Prints per model: tok/s, the ratio to plain decoding, drafts accepted / proposed, rollbacks and steps, best of
---rounds. (Prefix caching off: the prompts repeat across rows.)
+--rounds. Prefix caching is off unless --prefix-caching (the prompts repeat across rows and rounds: on, they hit).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class Oracle:
         return []
 
 
-def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: int, rounds: int) -> list[tuple]:
+def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: int, rounds: int,
+              caching: bool) -> list[tuple]:
     import streamer.engine
     from streamer import LLM, SamplingParams
     load = "dummy" if dummy else "auto"
@@ -58,7 +59,7 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
             outs = [o.outputs[0].token_ids for o in res]
         return best, outs
 
-    plain = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=False)
+    plain = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=caching)
     vocab = plain.engine.model_config.vocab_size
     rng = random.Random(1)
     prompts = [[rng.randrange(10, vocab) for _ in range(32)] for _ in range(batch)]
@@ -68,7 +69,7 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
     rows = [("plain", base_s, 1.0, "", "", (plain.engine.num_steps - steps) // rounds, True)]
     plain.close()
     sequences = [p + r for p, r in zip(prompts, ref)]
-    spec = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=False, num_speculative_tokens=k,
+    spec = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=caching, num_speculative_tokens=k,
                prompt_lookup_min=2)
     spec.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4))
     real, backoff = streamer.engine.propose_ngram, streamer.engine._MAX_DRAFT_BACKOFF
@@ -103,13 +104,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="on (a hybrid's verify chunks then end at block boundaries, for its state checkpoints)")
     args = ap.parse_args()
     models: list[Optional[str]] = [args.model] + ([args.dense] if args.dense else [])
-    print(f"{args.batch} x {args.tokens} tokens, greedy, K={args.k}, {args.dtype}, best of {args.rounds}")
+    print(f"{args.batch} x {args.tokens} tokens, greedy, K={args.k}, {args.dtype}, best of {args.rounds}, prefix "
+          f"caching {'on' if args.prefix_caching else 'off'}")
     print(f"{'model':<26} {'drafts':<32} {'s':>7} {'tok/s':>8} {'vs plain':>9} {'accepted':>11} {'rollbacks':>10}"
           f" {'steps':>6} {'same':>5}")
     for path in models:
-        rows = run_model(path, args.dummy, args.dtype, args.tokens, args.batch, args.k, args.rounds)  # type: ignore
+        rows = run_model(path, args.dummy, args.dtype, args.tokens, args.batch, args.k, args.rounds,  # type: ignore
+                         args.prefix_caching)
         for name, s, ratio, acc, rb, steps, same in rows:
             print(f"{str(path)[-26:]:<26} {name:<32} {s:>7.2f} {args.batch * args.tokens / s:>8.1f} {ratio:>8.2f}x"
                   f" {acc:>11} {rb!s:>10} {steps:>6} {'yes' if same else 'NO':>5}")

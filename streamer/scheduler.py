@@ -26,6 +26,11 @@ from streamer.lora import LoRASlots
 from streamer.request import Request, RequestStatus
 
 
+# Hybrid models with prefix caching and speculative decoding: verify chunks stop at every this many blocks, where
+# the recurrent state is then checkpointed (Scheduler.draft_limit)
+SPEC_CHECKPOINT_BLOCKS = 4
+
+
 @dataclass
 class ScheduledRequest:
     req: Request
@@ -240,15 +245,17 @@ class Scheduler:
         its last known token is left to compute. On a hybrid model also right after drafts were rejected, when its
         state went back to before them (kv_cache.StateSnapshots) and its next chunk recomputes the accepted ones: a
         few known tokens more (never a prompt, nor a longer recompute, which runs without drafts). With prefix
-        caching a hybrid's chunk ends no further than the next block boundary, so that the request's computed
-        tokens land on every boundary and each gets its state checkpoint (a next turn resumes from the last)."""
+        caching a hybrid's chunk ends no further than the next multiple of SPEC_CHECKPOINT_BLOCKS blocks, so that
+        the request's computed tokens land there and the state gets checkpointed (a next turn resumes from the
+        last; runs of verified drafts would jump over every boundary). Every 4th, not every boundary: each such
+        stop costs drafts (bench/RESULTS.md, session 15), a next turn recomputes at most 3 blocks more."""
         k = self.config.num_speculative_tokens
         gap = len(req.all_token_ids) - 1 - req.num_computed_tokens
         if gap and not (self.kv.snapshots is not None and 0 < gap <= k and req.num_output_tokens > 0):
             return 0
         if self.kv.checkpoints is not None:
-            boundary = (req.num_computed_tokens // self.kv.block_size + 1) * self.kv.block_size
-            k = min(k, boundary - len(req.all_token_ids))
+            every = SPEC_CHECKPOINT_BLOCKS * self.kv.block_size
+            k = min(k, (req.num_computed_tokens // every + 1) * every - len(req.all_token_ids))
         return max(k, 0)
 
     def _fit_checkpoints(self, req: Request, start: int, n: int) -> int:

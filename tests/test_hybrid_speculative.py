@@ -26,7 +26,7 @@ from streamer import LLM
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler
+from streamer.scheduler import SPEC_CHECKPOINT_BLOCKS, Scheduler
 from tests.parity import assert_state_freed, family_checkpoints, family_references, greedy_params, prompts_of_lengths
 from tests.test_eagle import Reference, assert_proposals_match, make_head, spy_proposals
 from tests.test_hybrid_prefix_caching import StateSim
@@ -120,7 +120,8 @@ def test_greedy_with_drafts_matches_transformers(ckpt, refs, family, monkeypatch
 def test_next_turn_resumes_as_far_as_without_drafts(ckpt, refs, monkeypatch, spoil):
     """Verified runs of drafts would jump over block boundaries, where the state is checkpointed while decoding, and
     a conversation's next turn would find no checkpoint to resume from. A hybrid's verify chunk therefore ends no
-    further than the next boundary: the next turn's cache hit is the same as without drafts."""
+    further than the next multiple of SPEC_CHECKPOINT_BLOCKS blocks: the next turn resumes inside the answer, at
+    most that many blocks short of where it would without drafts (which checkpoint every block)."""
     path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
     turns = [p + r + [7, 8, 9] for p, r in zip(PROMPTS, want)]
     plain = LLM(str(path), dtype="float32", block_size=4)
@@ -132,7 +133,10 @@ def test_next_turn_resumes_as_far_as_without_drafts(ckpt, refs, monkeypatch, spo
     assert generate(llm, PROMPTS) == want
     assert llm.engine.num_accepted_tokens > 0
     outs = llm.generate([{"prompt_token_ids": t} for t in turns], SamplingParams(max_tokens=1))
-    assert [o.num_cached_tokens for o in outs] == hits
+    every = SPEC_CHECKPOINT_BLOCKS * 4
+    for out, p, hit in zip(outs, PROMPTS, hits):
+        got = out.num_cached_tokens
+        assert got > len(p) and hit - every < got <= hit, (got, hit)
 
 
 def test_drafts_that_keep_missing_back_off(ckpt, refs, monkeypatch):
