@@ -42,10 +42,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the drafts match")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest n-gram the drafts match")
     g.add_argument("--speculative-model", default=None, metavar="PATH",
-                   help="speculative decoding with this draft model (a checkpoint with the model's tokenizer) "
+                   help="speculative decoding with this draft model (a checkpoint folder or GGUF file with the "
+                        "model's tokenizer, or an EAGLE-1 / EAGLE-3 head) "
                         "instead of n-gram lookup; drafts --num-speculative-tokens tokens a step")
     g.add_argument("--speculative-method", default=None, choices=["mtp"],
-                   help="mtp: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5); "
+                   help="mtp: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5, "
+                        "Qwen3-Next); "
                         "drafts --num-speculative-tokens tokens a step")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="draft only while at most this many requests run")
