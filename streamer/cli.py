@@ -47,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "instead of n-gram lookup; drafts --num-speculative-tokens tokens a step")
     g.add_argument("--speculative-method", default=None, choices=["mtp"],
                    help="mtp: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5, "
-                        "Qwen3-Next); "
+                        "Qwen3-Next, Nemotron-H); "
                         "drafts --num-speculative-tokens tokens a step")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="draft only while at most this many requests run")

@@ -71,9 +71,8 @@ class EngineConfig:
     # device thread, just before the step that verifies them. Its KV cache shares the target's block tables.
     speculative_model: Optional[str] = None
     # "mtp": the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6: the layer
-    # past the last, which loading otherwise skips; Qwen3-Next: its `mtp.*` module), applied again for each of
-    # `num_speculative_tokens`
-    # (streamer/eagle.py, models/mtp.py). None: `speculative_model` if given, else n-gram lookup.
+    # past the last, which loading otherwise skips; Qwen3-Next, Nemotron-H: their `mtp.*` modules), applied again
+    # for each of `num_speculative_tokens` (streamer/eagle.py, models/mtp.py). None: `speculative_model` if given, else n-gram lookup.
     speculative_method: Optional[str] = None
     # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.

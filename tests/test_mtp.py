@@ -222,3 +222,94 @@ def test_qwen3_next_mtp_drafts_for_its_hybrid_model(make_ckpt, tmp_path) -> None
     assert e.num_draft_tokens > 0 and e.kv.snapshots.num_rollbacks > 0
     e.scheduler.check_invariants()
     assert e.kv.pool.num_free == e.kv.num_blocks and e.kv.state.num_free == e.kv.state.num_slots
+
+
+# ------------------------------------------------------------------ Nemotron-H: `mtp.layers.<i>.*` blocks
+def with_nemotron_h_mtp(src: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of the Nemotron-H test checkpoint with an MTP module as NVIDIA stores it (mtp_hybrid_override_pattern
+    "*E"): mtp.layers.0 an attention block (the target's layer 1, with noise) with enorm / hnorm / eh_proj,
+    mtp.layers.1 a MoE block (layer 4, with noise) with final_layernorm."""
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    h = cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update(load_file(f))
+    mtp = {}
+    for target, mine in ((1, 0), (4, 1)):
+        p = f"backbone.layers.{target}."
+        for name, t in weights.items():
+            if name.startswith(p):
+                noise = torch.randn(t.shape, generator=g) * (0.3 if "norm" in name else t.float().std().item() or 0.05)
+                mtp[f"mtp.layers.{mine}." + name[len(p):]] = (t.float() + noise).to(t.dtype)
+    mtp.update({"mtp.layers.0.enorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
+                "mtp.layers.0.hnorm.weight": 1 + 0.3 * torch.randn(h, generator=g),
+                "mtp.layers.0.eh_proj.weight": 0.15 * torch.randn(h, 2 * h, generator=g),
+                "mtp.layers.1.final_layernorm.weight": 1 + 0.3 * torch.randn(h, generator=g)})
+    save_file(mtp, out / "model-mtp.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=1,
+                                                     mtp_hybrid_override_pattern="*E")))
+    return out
+
+
+class NemotronHReference(Reference):
+    """Nemotron-H's MTP proposals, computed whole by transformers' blocks (built as the target's layers 1 and 4,
+    loaded with the module's weights) in fp32, as vLLM runs the module: eh_proj over [enorm(embedding),
+    hnorm(target state)], the blocks, final_layernorm; the target's LM head reads that, the next pass's feature."""
+
+    def __init__(self, path: Path) -> None:
+        import transformers as tf
+        self.target = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        config = self.target.config
+        config._attn_implementation = "eager"
+        w = load_file(path / "model-mtp.safetensors")
+        self.blocks = []
+        for mine, target in ((0, 1), (1, 4)):
+            block = type(self.target.model.layers[target])(config, target).eval()
+            p = f"mtp.layers.{mine}."
+            own = {k[len(p):]: v for k, v in w.items() if k.startswith(p)
+                   and k[len(p):].split(".")[0] not in ("enorm", "hnorm", "eh_proj", "final_layernorm")}
+            experts = sorted({int(k.split(".")[2]) for k in own if k.startswith("mixer.experts.")})
+            for proj in ("up_proj", "down_proj") if experts else ():  # (transformers stacks them)
+                own[f"mixer.experts.{proj}"] = torch.stack([own.pop(f"mixer.experts.{e}.{proj}.weight")
+                                                            for e in experts])
+            missing, unexpected = block.load_state_dict(own, strict=False)
+            assert not unexpected and not missing, (missing, unexpected)
+            self.blocks.append(block)
+        self.w = {k.split(".", 3)[3]: v for k, v in w.items() if k.split(".")[3] in
+                  ("enorm", "hnorm", "eh_proj", "final_layernorm")}
+        self.eps = config.layer_norm_epsilon
+
+    def forward(self, ids: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = len(ids)
+        e = self.target.model.embeddings.weight[torch.tensor(ids)]
+        x = torch.cat([self._rms(e, "enorm.weight"), self._rms(feats, "hnorm.weight")], -1) @ self.w["eh_proj.weight"].T
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        with torch.no_grad():
+            x = x[None]
+            for block in self.blocks:
+                x = block(x, attention_mask=mask, position_ids=torch.arange(t)[None])
+                x = x[0] if isinstance(x, tuple) else x
+            out = self._rms(x[0], "final_layernorm.weight")
+            return out @ self.target.lm_head.weight.T, out
+
+
+def test_nemotron_h_mtp_drafts_for_its_hybrid_model(ckpt_root, tmp_path) -> None:
+    """The proposals equal the reference's, and greedy output stays transformers' while rejected drafts roll the
+    target's Mamba state back."""
+    from tests.test_nemotron_h import make_nemotron_h
+    src = ckpt_root / "nemotron_h"
+    src = src if (src / "config.json").exists() else make_nemotron_h(src)
+    path = with_nemotron_h_mtp(src, tmp_path / "nemotron_h", seed=5)
+    llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
+    assert type(llm.engine.runner.drafter.model).__name__ == "NemotronHMTP"
+    calls = spy_proposals(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
+    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
+    assert assert_proposals_match(NemotronHReference(path), calls, sequences) >= 20
+    e = llm.engine
+    assert e.num_draft_tokens > 0 and e.kv.snapshots.num_rollbacks > 0
+    assert e.kv.pool.num_free == e.kv.num_blocks and e.kv.state.num_free == e.kv.state.num_slots

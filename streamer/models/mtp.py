@@ -10,16 +10,18 @@ The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner s
 (`EagleDrafter`): the same fill / keep / propose steps as an EAGLE-1 head.
 
 Qwen3-Next checkpoints store theirs apart, as `mtp.*` (`Qwen3NextMTP`, below): the same shape with other names
-(fc, pre_fc_norm_embedding / _hidden, norm), zero-centred norms, and the normed output as the next feature. Its
-target is hybrid: a rejected draft rolls the target's recurrent state back (kv_cache.StateSnapshots), while the
-head, plain attention, just overwrites its KV when the target recomputes.
+(fc, pre_fc_norm_embedding / _hidden, norm), zero-centred norms, and the normed output as the next feature.
+Nemotron-H's (`NemotronHMTP`) is a short stack of its own blocks (`mtp_hybrid_override_pattern`, e.g. "*E"), the
+fusion before the first and a norm after the last. Both targets are hybrid: a rejected draft rolls the target's
+recurrent state back (kv_cache.StateSnapshots), while the head, plain attention, just overwrites its KV when the
+target recomputes.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import re
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,12 +31,14 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RMSNorm, VocabEmbedding
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.llama import LlamaForCausalLM
+from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
 
 # family -> a tensor only a checkpoint with the MTP layer has ({n}: the number of decoder layers)
 MTP_FAMILIES = {"DeepseekV3ForCausalLM": "model.layers.{n}.eh_proj.weight",
                 "Glm4MoeForCausalLM": "model.layers.{n}.eh_proj.weight",
-                "Qwen3NextForCausalLM": "mtp.fc.weight"}
+                "Qwen3NextForCausalLM": "mtp.fc.weight",
+                "NemotronHForCausalLM": "mtp.layers.0.eh_proj.weight"}
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
 
 
@@ -65,6 +69,8 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     of its own, `Qwen3NextMTP`)."""
     if issubclass(target_cls, Qwen3NextForCausalLM):
         return Qwen3NextMTP
+    if issubclass(target_cls, NemotronHForCausalLM):
+        return NemotronHMTP
 
     class MTPHead(MTPDrafting, target_cls):  # type: ignore[valid-type, misc]
         version = 1  # (drafts as an EAGLE-1 head does: the target's final hidden states are its features)
@@ -182,6 +188,73 @@ class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
                 continue
             rest = name[len("mtp."):]
             yield (rest if rest.split(".")[0] in self.own else f"model.{rest}"), t
+
+    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
+        if ckpt_name.split(".")[0] in self.own:
+            return ckpt_name, None
+        return super().param_name(ckpt_name)
+
+    def expected_weights(self) -> set[str]:
+        return super().expected_weights() - {"embed_tokens.weight"}
+
+
+class NemotronHMTP(MTPDrafting, NemotronHForCausalLM):
+    """Nemotron-H's MTP module (`mtp.layers.<i>.*`), as vLLM runs it: blocks of the target's kinds by
+    `mtp_hybrid_override_pattern` (attention "*" and MoE "E"; a recurrent one would need a state of its own). The
+    first block fuses x = eh_proj([enorm(embed(t[i + 1])), hnorm(h[i])]) before its norm and mixer; after the last,
+    final_layernorm of the stream is what the target's LM head reads and the next pass's feature. Plain RMSNorms."""
+
+    is_hybrid = False  # (attention and MoE blocks only: no state slots)
+    own = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        pattern = str(cfg.raw.get("mtp_hybrid_override_pattern") or "*E")
+        if set(pattern) - set("*E-"):
+            raise ValueError(f"mtp_hybrid_override_pattern {pattern!r}: the MTP module's blocks may be attention "
+                             "(*), MLP (-) or MoE (E)")
+        raw = {**cfg.raw, "hybrid_override_pattern": pattern, "layers_block_type": None, "layer_types": None}
+        super().__init__(dataclasses.replace(cfg, raw=raw, num_layers=len(pattern)), backend_cls, max_positions)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm, self.hnorm, self.final_layernorm = RMSNorm(h, eps), RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = ColumnParallelLinear(2 * h, [h])
+        self.norm = None  # type: ignore[assignment]
+        self.lm_head = None
+        self.last = len(pattern) - 1
+
+    def share_target(self, target: LlamaForCausalLM) -> None:
+        self.embed_tokens = target.embed_tokens
+        self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
+                feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, feature = self.inputs(input_ids, feature)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv, decode)
+        out = self.final_layernorm(x + residual)
+        return out, out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.target_logits is not None, "share_target first"
+        return self.target_logits(hidden)
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """Only the `mtp.*` tensors: the fusion (first block's) and final norm (last block's) as the head's own,
+        the blocks by the target's names (NemotronHForCausalLM.rename_weights)."""
+        def blocks() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                m = re.match(r"^(?:language_model\.)?mtp\.layers\.(\d+)\.(.*)$", name)
+                if m is None:
+                    continue
+                if m.group(2).split(".")[0] in self.own:
+                    yield m.group(2), t
+                else:
+                    yield f"backbone.layers.{m.group(1)}.{m.group(2)}", t
+        for name, t in NemotronHForCausalLM.rename_weights(self, blocks()):
+            yield name, t
 
     def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
         if ckpt_name.split(".")[0] in self.own:

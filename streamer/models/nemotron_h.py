@@ -13,7 +13,8 @@ Nemotron-3-Nano): a stack of single-block layers, each a pre-norm and a residual
 
 Checkpoint names: `backbone.embeddings`, `backbone.layers.N.norm`, `backbone.layers.N.mixer.*`, `backbone.norm_f`,
 `lm_head` (transformers 5 writes `model.` for `backbone.`, and may stack the experts: `mixer.experts.up_proj`
-[E, I, H], `mixer.experts.down_proj` [E, H, I]). Multi-token-prediction layers (`mtp.*`) are skipped.
+[E, I, H], `mixer.experts.down_proj` [E, H, I]). Multi-token-prediction layers (`mtp.*`) are not part of the
+model: with speculative_method="mtp" they draft (models/mtp.py NemotronHMTP).
 
 The `time_step_limit` clamp of dt is the config's (NVIDIA's reference code; transformers' port clamps prefill at
 `time_step_min` instead and decode not at all)."""
