@@ -209,15 +209,21 @@ def test_qwen3_next_mtp_drafts_for_its_hybrid_model(make_ckpt, tmp_path) -> None
     src = make_ckpt("qwen3_next_mtp_src", family="qwen3_next")
     with pytest.raises(ValueError, match="mtp.fc.weight not found"):
         LLM(str(src), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
-    path = with_qwen3_next_mtp(src, tmp_path / "qwen3_next", seed=3)
+    assert_drafts_for_hybrid(with_qwen3_next_mtp(src, tmp_path / "qwen3_next", seed=3), "Qwen3NextMTP",
+                             Qwen3NextReference)
+
+
+def assert_drafts_for_hybrid(path: Path, head: str, reference: type) -> None:
+    """`head` drafts for the hybrid model at `path`: every proposal equals `reference`'s, greedy output stays
+    transformers' while rejected drafts roll the target's state back, and everything is freed."""
     llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
-    assert type(llm.engine.runner.drafter.model).__name__ == "Qwen3NextMTP"
+    assert type(llm.engine.runner.drafter.model).__name__ == head
     calls = spy_proposals(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
-    assert assert_proposals_match(Qwen3NextReference(path), calls, sequences) >= 20
+    assert assert_proposals_match(reference(path), calls, sequences) >= 20
     e = llm.engine
     assert e.num_draft_tokens > 0 and e.kv.snapshots.num_rollbacks > 0
     e.scheduler.check_invariants()
@@ -301,15 +307,5 @@ def test_nemotron_h_mtp_drafts_for_its_hybrid_model(ckpt_root, tmp_path) -> None
     from tests.test_nemotron_h import make_nemotron_h
     src = ckpt_root / "nemotron_h"
     src = src if (src / "config.json").exists() else make_nemotron_h(src)
-    path = with_nemotron_h_mtp(src, tmp_path / "nemotron_h", seed=5)
-    llm = LLM(str(path), dtype="float32", speculative_method="mtp", num_speculative_tokens=K)
-    assert type(llm.engine.runner.drafter.model).__name__ == "NemotronHMTP"
-    calls = spy_proposals(llm)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, PROMPTS, MAX_NEW)
-    sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, PROMPTS)}
-    assert assert_proposals_match(NemotronHReference(path), calls, sequences) >= 20
-    e = llm.engine
-    assert e.num_draft_tokens > 0 and e.kv.snapshots.num_rollbacks > 0
-    assert e.kv.pool.num_free == e.kv.num_blocks and e.kv.state.num_free == e.kv.state.num_slots
+    assert_drafts_for_hybrid(with_nemotron_h_mtp(src, tmp_path / "nemotron_h", seed=5), "NemotronHMTP",
+                             NemotronHReference)

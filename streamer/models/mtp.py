@@ -63,6 +63,29 @@ class MTPDrafting:
         return embeds, torch.zeros_like(embeds) if feature is None else feature
 
 
+class OwnModuleMTP(MTPDrafting):
+    """An MTP module stored apart from the layers (`mtp.*`: Qwen3-Next's, Nemotron-H's): its own tensors (`own`,
+    by their first name part) beside blocks of the target's kind; embeddings and LM head always the target's."""
+
+    own: tuple[str, ...] = ()
+
+    def share_target(self, target: LlamaForCausalLM) -> None:
+        self.embed_tokens = target.embed_tokens
+        self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.target_logits is not None, "share_target first"
+        return self.target_logits(hidden)
+
+    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
+        if ckpt_name.split(".")[0] in self.own:
+            return ckpt_name, None
+        return super().param_name(ckpt_name)  # type: ignore[misc]
+
+    def expected_weights(self) -> set[str]:
+        return super().expected_weights() - {"embed_tokens.weight"}  # type: ignore[misc]
+
+
 @functools.cache
 def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     """The MTP head of a family: its model class, built with only the layer past the last (Qwen3-Next: a module
@@ -140,7 +163,7 @@ def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
     return MTPHead
 
 
-class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
+class Qwen3NextMTP(OwnModuleMTP, LlamaForCausalLM):
     """Qwen3-Next's MTP module (`mtp.*` in the released checkpoints; `num_nextn_predict_layers` = 1), as vLLM runs
     it: x = fc([pre_fc_norm_embedding(embed(t[i + 1])), pre_fc_norm_hidden(h[i])]) -> one full-attention decoder
     layer of the target's kind (gated attention, the sparse MoE of a layer 0) -> norm; the target's LM head reads
@@ -164,10 +187,6 @@ class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
     def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
         return [0]
 
-    def share_target(self, target: LlamaForCausalLM) -> None:
-        self.embed_tokens = target.embed_tokens
-        self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
                 feature: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,10 +196,6 @@ class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
         out = self.norm(x, residual)[0]
         return out, out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.target_logits is not None, "share_target first"
-        return self.target_logits(hidden)
-
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Only the `mtp.*` tensors: its decoder layer's as layer 0, its final norm as the model's."""
         for name, t in weights:
@@ -189,16 +204,8 @@ class Qwen3NextMTP(MTPDrafting, LlamaForCausalLM):
             rest = name[len("mtp."):]
             yield (rest if rest.split(".")[0] in self.own else f"model.{rest}"), t
 
-    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
-        if ckpt_name.split(".")[0] in self.own:
-            return ckpt_name, None
-        return super().param_name(ckpt_name)
 
-    def expected_weights(self) -> set[str]:
-        return super().expected_weights() - {"embed_tokens.weight"}
-
-
-class NemotronHMTP(MTPDrafting, NemotronHForCausalLM):
+class NemotronHMTP(OwnModuleMTP, NemotronHForCausalLM):
     """Nemotron-H's MTP module (`mtp.layers.<i>.*`), as vLLM runs it: blocks of the target's kinds by
     `mtp_hybrid_override_pattern` (attention "*" and MoE "E"; a recurrent one would need a state of its own). The
     first block fuses x = eh_proj([enorm(embed(t[i + 1])), hnorm(h[i])]) before its norm and mixer; after the last,
@@ -220,11 +227,6 @@ class NemotronHMTP(MTPDrafting, NemotronHForCausalLM):
         self.eh_proj = ColumnParallelLinear(2 * h, [h])
         self.norm = None  # type: ignore[assignment]
         self.lm_head = None
-        self.last = len(pattern) - 1
-
-    def share_target(self, target: LlamaForCausalLM) -> None:
-        self.embed_tokens = target.embed_tokens
-        self.target_logits = target.compute_logits  # (its LM head may be prepacked for the CPU)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
                 kv_caches: list[torch.Tensor], decode: Optional[DecodeBatch] = None,
@@ -236,10 +238,6 @@ class NemotronHMTP(MTPDrafting, NemotronHForCausalLM):
             x, residual = layer(positions, x, residual, kv, decode)
         out = self.final_layernorm(x + residual)
         return out, out
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self.target_logits is not None, "share_target first"
-        return self.target_logits(hidden)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Only the `mtp.*` tensors: the fusion (first block's) and final norm (last block's) as the head's own,
@@ -253,13 +251,4 @@ class NemotronHMTP(MTPDrafting, NemotronHForCausalLM):
                     yield m.group(2), t
                 else:
                     yield f"backbone.layers.{m.group(1)}.{m.group(2)}", t
-        for name, t in NemotronHForCausalLM.rename_weights(self, blocks()):
-            yield name, t
-
-    def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
-        if ckpt_name.split(".")[0] in self.own:
-            return ckpt_name, None
-        return super().param_name(ckpt_name)
-
-    def expected_weights(self) -> set[str]:
-        return super().expected_weights() - {"embed_tokens.weight"}
+        yield from NemotronHForCausalLM.rename_weights(self, blocks())
