@@ -5,9 +5,14 @@ rejected the state goes back and the request recomputes the accepted tokens (wit
 Engine tests: for every hybrid / recurrent family, greedy tokens with drafts equal transformers' (fp32). Random
 models seldom repeat themselves, so n-gram lookup would rarely be right: the drafts come from an oracle that knows
 the reference continuation and spoils some of it, so that whole runs are accepted, some are cut short and some
-rejected at once, and rolled-back requests draft again. Also with a draft model, prefix caching's next turn,
-chunked prefill and preemption. Property test: with a simulated model whose "state" is the tokens it consumed,
-random drafts and acceptances, every chunk starts from exactly the tokens before it."""
+rejected at once, and rolled-back requests draft again. Also: chunked prefill, preemption, tp=2, a draft model,
+EAGLE heads (each proposal checked against a reference), the backoff after misses, next turns resuming from
+checkpoints taken between verify chunks, and the live server. (The MTP modules: tests/test_mtp.py.)
+
+Property tests: with a simulated model whose "state" is the tokens it consumed, random drafts, acceptances and
+stops, every chunk starts from exactly the tokens before it, every checkpoint holds a prefix some request has, and
+every position a chunk attends to holds its token (no rejected draft's KV is ever cached), for hybrid and
+attention-only models alike."""
 from __future__ import annotations
 
 import dataclasses
