@@ -237,6 +237,12 @@ class StateSnapshots:
         self.num_rollbacks += 1
         return computed
 
+    def take(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies to run before the next step: (rollbacks, snapshot saves)."""
+        rollbacks, saves = self.rollbacks, self.saves
+        self.rollbacks, self.saves = [], []
+        return rollbacks, saves
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -388,10 +394,7 @@ class KVCacheManager:
         if self.checkpoints is None and self.snapshots is None:
             return None
         saves, restores = self.checkpoints.take() if self.checkpoints is not None else ([], [])
-        rollbacks, snapshots = [], []
-        if self.snapshots is not None:
-            rollbacks, snapshots = self.snapshots.rollbacks, self.snapshots.saves
-            self.snapshots.rollbacks, self.snapshots.saves = [], []
+        rollbacks, snapshots = self.snapshots.take() if self.snapshots is not None else ([], [])
         return [rollbacks, saves, restores, snapshots]
 
     def snapshot_states(self, verifying: list[tuple[Request, int]]) -> None:
