@@ -88,8 +88,8 @@ class OwnModuleMTP(MTPDrafting):
 
 @functools.cache
 def mtp_class(target_cls: type[LlamaForCausalLM]) -> type[LlamaForCausalLM]:
-    """The MTP head of a family: its model class, built with only the layer past the last (Qwen3-Next: a module
-    of its own, `Qwen3NextMTP`)."""
+    """The MTP head of a family: its model class, built with only the layer past the last (Qwen3-Next and
+    Nemotron-H store a module of their own: `Qwen3NextMTP`, `NemotronHMTP`)."""
     if issubclass(target_cls, Qwen3NextForCausalLM):
         return Qwen3NextMTP
     if issubclass(target_cls, NemotronHForCausalLM):
