@@ -279,7 +279,7 @@ def bench_sampling(timer: Timer, device: torch.device) -> None:
         full = lambda t, dt=torch.float32: torch.full((B,), t, device=device, dtype=dt)  # noqa: E731
         batch = SamplingBatch(temperature=full(0.8), top_k=full(50, torch.long), top_p=full(0.9),
                               min_p=full(0.05), generators=[None] * B, all_greedy=False, any_seeded=False,
-                              banned=None, penalties=None, max_logprobs=-1, restricted=full(1, torch.bool))
+                              banned=None, penalties=None, max_logprobs=-1)
         torch_sampler, kernel_sampler = Sampler(use_kernel=False), Sampler(use_kernel=True)
         ms_torch = timer(lambda: torch_sampler(logits, batch))
         ms_kernel = timer(lambda: kernel_sampler(logits, batch))

@@ -21,6 +21,7 @@ from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, DecodeBatc
                                      forward_context)
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
+from streamer.cpu_malloc import keep_freed_memory
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
 from streamer.lora import LoRAAdapter
@@ -159,6 +160,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
         self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's large temporaries are reused, not page-faulted in afresh
         self.tp_workers: Optional[TensorParallelWorkers] = None
         self._threads_before = 0
         self._warming_up = False
@@ -620,7 +623,7 @@ class ModelRunner:
         gens: list[Optional[torch.Generator]] = [None] * n
         for i, req in rows.seeded:
             gens[i] = self._generator(req)
-        top_k = top_p = min_p = restricted = None
+        top_k = top_p = min_p = None
         use_k, use_p = rows.top_k > 0, rows.top_p < 1.0
         if use_k.any():
             top_k = to_device(np.where(use_k, rows.top_k, self.model_cfg.vocab_size), dev)
@@ -628,8 +631,6 @@ class ModelRunner:
             top_p = to_device(rows.top_p, dev)
         if (rows.min_p > 0.0).any():
             min_p = to_device(rows.min_p, dev)
-        if top_k is not None or top_p is not None:
-            restricted = to_device(use_k | use_p, dev)
         penalties = None
         if rows.penalized:
             idx = [i for i, _ in rows.penalized]
@@ -644,7 +645,7 @@ class ModelRunner:
         return SamplingBatch(
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
-            penalties=penalties, max_logprobs=rows.max_logprobs, restricted=restricted, adjust=adjust,
+            penalties=penalties, max_logprobs=rows.max_logprobs, adjust=adjust,
             grammar=grammar)
 
     def _logit_adjust(self, req: Request) -> torch.Tensor:

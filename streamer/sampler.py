@@ -2,7 +2,9 @@
 
 Random rows use the exponential race, argmax(p / E) with E ~ Exp(1), which samples from p without a
 cumulative sum and without a host sync. A seeded request draws E from its own generator, once per
-token, so its tokens do not depend on what else shares the batch.
+token, so its tokens do not depend on what else shares the batch. On CPU, where syncs are free but a sort
+or V exponential draws a row are not, top-k rows draw from their k-token heads and the rest by inverse CDF
+with rejection (`sample_cpu_fast`); seeded rows there too draw from their own generators only.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ class SamplingBatch:
     banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) masked to -inf (min_tokens)
     penalties: Optional["PenaltyBatch"]
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
-    restricted: Optional[torch.Tensor] = None  # [B] bool: the row uses top-k or top-p
     adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
     grammar: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, int32 [rows, V/32] allowed-token bits)
 
@@ -87,79 +88,128 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
 
 
 def _top_k_top_p_mask(sorted_logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                      top_p: Optional[torch.Tensor], lse: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mask over logits sorted in descending order. `lse`: the row's log-normaliser when the sorted values are
-    only the head of the row (top-p without top-k must normalise over the whole vocabulary)."""
+                      top_p: Optional[torch.Tensor]) -> torch.Tensor:
+    """Mask over logits sorted in descending order (the whole row, or a head that holds its top-k tokens)."""
     mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
         mask |= torch.arange(sorted_logits.shape[-1], device=sorted_logits.device) >= top_k.unsqueeze(1)
     if top_p is not None:
         masked = sorted_logits.masked_fill(mask, float("-inf"))
         norm = masked.logsumexp(dim=-1, keepdim=True)
-        if lse is not None and top_k is not None:
-            norm = torch.where(top_k.unsqueeze(1) <= sorted_logits.shape[-1], norm, lse)
-        elif lse is not None:
-            norm = lse
         probs = (masked - norm).exp()
         before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
         mask |= (before > top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)  # 1.0 = off, whatever the rounding
     return mask
 
 
-CANDIDATE_TIERS = (16, 64, 256)  # head sizes tried in turn; torch's CPU topk costs ~linear in k
-CANDIDATES = CANDIDATE_TIERS[-1]
+CANDIDATE_TIERS = (16, 64, 256)  # top-k head sizes; torch's CPU topk costs ~linear in k
+MAX_REJECTION_ROUNDS = 8  # rows still rejected after this many draws go to the full path
 
 
-def sample_from_candidates(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[torch.Tensor]:
-    """CPU fast path for top-k/top-p rows: work on each row's most likely tokens instead of sorting and racing
-    over the whole vocabulary. A row qualifies for a head of k tokens when its own parameters and logits
-    guarantee that nothing outside it can survive (top_k <= k, or the head already holds top_p of the mass),
-    so the decision never depends on the rest of the batch. Heads of 16, 64, then 256 tokens are tried, each on
-    the rows still undecided (at 256 x 4,096, one thread: topk(16) 1.5 ms, topk(64) 5.7 ms, topk(256) 11.6 ms).
-    Returns None when no row qualifies; otherwise tokens for the qualifying rows and -1 elsewhere."""
+def sample_cpu_fast(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[torch.Tensor]:
+    """CPU fast paths for the random rows: top-k rows draw from their k-token heads (`sample_from_candidates`),
+    the others (temperature, top-p, min-p) by inverse CDF with rejection (`sample_by_rejection`). Neither sorts
+    the vocabulary nor draws V exponentials a row (256 x 4,096 on one thread: a sort 66 ms, Exp(1) noise 23 ms).
+    Returns tokens with -1 for the rows left undecided (and the greedy ones), or None when none was decided."""
     vocab = scaled.shape[-1]
-    if batch.restricted is None or CANDIDATE_TIERS[0] >= vocab:
-        return None
-    lse = scaled.logsumexp(dim=-1, keepdim=True)
-    tokens = torch.full((scaled.shape[0],), -1, dtype=torch.int64, device=scaled.device)
-    todo = batch.restricted.clone()
-    for k in CANDIDATE_TIERS:
-        k = min(k, vocab)
-        rows = todo.nonzero().squeeze(1)
-        if len(rows) == 0 or k == vocab:
-            break
-        decided, picked = _sample_head(scaled[rows], lse[rows], rows, k, batch)
-        tokens[rows[decided]] = picked[decided]
-        todo[rows[decided]] = False
+    random = batch.temperature > 0
+    tokens = torch.full((scaled.shape[0],), -1, dtype=torch.int64)
+    by_k = random & (batch.top_k < vocab) if batch.top_k is not None else torch.zeros_like(random)
+    if bool(by_k.any()):
+        tokens = sample_from_candidates(scaled, batch, by_k)
+    rest = (random & ~by_k).nonzero().squeeze(1)
+    if len(rest):
+        tokens[rest] = sample_by_rejection(scaled, batch, rest)
     return tokens if bool((tokens >= 0).any()) else None
 
 
-def _sample_head(scaled: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, k: int, batch: "SamplingBatch",
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the given rows: which are decided by their k-token head, and the token each of those samples."""
-    top_k = batch.top_k[rows] if batch.top_k is not None else None
+def sample_by_rejection(scaled: torch.Tensor, batch: "SamplingBatch", rows: torch.Tensor) -> torch.Tensor:
+    """Tokens for `rows` (no top-k) from their temperature-scaled logits, top-p and min-p applied: a draw from
+    the whole distribution by inverse CDF (one uniform), then rejected if top-p or min-p would drop it (as
+    FlashInfer's rejection sampling). Both keep a set closed upwards (any token more likely than a kept one is
+    kept), so a rejected token's probability becomes the row's pivot: the next draw comes from the tokens
+    strictly more likely than it, a set that still holds every kept token, and the accepted draw follows the
+    renormalised kept distribution exactly. A row usually settles in a round or two (its first draw lands in
+    the nucleus with probability >= top_p); -1 for a row still rejected after MAX_REJECTION_ROUNDS."""
+    probs = (scaled if len(rows) == len(scaled) else scaled[rows]).softmax(dim=-1)
+    n, vocab = probs.shape
     top_p = batch.top_p[rows] if batch.top_p is not None else None
+    floor = probs.amax(dim=-1) * batch.min_p[rows] if batch.min_p is not None else None
+    gens = [batch.generators[r] for r in rows.tolist()] if batch.any_seeded else None
+    tokens = torch.full((n,), -1, dtype=torch.int64)
+    pivot = torch.zeros(n)  # draw among the tokens more likely than this
+    todo = torch.arange(n)
+    for round_ in range(MAX_REJECTION_ROUNDS):
+        p = probs if round_ == 0 else probs[todo]
+        q = p if round_ == 0 else p * (p > pivot[todo].unsqueeze(1))
+        cdf = q.cumsum(dim=-1)
+        u = _uniforms(todo, gens) * cdf[:, -1]
+        x = torch.searchsorted(cdf, u.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
+        px = q.gather(1, x.unsqueeze(1)).squeeze(1)
+        valid = px > 0  # (a uniform rounded up to the total lands past the last token: draw again)
+        ok = valid.clone()
+        if floor is not None:
+            ok &= px >= floor[todo]
+        if top_p is not None:  # the mass of the tokens more likely than the draw must not exceed top_p
+            tp = top_p[todo]
+            # It is at most 1 - px: a likely draw passes without a pass over the row.
+            check = (ok & (tp < 1.0) & (px < 1.0 - tp + 1e-6)).nonzero().squeeze(1)
+            if len(check):
+                pc = p[check]
+                above = (pc * (pc > px[check].unsqueeze(1))).sum(dim=-1)
+                ok[check] = above <= tp[check]
+        tokens[todo[ok]] = x[ok]
+        rejected = valid & ~ok
+        pivot[todo[rejected]] = px[rejected]
+        todo = todo[~ok]
+        if not len(todo):
+            break
+    return tokens
+
+
+def _uniforms(todo: torch.Tensor, gens: Optional[list[Optional[torch.Generator]]]) -> torch.Tensor:
+    """U[0, 1) for each row in `todo`; a seeded row's from its own generator, so its draws never depend on its
+    batch mates (one a round: how many rounds it needs depends on its own row alone)."""
+    u = torch.rand(len(todo))
+    if gens is not None:
+        for i, row in enumerate(todo.tolist()):
+            if gens[row] is not None:
+                u[i] = torch.rand(1, generator=gens[row])[0]
+    return u
+
+
+def sample_from_candidates(scaled: torch.Tensor, batch: "SamplingBatch", todo: torch.Tensor) -> torch.Tensor:
+    """Top-k rows (`todo`, a [B] bool mask): each draws from its most likely tokens alone instead of sorting the
+    vocabulary (256 x 4,096, one thread: topk(16) 1.5 ms, topk(64) 5.7 ms, topk(256) 11.6 ms). Rows are grouped
+    by top_k into tiers up to 16, 64 and 256; a tier's head is as wide as its widest top_k (with seeded rows in
+    the batch: the tier's width, so that a seeded row draws as many numbers whatever its batch mates ask for).
+    Returns tokens for those rows, -1 elsewhere (and for a top_k beyond the largest head)."""
+    vocab = scaled.shape[-1]
+    tokens = torch.full((scaled.shape[0],), -1, dtype=torch.int64, device=scaled.device)
+    top_k, smaller = batch.top_k, 0
+    for k in CANDIDATE_TIERS:
+        if k >= vocab:
+            break
+        rows = (todo & (top_k > smaller) & (top_k <= k)).nonzero().squeeze(1)  # type: ignore[operator]
+        if len(rows):  # (no wider than the widest top_k among them; a seeded row's draws need a fixed width)
+            width = k if batch.any_seeded else int(top_k[rows].max())  # type: ignore[index]
+            tokens[rows] = _sample_head(scaled[rows], rows, width, batch)
+        smaller = k
+    return tokens
+
+
+def _sample_head(scaled: torch.Tensor, rows: torch.Tensor, k: int, batch: "SamplingBatch") -> torch.Tensor:
+    """A token for each of the given rows, whose top_k <= k: its k-token head holds every token top-k keeps (and
+    top-p renormalises over those)."""
     vals, idx = scaled.topk(k, dim=-1)
-    covered = torch.zeros(len(rows), dtype=torch.bool, device=scaled.device)
-    if top_k is not None:
-        covered |= top_k <= k
-    if top_p is not None:
-        # Top-p alone: the head holds the nucleus once it holds top_p of the mass. (After a top-k wider than
-        # the head, top-p renormalises over top-k tokens the head does not have: such a row waits for a head
-        # that holds its top-k.)
-        alone = top_k >= scaled.shape[-1] if top_k is not None else True
-        covered |= ((vals - lse).exp().sum(dim=-1) >= top_p) & alone
-    if not bool(covered.any()):
-        return covered, idx[:, 0]
-    mask = _top_k_top_p_mask(vals, top_k, top_p, lse)
+    top_p = batch.top_p[rows] if batch.top_p is not None else None
+    mask = _top_k_top_p_mask(vals, batch.top_k[rows], top_p)  # type: ignore[index]
     probs = vals.masked_fill(mask, float("-inf")).softmax(dim=-1)
     if batch.min_p is not None:
         probs = probs * (probs >= batch.min_p[rows].unsqueeze(1) * probs[:, :1])
-    # Only rows this head decides draw from their generators, so a seeded row's draws never depend on which
-    # other rows share its batch.
-    gens = [batch.generators[r] if c else None for r, c in zip(rows.tolist(), covered.tolist())]
+    gens = [batch.generators[r] for r in rows.tolist()] if batch.any_seeded else [None] * len(rows)
     choice = exponential_race(probs, gens, batch.any_seeded)
-    return covered, idx.gather(1, choice.unsqueeze(1)).squeeze(1)
+    return idx.gather(1, choice.unsqueeze(1)).squeeze(1)
 
 
 def score_tokens(logprobs: torch.Tensor, tokens: torch.Tensor, top_n: int,
@@ -227,15 +277,16 @@ class Sampler:
                                                        batch.top_p, noise, batch.min_p)
         temp = batch.temperature.unsqueeze(1)
         scaled = logits / torch.where(temp > 0, temp, torch.ones_like(temp))
-        fast = sample_from_candidates(scaled, batch) if logits.device.type == "cpu" else None
-        if fast is not None and bool((fast >= 0).all()):
-            return fast
+        fast = sample_cpu_fast(scaled, batch) if logits.device.type == "cpu" else None
         if fast is None:
             return self._sample_full(scaled, batch, batch.generators)
-        # Rows the fast path decided must not draw again: their generators would run ahead.
-        decided = (fast >= 0).tolist()
+        left = (batch.temperature > 0) & (fast < 0)
+        if not bool(left.any()):
+            return fast
+        # Rows the fast paths decided must not draw again: their generators would run ahead.
+        decided = (~left).tolist()
         gens = [None if d else g for g, d in zip(batch.generators, decided)]
-        return torch.where(fast >= 0, fast, self._sample_full(scaled, batch, gens))
+        return torch.where(left, self._sample_full(scaled, batch, gens), fast)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None

@@ -201,56 +201,120 @@ def test_frequency_penalty_changes_repetitive_output(llm):
     assert len(set(pen)) > len(set(base)) or pen != base
 
 
-def test_candidate_fast_path_matches_full_mask():
-    from streamer.sampler import CANDIDATE_TIERS, SamplingBatch, sample_from_candidates
+def _batch(B: int, *, top_k=None, top_p=None, min_p=None, temperature=None, generators=None):
+    from streamer.sampler import SamplingBatch
+    gens = generators or [None] * B
+    return SamplingBatch(temperature=torch.ones(B) if temperature is None else temperature, top_k=top_k,
+                         top_p=top_p, min_p=min_p, generators=gens, all_greedy=False,
+                         any_seeded=any(g is not None for g in gens), banned=None, penalties=None, max_logprobs=-1)
+
+
+def _kept(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """The reference: the full sort-and-mask path's kept tokens."""
+    probs = apply_top_k_top_p(logits, top_k, top_p).softmax(dim=-1)
+    if min_p is not None:
+        probs = probs * (probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values)
+    return probs > 0
+
+
+def test_cpu_fast_paths_sample_only_kept_tokens():
+    from streamer.sampler import CANDIDATE_TIERS, sample_cpu_fast
     torch.manual_seed(0)
-    B, V = 8, 2000
-    logits = torch.randn(B, V) * 4  # peaked enough that top-p heads fit in the candidate set
-    logits[5] = torch.randn(V) * 0.01  # nearly flat: top_p=0.9 needs far more than the largest head
+    B, V = 9, 2000
+    logits = torch.randn(B, V) * 4  # peaked, like an LM's
+    logits[5] = torch.randn(V) * 0.01  # nearly flat: top_p=0.9 keeps ~1,800 tokens
     # top_k between the heads, then a top-p that cuts inside it: the 20 tokens hold ~60% of the mass, the first
     # 16 of them more than top_p of it, yet top-p must renormalise over the 20 (and keep ~8 of them, not ~13).
     logits[6] = torch.randn(V) * 0.01
     logits[6, :20] = 5.0 + torch.linspace(1.0, 0.0, 20)
-    top_k = torch.tensor([5, V, V, 40, V, V, 20, V])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9, 0.5, 0.3])
-    restricted = torch.tensor([True, True, True, True, False, True, True, True])
-    allowed = torch.isfinite(apply_top_k_top_p(logits, top_k, top_p))
-    batch = SamplingBatch(temperature=torch.ones(B), top_k=top_k, top_p=top_p, min_p=None,
-                          generators=[None] * B, all_greedy=False, any_seeded=False, banned=None,
-                          penalties=None, max_logprobs=-1, restricted=restricted)
+    top_k = torch.tensor([5, V, V, 40, V, V, 20, V, 1000])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9, 0.5, 0.3, 1.0])
+    temperature = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.7, 1.0, 1.0, 1.0, 1.0])
+    temperature[7] = 0.0  # greedy: left to the caller
+    kept = _kept(logits / temperature.clamp(min=1e-6).unsqueeze(1), top_k, top_p, None)
+    batch = _batch(B, top_k=top_k, top_p=top_p, temperature=temperature)
     seen = [set() for _ in range(B)]
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
     for _ in range(300):
-        tok = sample_from_candidates(logits, batch)
+        tok = sample_cpu_fast(scaled, batch)
         assert tok is not None
         for b in range(B):
             if tok[b] >= 0:
-                assert allowed[b, tok[b]], f"row {b} sampled a token the full mask drops"
+                assert kept[b, tok[b]], f"row {b} sampled a token the full mask drops"
                 seen[b].add(int(tok[b]))
-    assert tok[4] == -1 and tok[5] == -1  # unrestricted row, and a row whose head is not enough
-    assert all(seen[b] for b in (0, 1, 2, 3, 6, 7))
-    assert len(seen[1]) > 1 and CANDIDATE_TIERS[-1] < V
-    # Rows decided by the smallest head cover their whole allowed set, as the full path would.
-    assert seen[0] == set(allowed[0].nonzero().flatten().tolist())
-    assert seen[6] == set(allowed[6].nonzero().flatten().tolist())
+    assert tok[7] == -1 and tok[8] == -1  # greedy, and a top_k wider than the widest head
+    assert all(seen[b] for b in (0, 1, 2, 3, 4, 5, 6)) and 1000 > CANDIDATE_TIERS[-1]
+    assert len(seen[1]) > 1 and len(seen[5]) > 200  # the flat row draws from its wide nucleus
+    # A head decides a row over its whole kept set, as the full path would.
+    assert seen[0] == set(kept[0].nonzero().flatten().tolist())
+    assert seen[6] == set(kept[6].nonzero().flatten().tolist())
 
 
-def test_seeded_row_draws_do_not_depend_on_batch_mates():
-    """A seeded row the candidate fast path decides must not draw again in the full path, which runs when some
-    other row of the batch needs it: its generator would run ahead and its later samples change."""
-    from streamer.sampler import Sampler, SamplingBatch
+@pytest.mark.parametrize("top_k,top_p,min_p", [(None, 0.7, None), (None, None, 0.2), (None, 0.9, 0.1),
+                                               (None, None, None), (4, 0.8, None), (6, None, 0.1)])
+def test_cpu_fast_paths_follow_the_renormalised_distribution(top_k, top_p, min_p):
+    """Thousands of identical rows in one call: the frequencies match the kept tokens' renormalised
+    probabilities (total variation), as the full path's would. Tokens with tied probabilities at the edges
+    would be decided by the sort's order; these logits have none."""
+    from streamer.sampler import sample_cpu_fast
+    torch.manual_seed(1)
+    B, V = 40000, 24
+    row = torch.linspace(3.0, -2.0, V)[torch.randperm(V)]  # distinct values, shuffled
+    logits = row.expand(B, V).contiguous()
+
+    def full(x):
+        return None if x is None else torch.full((B,), x, dtype=torch.int64 if isinstance(x, int) else torch.float32)
+
+    batch = _batch(B, top_k=full(top_k), top_p=full(top_p), min_p=full(min_p))
+    kept = _kept(logits[:1], *(t if t is None else t[:1] for t in (batch.top_k, batch.top_p, batch.min_p)))[0]
+    want = torch.where(kept, row.softmax(dim=-1), 0.0)
+    want = want / want.sum()
+    tok = sample_cpu_fast(logits, batch)
+    assert tok is not None and bool((tok >= 0).all())
+    got = torch.bincount(tok, minlength=V).float() / B
+    assert bool((got[~kept] == 0).all())
+    assert 0.5 * (got - want).abs().sum() < 0.015, (got, want)
+    assert int(kept.sum()) > 1  # (a real choice)
+
+
+def test_rejection_rows_left_over_go_to_the_full_path(monkeypatch):
+    """A row still rejected after MAX_REJECTION_ROUNDS draws is sampled by the full path, not dropped."""
+    import streamer.sampler as sampler
+    monkeypatch.setattr(sampler, "MAX_REJECTION_ROUNDS", 1)
+    torch.manual_seed(2)
+    B, V = 64, 500
+    logits = torch.randn(B, V) * 0.01  # flat: top_p=0.05 keeps ~25 tokens, a first draw lands there 1 in 20
+    top_p = torch.full((B,), 0.05)
+    batch = _batch(B, top_p=top_p)
+    fast = sampler.sample_cpu_fast(logits, batch)
+    assert fast is not None and int((fast < 0).sum()) > B // 2
+    tokens = sampler.Sampler()(logits, batch).token_ids
+    kept = _kept(logits, None, top_p, None)
+    assert bool((tokens >= 0).all()) and bool(kept.gather(1, tokens.unsqueeze(1)).all())
+
+
+@pytest.mark.parametrize("params", [dict(top_k=20, top_p=1.0), dict(top_k=None, top_p=0.5),
+                                    dict(top_k=None, top_p=1.0, min_p=0.1)])
+def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
+    """A seeded row's tokens depend on its seed alone: a fast path that decided it must not draw for it again in
+    the full path (which runs when another row needs it), and it draws as many numbers whatever its batch mates
+    ask for; otherwise its generator runs ahead and its later samples change."""
+    from streamer.sampler import Sampler
     torch.manual_seed(0)
     V = 2000
-    peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.01  # flat: top_p=0.9 needs the full path
+    peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.01
+    # (3000: the full path; 50: the seeded top_k=20 row's head tier, wider)
+    mates = [(flat, 3000, 0.9, 0.0), (peaked, 50, 1.0, 0.0), (peaked, V, 0.3, 0.05)]
 
-    def draws(with_flat_mate: bool) -> list[int]:
+    def draws(with_mates: bool) -> list[int]:
         gen = torch.Generator().manual_seed(5)
-        rows = [peaked, flat] if with_flat_mate else [peaked]
+        rows = [(peaked, params["top_k"] or V, params["top_p"], params.get("min_p", 0.0))]
+        rows += mates if with_mates else []
         B = len(rows)
-        batch = SamplingBatch(temperature=torch.ones(B), top_k=torch.tensor([20, V][:B]),
-                              top_p=torch.tensor([1.0, 0.9][:B]), min_p=None, generators=[gen, None][:B],
-                              all_greedy=False, any_seeded=True, banned=None, penalties=None, max_logprobs=-1,
-                              restricted=torch.ones(B, dtype=torch.bool))
-        return [int(Sampler()(torch.stack(rows), batch).token_ids[0]) for _ in range(20)]
+        min_p = torch.tensor([r[3] for r in rows]) if "min_p" in params else None
+        batch = _batch(B, top_k=torch.tensor([r[1] for r in rows]), top_p=torch.tensor([r[2] for r in rows]),
+                       min_p=min_p, generators=[gen] + [None] * (B - 1))
+        return [int(Sampler()(torch.stack([r[0] for r in rows]), batch).token_ids[0]) for _ in range(20)]
 
     alone = draws(False)
     assert draws(True) == alone and len(set(alone)) > 1
