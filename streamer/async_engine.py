@@ -120,6 +120,7 @@ class AsyncEngine:
         # Load on the device thread: it owns the device from now on, and the loop stays responsive.
         self.engine = await loop.run_in_executor(self._device, LLMEngine, self.config)
         self.metrics = EngineMetrics(self.stats, self.model_name)
+        self.engine.final_itl = {}  # (non-streamed sequences' inter-token gaps, for the ITL histogram)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -289,11 +290,12 @@ class AsyncEngine:
     async def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                           request_id: Optional[str] = None, priority: int = 0,
                           cache_salt: Optional[str] = None, lora_request: LoRAType = None,
-                          pooling: Optional[PoolingParams] = None) -> RequestStream:
+                          pooling: Optional[PoolingParams] = None, stream: bool = True) -> RequestStream:
         """Validate and enqueue a request; errors (ValueError, QueueFullError, EngineDeadError) raise here,
         before any output. Returns the stream of its outputs. `lora_request`: a registered adapter's name, or a
         LoRARequest (read on a worker thread and registered on first use). `pooling`: an embedding request
-        (see `embed`)."""
+        (see `embed`). `stream=False`: one output per sequence, when it finishes, with everything (no wake-up
+        for each token: for a caller that only wants the result)."""
         core = self._core
         self._check_alive()
         params = params if params is not None else core.default_sampling_params()
@@ -330,7 +332,7 @@ class AsyncEngine:
             self._check_alive()
         states = core.add_request(request_id, text if text is not None else ids, params, priority=priority,
                                   cache_salt=cache_salt, prompt_token_ids=ids, grammar=grammar,
-                                  lora_request=adapter, pooling=pooling, images=images)
+                                  lora_request=adapter, pooling=pooling, images=images, stream=stream)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
         stream = RequestStream(self, rid, len(states), ids, queue)
@@ -354,7 +356,8 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request: LoRAType = None) -> RequestOutput:
-        stream = await self.add_request(prompt, params, request_id, priority, cache_salt, lora_request)
+        stream = await self.add_request(prompt, params, request_id, priority, cache_salt, lora_request,
+                                        stream=False)
         n = stream.num_seqs
         outs = [CompletionOutput(i, "", [], logprobs=[] if params and params.logprobs is not None else None)
                 for i in range(n)]
@@ -448,6 +451,11 @@ class AsyncEngine:
         now = time.monotonic()
         m = self.metrics
         done: set[str] = set()
+        gaps = self._core.final_itl
+        if m is not None and gaps:
+            for gap, count in gaps.items():
+                m.itl.observe(gap, count)
+            gaps.clear()
         for u in updates:
             req = u.req
             rid = req.parent_id or req.request_id
@@ -456,7 +464,8 @@ class AsyncEngine:
             if m is not None:
                 m.generation_tokens.inc(len(u.new_token_ids), model_name=m.model_name)
                 if prev is None:
-                    m.ttft.observe(now - req.arrival_time)
+                    first = u.state.metrics.first_token_time if u.state.final_only else None
+                    m.ttft.observe((first if first is not None else now) - req.arrival_time)
                     if req.seq_index == 0:
                         m.prompt_tokens.inc(req.num_prompt_tokens, model_name=m.model_name)
                 else:

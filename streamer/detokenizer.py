@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
+        self._backend = tokenizer.backend  # (DecodeStream.step takes it with every token)
         self._skip_special = params.skip_special_tokens
         self._dropped = tokenizer.all_special_ids if params.skip_special_tokens else frozenset()
         # Decoding state: _context = the last emitted ids (at first the prompt's tail), _context_text their text
@@ -120,7 +121,7 @@ class IncrementalDetokenizer:
         self._unread.append(token_id)
         if self._stream is not None:
             try:
-                text = self._stream.step(self._tokenizer.backend, token_id)
+                text = self._stream.step(self._backend, token_id)
             except Exception:  # its prefix does not prefix the new text: let the Python path sort it out
                 self._stream = None
             else:

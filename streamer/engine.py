@@ -72,6 +72,9 @@ class SeqState:
     pool_count: int = 0
     embedding: Optional[list[float]] = None  # the result, once the prompt is done (a classifier's: its outputs)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+    # Nobody reads its outputs as they come (offline generate, a non-streamed HTTP response): `process` returns
+    # one update for it, when it finishes, holding everything.
+    final_only: bool = False
 
     @property
     def text(self) -> str:
@@ -129,6 +132,9 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self.seqs: dict[str, SeqState] = {}
+        # Inter-token gaps of final-only sequences, {gap: count} (None: not collected): their updates do not come
+        # step by step, so whoever observes ITLs (the async engine's metrics) takes these.
+        self.final_itl: Optional[dict[float, int]] = None
         self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
         self._ids = itertools.count()
         self.num_steps = 0
@@ -275,12 +281,12 @@ class LLMEngine:
                     arrival_time: Optional[float] = None, prompt_token_ids: Optional[list[int]] = None,
                     grammar: Optional[Grammar] = None, lora_request: LoRAType = None,
                     pooling: Optional[PoolingParams] = None,
-                    images: Optional[tuple[ImageInput, ...]] = None) -> list[SeqState]:
+                    images: Optional[tuple[ImageInput, ...]] = None, stream: bool = True) -> list[SeqState]:
         """`grammar`: `params.structured_outputs` compiled already (the async engine compiles off its loop).
         `lora_request`: the LoRA adapter the request runs with (see `resolve_lora`). `pooling`: a pooling request, an
         embedding or a classification (streamer/pooling.py): `params` are ignored, nothing is generated. `images`:
         the prompt's images, placed in `prompt_token_ids` already (`process_prompt`); None: taken from the prompt
-        here."""
+        here. `stream=False`: each sequence's outputs come in one update, when it finishes (see SeqState)."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         if request_id in self.groups:
@@ -320,7 +326,7 @@ class LLMEngine:
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                             metrics=RequestMetrics(arrival_time=arrival))
+                             metrics=RequestMetrics(arrival_time=arrival), final_only=not stream)
             self.seqs[req.request_id] = state
             self.scheduler.add(req)
             states.append(state)
@@ -419,7 +425,9 @@ class LLMEngine:
                 state = self.seqs.get(seq_id)
                 if state is None or state.req.is_finished:
                     continue  # aborted while the step ran, or (async scheduling) finished by the step before
-                updates.append(self._append_token(state, token, result, i, now))
+                update = self._append_token(state, token, result, i, now)
+                if update.finished or not state.final_only:
+                    updates.append(self._whole(update) if state.final_only else update)
             return updates
         ids, tokens = result.req_ids, result.token_ids
         for rid, proposed in (result.drafts or {}).items():  # a draft model's, in place of its placeholders
@@ -434,12 +442,20 @@ class LLMEngine:
             state = self.seqs.get(ids[i])
             if state is None or state.req.is_finished:
                 pass  # aborted while the step ran
-            elif end - i > 1:
-                updates.append(self._verify(state, tokens[i:end], result, i, now))
             else:
-                updates.append(self._append_token(state, tokens[i], result, i, now))
+                update = (self._verify(state, tokens[i:end], result, i, now) if end - i > 1
+                          else self._append_token(state, tokens[i], result, i, now))
+                if update.finished or not state.final_only:
+                    updates.append(self._whole(update) if state.final_only else update)
             i = end
         return updates
+
+    @staticmethod
+    def _whole(update: SeqUpdate) -> SeqUpdate:
+        """A final-only sequence's one update: everything it generated."""
+        state = update.state
+        return SeqUpdate(state, list(state.req.output_token_ids), state.text,
+                         list(state.logprobs) if state.logprobs is not None else None, True, state.prompt_logprobs)
 
     # ------------------------------------------------------------------ speculative decoding
     def _propose_drafts(self) -> None:
@@ -534,6 +550,9 @@ class LLMEngine:
         m = state.metrics
         if m.first_token_time is None:
             m.first_token_time = now
+        elif self.final_itl is not None and state.final_only and now > m.last_token_time:  # type: ignore[operator]
+            gap = now - m.last_token_time  # type: ignore[operator]
+            self.final_itl[gap] = self.final_itl.get(gap, 0) + 1
         m.last_token_time = now
         new_logprobs = None
         if state.logprobs is not None and result.logprobs is not None:

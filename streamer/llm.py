@@ -92,7 +92,8 @@ class LLM:
         for (text, token_ids, images), sp, prio, adapter in zip(tokenized, params, prios, adapters):
             rid = f"offline-{next(engine._ids)}"
             states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
-                                             prompt_token_ids=token_ids, lora_request=adapter, images=images)
+                                             prompt_token_ids=token_ids, lora_request=adapter, images=images,
+                                             stream=False)  # (read from the states at the end)
             ids.append(rid)
         self._run()
         return [self._output(rid, states[rid]) for rid in ids]

@@ -71,11 +71,12 @@ class Histogram(Metric):
         self.sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of the same value."""
         with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.sum += value
-            self.count += 1
+            self.counts[bisect.bisect_left(self.buckets, value)] += count
+            self.sum += value * count
+            self.count += count
 
     def render(self) -> list[str]:
         lines = self.header()

@@ -149,3 +149,42 @@ def test_device_failure_fails_every_caller(llama_dir):
                 await engine.add_request("more", GREEDY)
 
     run(main())
+
+
+def test_final_only_outputs_come_whole_and_once(llama_dir):
+    """A non-streamed request (`stream=False`; generate() uses it) gets one output per sequence, when it finishes,
+    holding what the streamed one gets piece by piece: tokens, text (a stop string ends it), logprobs and prompt
+    logprobs. Its TTFT is the engine's first-token time, and its inter-token gaps still reach the ITL histogram."""
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(n=2, max_tokens=9, temperature=1.0, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, stop=["x"], ignore_eos=True)]
+
+    async def pieces(engine, p, stream):
+        s = await engine.add_request("def g(x): return x", p, stream=stream)
+        return [item async for item in s]
+
+    def whole(items):
+        by_seq: dict[int, list] = {}
+        for it in items:
+            by_seq.setdefault(it.index, []).append(it)
+        return {i: (sum((it.token_ids for it in its), []), "".join(it.text for it in its),
+                    sum((it.logprobs or [] for it in its), []), its[-1].finish_reason, its[-1].stop_reason,
+                    next((it.prompt_logprobs for it in its if it.prompt_logprobs), None))
+                for i, its in by_seq.items()}
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            itl = engine.metrics.itl
+            for p in params:
+                streamed = await pieces(engine, p, True)
+                count, ttft_count = itl.count, engine.metrics.ttft.count
+                final = await pieces(engine, p, False)
+                assert len(final) == p.n and all(it.finished for it in final)
+                assert len(streamed) > len(final)
+                assert whole(final) == whole(streamed)
+                tokens = sum(len(it.token_ids) for it in final)
+                assert itl.count - count == tokens - p.n  # one gap between each two tokens of each sequence
+                assert engine.metrics.ttft.count - ttft_count == p.n
+            assert _pool_whole(engine)
+
+    run(main())

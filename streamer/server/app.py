@@ -133,8 +133,9 @@ class OpenAIServer:
                              "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                                        "total_tokens": prompt + completion}})
 
-    async def start_chat(self, req: ChatRequest) -> tuple[Generation, ChatFormat]:
-        """Render, tokenize and start a chat request (also the Responses API's way in)."""
+    async def start_chat(self, req: ChatRequest, progress: bool = False) -> tuple[Generation, ChatFormat]:
+        """Render, tokenize and start a chat request (also the Responses API's way in). `progress`: outputs come
+        step by step even when the response is not streamed (a background response shows them as it goes)."""
         lora = self._check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
@@ -160,7 +161,7 @@ class OpenAIServer:
         videos = message_videos(req.messages)
         if sources or videos:
             prompt["multi_modal_data"] = await self._load_media(sources, videos)
-        gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora)
+        gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora, progress=progress)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
@@ -204,15 +205,17 @@ class OpenAIServer:
         return data
 
     async def _start(self, prefix: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
-                     chat: bool = False, lora: Optional[str] = None) -> Generation:
-        """lora: the LoRA adapter the client named as its `model` (None: the base model)."""
+                     chat: bool = False, lora: Optional[str] = None, progress: bool = False) -> Generation:
+        """lora: the LoRA adapter the client named as its `model` (None: the base model). A non-streamed request's
+        outputs come in one piece per choice, when it finishes, unless `progress` asks for them step by step."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(
                     prompt, req.params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                    priority=req.priority, cache_salt=req.cache_salt, lora_request=lora))
+                    priority=req.priority, cache_salt=req.cache_salt, lora_request=lora,
+                    stream=req.stream or progress))
         except BaseException as e:
             for s in streams:
                 s.close()

@@ -258,7 +258,7 @@ class ResponsesAPI:
         chat = parse_chat(chat_body, self.server.engine.sampling_defaults)
         if chat.params.n != 1:
             raise APIError("n is not part of the Responses API", param="n")
-        gen, fmt = await self.server.start_chat(chat)
+        gen, fmt = await self.server.start_chat(chat, progress=background)
         builder = ResponseBuilder(body, gen.model, store)
         headers = {"X-Request-Id": gen.request_id}
         if background:
