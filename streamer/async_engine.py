@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings
 from streamer.multimodal import ImagePrompts, check_truncation
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
@@ -104,7 +104,6 @@ class AsyncEngine:
         self.engine: Optional[LLMEngine] = None
         self.metrics: Optional[EngineMetrics] = None
         self._streams: dict[str, tuple[RequestStream, asyncio.Queue]] = {}
-        self._last_token_time: dict[str, float] = {}
         self._dead: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
         self._device: Optional[ThreadPoolExecutor] = None
@@ -120,7 +119,7 @@ class AsyncEngine:
         # Load on the device thread: it owns the device from now on, and the loop stays responsive.
         self.engine = await loop.run_in_executor(self._device, LLMEngine, self.config)
         self.metrics = EngineMetrics(self.stats, self.model_name)
-        self.engine.final_itl = {}  # (non-streamed sequences' inter-token gaps, for the ITL histogram)
+        self.engine.timings = TokenTimings()  # (the engine measures token latencies; _dispatch takes them)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -384,16 +383,21 @@ class AsyncEngine:
     def abort_now(self, request_id: str) -> None:
         """Abort on the loop thread: blocks return to the pool before the next step is scheduled."""
         entry = self._streams.pop(request_id, None)
+        held: dict[int, SeqUpdate] = {}  # (stream_interval > 1: tokens not handed out yet go out with the abort)
         if self.engine is not None:
             for state in self.engine.abort(request_id):
-                self._last_token_time.pop(state.req.request_id, None)
+                if state.held is not None:
+                    held[state.req.seq_index] = state.held
                 if self.metrics is not None:
                     self.metrics.request_success.inc(finished_reason="abort", model_name=self.metrics.model_name)
         if entry is not None:
             stream, queue = entry
             if not stream.finished:
                 for i in range(stream.num_seqs):
-                    queue.put_nowait(StreamOutput(request_id, i, [], "", finish_reason="abort"))
+                    h = held.get(i)
+                    queue.put_nowait(StreamOutput(request_id, i, h.new_token_ids, h.text, h.logprobs,
+                                                  finish_reason="abort") if h is not None else
+                                     StreamOutput(request_id, i, [], "", finish_reason="abort"))
         self._maybe_idle()
 
     def _check_alive(self) -> None:
@@ -451,26 +455,16 @@ class AsyncEngine:
         now = time.monotonic()
         m = self.metrics
         done: set[str] = set()
-        gaps = self._core.final_itl
-        if m is not None and gaps:
-            for gap, count in gaps.items():
-                m.itl.observe(gap, count)
-            gaps.clear()
+        timings = self._core.timings
+        if m is not None and timings is not None:
+            m.observe_timings(timings)
+            timings.clear()
         for u in updates:
             req = u.req
             rid = req.parent_id or req.request_id
             entry = self._streams.get(rid)
-            prev = self._last_token_time.get(req.request_id)
             if m is not None:
                 m.generation_tokens.inc(len(u.new_token_ids), model_name=m.model_name)
-                if prev is None:
-                    first = u.state.metrics.first_token_time if u.state.final_only else None
-                    m.ttft.observe((first if first is not None else now) - req.arrival_time)
-                    if req.seq_index == 0:
-                        m.prompt_tokens.inc(req.num_prompt_tokens, model_name=m.model_name)
-                else:
-                    m.itl.observe(now - prev)
-            self._last_token_time[req.request_id] = now
             if entry is not None:
                 stream, queue = entry
                 stream.cached_tokens = max(req.num_cached_tokens, 0)
@@ -481,7 +475,6 @@ class AsyncEngine:
                                               prompt_token_ids=req.prompt_token_ids if u.prompt_logprobs else None,
                                               embedding=u.embedding))
             if u.finished:
-                self._last_token_time.pop(req.request_id, None)
                 met = u.state.metrics
                 if m is not None:
                     m.observe_finished(req.finish_reason or "stop", req.num_prompt_tokens, req.num_output_tokens,

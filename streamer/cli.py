@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule step N+1 while step N runs (default: on CUDA only)")
     a.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False,
                    help="schedule each step only after the previous one finished")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="streamed outputs go out every this many tokens after the first (fewer SSE events under "
+                        "heavy load)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
@@ -104,7 +107,7 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
-                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache")
+                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval")
 
 
 def _json_object(text: str) -> dict[str, Any]:

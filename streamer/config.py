@@ -58,6 +58,10 @@ class EngineConfig:
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
     jump_forward: bool = True
+    # A streamed sequence's outputs after its first token go out every this many tokens (and when it finishes):
+    # fewer, larger SSE events and fewer wake-ups on the event loop under heavy streaming load (SGLang's
+    # --stream-interval). 1 = every token.
+    stream_interval: int = 1
     # Speculative decoding with n-gram drafts (streamer/speculative.py): up to this many tokens proposed per step
     # from the request's own earlier tokens, verified in one forward pass; 0 = off. Needs steps one at a time
     # (no async scheduling). Only while at most `speculative_max_batch` requests run: in a big batch the device
@@ -138,6 +142,9 @@ class EngineConfig:
             raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        if (not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool)
+                or self.stream_interval < 1):
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if not isinstance(self.mla_latent_cache, bool):
             raise ValueError(f"mla_latent_cache must be True or False, got {self.mla_latent_cache!r}")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):

@@ -75,6 +75,7 @@ class SeqState:
     # Nobody reads its outputs as they come (offline generate, a non-streamed HTTP response): `process` returns
     # one update for it, when it finishes, holding everything.
     final_only: bool = False
+    held: Optional["SeqUpdate"] = None  # (stream_interval > 1) tokens not yet handed out
 
     @property
     def text(self) -> str:
@@ -97,6 +98,40 @@ class SeqUpdate:
     @property
     def req(self) -> Request:
         return self.state.req
+
+    def merge(self, more: "SeqUpdate") -> None:
+        """Append a later update of the same sequence."""
+        self.new_token_ids += more.new_token_ids
+        self.text += more.text
+        if self.logprobs is not None and more.logprobs is not None:
+            self.logprobs += more.logprobs
+        self.finished = more.finished
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = more.prompt_logprobs
+
+
+@dataclass
+class TokenTimings:
+    """Latencies measured as sequences get their tokens, until the metrics take them: each sequence's time to first
+    token, inter-token gaps as {gap: count} (the sequences of one step share its time), and the prompt tokens of
+    the requests whose first sequence got its first token."""
+
+    ttft: list[float] = field(default_factory=list)
+    itl: dict[float, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+    def first_token(self, req: Request, ttft: float) -> None:
+        self.ttft.append(ttft)
+        if req.seq_index == 0:
+            self.prompt_tokens += req.num_prompt_tokens
+
+    def gap(self, seconds: float) -> None:
+        self.itl[seconds] = self.itl.get(seconds, 0) + 1
+
+    def clear(self) -> None:
+        self.ttft.clear()
+        self.itl.clear()
+        self.prompt_tokens = 0
 
 
 class LLMEngine:
@@ -132,9 +167,9 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self.seqs: dict[str, SeqState] = {}
-        # Inter-token gaps of final-only sequences, {gap: count} (None: not collected): their updates do not come
-        # step by step, so whoever observes ITLs (the async engine's metrics) takes these.
-        self.final_itl: Optional[dict[float, int]] = None
+        # Token latencies for whoever keeps metrics (the async engine sets it and takes them): measured here, as
+        # sequences get their tokens, since updates do not come token by token (final-only, stream_interval).
+        self.timings: Optional[TokenTimings] = None
         self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
         self._ids = itertools.count()
         self.num_steps = 0
@@ -425,9 +460,7 @@ class LLMEngine:
                 state = self.seqs.get(seq_id)
                 if state is None or state.req.is_finished:
                     continue  # aborted while the step ran, or (async scheduling) finished by the step before
-                update = self._append_token(state, token, result, i, now)
-                if update.finished or not state.final_only:
-                    updates.append(self._whole(update) if state.final_only else update)
+                self._deliver(updates, self._append_token(state, token, result, i, now))
             return updates
         ids, tokens = result.req_ids, result.token_ids
         for rid, proposed in (result.drafts or {}).items():  # a draft model's, in place of its placeholders
@@ -443,19 +476,34 @@ class LLMEngine:
             if state is None or state.req.is_finished:
                 pass  # aborted while the step ran
             else:
-                update = (self._verify(state, tokens[i:end], result, i, now) if end - i > 1
-                          else self._append_token(state, tokens[i], result, i, now))
-                if update.finished or not state.final_only:
-                    updates.append(self._whole(update) if state.final_only else update)
+                self._deliver(updates, self._verify(state, tokens[i:end], result, i, now) if end - i > 1
+                              else self._append_token(state, tokens[i], result, i, now))
             i = end
         return updates
 
-    @staticmethod
-    def _whole(update: SeqUpdate) -> SeqUpdate:
-        """A final-only sequence's one update: everything it generated."""
+    def _deliver(self, updates: list[SeqUpdate], update: SeqUpdate) -> None:
+        """Hand a sequence's update out now, or hold it: a final-only sequence's until it finishes (then one update
+        with everything), a streamed one's (with stream_interval > 1) until that many tokens are held. A sequence's
+        first token always goes out at once (time to first token)."""
         state = update.state
-        return SeqUpdate(state, list(state.req.output_token_ids), state.text,
-                         list(state.logprobs) if state.logprobs is not None else None, True, state.prompt_logprobs)
+        if state.final_only:
+            if update.finished:
+                updates.append(SeqUpdate(state, list(state.req.output_token_ids), state.text,
+                                         list(state.logprobs) if state.logprobs is not None else None, True,
+                                         state.prompt_logprobs))
+            return
+        interval = self.config.stream_interval
+        if interval > 1:
+            held = state.held
+            if held is not None:
+                held.merge(update)
+                update = held
+            if not (update.finished or len(update.new_token_ids) >= interval
+                    or len(update.new_token_ids) == state.req.num_output_tokens):
+                state.held = update
+                return
+            state.held = None
+        updates.append(update)
 
     # ------------------------------------------------------------------ speculative decoding
     def _propose_drafts(self) -> None:
@@ -515,12 +563,7 @@ class LLMEngine:
         for j in range(1, accepted + 1):
             if update.finished:
                 break
-            more = self._append_token(state, sampled[j], result, row + j, now)
-            update.new_token_ids += more.new_token_ids
-            update.text += more.text
-            if update.logprobs is not None and more.logprobs is not None:
-                update.logprobs += more.logprobs
-            update.finished = more.finished
+            update.merge(self._append_token(state, sampled[j], result, row + j, now))
         if not update.finished:
             # The drafts past the accepted ones were computed but are not the sequence: recompute from the
             # last token on (their KV slots are simply overwritten), or from before the step (a hybrid model).
@@ -548,11 +591,13 @@ class LLMEngine:
         if req.matcher is not None and (token < 0 or not req.matcher.consume_token(token)):  # type: ignore
             return self._reject(state, now)
         m = state.metrics
+        timings = self.timings
         if m.first_token_time is None:
             m.first_token_time = now
-        elif self.final_itl is not None and state.final_only and now > m.last_token_time:  # type: ignore[operator]
-            gap = now - m.last_token_time  # type: ignore[operator]
-            self.final_itl[gap] = self.final_itl.get(gap, 0) + 1
+            if timings is not None:
+                timings.first_token(req, now - m.arrival_time)
+        elif timings is not None and now > m.last_token_time:  # type: ignore[operator]
+            timings.gap(now - m.last_token_time)  # type: ignore[operator]
         m.last_token_time = now
         new_logprobs = None
         if state.logprobs is not None and result.logprobs is not None:
@@ -672,6 +717,8 @@ class LLMEngine:
                 embedding = state.embedding = finish_pooled(state.pool_sum, state.pool_count, state.req.pooling,
                                                             self.classifier)
                 state.metrics.first_token_time = state.metrics.finished_time = now
+                if self.timings is not None:
+                    self.timings.first_token(state.req, now - state.metrics.arrival_time)
                 self._finish(state, RequestStatus.FINISHED_STOPPED)
                 updates.append(SeqUpdate(state, [], "", None, True, embedding=embedding))
         return updates

@@ -4,7 +4,10 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from streamer.engine import TokenTimings
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -163,6 +166,15 @@ class EngineMetrics:
 
     def render(self) -> str:
         return self.registry.render()
+
+    def observe_timings(self, t: "TokenTimings") -> None:
+        """The engine's token latencies since the last call (streamer/engine.py TokenTimings)."""
+        for seconds in t.ttft:
+            self.ttft.observe(seconds)
+        for seconds, count in t.itl.items():
+            self.itl.observe(seconds, count)
+        if t.prompt_tokens:
+            self.prompt_tokens.inc(t.prompt_tokens, model_name=self.model_name)
 
     def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, arrival: float,
                          first_scheduled: Optional[float], first_token: Optional[float], finished: float) -> None:

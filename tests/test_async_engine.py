@@ -188,3 +188,48 @@ def test_final_only_outputs_come_whole_and_once(llama_dir):
             assert _pool_whole(engine)
 
     run(main())
+
+
+def test_stream_interval_batches_streamed_tokens(llama_dir):
+    """stream_interval=4: a streamed sequence's first token goes out alone, then 4 at a time, the rest with the
+    finish; the whole is what every-token streaming gives. An abort hands out the held tokens with it. Latency
+    metrics still count every token."""
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=1)
+
+    async def collect(engine, **kw):
+        return [it async for it in await engine.add_request("def h(y):", params, **kw)]
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            every = await collect(engine)
+        async with AsyncEngine(str(llama_dir), dtype="float32", stream_interval=4) as engine:
+            count = engine.metrics.itl.count
+            items = await collect(engine)
+            assert engine.metrics.itl.count - count == 13
+            # An abort mid-way: what arrives is exactly what the engine generated.
+            stream = await engine.add_request("def h(y):", params.clone(max_tokens=200))
+            state = engine.engine.seqs[stream.request_id]
+            while state.req.num_output_tokens < 7 or state.held is None:  # (e.g. 1 handed out, 4 more, 2 held)
+                await asyncio.sleep(0.001)
+            generated = list(state.req.output_token_ids)
+            engine.abort_now(stream.request_id)
+            got = []
+            async for it in stream:
+                got += it.token_ids
+            assert got == generated and it.finish_reason == "abort"
+            assert _pool_whole(engine)
+        return every, items
+
+    every, items = run(main())
+    assert [len(it.token_ids) for it in items] == [1, 4, 4, 4, 1]
+    assert sum((it.token_ids for it in items), []) == sum((it.token_ids for it in every), [])
+    assert "".join(it.text for it in items) == "".join(it.text for it in every)
+    assert sum((it.logprobs for it in items), []) == sum((it.logprobs for it in every), [])
+    assert items[-1].finish_reason == "length" and len(every) == 14
+
+
+def test_stream_interval_must_be_positive():
+    from streamer.config import EngineConfig
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="stream_interval"):
+            EngineConfig(stream_interval=bad)
