@@ -318,3 +318,21 @@ def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
 
     alone = draws(False)
     assert draws(True) == alone and len(set(alone)) > 1
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 200, 4103])
+def test_inverse_cdf_matches_a_full_running_sum(vocab):
+    """The two-level search lands where a full cumsum's would. Integer weights keep every sum exact, so the two
+    must agree on every row, including rows of mostly zeros and draws at the very start and end."""
+    from streamer.sampler import inverse_cdf
+    g = torch.Generator().manual_seed(vocab)
+    rows = 300
+    w = torch.randint(0, 6, (rows, vocab), generator=g).float()
+    w[::3] *= torch.rand(rows // 3 if rows % 3 == 0 else rows // 3 + 1, vocab, generator=g) < 0.05  # sparse rows
+    w[:, 0] += 1.0  # (no all-zero row)
+    u = torch.rand(rows, generator=g)
+    u[:5] = torch.tensor([0.0, 1e-7, 0.5, 1 - 2 ** -24, 0.999])
+    want = torch.searchsorted(w.cumsum(dim=-1), (u * w.sum(dim=-1)).unsqueeze(1), right=True).squeeze(1)
+    got = inverse_cdf(w, u)
+    assert torch.equal(got, want.clamp(max=vocab - 1))
+    assert bool((w.gather(1, got.unsqueeze(1)) > 0).all())  # never a zero-weight index
