@@ -57,6 +57,7 @@ class RequestStream:
         self.completion_tokens = 0
         self._queue = queue
         self._finished_seqs = 0
+        self._next: Optional[StreamOutput | BaseException] = None  # taken off the queue, not merged
 
     @property
     def finished(self) -> bool:
@@ -68,19 +69,34 @@ class RequestStream:
     async def __anext__(self) -> StreamOutput:
         if self.finished:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            self.close()
-            raise
+        item, self._next = self._next, None
+        if item is None:
+            try:
+                item = await self._queue.get()
+            except BaseException:
+                self.close()
+                raise
         if isinstance(item, BaseException):
             self.close()
             raise item
+        item = self._merge_waiting(item)
         self.completion_tokens += len(item.token_ids)
         if item.finished:
             self._finished_seqs += 1
             if self.finished:
                 item.usage = self.usage()
+        return item
+
+    def _merge_waiting(self, item: StreamOutput) -> StreamOutput:
+        """Outputs of the same sequence that piled up while the consumer was busy (a slow client, a loaded loop)
+        go out as one: fewer, larger chunks exactly when the consumer is behind, as vLLM's output collector
+        does. A consumer that keeps up gets every step's output on its own."""
+        while not item.finished and not item.embedding and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException) or later.index != item.index:
+                self._next = later
+                break
+            item.merge(later)
         return item
 
     def usage(self) -> dict:

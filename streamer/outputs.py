@@ -75,6 +75,16 @@ class StreamOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, later: "StreamOutput") -> None:
+        """Append the same sequence's next item (outputs that piled up go out as one)."""
+        self.token_ids = self.token_ids + later.token_ids
+        self.text += later.text
+        if self.logprobs is not None and later.logprobs is not None:
+            self.logprobs = self.logprobs + later.logprobs
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_token_ids = later.prompt_logprobs, later.prompt_token_ids
+
 
 @dataclass
 class EmbeddingOutput:

@@ -204,7 +204,16 @@ def test_stream_interval_batches_streamed_tokens(llama_dir):
             every = await collect(engine)
         async with AsyncEngine(str(llama_dir), dtype="float32", stream_interval=4) as engine:
             count = engine.metrics.itl.count
+            sizes: list[int] = []
+            dispatch = engine._dispatch
+
+            def spy(updates):  # (what the engine hands out; a lagging consumer may get several merged)
+                sizes.extend(len(u.new_token_ids) for u in updates)
+                dispatch(updates)
+
+            engine._dispatch = spy
             items = await collect(engine)
+            assert sizes == [1, 4, 4, 4, 1]
             assert engine.metrics.itl.count - count == 13
             # An abort mid-way: what arrives is exactly what the engine generated.
             stream = await engine.add_request("def h(y):", params.clone(max_tokens=200))
@@ -221,7 +230,6 @@ def test_stream_interval_batches_streamed_tokens(llama_dir):
         return every, items
 
     every, items = run(main())
-    assert [len(it.token_ids) for it in items] == [1, 4, 4, 4, 1]
     assert sum((it.token_ids for it in items), []) == sum((it.token_ids for it in every), [])
     assert "".join(it.text for it in items) == "".join(it.text for it in every)
     assert sum((it.logprobs for it in items), []) == sum((it.logprobs for it in every), [])
@@ -233,3 +241,38 @@ def test_stream_interval_must_be_positive():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="stream_interval"):
             EngineConfig(stream_interval=bad)
+
+
+def test_outputs_that_pile_up_go_out_merged():
+    """A consumer that fell behind gets one item per sequence for what piled up, in order; another sequence's item,
+    or an error, stops the merge and comes next."""
+    from streamer.async_engine import RequestStream
+    from streamer.outputs import StreamOutput
+
+    class Engine:
+        aborted: list[str] = []
+
+        def abort_now(self, rid):
+            self.aborted.append(rid)
+
+    async def main():
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(Engine(), "r", 2, [1, 2], queue)
+        for item in (StreamOutput("r", 0, [5], "a", [{}]), StreamOutput("r", 0, [6, 7], "bc", [{}, {}]),
+                     StreamOutput("r", 1, [8], "x"), StreamOutput("r", 1, [9], "y", finish_reason="length"),
+                     StreamOutput("r", 0, [3], "d", [{}], finish_reason="stop", stop_reason="d")):
+            queue.put_nowait(item)
+        got = [(o.index, o.token_ids, o.text, o.finish_reason) async for o in stream]
+        assert got == [(0, [5, 6, 7], "abc", None), (1, [8, 9], "xy", "length"), (0, [3], "d", "stop")]
+        assert stream.completion_tokens == 6 and stream.finished
+
+        queue = asyncio.Queue()
+        stream = RequestStream(Engine(), "s", 1, [1], queue)
+        queue.put_nowait(StreamOutput("s", 0, [5], "a"))
+        queue.put_nowait(RuntimeError("engine died"))
+        assert (await stream.__anext__()).token_ids == [5]
+        with pytest.raises(RuntimeError, match="engine died"):
+            await stream.__anext__()
+        assert Engine.aborted == ["s"]
+
+    run(main())
