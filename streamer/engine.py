@@ -456,11 +456,16 @@ class LLMEngine:
         now = time.monotonic()
         updates = [] if result.pooled is None else self._record_pooled(*result.pooled, now)
         if not result.has_drafts:  # one token per request (this loop runs for every request every step)
+            every_token = self.config.stream_interval == 1
             for i, (seq_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
                 state = self.seqs.get(seq_id)
                 if state is None or state.req.is_finished:
                     continue  # aborted while the step ran, or (async scheduling) finished by the step before
-                self._deliver(updates, self._append_token(state, token, result, i, now))
+                update = self._append_token(state, token, result, i, now)
+                if every_token and not state.final_only:
+                    updates.append(update)  # (_deliver's common case, without the call)
+                else:
+                    self._deliver(updates, update)
             return updates
         ids, tokens = result.req_ids, result.token_ids
         for rid, proposed in (result.drafts or {}).items():  # a draft model's, in place of its placeholders
