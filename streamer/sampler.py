@@ -107,14 +107,17 @@ MAX_REJECTION_ROUNDS = 8  # rows still rejected after this many draws go to the 
 
 
 def sample_cpu_fast(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[torch.Tensor]:
-    """CPU fast paths for the random rows: top-k rows draw from their k-token heads (`sample_from_candidates`),
-    the others (temperature, top-p, min-p) by inverse CDF with rejection (`sample_by_rejection`). Neither sorts
-    the vocabulary nor draws V exponentials a row (256 x 4,096 on one thread: a sort 66 ms, Exp(1) noise 23 ms).
+    """CPU fast paths for the random rows: rows with both top-k and top-p draw from their k-token heads
+    (`sample_from_candidates`: top-p renormalises over the top-k tokens, which the head holds), the others
+    (temperature, top-k, top-p, min-p) by inverse CDF with rejection (`sample_by_rejection`). Neither sorts the
+    vocabulary nor draws V exponentials a row (256 x 4,096 on one thread: a sort 66 ms, Exp(1) noise 23 ms).
     Returns tokens with -1 for the rows left undecided (and the greedy ones), or None when none was decided."""
     vocab = scaled.shape[-1]
     random = batch.temperature > 0
     tokens = torch.full((scaled.shape[0],), -1, dtype=torch.int64)
-    by_k = random & (batch.top_k < vocab) if batch.top_k is not None else torch.zeros_like(random)
+    by_k = torch.zeros_like(random)
+    if batch.top_k is not None and batch.top_p is not None:
+        by_k = random & (batch.top_k < vocab) & (batch.top_p < 1.0)
     if bool(by_k.any()):
         tokens = sample_from_candidates(scaled, batch, by_k)
     rest = (random & ~by_k).nonzero().squeeze(1)
@@ -124,16 +127,18 @@ def sample_cpu_fast(scaled: torch.Tensor, batch: "SamplingBatch") -> Optional[to
 
 
 def sample_by_rejection(scaled: torch.Tensor, batch: "SamplingBatch", rows: torch.Tensor) -> torch.Tensor:
-    """Tokens for `rows` (no top-k) from their temperature-scaled logits, top-p and min-p applied: a draw from
-    the whole distribution by inverse CDF (one uniform), then rejected if top-p or min-p would drop it (as
-    FlashInfer's rejection sampling). Both keep a set closed upwards (any token more likely than a kept one is
-    kept), so a rejected token's probability becomes the row's pivot: the next draw comes from the tokens
+    """Tokens for `rows` (not both top-k and top-p) from their temperature-scaled logits, top-k, top-p and min-p
+    applied: a draw from the whole distribution by inverse CDF (one uniform), then rejected if a filter would drop
+    it (as FlashInfer's rejection sampling). Each keeps a set closed upwards (any token more likely than a kept one
+    is kept), so a rejected token's probability becomes the row's pivot: the next draw comes from the tokens
     strictly more likely than it, a set that still holds every kept token, and the accepted draw follows the
-    renormalised kept distribution exactly. A row usually settles in a round or two (its first draw lands in
-    the nucleus with probability >= top_p); -1 for a row still rejected after MAX_REJECTION_ROUNDS."""
+    renormalised kept distribution exactly. (Top-k keeps the tokens with fewer than k more likely ones: a tie at
+    the k-th place keeps all tied, where a sort keeps k.) A row usually settles in a round or two (its first draw
+    lands in the nucleus with probability >= top_p); -1 for a row still rejected after MAX_REJECTION_ROUNDS."""
     probs = (scaled if len(rows) == len(scaled) else scaled[rows]).softmax(dim=-1)
     n, vocab = probs.shape
     top_p = batch.top_p[rows] if batch.top_p is not None else None
+    top_k = batch.top_k[rows] if batch.top_k is not None else None
     floor = probs.amax(dim=-1) * batch.min_p[rows] if batch.min_p is not None else None
     gens = [batch.generators[r] for r in rows.tolist()] if batch.any_seeded else None
     tokens = torch.full((n,), -1, dtype=torch.int64)
@@ -148,6 +153,13 @@ def sample_by_rejection(scaled: torch.Tensor, batch: "SamplingBatch", rows: torc
         ok = valid.clone()
         if floor is not None:
             ok &= px >= floor[todo]
+        if top_k is not None:  # fewer than k tokens more likely than the draw
+            tk = top_k[todo]
+            # There are fewer than (1 - px) / px of them: a likely draw passes without a pass over the row.
+            check = (ok & (tk < vocab) & (px * (tk + 1) < 1.0 + 1e-6)).nonzero().squeeze(1)
+            if len(check):
+                pc = p[check]
+                ok[check] = (pc > px[check].unsqueeze(1)).sum(dim=-1) < tk[check]
         if top_p is not None:  # the mass of the tokens more likely than the draw must not exceed top_p
             tp = top_p[todo]
             # It is at most 1 - px: a likely draw passes without a pass over the row.

@@ -228,7 +228,7 @@ def test_cpu_fast_paths_sample_only_kept_tokens():
     logits[6] = torch.randn(V) * 0.01
     logits[6, :20] = 5.0 + torch.linspace(1.0, 0.0, 20)
     top_k = torch.tensor([5, V, V, 40, V, V, 20, V, 1000])
-    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9, 0.5, 0.3, 1.0])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.8, 1.0, 0.9, 0.5, 0.3, 0.9])
     temperature = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.7, 1.0, 1.0, 1.0, 1.0])
     temperature[7] = 0.0  # greedy: left to the caller
     kept = _kept(logits / temperature.clamp(min=1e-6).unsqueeze(1), top_k, top_p, None)
@@ -242,7 +242,7 @@ def test_cpu_fast_paths_sample_only_kept_tokens():
             if tok[b] >= 0:
                 assert kept[b, tok[b]], f"row {b} sampled a token the full mask drops"
                 seen[b].add(int(tok[b]))
-    assert tok[7] == -1 and tok[8] == -1  # greedy, and a top_k wider than the widest head
+    assert tok[7] == -1 and tok[8] == -1  # greedy, and top-p after a top_k wider than the widest head
     assert all(seen[b] for b in (0, 1, 2, 3, 4, 5, 6)) and 1000 > CANDIDATE_TIERS[-1]
     assert len(seen[1]) > 1 and len(seen[5]) > 200  # the flat row draws from its wide nucleus
     # A head decides a row over its whole kept set, as the full path would.
@@ -251,7 +251,8 @@ def test_cpu_fast_paths_sample_only_kept_tokens():
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(None, 0.7, None), (None, None, 0.2), (None, 0.9, 0.1),
-                                               (None, None, None), (4, 0.8, None), (6, None, 0.1)])
+                                               (None, None, None), (4, 0.8, None), (6, None, 0.1), (5, None, None),
+                                               (12, 1.0, None)])
 def test_cpu_fast_paths_follow_the_renormalised_distribution(top_k, top_p, min_p):
     """Thousands of identical rows in one call: the frequencies match the kept tokens' renormalised
     probabilities (total variation), as the full path's would. Tokens with tied probabilities at the edges
@@ -293,7 +294,7 @@ def test_rejection_rows_left_over_go_to_the_full_path(monkeypatch):
     assert bool((tokens >= 0).all()) and bool(kept.gather(1, tokens.unsqueeze(1)).all())
 
 
-@pytest.mark.parametrize("params", [dict(top_k=20, top_p=1.0), dict(top_k=None, top_p=0.5),
+@pytest.mark.parametrize("params", [dict(top_k=20, top_p=1.0), dict(top_k=20, top_p=0.9), dict(top_k=None, top_p=0.5),
                                     dict(top_k=None, top_p=1.0, min_p=0.1)])
 def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
     """A seeded row's tokens depend on its seed alone: a fast path that decided it must not draw for it again in
@@ -303,8 +304,8 @@ def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
     torch.manual_seed(0)
     V = 2000
     peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.01
-    # (3000: the full path; 50: the seeded top_k=20 row's head tier, wider)
-    mates = [(flat, 3000, 0.9, 0.0), (peaked, 50, 1.0, 0.0), (peaked, V, 0.3, 0.05)]
+    # (3000: the full path; 50 with top-p: the seeded top_k=20, top_p=0.9 row's head tier, wider)
+    mates = [(flat, 3000, 0.9, 0.0), (peaked, 50, 0.95, 0.0), (peaked, V, 0.3, 0.05)]
 
     def draws(with_mates: bool) -> list[int]:
         gen = torch.Generator().manual_seed(5)
