@@ -475,12 +475,12 @@ class AsyncEngine:
         if m is not None and timings is not None:
             m.observe_timings(timings)
             timings.clear()
+        generated = 0
         for u in updates:
             req = u.req
             rid = req.parent_id or req.request_id
             entry = self._streams.get(rid)
-            if m is not None:
-                m.generation_tokens.inc(len(u.new_token_ids), model_name=m.model_name)
+            generated += len(u.new_token_ids)
             if entry is not None:
                 stream, queue = entry
                 stream.cached_tokens = max(req.num_cached_tokens, 0)
@@ -497,6 +497,8 @@ class AsyncEngine:
                                        req.arrival_time, req.first_scheduled_time, met.first_token_time, now)
                 if rid not in self._core.groups:
                     done.add(rid)
+        if m is not None and generated:
+            m.generation_tokens.inc(generated, model_name=m.model_name)  # (once a step: the counter takes a lock)
         for rid in done:  # after the loop: sibling sequences may finish in the same step
             self._streams.pop(rid, None)
         self._maybe_idle()
