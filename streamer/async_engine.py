@@ -399,11 +399,12 @@ class AsyncEngine:
     def abort_now(self, request_id: str) -> None:
         """Abort on the loop thread: blocks return to the pool before the next step is scheduled."""
         entry = self._streams.pop(request_id, None)
-        held: dict[int, SeqUpdate] = {}  # (stream_interval > 1: tokens not handed out yet go out with the abort)
+        held: dict[int, SeqUpdate] = {}  # what was not handed out yet (held, or final-only) goes with the abort
         if self.engine is not None:
             for state in self.engine.abort(request_id):
-                if state.held is not None:
-                    held[state.req.seq_index] = state.held
+                pending = self.engine.undelivered(state)
+                if pending is not None:
+                    held[state.req.seq_index] = pending
                 if self.metrics is not None:
                     self.metrics.request_success.inc(finished_reason="abort", model_name=self.metrics.model_name)
         if entry is not None:

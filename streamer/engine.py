@@ -493,9 +493,7 @@ class LLMEngine:
         state = update.state
         if state.final_only:
             if update.finished:
-                updates.append(SeqUpdate(state, list(state.req.output_token_ids), state.text,
-                                         list(state.logprobs) if state.logprobs is not None else None, True,
-                                         state.prompt_logprobs))
+                updates.append(self.undelivered(state))
             return
         interval = self.config.stream_interval
         if interval > 1:
@@ -509,6 +507,16 @@ class LLMEngine:
                 return
             state.held = None
         updates.append(update)
+
+    @staticmethod
+    def undelivered(state: SeqState) -> Optional[SeqUpdate]:
+        """What `process` has not handed out of a sequence yet: a final-only one's everything, a streamed one's
+        held tokens (None if nothing). An abort hands it out with the abort."""
+        if not state.final_only:
+            return state.held
+        return SeqUpdate(state, list(state.req.output_token_ids), state.text,
+                         list(state.logprobs) if state.logprobs is not None else None, state.req.is_finished,
+                         state.prompt_logprobs)
 
     # ------------------------------------------------------------------ speculative decoding
     def _propose_drafts(self) -> None:

@@ -276,3 +276,22 @@ def test_outputs_that_pile_up_go_out_merged():
         assert Engine.aborted == ["s"]
 
     run(main())
+
+
+def test_aborted_non_streamed_request_gets_what_it_generated(llama_dir):
+    """An abort hands a non-streamed sequence what it generated so far (it had not been handed anything)."""
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            stream = await engine.add_request("def k(z):", SamplingParams(max_tokens=200, ignore_eos=True),
+                                              stream=False)
+            state = engine.engine.seqs[stream.request_id]
+            while state.req.num_output_tokens < 3:
+                await asyncio.sleep(0.001)
+            generated = list(state.req.output_token_ids)
+            engine.abort_now(stream.request_id)
+            items = [it async for it in stream]
+            assert len(items) == 1 and items[0].finish_reason == "abort"
+            assert items[0].token_ids == generated and items[0].text == state.text != ""
+            assert _pool_whole(engine)
+
+    run(main())
