@@ -361,3 +361,25 @@ def test_health_and_metrics(live):
         live.wait_idle()
         text = h.get("/metrics").text
         assert metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_stream_interval_chunks_carry_several_tokens(llama_dir):
+    """`--stream-interval 3`: after the first, a streamed choice's chunks carry 3 tokens (their text and logprobs
+    too), and together they are what the non-streamed response holds; with n=2 both choices finish."""
+    async def main(live):
+        c = client(live)
+        kw = dict(model="llama", prompt=PROMPT, max_tokens=10, logprobs=1, **GREEDY)
+        whole = await c.completions.create(**kw)
+        chunks = [ch async for ch in await c.completions.create(stream=True, **kw)]
+        pieces = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].logprobs is not None
+                  and ch.choices[0].logprobs.tokens]
+        sizes = [len(p.logprobs.tokens) for p in pieces]  # (a consumer that fell behind may merge chunks)
+        assert sizes[0] == 1 and all(n % 3 == 0 for n in sizes[1:]) and sum(sizes) == 10 and len(sizes) > 2
+        assert "".join(p.text for p in pieces) == whole.choices[0].text
+        assert sum((p.logprobs.token_logprobs for p in pieces), []) == whole.choices[0].logprobs.token_logprobs
+        texts, finish, _ = await _stream_completion(c, model="llama", prompt=PROMPT, max_tokens=7, n=2,
+                                                    temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+        assert set(finish) == {0, 1} and all(f == "length" for f in finish.values())
+
+    with LiveServer(llama_dir, stream_interval=3) as live:
+        run(main(live))
