@@ -40,7 +40,9 @@ def keep_freed_memory() -> bool:
     if mallopt is None:
         return False
     _applied = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
-    logger.debug("glibc malloc keeps freed memory up to %d bytes: %s", KEEP_BYTES, _applied)
+    if _applied:
+        logger.info("glibc malloc keeps up to %d MiB of freed memory for reuse (STREAMER_CPU_MALLOC=0: off)",
+                    KEEP_BYTES >> 20)
     return _applied
 
 
