@@ -224,7 +224,7 @@ def test_chunked_prefill_preemption_and_sampling(target, tmp_path) -> None:
     sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, prompts)}
     assert assert_proposals_match(Reference(head, target), calls[-8:], sequences) >= 10
     sampled = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=3))
+                           SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=3, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in sampled)
     e = llm.engine
     e.scheduler.check_invariants()
