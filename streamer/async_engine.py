@@ -350,11 +350,11 @@ class AsyncEngine:
                                   lora_request=adapter, pooling=pooling, images=images, stream=stream)
         rid = states[0].req.parent_id or states[0].req.request_id
         queue: asyncio.Queue = asyncio.Queue()
-        stream = RequestStream(self, rid, len(states), ids, queue)
-        self._streams[rid] = (stream, queue)
+        outputs = RequestStream(self, rid, len(states), ids, queue)
+        self._streams[rid] = (outputs, queue)
         self._idle.clear()  # type: ignore[union-attr]
         self._wakeup.set()  # type: ignore[union-attr]
-        return stream
+        return outputs
 
     async def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, priority: int = 0,
