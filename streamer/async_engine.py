@@ -91,7 +91,7 @@ class RequestStream:
         """Outputs of the same sequence that piled up while the consumer was busy (a slow client, a loaded loop)
         go out as one: fewer, larger chunks exactly when the consumer is behind, as vLLM's output collector
         does. A consumer that keeps up gets every step's output on its own."""
-        while not item.finished and not item.embedding and not self._queue.empty():
+        while not item.finished and not self._queue.empty():  # (a pooling result comes finished)
             later = self._queue.get_nowait()
             if isinstance(later, BaseException) or later.index != item.index:
                 self._next = later
