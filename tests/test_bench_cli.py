@@ -213,3 +213,26 @@ def test_demo_model_server_needs_no_tokenizer(tmp_path: Path) -> None:
     doc = json.loads(res.read_text())
     assert doc["summary"]["completed"] == 3
     assert len(prompts) >= 3 and all(isinstance(p, str) and p for p in prompts)
+
+
+def test_default_input_len_fits_the_servers_context(tokdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The default prompt length (1024) shrinks to what the server's reported max_model_len holds; an explicit
+    length is kept, with a warning naming how many requests the server will refuse."""
+    with FakeServer(max_model_len=300) as srv:
+        assert main(["--base-url", srv.base_url, "--tokenizer", tokdir, "--num-prompts", "3", "--output-len", "20",
+                     "--progress", "off"]) == 0
+        err = capsys.readouterr().err
+        assert "--input-len 140 (not 1024): the server's max_model_len is 300" in err
+        assert "warning" not in err
+        prompt_words = [len(b["prompt"].split()) for b in srv.received]
+        assert prompt_words and max(prompt_words) <= 140  # whitespace words never outnumber the tokens
+        srv.received.clear()
+        assert main(["--base-url", srv.base_url, "--tokenizer", tokdir, "--num-prompts", "3", "--input-len", "400",
+                     "--output-len", "20", "--progress", "off"]) == 0
+        err = capsys.readouterr().err
+        assert "3 of 3 requests need more than the server's max_model_len (300)" in err
+        assert "(not 1024)" not in err
+    with FakeServer() as srv:  # no max_model_len reported: the default stands, silently
+        assert main(["--base-url", srv.base_url, "--tokenizer", tokdir, "--num-prompts", "2", "--output-len", "2",
+                     "--progress", "off"]) == 0
+        assert capsys.readouterr().err == ""

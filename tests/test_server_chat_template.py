@@ -164,3 +164,29 @@ def test_offline_chat_renders_as_transformers(llama_dir):
         assert llm.chat(convs[0], params)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # one conversation
         with pytest.raises(ValueError, match="messages"):
             llm.chat([{"role": "user"}], params)
+
+
+@pytest.mark.parametrize("source, fmt", [
+    ("{% for part in message['content'] %}{{ part.text }}{% endfor %}", "openai"),
+    ("{%- for c in message.content -%}{{ c.text }}{%- endfor %}", "openai"),
+    ("{% for c in message['content'] | selectattr('type', 'equalto', 'image') %}<image>{% endfor %}", "openai"),
+    ("{% for c in message['content'] if c.type == 'text' %}{% endfor %}{% if m.content is string %}{% endif %}",
+     "both"),
+    # A loop over something made from the content reads it as a string (the demo model's template).
+    ("{% for line in message['content'].split('\\n') %}{{ '# ' + line }}{% endfor %}", "string"),
+    ("{{ message['content'] }}", "string"),
+])
+def test_content_format_reads_the_loop_target(source, fmt):
+    from streamer.server.chat_template import content_format
+    assert content_format(source) == fmt
+
+
+def test_demo_model_template_renders_string_contents():
+    """The embedded model's template splits each content into lines: it must be given the string."""
+    from streamer.demo_model import default_model_path
+    tok = Tokenizer.from_pretrained(str(default_model_path()))
+    t = ChatTemplate.from_tokenizer(tok)
+    assert t.content_format == "string"
+    text = t.render([{"role": "user", "content": "hi\nthere"}, {"role": "assistant", "content": "ok"},
+                     {"role": "user", "content": "more"}])
+    assert text == f"{tok.bos_token}# hi\n# there\nok{tok.eos_token}# more\n"

@@ -17,9 +17,10 @@ from streamer.bench import report
 from streamer.bench.datasets import SampleRequest, add_images, file_requests, load_tokenizer, synthetic_requests
 from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
-from streamer.bench.runner import BenchError, RunConfig, RunOutput, discover_model, run
+from streamer.bench.runner import BenchError, RunConfig, RunOutput, ServedModel, list_models, run
 
 T = TypeVar("T")
+DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 1024, 128
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -100,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: file when --dataset-path is given, else random)")
     g.add_argument("--dataset-path", help="JSON list or JSONL of prompts, or a ShareGPT file")
     g.add_argument("--num-prompts", type=_int_at_least(1), default=1000)
-    g.add_argument("--input-len", type=_int_at_least(1), default=1024,
-                   help="random tokens per prompt (after any shared prefix)")
+    g.add_argument("--input-len", type=_int_at_least(1), default=None,
+                   help=f"random tokens per prompt, after any shared prefix (default {DEFAULT_INPUT_LEN}, or less "
+                        "where the server's max_model_len would not hold it)")
     g.add_argument("--output-len", type=_int_at_least(1), default=None,
                    help="max_tokens per request (default 128; for files: the file's, else 128)")
     g.add_argument("--range-ratio", type=_ratio, default=0.0,
@@ -163,10 +165,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"cannot write {f!r}: no such folder")
 
 
-def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Optional[Tokenizer]:
+def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace,
+               served: Optional[ServedModel]) -> Optional[Tokenizer]:
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if path is None and args.dataset in ("random", "prefix"):
-        path = _demo_tokenizer_if_served(args)
+        path = _demo_tokenizer_if_served(served)
         if path is None:
             p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
                     "PATH (a folder with tokenizer.json) or --model as a local model folder")
@@ -179,24 +182,56 @@ def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> Optional
     return None  # unreachable (p.error exits)
 
 
-def _demo_tokenizer_if_served(args: argparse.Namespace) -> Optional[str]:
+def _served_model(args: argparse.Namespace) -> Optional[ServedModel]:
+    """The benchmarked model as GET /v1/models lists it (the one asked for, else the first); None when the server
+    does not answer (the run itself then reports why)."""
+    async def query() -> Optional[ServedModel]:
+        client = HttpClient(args.base_url, timeout=min(args.timeout, 10.0),
+                            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
+        try:
+            models = await list_models(client)
+        except BenchError:
+            return None
+        finally:
+            await client.close()
+        name = args.served_model_name or args.model
+        return next((m for m in models if m.id == name), None if name else models[0])
+    return run_loop(query())
+
+
+def _demo_tokenizer_if_served(served: Optional[ServedModel]) -> Optional[str]:
     """`streamer serve` with no model serves the embedded demo model, whose tokenizer ships with this package:
-    against such a server (asked or found through GET /v1/models) the bench needs no --tokenizer."""
+    against such a server the bench needs no --tokenizer."""
     from streamer.demo_model import DEFAULT_MODEL_NAME, default_model_path
 
-    name = args.served_model_name or args.model
-    if name is None:
-        async def first_model() -> Optional[str]:
-            client = HttpClient(args.base_url, timeout=min(args.timeout, 10.0),
-                                api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
-            try:
-                return await discover_model(client)
-            except BenchError:
-                return None
-            finally:
-                await client.close()
-        name = run_loop(first_model())
-    return str(default_model_path()) if name == DEFAULT_MODEL_NAME else None
+    return str(default_model_path()) if served is not None and served.id == DEFAULT_MODEL_NAME else None
+
+
+def _fit_input_len(args: argparse.Namespace, served: Optional[ServedModel]) -> None:
+    """The default prompt length, shortened where the server's context would not hold it: at most half of what
+    max_model_len leaves after the output and any shared prefix (room for a chat template and --range-ratio)."""
+    if args.input_len is not None:
+        return
+    args.input_len = DEFAULT_INPUT_LEN
+    limit = served.max_model_len if served is not None else None
+    if limit is None or args.dataset == "file":
+        return
+    fit = max(1, (limit - (args.output_len or DEFAULT_OUTPUT_LEN) - args.prefix_len) // 2)
+    if fit < args.input_len:
+        args.input_len = fit
+        print(f"streamer bench: --input-len {fit} (not {DEFAULT_INPUT_LEN}): the server's max_model_len is {limit}",
+              file=sys.stderr)
+
+
+def _warn_if_too_long(requests: Sequence[SampleRequest], served: Optional[ServedModel]) -> None:
+    limit = served.max_model_len if served is not None else None
+    if limit is None:
+        return
+    over = sum(r.prompt_len + r.output_len > limit for r in requests)
+    if over:
+        print(f"streamer bench: warning: {over} of {len(requests)} requests need more than the server's "
+              f"max_model_len ({limit}) tokens for prompt and output: the server will refuse them",
+              file=sys.stderr)
 
 
 def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
@@ -207,7 +242,7 @@ def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[Sa
         assert tok is not None
         grouped = args.dataset == "prefix"
         requests = synthetic_requests(tok, args.num_prompts, input_len=args.input_len,
-                                      output_len=args.output_len or 128, range_ratio=args.range_ratio,
+                                      output_len=args.output_len or DEFAULT_OUTPUT_LEN, range_ratio=args.range_ratio,
                                       prefix_len=args.prefix_len, num_prefixes=args.num_prefixes if grouped else 1,
                                       seed=args.seed, shuffle=grouped)
     if args.images_per_request:
@@ -258,14 +293,17 @@ def bench_main(argv: Sequence[str]) -> int:
     try:
         args = p.parse_args(list(argv))
         _check(p, args)
-        tok = _tokenizer(p, args)
+        served = _served_model(args)
+        tok = _tokenizer(p, args, served)
     except SystemExit as e:
         return int(e.code or 0)
+    _fit_input_len(args, served)
     try:
         requests = make_requests(args, tok)
     except (ValueError, RuntimeError, OSError) as e:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
+    _warn_if_too_long(requests, served)
     cfg = RunConfig(base_url=args.base_url, model=args.served_model_name or args.model, endpoint=args.endpoint,
                     request_rate=args.request_rate, burstiness=args.burstiness,
                     max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,

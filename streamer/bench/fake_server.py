@@ -140,9 +140,10 @@ class FakeServer:
     """An OpenAI-compatible fake on 127.0.0.1; `with FakeServer(script) as s:` runs it on a thread."""
 
     def __init__(self, script: Script = instant, *, host: str = "127.0.0.1", port: int = 0, model: str = "fake",
-                 api_key: Optional[str] = None, record: bool = True) -> None:
+                 api_key: Optional[str] = None, record: bool = True, max_model_len: Optional[int] = None) -> None:
+        """max_model_len: reported in GET /v1/models (as vLLM and streamer do) when given."""
         self.script, self.host, self.port, self.model, self.api_key = script, host, port, model, api_key
-        self.record = record
+        self.record, self.max_model_len = record, max_model_len
         self.received: list[dict[str, Any]] = []  # request bodies, in arrival order
         self.count = 0
         self.in_flight = self.max_in_flight = 0  # streaming requests being answered (for concurrency checks)
@@ -162,8 +163,10 @@ class FakeServer:
         if method == "GET" and path in ("/health", "/v1/health"):
             return proto.send(200, b"")
         if method == "GET" and path == "/v1/models":
-            return proto.send(200, json.dumps({"object": "list", "data": [
-                {"id": self.model, "object": "model", "owned_by": "streamer"}]}).encode())
+            card: dict[str, Any] = {"id": self.model, "object": "model", "owned_by": "streamer"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len
+            return proto.send(200, json.dumps({"object": "list", "data": [card]}).encode())
         if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
             return proto.send(404, b'{"error": {"message": "not found"}}')
         try:

@@ -149,14 +149,33 @@ class Progress:
             sys.stderr.flush()
 
 
-async def discover_model(client: HttpClient) -> str:
+@dataclass
+class ServedModel:
+    """What GET /v1/models says of a model: its id and, where the server reports it, its context length."""
+    id: str
+    max_model_len: Optional[int] = None
+
+
+async def list_models(client: HttpClient) -> list[ServedModel]:
     resp = await client.get("/models")
     if resp.error or resp.status != 200:
         raise BenchError(f"could not list the server's models ({error_of(resp)}); pass --model")
     try:
-        return str(json.loads(bytes(resp.body))["data"][0]["id"])
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise BenchError("GET /v1/models returned no model; pass --model") from None
+        cards = json.loads(bytes(resp.body))["data"]
+        models = [ServedModel(str(c["id"]), _positive_int(c.get("max_model_len"))) for c in cards]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BenchError("GET /v1/models returned no model list; pass --model") from None
+    if not models:
+        raise BenchError("GET /v1/models returned no model; pass --model")
+    return models
+
+
+def _positive_int(v: Any) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+async def discover_model(client: HttpClient) -> str:
+    return (await list_models(client))[0].id
 
 
 def count_output_tokens(pending: list[tuple[RequestResult, str]], tok: Optional[Tokenizer]) -> None:

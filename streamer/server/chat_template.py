@@ -143,7 +143,9 @@ class ChatTemplate:
 
 
 # A loop over a message's content (as a list of parts), in templates that take OpenAI-style content.
-_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]content['\"]\s*\]|\.content)")
+# The loop must be over the content itself (`for line in message['content'].split('\n')` reads a string).
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+(?:message|msg|m)(?:\[\s*['\"]content['\"]\s*\]|\.content)"
+                           r"(?=\s*(?:-?%\}|\||if\b|recursive\b))")
 
 
 def content_format(source: Optional[str]) -> str:
