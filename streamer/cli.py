@@ -73,6 +73,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None)
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of the checkpoint's")
     g.add_argument("--quantization", default=None, choices=["fp8", "int4", "int8", "none"],
                    help="fp8: weights in FP8, FP8 matmuls (default for FP8 checkpoints on GPUs that have them); "
                         "int4: weights rounded to 4 bits, int4 kernels; int8 (CPU): weights rounded to 8 bits per "
@@ -107,7 +109,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
-                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval")
+                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
+                "chat_template")
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -98,6 +98,9 @@ class EngineConfig:
     # file's keys) wins over either.
     generation_config: str = "auto"
     override_generation_config: Optional[dict[str, Any]] = None
+    # A Jinja chat template, or the path of a file holding one, used in place of the checkpoint's (for checkpoints
+    # without one, or to fix one); checked to compile at start-up.
+    chat_template: Optional[str] = None
     # Vision-language models (streamer/multimodal.py): at most this many images in one prompt; the encoder's
     # output kept for images whose prompts are still being computed (and for repeats), up to this many bytes.
     limit_images_per_prompt: int = 16
@@ -182,6 +185,9 @@ class EngineConfig:
                 raise ValueError(f"{what} needs num_speculative_tokens >= 1 (the tokens it drafts a step)")
             if tp > 1:
                 raise ValueError(f"{what} does not run with tensor_parallel_size > 1 yet")
+        if self.chat_template is not None:
+            from streamer.server.chat_template import load_chat_template
+            load_chat_template(self.chat_template)  # a missing file or a broken template fails here, not per request
 
     @property
     def drafts_with_model(self) -> bool:

@@ -140,6 +140,9 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        if config.chat_template is not None:
+            from streamer.server.chat_template import load_chat_template
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         if config.max_model_len and config.max_model_len > limit:

@@ -114,23 +114,20 @@ class LLM:
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
+             lora_request: Union[LoRAType, Sequence[LoRAType]] = None,
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
-        with the model's chat template as the server renders them (and as transformers' apply_chat_template does)."""
+        with the model's chat template as the server renders them (and as transformers' apply_chat_template does).
+        chat_template: a Jinja template (or a file holding one) for this call in place of the model's."""
         from streamer.server.protocol import APIError, message_images, message_videos, parse_messages
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
-        if self._chat_template is None:
-            from streamer.server.chat_template import ChatTemplate
-            images = self.engine.image_prompts
-            self._chat_template = ChatTemplate.from_tokenizer(
-                self.tokenizer, images.placeholder if images is not None else None,
-                images.video_placeholder if images is not None else None)
+        template = self._template(chat_template)
         prompts: list[PromptType] = []
         for conv in convs:
             try:
                 parsed = parse_messages(conv)
-                text = self._chat_template.render(parsed, add_generation_prompt,
-                                                  continue_final_message, tools, chat_template_kwargs)
+                text = template.render(parsed, add_generation_prompt, continue_final_message, tools,
+                                       chat_template_kwargs)
             except APIError as e:  # (the server's error type: here a plain ValueError naming the problem)
                 raise ValueError(e.message) from None
             sources = message_images(parsed)
@@ -147,6 +144,17 @@ class LLM:
                 prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, allow, fps) for v in videos]
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, lora_request=lora_request)
+
+    def _template(self, source: Optional[str]) -> Any:
+        """The engine's chat template (made once), or one made from `source` (a call's own)."""
+        from streamer.server.chat_template import ChatTemplate, load_chat_template
+        images = self.engine.image_prompts
+        placeholders = ((images.placeholder, images.video_placeholder) if images is not None else (None, None))
+        if source is not None:
+            return ChatTemplate.from_tokenizer(self.tokenizer, *placeholders, source=load_chat_template(source))
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer, *placeholders)
+        return self._chat_template
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:

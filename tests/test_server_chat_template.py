@@ -190,3 +190,27 @@ def test_demo_model_template_renders_string_contents():
     text = t.render([{"role": "user", "content": "hi\nthere"}, {"role": "assistant", "content": "ok"},
                      {"role": "user", "content": "more"}])
     assert text == f"{tok.bos_token}# hi\n# there\nok{tok.eos_token}# more\n"
+
+
+def test_user_chat_template_from_a_file_or_inline(tmp_path):
+    """`chat_template` (engine argument, `--chat-template`): a file or the template itself replaces the model's for
+    LLM.chat and the server alike; LLM.chat(chat_template=...) overrides it for one call; a missing file or a
+    template that does not compile is a ValueError at start-up naming the field."""
+    from streamer import LLM, SamplingParams
+    from streamer.config import EngineConfig
+    from streamer.demo_model import default_model_path
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ bos_token }}{% for m in messages %}Q: {{ m['content'] }}\n{% endfor %}A:")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    with LLM(str(default_model_path()), chat_template=str(path)) as llm:
+        tok = llm.tokenizer
+        assert llm.chat([{"role": "user", "content": "hi"}], params)[0].prompt_token_ids == \
+            tok.encode(f"{tok.bos_token}Q: hi\nA:", add_special_tokens=False)
+        out = llm.chat([{"role": "user", "content": "hi"}], params, chat_template="<{{ messages[0].content }}>")
+        assert out[0].prompt_token_ids == tok.encode("<hi>", add_special_tokens=False)
+        with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+            llm.chat([{"role": "user", "content": "hi"}], params, chat_template="no-such-file.jinja")
+    for bad, message in (("/no/such/t.jinja", "neither a file nor a Jinja template"),
+                         ("{% if %}", "does not compile")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(chat_template=bad)

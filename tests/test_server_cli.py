@@ -146,6 +146,10 @@ def test_serve_without_model_uses_the_demo_model():
             assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [DEFAULT_MODEL_NAME]
             r = h.post("/v1/completions", json={"prompt": "def ", "max_tokens": 4})
             assert r.status_code == 200 and r.json()["model"] == DEFAULT_MODEL_NAME
+            r = h.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 4})
+            assert r.status_code == 200, r.text  # (its template reads contents as strings)
+            assert r.json()["usage"]["completion_tokens"] >= 1
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(60) == 0
         assert "compiled and warmed up" in srv.stderr, "serve compiles the model by default, also on CPU"
@@ -154,7 +158,9 @@ def test_serve_without_model_uses_the_demo_model():
 
 
 @pytest.mark.parametrize("flag,value,field", [("--cuda-graph-max-batch", "-1", "cuda_graph_max_batch"),
-                                              ("--block-size", "0", "block_size")])
+                                              ("--block-size", "0", "block_size"),
+                                              ("--chat-template", "/no/such/template.jinja", "chat_template"),
+                                              ("--chat-template", "{% for m in messages %}", "chat_template")])
 def test_bad_engine_argument_is_one_line_and_exit_2(flag, value, field):
     """Invalid engine arguments stop `serve` before it loads anything: an error naming the field, no traceback."""
     p = subprocess.run([sys.executable, "-m", "streamer", "serve", "--port", "0", flag, value], cwd=REPO,

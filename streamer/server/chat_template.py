@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Optional
 
 import jinja2
@@ -56,6 +57,26 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def load_chat_template(value: str) -> str:
+    """A user's chat template (`--chat-template`, as vLLM's): the path of a file holding it, or the Jinja source
+    itself. ValueError when it is neither, or when it does not compile."""
+    try:
+        is_file = "\n" not in value and Path(value).expanduser().is_file()
+    except (OSError, ValueError):  # a name too long for the file system, a NUL byte
+        is_file = False
+    if is_file:
+        source = Path(value).expanduser().read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        source = value
+    else:
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+    try:
+        compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template does not compile: {e}") from None
+    return source
+
+
 class ChatTemplate:
     """A model's chat template, compiled once. `render` raises APIError (400) for anything that goes wrong."""
 
@@ -73,7 +94,8 @@ class ChatTemplate:
         self._error: Optional[str] = None
         if source is None:
             self._error = ("this model has no chat template (tokenizer_config.json has no chat_template and there "
-                           "is no chat_template.jinja): use /v1/completions with a plain prompt instead")
+                           "is no chat_template.jinja): use /v1/completions with a plain prompt, or give the server "
+                           "one with --chat-template")
         else:
             try:
                 self._template = compile_template(source)
@@ -82,10 +104,11 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, image_placeholder: Optional[str] = None,
-                       video_placeholder: Optional[str] = None) -> "ChatTemplate":
+                       video_placeholder: Optional[str] = None, source: Optional[str] = None) -> "ChatTemplate":
+        """The tokenizer's template (or `source`, in its place) with the tokenizer's special tokens."""
         def name(token_id: Optional[int]) -> Optional[str]:
             return tokenizer.id_to_token(token_id) if token_id is not None else None
-        return cls(tokenizer.chat_template, {
+        return cls(source if source is not None else tokenizer.chat_template, {
             "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
             "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)},
             image_placeholder, video_placeholder)
