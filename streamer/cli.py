@@ -240,6 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=cmd_serve)
     except ImportError:
         serve.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
+    batch = sub.add_parser("run-batch", help="answer an OpenAI Batch API file (JSONL requests) offline")
+    batch.add_argument("model", nargs="?", default=None,
+                       help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
+    batch.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                       help="the same, as a flag (either spelling)")
+    add_engine_args(batch)
+    try:
+        from streamer.server.cli import add_run_batch_args, cmd_run_batch
+        add_run_batch_args(batch)
+        batch.set_defaults(func=cmd_run_batch)
+    except ImportError:
+        batch.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
     sub.add_parser("bench", help="load-test an OpenAI-compatible server (streamer bench --help)", add_help=False)
     return parser
 

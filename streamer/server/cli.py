@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import IO, TYPE_CHECKING, Callable, Iterator, Optional
 
 import uvicorn
 
@@ -59,6 +59,65 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "background mode (least recently used out first; 0: store none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
+
+
+def add_run_batch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch")
+    g.add_argument("-i", "--input-file", required=True,
+                   help="JSONL of requests ({custom_id, method, url, body} a line; - for standard input)")
+    g.add_argument("-o", "--output-file", required=True,
+                   help="where the answers go, a JSON line each in input order (- for standard output)")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at once (default: twice --max-num-seqs)")
+    g.add_argument("--served-model-name", default=None, help="the model id the lines' bodies may name")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS))
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS))
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from streamer.cli import engine_kwargs
+    from streamer.config import EngineConfig
+    logging.getLogger("streamer").setLevel(args.log_level.upper())
+    kwargs = engine_kwargs(args)
+    if kwargs.get("enforce_eager") is None:
+        kwargs["enforce_eager"] = False  # a batch job runs long: compiled, as `serve`
+    try:
+        cfg = EngineConfig.from_kwargs(args.model, **kwargs)
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be >= 1")
+        lines = (sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")).readlines()
+        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+    except (TypeError, ValueError, OSError) as e:
+        print(f"streamer run-batch: error: {e}", file=sys.stderr)
+        return 2
+    concurrency = args.max_concurrency or 2 * cfg.max_num_seqs
+    with contextlib.closing(out) if out is not sys.stdout else contextlib.nullcontext():
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_run_batch(args, kwargs, lines, out, concurrency))
+
+
+async def _run_batch(args: argparse.Namespace, kwargs: dict, lines: list[str], out: IO[str],
+                     concurrency: int) -> int:
+    from streamer.async_engine import AsyncEngine
+    from streamer.server.batch import run_batch
+    engine = AsyncEngine(args.model, **kwargs)
+    try:
+        try:
+            await engine.start()
+        except Exception as e:  # a missing folder, a bad checkpoint
+            print(f"streamer run-batch: error: {e}", file=sys.stderr)
+            return 1
+        app = build_app(engine, served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser, responses_store_size=0)
+        with frozen_startup_objects():
+            summary = await run_batch(app, lines, out, concurrency, progress=sys.stderr.isatty())
+    finally:
+        await engine.stop()
+    where = "standard output" if args.output_file == "-" else args.output_file
+    print(f"streamer run-batch: {summary.total} requests, {summary.succeeded} succeeded, {summary.failed} failed; "
+          f"answers in {where}", file=sys.stderr)
+    return 0
 
 
 class _Server(uvicorn.Server):
