@@ -50,7 +50,7 @@ class ServeProcess:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.stderr}") from None
                 continue
-            m = re.search(r"at (http://\S+)/v1", line)
+            m = re.search(r"at (https?://\S+)/v1", line)
             if m:
                 self.url = m.group(1)
                 return self.url
@@ -160,7 +160,9 @@ def test_serve_without_model_uses_the_demo_model():
 @pytest.mark.parametrize("flag,value,field", [("--cuda-graph-max-batch", "-1", "cuda_graph_max_batch"),
                                               ("--block-size", "0", "block_size"),
                                               ("--chat-template", "/no/such/template.jinja", "chat_template"),
-                                              ("--chat-template", "{% for m in messages %}", "chat_template")])
+                                              ("--chat-template", "{% for m in messages %}", "chat_template"),
+                                              ("--ssl-keyfile", "/no/key.pem", "--ssl-certfile"),
+                                              ("--ssl-ca-certs", "/no/ca.pem", "--ssl-ca-certs")])
 def test_bad_engine_argument_is_one_line_and_exit_2(flag, value, field):
     """Invalid engine arguments stop `serve` before it loads anything: an error naming the field, no traceback."""
     p = subprocess.run([sys.executable, "-m", "streamer", "serve", "--port", "0", flag, value], cwd=REPO,
@@ -195,3 +197,40 @@ def test_startup_objects_are_frozen_while_serving():
     with frozen_startup_objects():
         assert gc.get_freeze_count() >= len(made_at_startup)
     assert gc.get_freeze_count() == 0
+
+
+def test_tls_and_cors(tmp_path):
+    """`--ssl-keyfile/--ssl-certfile` serve HTTPS (the printed URL says so; plain HTTP gets no answer);
+    `--allowed-origins` answers a browser's preflight before the API-key check and marks responses for that
+    origin only."""
+    from shutil import which
+    if which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    srv = ServeProcess("--port", "0", "--enforce-eager", "--num-kv-blocks", "64", "--api-key", "k",
+                       "--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                       "--allowed-origins", "https://app.example")
+    try:
+        url = srv.wait_url()
+        assert url.startswith("https://127.0.0.1:")
+        with httpx.Client(base_url=url, verify=str(cert), timeout=120) as h:
+            auth = {"Authorization": "Bearer k"}
+            assert h.get("/v1/models", headers=auth).status_code == 200
+            assert h.get("/v1/models").status_code == 401
+            pre = h.options("/v1/chat/completions", headers={
+                "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            assert pre.status_code == 200
+            assert pre.headers["access-control-allow-origin"] == "https://app.example"
+            r = h.post("/v1/completions", json={"prompt": "def ", "max_tokens": 2},
+                       headers={**auth, "Origin": "https://app.example"})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+            other = h.get("/v1/models", headers={**auth, "Origin": "https://evil.example"})
+            assert "access-control-allow-origin" not in other.headers
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port is not served
+            httpx.get(url.replace("https://", "http://") + "/health", timeout=10)
+    finally:
+        srv.kill()

@@ -7,6 +7,7 @@ import logging
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -14,6 +15,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
@@ -409,6 +411,16 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- auth
+@dataclass(frozen=True)
+class CORSConfig:
+    """Which browser origins may call the API (`--allowed-origins`; off unless given: a page on any site could
+    otherwise drive a server on the user's own machine)."""
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 class BearerAuth:
     """`Authorization: Bearer <key>` on every path but /health (load balancers probe it without a key)."""
 
@@ -458,10 +470,12 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
-              responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE) -> Starlette:
+              responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
+              cors: Optional[CORSConfig] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
-    /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none)."""
+    /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
+    browser origins allowed (None: no CORS headers)."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
     responses = ResponsesAPI(s, responses_store_size)
     routes = [
@@ -484,7 +498,13 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
     if allow_lora_updates:
         routes += [Route("/v1/load_lora_adapter", s.load_lora_adapter, methods=["POST"]),
                    Route("/v1/unload_lora_adapter", s.unload_lora_adapter, methods=["POST"])]
-    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    middleware = []
+    if cors is not None:  # outermost: a browser's preflight (OPTIONS, no key) is answered before the key check
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors.allowed_origins),
+                                     allow_methods=list(cors.allowed_methods), allow_headers=list(cors.allowed_headers),
+                                     allow_credentials=cors.allow_credentials))
+    if api_key:
+        middleware.append(Middleware(BearerAuth, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
         _ClientGone: _client_gone, Exception: _internal_error})

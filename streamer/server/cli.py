@@ -14,12 +14,13 @@ import json
 import logging
 import os
 import signal
+import ssl
 import sys
 from typing import IO, TYPE_CHECKING, Callable, Iterator, Optional
 
 import uvicorn
 
-from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, build_app
+from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, CORSConfig, build_app
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -59,6 +60,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "background mode (least recently used out first; 0: store none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), e.g. https://app.example.com or '*' "
+                        "(default: none, no CORS headers)")
+    g.add_argument("--allowed-methods", nargs="+", default=["*"], metavar="METHOD", help="CORS: allowed methods")
+    g.add_argument("--allowed-headers", nargs="+", default=["*"], metavar="HEADER", help="CORS: allowed headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and auth headers")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates against")
 
 
 def add_run_batch_args(p: argparse.ArgumentParser) -> None:
@@ -149,6 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"streamer serve: error: {flag} must be >= 0", file=sys.stderr)
             return 2
     try:
+        _check_tls(args)
         args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
     except ValueError as e:
         print(f"streamer serve: error: {e}", file=sys.stderr)
@@ -162,6 +173,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
+
+
+def _check_tls(args: argparse.Namespace) -> None:
+    """--ssl-keyfile and --ssl-certfile together, loadable: checked before the model loads, not after."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            ssl.create_default_context(cafile=args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"cannot load the TLS key and certificate: {e}") from None
 
 
 def parse_lora_module(spec: str) -> tuple[str, str]:
@@ -199,17 +226,24 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return 1
         if shutdown.requested:
             return 0
+        cors = (CORSConfig(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
+                           args.allow_credentials) if args.allowed_origins else None)
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
                         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         allow_lora_updates=args.allow_runtime_lora_updating,
-                        responses_store_size=args.responses_store_size)
+                        responses_store_size=args.responses_store_size, cors=cors)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                ssl_ca_certs=args.ssl_ca_certs,
+                                # CAs given: clients must show a certificate one of them signed (mutual TLS)
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5.0)  # a backstop only
         server = shutdown.server = _Server(config)
-        announce = asyncio.ensure_future(_announce(server, app.state.server.model_name))
+        scheme = "https" if args.ssl_certfile else "http"
+        announce = asyncio.ensure_future(_announce(server, app.state.server.model_name, scheme))
         try:
             with frozen_startup_objects():
                 await server.serve()
@@ -271,7 +305,7 @@ class _Shutdown:
             self._drain = asyncio.ensure_future(self.engine.stop(drain_timeout=self.timeout))
 
 
-async def _announce(server: uvicorn.Server, model_name: str) -> None:
+async def _announce(server: uvicorn.Server, model_name: str, scheme: str = "http") -> None:
     while not server.started:
         await asyncio.sleep(0.02)
     for s in server.servers:
@@ -279,6 +313,6 @@ async def _announce(server: uvicorn.Server, model_name: str) -> None:
             host, port = sock.getsockname()[:2]
             if ":" in host:
                 host = f"[{host}]"
-            print(f"streamer: serving {model_name} at http://{host}:{port}/v1 (health: /health, metrics: /metrics)",
+            print(f"streamer: serving {model_name} at {scheme}://{host}:{port}/v1 (health: /health, metrics: /metrics)",
                   flush=True)
             return
