@@ -51,6 +51,9 @@ def test_models(live):
         async with client(live) as c:
             models = await c.models.list()
             assert [m.id for m in models.data] == [live.model_name] == ["llama"]
+            from streamer import __version__
+            async with httpx.AsyncClient(base_url=live.url) as h:
+                assert (await h.get("/version")).json() == {"version": __version__}
             with pytest.raises(openai.NotFoundError) as e:
                 await c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
             assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
@@ -77,6 +80,25 @@ def test_completion_stream_equals_non_stream_and_usage(live):
         # The same prompt again: its full blocks come from the prefix cache.
         assert last.usage.prompt_tokens_details.cached_tokens > 0
         assert len({ch.id for ch in chunks}) == 1
+    run(main())
+
+
+def test_continuous_usage_stats(live):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far,
+    its completion tokens counting up to the total of the final usage chunk; without include_usage it is off."""
+    async def main():
+        async with client(live) as c:
+            opts = {"include_usage": True, "continuous_usage_stats": True}
+            _, _, chunks = await _stream_completion(c, model="llama", prompt=PROMPT, max_tokens=12,
+                                                    stream_options=opts, **GREEDY)
+            _, _, plain = await _stream_completion(c, model="llama", prompt=PROMPT, max_tokens=4,
+                                                   stream_options={"continuous_usage_stats": True}, **GREEDY)
+        counts = [ch.usage.completion_tokens for ch in chunks]
+        assert counts == sorted(counts) and counts[-1] == 12 and 1 <= counts[0] < 12
+        assert all(ch.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for ch in chunks)
+        assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+        assert chunks[-1].choices == [] and chunks[-2].usage.completion_tokens == 12  # the last token's chunk
+        assert all(ch.usage is None for ch in plain)
     run(main())
 
 

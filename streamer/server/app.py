@@ -237,7 +237,7 @@ class OpenAIServer:
                 "model": gen.model}
         if req.stream:
             # The background task also runs when the client left before the body started streaming.
-            return sse_response(stream_events(gen, fmt, head, req.include_usage),
+            return sse_response(stream_events(gen, fmt, head, req.include_usage, req.continuous_usage),
                                 headers={"X-Request-Id": gen.request_id}, background=BackgroundTask(gen.close))
         choices = await collect_choices(request, gen, fmt)
         if choices is None:
@@ -295,6 +295,10 @@ class OpenAIServer:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.engine.is_alive else 503)
+
+    async def version(self, request: Request) -> Response:
+        from streamer import __version__
+        return JSONResponse({"version": __version__})
 
     async def metrics(self, request: Request) -> Response:
         text = self.engine.metrics.render() if self.engine.metrics is not None else ""
@@ -492,6 +496,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_mode
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
+        Route("/version", s.version, methods=["GET"]),
         Route("/tokenize", s.tokenize, methods=["POST"]),
         Route("/detokenize", s.detokenize, methods=["POST"]),
     ]

@@ -302,6 +302,7 @@ class _Common:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage so far in every chunk
     priority: int
     cache_salt: Optional[str]
     return_token_ids: bool
@@ -312,6 +313,7 @@ class _Common:
 def _common(body: dict, params: SamplingParams) -> _Common:
     stream = get_bool(body, "stream", False)
     options = get_object(body, "stream_options")
+    include_usage = get_bool(options, "include_usage", False)
     if options and not stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     get_str(body, "user", None, 1 << 16)  # accepted and unused, as a type-checked courtesy
@@ -319,7 +321,8 @@ def _common(body: dict, params: SamplingParams) -> _Common:
     if cache_salt == "":
         raise APIError("cache_salt must not be empty", param="cache_salt")
     return _Common(model=get_str(body, "model", None, 1024), params=params, stream=stream,
-                   include_usage=get_bool(options, "include_usage", False),
+                   include_usage=include_usage,  # (vLLM's: continuous stats only along with the last chunk's)
+                   continuous_usage=include_usage and get_bool(options, "continuous_usage_stats", False),
                    priority=get_int(body, "priority", 0, -(2 ** 31), 2 ** 31 - 1),  # type: ignore[arg-type]
                    cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False),
                    prompt_logprobs=body.get("prompt_logprobs") is not None)

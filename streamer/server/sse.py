@@ -23,18 +23,22 @@ def event(obj: Any) -> bytes:
 
 
 async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], include_usage: bool,
-                        ) -> AsyncIterator[bytes]:
+                        continuous_usage: bool = False) -> AsyncIterator[bytes]:
     """The chunks of one streamed response. The generator's cleanup aborts the engine request when the client
-    goes away (sse-starlette cancels it on disconnect)."""
-    # OpenAI's chunks say usage: null until the last one
-    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    goes away (sse-starlette cancels it on disconnect). include_usage: a last chunk with the usage (and, as
+    OpenAI's, "usage": null in the others); continuous_usage (vLLM's continuous_usage_stats): the usage so far in
+    every chunk instead of null."""
+    def extra() -> dict[str, Any]:
+        if continuous_usage:
+            return {"usage": gen.usage()}
+        return {"usage": None} if include_usage else {}
     try:
         for opening in fmt.opening_chunks():
-            yield event({**head, "choices": [opening], **extra})
+            yield event({**head, "choices": [opening], **extra()})
         async for p, out in gen.items():
             choice = fmt.chunk_choice(fmt.piece(gen.choice_index(p, out), p, out))
             if choice is not None:
-                yield event({**head, "choices": [choice], **extra})
+                yield event({**head, "choices": [choice], **extra()})
         if include_usage:
             yield event({**head, "choices": [], "usage": gen.usage()})
     except (asyncio.CancelledError, GeneratorExit) as e:  # the client left (sse-starlette cancels us)
