@@ -140,6 +140,7 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
+        self.tokenizer.token_bytes  # noqa: B018 (the detokenizer's byte table: built at start-up, not at a request)
         if config.chat_template is not None:
             from streamer.server.chat_template import load_chat_template
             self.tokenizer.chat_template = load_chat_template(config.chat_template)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders as _decoders
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -78,6 +79,7 @@ class Tokenizer:
         self._template = self._special_template(config)
         self._token_text: dict[int, str] = {}
         self._anchor = self._pick_anchor()
+        self._token_bytes: Optional[list[bytes]] | bool = False  # False: not built yet
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -178,6 +180,16 @@ class Tokenizer:
             self._token_text[token_id] = text
         return text
 
+    @property
+    def token_bytes(self) -> Optional[list[bytes]]:
+        """Each id's bytes, for byte-level BPE tokenizers (GPT-2's, Llama 3's, Qwen's, ...), whose decoding is
+        exactly "concatenate the tokens' bytes, read them as UTF-8 (U+FFFD for bad bytes)": the detokenizer then
+        decodes a token with one lookup and Python's incremental UTF-8 decoder. None for other tokenizers.
+        Built on first use and checked against the tokenizer's own decoding of every id."""
+        if self._token_bytes is False:
+            self._token_bytes = _byte_level_table(self._tok)
+        return self._token_bytes  # type: ignore[return-value]
+
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(token_id)
 
@@ -192,6 +204,40 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, pad={self.pad_token_id})")
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
+    chr(256 + k) in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _byte_level_table(backend: _HFTokenizer) -> Optional[list[bytes]]:
+    """Every id's bytes as the ByteLevel decoder sees the token (its characters mapped through the byte alphabet,
+    or, when one is not in it, as an added token, the text's own UTF-8); None unless the decoder is exactly
+    ByteLevel and each id's bytes, read as UTF-8, give what the tokenizer decodes it to."""
+    if not isinstance(backend.decoder, _decoders.ByteLevel):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(vocab.values(), default=-1) + 1
+    chars = _byte_level_chars()
+    table = [b""] * size  # (ids without a token decode to nothing)
+    for token, i in vocab.items():
+        try:
+            table[i] = bytes([chars[c] for c in token])
+        except KeyError:
+            table[i] = token.encode()
+    decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    if any(b.decode("utf-8", "replace") != text for b, text in zip(table, decoded)):
+        return None
+    return table
 
 
 def _add_missing_tokens(backend: _HFTokenizer, config: dict[str, Any]) -> None:

@@ -14,7 +14,9 @@ from streamer.sampling_params import SamplingParams
 from streamer.tokenizer import Tokenizer
 from tests.tokenizer_factory import CORPUS, make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
-KINDS = ("bytelevel", "sentencepiece")
+# bytelevel: its tokens' bytes and Python's UTF-8 decoder; bytelevel-stream: the same tokenizer through DecodeStream
+# and the Python window (the path of sentencepiece's, and of a byte-level prompt that ends mid-character).
+KINDS = ("bytelevel", "bytelevel-stream", "sentencepiece")
 TEXTS = {
     "cjk": "你好，世界！今天天气很好。日本語のテキスト、한국어 문장입니다.",
     "emoji": "Emoji 😀🚀🎉 family 👨‍👩‍👧‍👦 flag 🇫🇷 heart ❤️ ok 🦀🧠",
@@ -30,9 +32,13 @@ HARD_CHARS = sorted(set(CORPUS) | set("".join(TEXTS.values())))
 
 @pytest.fixture(scope="module")
 def toks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
-    return {"bytelevel": Tokenizer.from_pretrained(make_bytelevel_tokenizer(tmp_path_factory.mktemp("bl"))),
-            "sentencepiece": Tokenizer.from_pretrained(
-                make_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp")))}
+    bytelevel = make_bytelevel_tokenizer(tmp_path_factory.mktemp("bl"))
+    streamed = Tokenizer.from_pretrained(bytelevel)
+    streamed._token_bytes = None  # as if it were not byte-level
+    out = {"bytelevel": Tokenizer.from_pretrained(bytelevel), "bytelevel-stream": streamed,
+           "sentencepiece": Tokenizer.from_pretrained(make_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp")))}
+    assert out["bytelevel"].token_bytes is not None and out["sentencepiece"].token_bytes is None
+    return out
 
 
 def relative_decode(tok: Tokenizer, prompt: list[int], gen: list[int], skip: bool = True) -> str:
@@ -127,7 +133,7 @@ def test_random_ids(toks: dict[str, Tokenizer], kind: str, ids: list[int], chunk
     tok = toks[kind]
     deltas, _, _ = run(tok, ids, chunks=chunks, skip_special_tokens=skip)
     full = tok.decode(ids, skip_special_tokens=skip)
-    if kind == "bytelevel" or "\ufffd" not in full:
+    if kind.startswith("bytelevel") or "\ufffd" not in full:
         assert "".join(deltas) == full
     if "\ufffd" not in full:
         assert all("\ufffd" not in x for x in deltas)
@@ -145,13 +151,14 @@ def byte_token_ids(tok: Tokenizer) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
+@pytest.mark.parametrize("kind", ["bytelevel", "bytelevel-stream"])
 @HYP
 @given(units=st.lists(st.lists(st.integers(0x80, 0xFF), min_size=1, max_size=3).map(bytes)
                       | st.characters(exclude_categories=("Cs",)).map(str.encode), max_size=40),
        chunks=st.lists(st.integers(1, 3), max_size=60))
-def test_random_bytes_bytelevel(toks: dict[str, Tokenizer], units: list[bytes], chunks: list[int]) -> None:
+def test_random_bytes_bytelevel(toks: dict[str, Tokenizer], kind: str, units: list[bytes], chunks: list[int]) -> None:
     """One token per byte: runs of invalid UTF-8 between valid characters. Still exact, never stuck."""
-    tok = toks["bytelevel"]
+    tok = toks[kind]
     pool = byte_token_ids(tok)
     ids = [pool[b] for b in b"".join(units)]
     deltas, _, _ = run(tok, ids, chunks=chunks)
@@ -159,10 +166,11 @@ def test_random_bytes_bytelevel(toks: dict[str, Tokenizer], units: list[bytes], 
     assert sum(len(x) for x in deltas[:-1]) >= len(tok.decode(ids[:-2 * detok_mod.MAX_UNREAD_TOKENS]))
 
 
+@pytest.mark.parametrize("kind", ["bytelevel", "bytelevel-stream"])
 @pytest.mark.parametrize("run_length", range(2 * detok_mod.MAX_UNREAD_TOKENS + 2))
-def test_valid_character_after_invalid_run(toks: dict[str, Tokenizer], run_length: int) -> None:
+def test_valid_character_after_invalid_run(toks: dict[str, Tokenizer], kind: str, run_length: int) -> None:
     """Giving up on an invalid run must not cut into the valid character that follows it."""
-    tok = toks["bytelevel"]
+    tok = toks[kind]
     pool = byte_token_ids(tok)
     ids = [pool[b] for b in b"\xa9" * run_length + "好".encode() + b"\xbf" * run_length + "😀!".encode()]
     deltas, _, _ = run(tok, ids)
@@ -172,7 +180,7 @@ def test_valid_character_after_invalid_run(toks: dict[str, Tokenizer], run_lengt
 @pytest.mark.parametrize("kind", KINDS)
 def test_invalid_bytes_are_emitted_eventually(toks: dict[str, Tokenizer], kind: str) -> None:
     tok = toks[kind]
-    lone = tok.token_to_id("©" if kind == "bytelevel" else "<0xA9>")  # the continuation byte 0xA9 alone
+    lone = tok.token_to_id("©" if kind.startswith("bytelevel") else "<0xA9>")  # the continuation byte 0xA9 alone
     assert tok.decode([lone]) == "\ufffd"
     d = IncrementalDetokenizer(tok, [], SamplingParams())
     emitted = "".join(d.add_tokens([lone])[0] for _ in range(100))
@@ -277,15 +285,21 @@ def test_first_completed_stop_wins_within_one_chunk(toks: dict[str, Tokenizer], 
     assert stop == "lo w" and "".join(deltas) == "hel"
 
 
-def test_stop_completed_in_flush(toks: dict[str, Tokenizer]) -> None:
-    """A stop string followed, in the same token, by an unfinished character is found when flushed."""
-    tok = toks["bytelevel"]
+@pytest.mark.parametrize("kind", ["bytelevel", "bytelevel-stream"])
+def test_stop_completed_before_an_unfinished_character(toks: dict[str, Tokenizer], kind: str) -> None:
+    """A stop string followed, in the same token, by an unfinished character is found: at once on the byte path
+    (the token's complete characters are out), else when flushed (DecodeStream holds the token's whole text)."""
+    tok = toks[kind]
     partial = tok.token_to_id("ĠðŁ")  # " " + the first two bytes of an emoji
     assert partial is not None
     gen = tok.encode("ok x", add_special_tokens=False) + [partial]
     d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["x "]))
-    assert d.add_tokens(gen) == ("ok ", None)
-    assert d.flush() == "" and d.stop_reason == "x " and d.text == "ok "
+    if kind == "bytelevel":
+        assert d.add_tokens(gen) == ("ok ", "x ")
+    else:
+        assert d.add_tokens(gen) == ("ok ", None)
+        assert d.flush() == ""
+    assert d.stop_reason == "x " and d.text == "ok "
 
 
 STOP_ALPHABET = "ab 好😀é\n"
@@ -339,3 +353,37 @@ def test_never_emits_a_stop_prefix_that_completes(toks: dict[str, Tokenizer], ki
     final = d.text + d.flush()
     assert all(final.startswith(s) for s in seen)
     assert stop not in final
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "bytelevel-stream"])
+@pytest.mark.parametrize("after", ["a", "好", "\xa9"])
+def test_prompt_ending_mid_character(toks: dict[str, Tokenizer], kind: str, after: str) -> None:
+    """A prompt whose last token is half a character: the output reads as decode(prompt + output) minus
+    decode(prompt), whether it completes the character or not (the byte path leaves such a prompt to the
+    DecodeStream path: its U+FFFD belongs to the prompt)."""
+    tok = toks[kind]
+    pool = byte_token_ids(tok)
+    prompt = tok.encode("say ", add_special_tokens=False) + [pool[b] for b in "好".encode()[:2]]
+    tail = "好".encode()[2:] if after == "好" else after.encode()
+    gen = [pool[b] for b in tail] + tok.encode(" ok", add_special_tokens=False)
+    deltas, _, _ = run(tok, gen, prompt=prompt)
+    before, full = tok.decode(prompt), tok.decode(prompt + gen)
+    assert before.endswith("\ufffd")
+    want = "好 ok" if after == "好" else full[len(before):]  # (the prompt's U+FFFD becomes the character)
+    assert full.startswith(before[:-1]) and "".join(deltas) == want
+
+
+def test_byte_table_only_where_decoding_is_per_token(tmp_path) -> None:
+    """token_bytes exists only for a decoder that is exactly ByteLevel: one that also strips or replaces text is
+    left to DecodeStream, and the table of a byte-level tokenizer reads back as its own decoding of every id."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders
+    path = make_bytelevel_tokenizer(tmp_path)
+    tok = Tokenizer.from_pretrained(path)
+    table = tok.token_bytes
+    assert table is not None and len(table) >= tok.vocab_size
+    assert all(table[i].decode("utf-8", "replace") == tok.decode([i], skip_special_tokens=False)
+               for i in range(tok.vocab_size))
+    backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
+    assert Tokenizer(backend).token_bytes is None
