@@ -1,6 +1,7 @@
 """Offline batch generation: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
@@ -10,6 +11,7 @@ from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
 from streamer.multimodal import check_truncation, load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.pooling import PoolingParams, encode_pair, pair_up, truncate_prompt
+from streamer.progress import GenerateProgress
 from streamer.sampling_params import SamplingParams
 
 
@@ -65,9 +67,11 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  priority: Optional[Sequence[int]] = None,
-                 lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[RequestOutput]:
+                 lora_request: Union[LoRAType, Sequence[LoRAType]] = None,
+                 use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
         """`lora_request`: one LoRA adapter for every prompt, or one per prompt (None: the base model); a
-        `LoRARequest(name, path)` or the name of an adapter registered with `add_lora`."""
+        `LoRARequest(name, path)` or the name of an adapter registered with `add_lora`. use_tqdm: a progress line on
+        stderr (prompts done, input and output tokens a second; None: when stderr is a terminal)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -95,7 +99,13 @@ class LLM:
                                              prompt_token_ids=token_ids, lora_request=adapter, images=images,
                                              stream=False)  # (read from the states at the end)
             ids.append(rid)
-        self._run()
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        progress = GenerateProgress({rid: len(states[rid]) for rid in ids}) if show and ids else None
+        try:
+            self._run(progress)
+        finally:
+            if progress is not None:
+                progress.close()
         return [self._output(rid, states[rid]) for rid in ids]
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
@@ -107,7 +117,7 @@ class LLM:
             self.engine.validate(p, SamplingParams(max_tokens=1))
         search = BeamSearch(self.engine, ids, params)
         while requests := search.step_requests():
-            search.advance(self.generate(requests, search.sampling))
+            search.advance(self.generate(requests, search.sampling, use_tqdm=False))
         return search.results()
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
@@ -226,13 +236,15 @@ class LLM:
             raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
         return loras
 
-    def _run(self) -> None:
+    def _run(self, progress: Optional[GenerateProgress] = None) -> None:
         """Step until every request has finished. With async scheduling the model runs on a worker thread, and
         step N+1 is scheduled and queued while step N runs (as in `AsyncEngine`); otherwise step by step."""
         engine = self.engine
         if not engine.async_scheduling:
             while engine.has_unfinished():
-                engine.step()
+                updates = engine.step()
+                if progress is not None:
+                    progress.update(updates)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="streamer-device") as device:
             inflight = None
@@ -240,7 +252,9 @@ class LLM:
                 step = engine.schedule_next(inflight[1] if inflight is not None else None)
                 nxt = None if step is None else (*step, device.submit(engine.runner.launch, step[1]))
                 if inflight is not None:  # (the device thread may already be queuing the next step)
-                    engine.process(inflight[0], inflight[2].result().result())
+                    updates = engine.process(inflight[0], inflight[2].result().result())
+                    if progress is not None:
+                        progress.update(updates)
                 elif nxt is None:
                     if engine.has_unfinished():
                         raise RuntimeError("requests are left that can never be scheduled")
