@@ -215,6 +215,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_command(sub: Any, name: str, help: str, add_args: str, command: str) -> None:
+    """A subcommand built on the server (streamer/server/cli.py): the model as `NAME MODEL` or `--model MODEL`,
+    the engine's flags, then its own."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same, as a flag (either spelling)")
+    add_engine_args(p)
+    try:
+        from streamer.server import cli as server_cli
+        getattr(server_cli, add_args)(p)
+        p.set_defaults(func=lambda args: getattr(server_cli, command)(args))
+    except ImportError:
+        p.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamer", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,30 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None,
-                       help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
-    serve.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                       help="the same, as a flag (either spelling)")
-    add_engine_args(serve)
-    try:
-        from streamer.server.cli import add_serve_args, cmd_serve
-        add_serve_args(serve)
-        serve.set_defaults(func=cmd_serve)
-    except ImportError:
-        serve.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
-    batch = sub.add_parser("run-batch", help="answer an OpenAI Batch API file (JSONL requests) offline")
-    batch.add_argument("model", nargs="?", default=None,
-                       help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
-    batch.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
-                       help="the same, as a flag (either spelling)")
-    add_engine_args(batch)
-    try:
-        from streamer.server.cli import add_run_batch_args, cmd_run_batch
-        add_run_batch_args(batch)
-        batch.set_defaults(func=cmd_run_batch)
-    except ImportError:
-        batch.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
+    _add_server_command(sub, "serve", "run the OpenAI-compatible HTTP server", "add_serve_args", "cmd_serve")
+    _add_server_command(sub, "run-batch", "answer an OpenAI Batch API file (JSONL requests) offline",
+                        "add_run_batch_args", "cmd_run_batch")
     sub.add_parser("bench", help="load-test an OpenAI-compatible server (streamer bench --help)", add_help=False)
     return parser
 
