@@ -17,7 +17,7 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 
 
 class LiveServer:
-    def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
+    def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Any = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: Optional[dict[str, str]] = None,
                  allow_lora_updates: bool = False, **engine_kwargs: Any) -> None:
         """loras: {name: PEFT folder} registered before serving (as `--lora-modules`)."""

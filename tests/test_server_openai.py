@@ -405,3 +405,17 @@ def test_stream_interval_chunks_carry_several_tokens(llama_dir):
 
     with LiveServer(llama_dir, stream_interval=3) as live:
         run(main(live))
+
+
+def test_several_served_model_names(llama_dir):
+    """`--served-model-name a b`: /v1/models lists both, requests may name either, responses report the first."""
+    with LiveServer(llama_dir, served_model_name=["first", "second"]) as server:
+        async def main():
+            async with AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=120) as c:
+                assert [m.id for m in (await c.models.list()).data] == ["first", "second"]
+                for name in ("first", "second"):
+                    r = await c.completions.create(model=name, prompt=PROMPT, max_tokens=2, **GREEDY)
+                    assert r.model == "first"
+                with pytest.raises(openai.NotFoundError):
+                    await c.completions.create(model="third", prompt=PROMPT, max_tokens=2)
+        run(main())

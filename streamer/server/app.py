@@ -71,11 +71,14 @@ def default_served_name(engine: AsyncEngine) -> str:
 class OpenAIServer:
     """The endpoints. Every client mistake is an APIError, answered as a 4xx before any SSE byte."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str], max_body_bytes: int,
+    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str | Sequence[str]], max_body_bytes: int,
                  tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
         self.engine = engine
-        self.model_name = served_model_name or default_served_name(engine)
-        self.model_aliases = {self.model_name, engine.model_name}
+        # Several names (vLLM's `--served-model-name a b`): requests may use any; the first is the one reported.
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.served_names = names or [default_served_name(engine)]
+        self.model_name = self.served_names[0]
+        self.model_aliases = {*self.served_names, engine.model_name}
         if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
@@ -261,13 +264,13 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "streamer",
-                "root": str(self.engine.engine.model_dir if self.engine.engine else self.engine.model_name),
-                "parent": None, "max_model_len": self.engine.max_model_len}
+        root = str(self.engine.engine.model_dir if self.engine.engine else self.engine.model_name)
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "streamer", "root": root,
+                  "parent": None, "max_model_len": self.engine.max_model_len} for name in self.served_names]
         adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "streamer",
                      "root": str(a.path), "parent": self.model_name, "max_model_len": self.engine.max_model_len}
                     for name, a in self._loras().items()]
-        return JSONResponse({"object": "list", "data": [card, *adapters]})
+        return JSONResponse({"object": "list", "data": [*cards, *adapters]})
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's `{"lora_name", "lora_path"}`: read and register an adapter (400 when it cannot be)."""
@@ -471,7 +474,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError("internal server error", 500, "server_error"))
 
 
-def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
+def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
+              served_model_name: Optional[str | Sequence[str]] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,

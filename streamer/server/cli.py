@@ -37,7 +37,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on every endpoint but /health "
                         "(default: $STREAMER_API_KEY)")
-    g.add_argument("--served-model-name", default=None, help="model id clients use (default: the folder name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids clients may use; the first is the one reported (default: the folder name)")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls "
                         "(gpt-oss: 'openai', the default for it)")
@@ -79,7 +80,8 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
                    help="where the answers go, a JSON line each in input order (- for standard output)")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at once (default: twice --max-num-seqs)")
-    g.add_argument("--served-model-name", default=None, help="the model id the lines' bodies may name")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids the lines' bodies may name")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS))
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS))
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
