@@ -16,6 +16,7 @@ import os
 import signal
 import ssl
 import sys
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable, Iterator, Optional
 
 import uvicorn
@@ -98,7 +99,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         cfg = EngineConfig.from_kwargs(args.model, **kwargs)
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError("--max-concurrency must be >= 1")
-        lines = (sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")).readlines()
+        lines = (sys.stdin.readlines() if args.input_file == "-"
+                 else Path(args.input_file).read_text(encoding="utf-8").splitlines())
         out = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
     except (TypeError, ValueError, OSError) as e:
         print(f"streamer run-batch: error: {e}", file=sys.stderr)
