@@ -232,6 +232,67 @@ def _add_server_command(sub: Any, name: str, help: str, add_args: str, command: 
         p.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A conversation on the terminal: each line is a user message, the model's reply streams back; the history is
+    rendered with the model's chat template on every turn. `/reset` starts over, `/exit` (or end of input) quits."""
+    import asyncio
+    from streamer.async_engine import AsyncEngine
+    from streamer.server.chat_template import ChatTemplate
+    from streamer.server.protocol import APIError
+    try:
+        params = sampling_params(args)
+    except ValueError as e:
+        print(f"streamer chat: error: {e}", file=sys.stderr)
+        return 2
+    interactive = sys.stdin.isatty()
+    print(f"model: {_describe_model(args.model)}", file=sys.stderr)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        async with AsyncEngine(args.model, **engine_kwargs(args)) as engine:
+            template = ChatTemplate.from_tokenizer(engine.tokenizer)
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            messages = list(system)
+            if interactive:
+                print("streamer chat: a line is a message; /reset starts over, /exit quits", file=sys.stderr)
+            while True:
+                if interactive:
+                    print("> ", end="", flush=True, file=sys.stderr)
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                text = line.rstrip("\n")
+                if not line or text.strip() == "/exit":
+                    return
+                if text.strip() == "/reset":
+                    messages = list(system)
+                    continue
+                if not text.strip():
+                    continue
+                turn = [*messages, {"role": "user", "content": text}]
+                try:
+                    rendered = template.render(turn)
+                except APIError as e:
+                    print(f"streamer chat: error: {e.message}", file=sys.stderr)
+                    continue
+                ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
+                reply = []
+                async for out in engine.stream({"prompt": rendered, "prompt_token_ids": ids}, params):
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+                    reply.append(out.text)
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+                messages = [*turn, {"role": "assistant", "content": "".join(reply)}]
+
+    try:
+        asyncio.run(run())
+    except (ValueError, OSError) as e:
+        print(f"streamer chat: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamer", description="LLM inference and serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,6 +306,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="talk to a model on the terminal (its chat template, the history kept)")
+    chat.add_argument("model", nargs="?", default=None,
+                      help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
+    chat.add_argument("--system", default=None, help="a system message that opens the conversation")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
     _add_server_command(sub, "serve", "run the OpenAI-compatible HTTP server", "add_serve_args", "cmd_serve")
     _add_server_command(sub, "run-batch", "answer an OpenAI Batch API file (JSONL requests) offline",
                         "add_run_batch_args", "cmd_run_batch")
