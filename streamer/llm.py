@@ -125,7 +125,7 @@ class LLM:
              tools: Optional[list[dict]] = None, chat_template_kwargs: Optional[dict] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              lora_request: Union[LoRAType, Sequence[LoRAType]] = None,
-             chat_template: Optional[str] = None) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, use_tqdm: Optional[bool] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
         with the model's chat template as the server renders them (and as transformers' apply_chat_template does).
         chat_template: a Jinja template (or a file holding one) for this call in place of the model's."""
@@ -153,7 +153,7 @@ class LLM:
                 fps = (images.video_processor.fps if images is not None and images.takes_video else None) or 2.0
                 prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, allow, fps) for v in videos]
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def _template(self, source: Optional[str]) -> Any:
         """The engine's chat template (made once), or one made from `source` (a call's own)."""
