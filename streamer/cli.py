@@ -232,15 +232,29 @@ def _add_server_command(sub: Any, name: str, help: str, add_args: str, command: 
         p.set_defaults(func=lambda a: (print("server not available", file=sys.stderr), 1)[1])
 
 
+# `streamer chat`'s sampling flags left unset take the model's generation_config.json values, else these.
+_CHAT_SAMPLING = {"max_tokens": 512, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                  "repetition_penalty": 1.0}
+
+
+def _chat_params(args: argparse.Namespace, model_defaults: dict[str, Any]) -> SamplingParams:
+    filled = argparse.Namespace(**vars(args))
+    for name, fallback in _CHAT_SAMPLING.items():
+        if getattr(args, name) is None:
+            setattr(filled, name, model_defaults.get(name, fallback))
+    return sampling_params(filled)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     """A conversation on the terminal: each line is a user message, the model's reply streams back; the history is
-    rendered with the model's chat template on every turn. `/reset` starts over, `/exit` (or end of input) quits."""
+    rendered with the model's chat template on every turn. `/reset` starts over, `/exit` (or end of input) quits.
+    Sampling as a chat client gets it: the model's recommended values (generation_config.json) where no flag says."""
     import asyncio
     from streamer.async_engine import AsyncEngine
     from streamer.server.chat_template import ChatTemplate
     from streamer.server.protocol import APIError
     try:
-        params = sampling_params(args)
+        _chat_params(args, {})  # (the flags checked before anything loads)
     except ValueError as e:
         print(f"streamer chat: error: {e}", file=sys.stderr)
         return 2
@@ -250,6 +264,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     async def run() -> None:
         loop = asyncio.get_running_loop()
         async with AsyncEngine(args.model, **engine_kwargs(args)) as engine:
+            params = _chat_params(args, engine.sampling_defaults)
             template = ChatTemplate.from_tokenizer(engine.tokenizer)
             system = [{"role": "system", "content": args.system}] if args.system else []
             messages = list(system)
@@ -312,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     add_engine_args(chat)
     add_sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+    chat.set_defaults(func=cmd_chat, **{name: None for name in _CHAT_SAMPLING})
     _add_server_command(sub, "serve", "run the OpenAI-compatible HTTP server", "add_serve_args", "cmd_serve")
     _add_server_command(sub, "run-batch", "answer an OpenAI Batch API file (JSONL requests) offline",
                         "add_run_batch_args", "cmd_run_batch")

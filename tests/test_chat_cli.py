@@ -13,7 +13,7 @@ def test_chat_keeps_history_and_resets(llama_dir):
     """Each reply is what LLM.chat gives for the conversation so far (greedy); /reset starts over, /exit ends."""
     from streamer import LLM, SamplingParams
     cmd = [sys.executable, "-m", "streamer", "chat", str(llama_dir), "--dtype", "float32", "--enforce-eager",
-           "--max-tokens", "6", "--system", "be brief"]
+           "--max-tokens", "6", "--temperature", "0", "--system", "be brief"]
     p = subprocess.run(cmd, input="hello there\nand then?\n/reset\nand then?\n/exit\nnever read\n",
                        capture_output=True, text=True, timeout=300, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -30,3 +30,13 @@ def test_chat_keeps_history_and_resets(llama_dir):
         fresh = reply("and then?")
     assert second != fresh  # (so the history shows)
     assert p.stdout == f"{first}\n{second}\n{fresh}\n"
+
+
+def test_unset_sampling_flags_take_the_models_recommendation():
+    """As a chat client gets it: generation_config.json's values where no flag is given, the flags' where given."""
+    from streamer.cli import _chat_params, build_parser
+    args = build_parser().parse_args(["chat", "--top-p", "0.5"])
+    p = _chat_params(args, {"temperature": 0.6, "top_k": 20, "top_p": 0.95})
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens, p.min_p) == (0.6, 20, 0.5, 512, 0.0)
+    p = _chat_params(args, {})
+    assert (p.temperature, p.top_k, p.top_p) == (1.0, -1, 0.5)
