@@ -304,7 +304,8 @@ def bench_main(argv: Sequence[str]) -> int:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
     _warn_if_too_long(requests, served)
-    cfg = RunConfig(base_url=args.base_url, model=args.served_model_name or args.model, endpoint=args.endpoint,
+    model = args.served_model_name or args.model or (served.id if served is not None else None)  # (asked once)
+    cfg = RunConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
                     request_rate=args.request_rate, burstiness=args.burstiness,
                     max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
                     temperature=args.temperature, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),

@@ -28,10 +28,10 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
     goes away (sse-starlette cancels it on disconnect). include_usage: a last chunk with the usage (and, as
     OpenAI's, "usage": null in the others); continuous_usage (vLLM's continuous_usage_stats): the usage so far in
     every chunk instead of null."""
+    fixed: dict[str, Any] = {"usage": None} if include_usage else {}
+
     def extra() -> dict[str, Any]:
-        if continuous_usage:
-            return {"usage": gen.usage()}
-        return {"usage": None} if include_usage else {}
+        return {"usage": gen.usage()} if continuous_usage else fixed
     try:
         for opening in fmt.opening_chunks():
             yield event({**head, "choices": [opening], **extra()})
