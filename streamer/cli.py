@@ -215,14 +215,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_server_command(sub: Any, name: str, help: str, add_args: str, command: str) -> None:
-    """A subcommand built on the server (streamer/server/cli.py): the model as `NAME MODEL` or `--model MODEL`,
-    the engine's flags, then its own."""
-    p = sub.add_parser(name, help=help)
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model as `NAME MODEL` or `NAME --model MODEL` (main() merges the two)."""
     p.add_argument("model", nargs="?", default=None,
                    help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
     p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
                    help="the same, as a flag (either spelling)")
+
+
+def _add_server_command(sub: Any, name: str, help: str, add_args: str, command: str) -> None:
+    """A subcommand built on the server (streamer/server/cli.py): the model as `NAME MODEL` or `--model MODEL`,
+    the engine's flags, then its own."""
+    p = sub.add_parser(name, help=help)
+    _add_model_args(p)
     add_engine_args(p)
     try:
         from streamer.server import cli as server_cli
@@ -322,8 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="talk to a model on the terminal (its chat template, the history kept)")
-    chat.add_argument("model", nargs="?", default=None,
-                      help="HF checkpoint folder or GGUF file (default: the embedded demo model)")
+    _add_model_args(chat)
     chat.add_argument("--system", default=None, help="a system message that opens the conversation")
     add_engine_args(chat)
     add_sampling_args(chat)
@@ -344,7 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     flag = getattr(args, "model_flag", None)
-    if flag is not None:  # `serve --model M`, as `serve M`
+    if flag is not None:  # `serve --model M`, as `serve M` (chat too)
         if args.model is not None and args.model != flag:
             parser.error(f"two models given: {args.model!r} and --model {flag!r}")
         args.model = flag

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_chat_keeps_history_and_resets(llama_dir):
     """Each reply is what LLM.chat gives for the conversation so far (greedy); /reset starts over, /exit ends."""
     from streamer import LLM, SamplingParams
-    cmd = [sys.executable, "-m", "streamer", "chat", str(llama_dir), "--dtype", "float32", "--enforce-eager",
+    cmd = [sys.executable, "-m", "streamer", "chat", "--model", str(llama_dir), "--dtype", "float32", "--enforce-eager",
            "--max-tokens", "6", "--temperature", "0", "--system", "be brief"]
     p = subprocess.run(cmd, input="hello there\nand then?\n/reset\nand then?\n/exit\nnever read\n",
                        capture_output=True, text=True, timeout=300, cwd=REPO,

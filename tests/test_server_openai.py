@@ -57,6 +57,12 @@ def test_models(live):
             with pytest.raises(openai.NotFoundError) as e:
                 await c.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
             assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+            # OpenAI's retrieve: GET /v1/models/{model}, the list's card; 404 for another name.
+            card = await c.models.retrieve("llama")
+            assert card.model_dump() == models.data[0].model_dump()
+            with pytest.raises(openai.NotFoundError) as e:
+                await c.models.retrieve("org/gpt-4")
+            assert e.value.body["code"] == "model_not_found"
     run(main())
 
 
@@ -146,6 +152,62 @@ def test_n2_seeded_sampling(live):
         assert a.usage.completion_tokens == 16
         assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens <= 8
     run(main())
+
+
+def test_best_of_keeps_the_likeliest_samples(live):
+    """best_of: best_of sequences sampled (seeded: sequence i with seed + i, as n's), the n with the highest
+    cumulative logprob returned, likeliest first; usage counts every sampled token."""
+    kw = dict(model="llama", prompt=[PROMPT, "Hello"], max_tokens=6, temperature=1.0, seed=77,
+              extra_body={"ignore_eos": True})
+
+    async def main():
+        async with client(live) as c:
+            every = await c.completions.create(n=4, logprobs=0, **kw)
+            best = await c.completions.create(n=2, **{**kw, "extra_body": {"ignore_eos": True, "best_of": 4}})
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(n=2, stream=True, **{**kw, "extra_body": {"best_of": 3}})
+            assert e.value.body["param"] == "best_of"
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(n=3, **{**kw, "extra_body": {"best_of": 2}})
+            assert e.value.body["param"] == "best_of"
+        return every, best
+
+    every, best = run(main())
+    want = []
+    for prompt in range(2):
+        group = every.choices[4 * prompt:4 * prompt + 4]
+        scored = sorted(group, key=lambda ch: -sum(ch.logprobs.token_logprobs))
+        assert len({sum(ch.logprobs.token_logprobs) for ch in group}) > 1  # (a choice to make)
+        want += [ch.text for ch in scored[:2]]
+    assert [ch.text for ch in best.choices] == want
+    assert [ch.index for ch in best.choices] == [0, 1, 2, 3]
+    assert all(ch.logprobs is None for ch in best.choices)  # scored inside, not asked for
+    assert best.usage.completion_tokens == every.usage.completion_tokens == 2 * 4 * 6
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(live):
+    """OpenAI's legacy scoring call: echo + max_tokens 0 returns the prompt and its logprobs, nothing generated."""
+    kw = dict(model="llama", prompt=PROMPT, echo=True, logprobs=1)
+
+    async def main():
+        async with client(live) as c:
+            one = await c.completions.create(max_tokens=1, temperature=0.0, **kw)
+            zero = await c.completions.create(max_tokens=0, **kw)
+            texts, finish, chunks = await _stream_completion(c, max_tokens=0, **kw)
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(model="llama", prompt=PROMPT, max_tokens=0)
+            assert e.value.body["param"] == "max_tokens"
+        return one, zero, texts, finish, chunks
+
+    one, zero, texts, finish, chunks = run(main())
+    choice = zero.choices[0]
+    assert choice.text == PROMPT == texts[0] and choice.finish_reason == "length" == finish[0]
+    assert choice.logprobs.token_logprobs == one.choices[0].logprobs.token_logprobs[:-1]
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:-1]
+    assert zero.usage.completion_tokens == 0 and zero.usage.prompt_tokens == one.usage.prompt_tokens
+    streamed = [x for ch in chunks for x in (ch.choices[0].logprobs.token_logprobs if ch.choices and
+                                             ch.choices[0].logprobs else [])]
+    assert streamed == choice.logprobs.token_logprobs
 
 
 def _stop_in(text: str) -> str:

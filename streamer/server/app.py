@@ -107,10 +107,17 @@ class OpenAIServer:
         if req.beam_search is not None:
             return await self._beam_search(req, lora)
         gen = await self._start("cmpl", req.prompts, req, lora=lora)
+        gen.scored_only = req.scored_only
         echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
-        fmt = CompletionFormat(len(req.prompts) * req.params.n, req.params.logprobs, req.return_token_ids, echo,
-                               req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs)
-        return await self._respond(request, gen, fmt, req)
+        fmt = CompletionFormat(len(req.prompts) * req.params.n, req.logprobs, req.return_token_ids, echo,
+                               req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs,
+                               req.scored_only)
+        if req.best_of is None:
+            return await self._respond(request, gen, fmt, req)
+        choices = await collect_choices(request, gen, fmt)
+        if choices is None:
+            return Response(status_code=499)
+        return self._response(gen, fmt, best_choices(choices, req.best_of, req.n))
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await self._json(request), self.engine.sampling_defaults)
@@ -236,17 +243,21 @@ class OpenAIServer:
 
     async def _respond(self, request: Request, gen: Generation, fmt: Format,
                        req: CompletionRequest | ChatRequest) -> Response:
-        head = {"id": gen.request_id, "object": fmt.chunk_object, "created": int(time.time()),
-                "model": gen.model}
         if req.stream:
+            head = {"id": gen.request_id, "object": fmt.chunk_object, "created": int(time.time()),
+                    "model": gen.model}
             # The background task also runs when the client left before the body started streaming.
             return sse_response(stream_events(gen, fmt, head, req.include_usage, req.continuous_usage),
                                 headers={"X-Request-Id": gen.request_id}, background=BackgroundTask(gen.close))
         choices = await collect_choices(request, gen, fmt)
         if choices is None:
             return Response(status_code=499)
-        return JSONResponse({**head, "object": fmt.object,
-                             "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
+        return self._response(gen, fmt, choices)
+
+    def _response(self, gen: Generation, fmt: Format, choices: list[Choice]) -> Response:
+        """A non-streamed response: the choices in order, the usage of everything generated."""
+        return JSONResponse({"id": gen.request_id, "object": fmt.object, "created": int(time.time()),
+                             "model": gen.model, "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
                              "usage": gen.usage(), **fmt.response_extras(choices)},
                             headers={"X-Request-Id": gen.request_id})
 
@@ -264,13 +275,24 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: one card (OpenAI's retrieve), 404 for a name this server does not serve."""
+        name = request.path_params["model"]
+        card = next((c for c in self._model_cards() if c["id"] == name), None)
+        if card is None:
+            raise APIError(f"The model `{name}` does not exist.", 404, param="model", code="model_not_found")
+        return JSONResponse(card)
+
+    def _model_cards(self) -> list[dict[str, Any]]:
         root = str(self.engine.engine.model_dir if self.engine.engine else self.engine.model_name)
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "streamer", "root": root,
                   "parent": None, "max_model_len": self.engine.max_model_len} for name in self.served_names]
         adapters = [{"id": name, "object": "model", "created": self.created, "owned_by": "streamer",
                      "root": str(a.path), "parent": self.model_name, "max_model_len": self.engine.max_model_len}
                     for name, a in self._loras().items()]
-        return JSONResponse({"object": "list", "data": [*cards, *adapters]})
+        return [*cards, *adapters]
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's `{"lora_name", "lora_path"}`: read and register an adapter (400 when it cannot be)."""
@@ -369,6 +391,16 @@ class OpenAIServer:
 
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+
+
+def best_choices(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
+    """Per prompt, the n of its best_of sequences with the highest cumulative logprob, likeliest first (OpenAI's
+    best_of; ties keep the sampling order)."""
+    kept: list[Choice] = []
+    for start in range(0, len(choices), best_of):
+        group = choices[start:start + best_of]
+        kept += sorted(group, key=lambda c: -c.cumulative_logprob)[:n]
+    return kept
 
 
 async def collect_choices(request: Request, gen: Generation, fmt: Format) -> Optional[list[Choice]]:
@@ -498,6 +530,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/rerank", s.rerank, methods=["POST"]),
         *responses.routes(),
         Route("/v1/models", s.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", s.model, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/version", s.version, methods=["GET"]),

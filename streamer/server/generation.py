@@ -42,6 +42,7 @@ class Generation:
         self.n = n
         self.start = time.monotonic()
         self.finish_reasons: dict[int, str] = {}  # choice index -> finish reason
+        self.scored_only = False  # echo with max_tokens 0: the one token sampled is not the client's output
         self._closed = False
 
     def choice_index(self, prompt_index: int, out: StreamOutput) -> int:
@@ -90,7 +91,7 @@ class Generation:
         prompt = completion = cached = 0
         for s in self.streams:
             prompt += s.prompt_tokens
-            completion += s.completion_tokens
+            completion += 0 if self.scored_only else s.completion_tokens
             cached += s.cached_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

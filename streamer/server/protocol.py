@@ -358,6 +358,11 @@ class CompletionRequest(_Common):
     prompts: list[PromptInput] = field(default_factory=list)
     echo: bool = False
     beam_search: Optional[Any] = None  # vLLM's use_beam_search: BeamSearchParams (width n)
+    logprobs: Optional[int] = None  # the client's `logprobs` (best_of makes the engine score tokens regardless)
+    # best_of > n: the engine samples best_of sequences per prompt (params.n), the response keeps the n likeliest
+    best_of: Optional[int] = None
+    n: int = 1  # choices per prompt in the response
+    scored_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
 
 
 @dataclass
@@ -379,13 +384,48 @@ def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> 
     echo = get_bool(body, "echo", False)
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
-    params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs,
-                             defaults=defaults)
+    scored_only = _scored_only(body, echo)
+    if scored_only:  # the engine samples one token, which the response leaves out
+        body = {**body, "max_tokens": 1}
+    n, best_of = _best_of(body)
+    params = sampling_params({k: v for k, v in body.items() if k != "best_of"}, max_tokens_field="max_tokens",
+                             default_max_tokens=16, logprobs=logprobs, defaults=defaults)
     params = _with_prompt_logprobs(body, params, logprobs if echo else None)
+    if best_of is not None:  # ranked by cumulative logprob, so every token is scored
+        params = params.clone(n=best_of, logprobs=logprobs if logprobs is not None else 0)
     params, field_name = _constrain(body, params)
     common = _common(body, params)
     common.structured_field = field_name
-    return CompletionRequest(**vars(common), prompts=prompts, echo=echo, beam_search=_beam_search(body, common))
+    if best_of is not None and common.stream:
+        raise APIError("best_of greater than n cannot be streamed", param="best_of")
+    beam = _beam_search(body, common)
+    if best_of is not None and beam is not None:
+        raise APIError("best_of is not supported with use_beam_search", param="best_of")
+    return CompletionRequest(**vars(common), prompts=prompts, echo=echo, beam_search=beam, logprobs=logprobs,
+                             best_of=best_of, n=n, scored_only=scored_only)
+
+
+def _scored_only(body: dict, echo: bool) -> bool:
+    """OpenAI's legacy scoring call: echo with max_tokens 0 returns the prompt (and its logprobs) alone."""
+    v = body.get("max_tokens")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0:
+        return False
+    if not echo:
+        raise APIError("max_tokens must be >= 1 (0 is allowed only with echo, to score the prompt)",
+                       param="max_tokens")
+    if get_int(body, "min_tokens", 0, 0, INT64_MAX):
+        raise APIError("min_tokens must be 0 when max_tokens is 0", param="min_tokens")
+    return True
+
+
+def _best_of(body: dict) -> tuple[int, Optional[int]]:
+    """(n, best_of when it exceeds n, else None)."""
+    n = get_int(body, "n", 1, 1, MAX_N)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)
+    assert n is not None
+    if best_of is not None and best_of < n:
+        raise APIError(f"best_of must be >= n ({n}), got {best_of}", param="best_of")
+    return n, best_of if best_of is not None and best_of > n else None
 
 
 def _beam_search(body: dict, common: _Common) -> Optional[Any]:

@@ -6,7 +6,7 @@ non-streamed response.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
@@ -53,6 +53,7 @@ class Piece:
     prompt_logprobs: Any = None  # vLLM's `prompt_logprobs` field, on a choice's first piece
     tool_calls: Optional[list[dict[str, Any]]] = None  # chat, with a tool-call parser: calls completed in this piece
     reasoning: Optional[str] = None  # chat, with a reasoning parser: reasoning text in this piece
+    cumulative_logprob: float = 0.0  # of this piece's tokens, when the engine scored them (best_of ranks by it)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Choice:
     prompt_logprobs: Any = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning_pieces: list[str] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     @property
     def text(self) -> str:
@@ -81,6 +83,7 @@ class Choice:
         if piece.reasoning:
             self.reasoning_pieces.append(piece.reasoning)
         self.token_ids += piece.token_ids
+        self.cumulative_logprob += piece.cumulative_logprob
         lp = piece.logprobs
         if isinstance(lp, dict):
             self.logprobs = self.logprobs or {k: [] for k in lp}
@@ -117,6 +120,8 @@ class Format:
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         lp = self._logprobs(index, out) if self.k is not None else None
         p = Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason)
+        if out.logprobs:
+            p.cumulative_logprob = sum(_chosen(e, t).logprob for t, e in zip(out.token_ids, out.logprobs))
         if self.want_prompt_logprobs and out.prompt_logprobs is not None:
             p.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         return p
@@ -156,13 +161,20 @@ class CompletionFormat(Format):
 
     def __init__(self, num_choices: int, top_logprobs: Optional[int], return_token_ids: bool,
                  echo_texts: Optional[list[str]] = None, n: int = 1,
-                 decode_token: Optional[Callable[[int], str]] = None, prompt_logprobs: bool = False) -> None:
+                 decode_token: Optional[Callable[[int], str]] = None, prompt_logprobs: bool = False,
+                 scored_only: bool = False) -> None:
+        """scored_only: echo with max_tokens 0; the engine's one sampled token is left out of the response."""
         super().__init__(num_choices, top_logprobs, return_token_ids, prompt_logprobs)
         self.echo_texts, self.n, self.decode_token = echo_texts, n, decode_token
+        self.scored_only = scored_only
         self._echoed: set[int] = set()
         self._offsets = [0] * num_choices
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
+        if self.scored_only:
+            finish = out.finish_reason if out.finish_reason in (None, "abort") else "length"
+            out = replace(out, token_ids=[], text="", logprobs=[] if out.logprobs is not None else None,
+                          finish_reason=finish, stop_reason=None)
         echo = self.echo_texts is not None and index not in self._echoed
         # Echo with logprobs: the prompt's tokens come first, the first one without a logprob (as OpenAI's).
         prompt_lp = (self._prompt_logprobs(index, out) if echo and self.k is not None
