@@ -436,6 +436,54 @@ def test_prompt_forms_echo_and_tokenize(live):
     run(main())
 
 
+def test_reasoning_effort_and_tokenize_render_as_chat(live):
+    """reasoning_effort (chat) and reasoning.effort (Responses) reach the template as gpt-oss's reads them;
+    /tokenize renders messages with chat's fields and returns vocabulary strings when asked."""
+    from streamer.server.chat_template import ChatTemplate
+    server = live.app.state.server
+    source = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+              "{% if tools %}tools: {{ tools | length }}\n{% endif %}"
+              "effort {{ reasoning_effort | default('medium') }}\n{% if add_generation_prompt %}assistant:{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+    async def main():
+        async with client(live) as c, httpx.AsyncClient(base_url=live.url, timeout=60) as h:
+            async def count(**kw) -> dict:
+                r = await h.post("/tokenize", json={"model": "llama", "messages": msgs, **kw})
+                assert r.status_code == 200, r.text
+                return r.json()
+            base, high, kwargs_win, tools = (await count(), await count(reasoning_effort="high"),
+                                             await count(reasoning_effort="high",
+                                                         chat_template_kwargs={"reasoning_effort": "low"}),
+                                             await count(tools=[tool], return_token_strs=True))
+            bad = await h.post("/tokenize", json={"model": "llama", "messages": msgs, "reasoning_effort": "max"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+            chat = await c.chat.completions.create(model="llama", messages=msgs, max_tokens=1,
+                                                   reasoning_effort="high")
+            resp = await c.responses.create(model="llama", input="hi", max_output_tokens=1,
+                                            reasoning={"effort": "high"})
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.responses.create(model="llama", input="hi", reasoning={"effort": "max"})
+            assert e.value.body["param"] == "reasoning.effort"
+        return base, high, kwargs_win, tools, chat, resp
+
+    old = server.chat_template
+    server.chat_template = ChatTemplate(source, {})
+    try:
+        base, high, kwargs_win, tools, chat, resp = run(main())
+    finally:
+        server.chat_template = old
+    tok = live.engine.tokenizer
+    assert tok.decode(base["tokens"]) == "user: hi\neffort medium\nassistant:"
+    assert tok.decode(high["tokens"]) == "user: hi\neffort high\nassistant:"
+    assert tok.decode(kwargs_win["tokens"]) == "user: hi\neffort low\nassistant:"
+    assert tok.decode(tools["tokens"]) == "user: hi\ntools: 1\neffort medium\nassistant:"
+    assert tools["token_strs"] == [tok.id_to_token(t) for t in tools["tokens"]]
+    assert chat.usage.prompt_tokens == high["count"] == resp.usage.input_tokens
+    assert resp.reasoning.effort == "high"
+
+
 def test_health_and_metrics(live):
     with httpx.Client(base_url=live.url, timeout=30) as h:
         assert h.get("/health").status_code == 200

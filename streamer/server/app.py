@@ -330,24 +330,28 @@ class OpenAIServer:
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
-        model, prompt, add_special, add_gen = parse_tokenize(await self._json(request))
-        self._check_model(model)
+        req = parse_tokenize(await self._json(request))
+        self._check_model(req.model)
         sources, videos = [], []
-        if isinstance(prompt, list):  # chat messages
-            text = self.chat_template.render(prompt, add_generation_prompt=add_gen)
-            sources, videos = message_images(prompt), message_videos(prompt)
+        if req.messages is not None:
+            text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                             req.tools, req.template_kwargs)
+            sources, videos = message_images(req.messages), message_videos(req.messages)
         else:
-            text = prompt
+            text = req.prompt or ""
         images = self.engine.image_prompts
         tokens = await self.engine.encode(images.expand_text(text) if sources and images else text,
-                                          add_special_tokens=add_special)
+                                          add_special_tokens=req.add_special_tokens)
         if sources or videos:  # the tokens the model reads: each image's placeholder expanded (its size decides)
             loaded = await self._load_media(sources, videos)
             try:
                 tokens, _ = await asyncio.to_thread(self.engine.place_images, tokens, loaded)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
-        return JSONResponse({"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens})
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            out["token_strs"] = [self.engine.tokenizer.id_to_token(t) for t in tokens]  # vocabulary entries, as vLLM
+        return JSONResponse(out)
 
     async def detokenize(self, request: Request) -> Response:
         model, tokens = parse_detokenize(await self._json(request))

@@ -479,18 +479,7 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
     params = sampling_params(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
                              logprobs=top_logprobs, defaults=defaults)
     params = _with_prompt_logprobs(body, params)
-    add_gen = get_bool(body, "add_generation_prompt", True)
-    cont = get_bool(body, "continue_final_message", False)
-    if add_gen and cont and "add_generation_prompt" in body:
-        raise APIError("add_generation_prompt and continue_final_message cannot both be true",
-                       param="continue_final_message")
-    if cont:
-        add_gen = False
-        if messages[-1]["role"] != "assistant":
-            raise APIError("continue_final_message needs a final assistant message", param="messages")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
+    add_gen, cont, tools, template_kwargs = _rendering(body, messages)
     tool_choice = body.get("tool_choice") or "auto"  # absent or null: the default
     try:
         forced = structured.forced_tool(tool_choice, tools)
@@ -503,10 +492,39 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
         raise APIError("prompt_logprobs is not supported on a streamed chat response (use a non-streamed one, or "
                        "completions)", param="prompt_logprobs")
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
-                       continue_final_message=cont, tools=tools or None,
+                       continue_final_message=cont, tools=tools,
                        tool_choice=tool_choice if isinstance(tool_choice, str) else "function", forced_tool=forced,
-                       template_kwargs=get_object(body, "chat_template_kwargs"),
-                       include_reasoning=get_bool(body, "include_reasoning", True))
+                       template_kwargs=template_kwargs, include_reasoning=get_bool(body, "include_reasoning", True))
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _rendering(body: dict, messages: list[dict[str, Any]]
+               ) -> tuple[bool, bool, Optional[list[dict]], dict[str, Any]]:
+    """How the chat template renders the messages (chat and /tokenize alike): add_generation_prompt,
+    continue_final_message, tools, and the template's extra variables: chat_template_kwargs, plus OpenAI's
+    reasoning_effort as the variable gpt-oss's template reads (chat_template_kwargs may override it)."""
+    add_gen = get_bool(body, "add_generation_prompt", True)
+    cont = get_bool(body, "continue_final_message", False)
+    if add_gen and cont and "add_generation_prompt" in body:
+        raise APIError("add_generation_prompt and continue_final_message cannot both be true",
+                       param="continue_final_message")
+    if cont:
+        add_gen = False
+        if messages[-1]["role"] != "assistant":
+            raise APIError("continue_final_message needs a final assistant message", param="messages")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
+    template_kwargs = get_object(body, "chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(f"reasoning_effort must be one of {list(REASONING_EFFORTS)}, got {_show(effort)}",
+                           param="reasoning_effort")
+        template_kwargs = {"reasoning_effort": effort, **template_kwargs}
+    return add_gen, cont, tools or None, template_kwargs
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:
@@ -592,17 +610,35 @@ def message_videos(messages: list[dict[str, Any]]) -> list[Any]:
             for p in m["content"] if p["type"] == "video"]
 
 
-def parse_tokenize(body: dict) -> tuple[Optional[str], Union[str, list[dict]], bool, bool]:
-    """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages"} (+ add_special_tokens,
-    add_generation_prompt). Returns (model, prompt or messages, add_special_tokens, add_generation_prompt)."""
+@dataclass
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or chat messages rendered as a chat request would render them."""
+    model: Optional[str]
+    prompt: Optional[str]
+    messages: Optional[list[dict[str, Any]]]
+    add_special_tokens: bool
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    tools: Optional[list[dict]] = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_token_strs: bool = False
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """{"model", "prompt"} or {"model", "messages"} with chat's rendering fields (add_generation_prompt,
+    continue_final_message, tools, chat_template_kwargs, reasoning_effort); add_special_tokens;
+    return_token_strs."""
     model = get_str(body, "model", None, 1024)
+    strs = get_bool(body, "return_token_strs", False)
     if body.get("messages") is not None:
-        return (model, parse_messages(body["messages"]), get_bool(body, "add_special_tokens", False),
-                get_bool(body, "add_generation_prompt", True))
+        messages = parse_messages(body["messages"])
+        add_gen, cont, tools, template_kwargs = _rendering(body, messages)
+        return TokenizeRequest(model, None, messages, get_bool(body, "add_special_tokens", False), add_gen, cont,
+                               tools, template_kwargs, strs)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise APIError(f"prompt must be a string, got {_show(prompt)}", param="prompt")
-    return model, prompt, get_bool(body, "add_special_tokens", True), False
+    return TokenizeRequest(model, prompt, None, get_bool(body, "add_special_tokens", True), return_token_strs=strs)
 
 
 def parse_detokenize(body: dict) -> tuple[Optional[str], list[int]]:

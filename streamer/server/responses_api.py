@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from streamer.server.generation import Generation, engine_error
-from streamer.server.protocol import APIError, _show, dumps, get_bool, parse_chat
+from streamer.server.protocol import REASONING_EFFORTS, APIError, _show, dumps, get_bool, parse_chat
 from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
@@ -67,7 +67,24 @@ def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[di
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if fmt is not None:
         chat["response_format"] = _format(fmt)
+    effort = _effort(body)
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     return chat, items
+
+
+def _effort(body: dict) -> Optional[str]:
+    """`reasoning: {"effort"}`: the chat request's reasoning_effort."""
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise APIError(f"reasoning must be an object, got {_show(reasoning)}", param="reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(f"reasoning.effort must be one of {list(REASONING_EFFORTS)}, got {_show(effort)}",
+                       param="reasoning.effort")
+    return effort
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -186,7 +203,7 @@ class ResponseBuilder:
             "max_output_tokens": b.get("max_output_tokens"), "model": self.model, "output": output,
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "previous_response_id": b.get("previous_response_id"), "background": bool(b.get("background")),
-            "reasoning": {"effort": None, "summary": None}, "store": self.store,
+            "reasoning": {"effort": _effort(b), "summary": None}, "store": self.store,
             "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
                                                                 or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
