@@ -31,6 +31,7 @@ from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_media, check_truncation, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
+from streamer.sampler import bad_words_token_ids
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
 from streamer.speculative import propose_ngram
@@ -349,6 +350,7 @@ class LLMEngine:
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else None
         states = []
         for i in range(params.n):
             seq_params = params
@@ -362,6 +364,7 @@ class LLMEngine:
                           whole_images=bool(images) and self.runner.model.bidirectional_images)
             if grammar is not None:
                 req.matcher = grammar.matcher()
+            req.bad_words_ids = bad_words
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -371,6 +374,10 @@ class LLMEngine:
             states.append(state)
         self.groups[request_id] = [s.req.request_id for s in states]
         return states
+
+    def _bad_words_ids(self, words: list[str]) -> Optional[list[list[int]]]:
+        seqs = bad_words_token_ids(words, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        return [s for s in seqs if s[-1] < self.vocab_size] or None
 
     def resolve_pooling(self, pooling: PoolingParams) -> PoolingParams:
         """The request's pooling with the model's defaults (task, pooling method) filled in, checked against the
@@ -429,9 +436,11 @@ class LLMEngine:
         return sched, inputs
 
     def can_overlap(self, running: StepInputs) -> bool:
-        """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties or
-        follows a grammar: the next step's penalties or token mask need the token it samples, on the host."""
+        """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties,
+        bad_words or follows a grammar: the next step's penalties, bans or token mask need the token it samples,
+        on the host."""
         return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
+                and not running.sampling.worded
                 and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known
 
     def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:
@@ -530,7 +539,8 @@ class LLMEngine:
         if len(running) > cfg.speculative_max_batch:
             return
         for req in running:
-            if req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None:
+            if (req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None
+                    or req.bad_words_ids is not None):
                 continue  # its next token depends on host state the drafts would skip
             room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
             k = min(self.scheduler.draft_limit(req), room)  # (0: not decoding, or at a block boundary)
@@ -655,11 +665,13 @@ class LLMEngine:
 
     def _may_jump(self, state: SeqState) -> bool:
         """Jump-forward appends the grammar's forced tokens unsampled, so only where nothing but the grammar
-        decides the next token: not with allowed_token_ids or logit_bias (a forced token might be banned), not while
-        min_tokens bans stop tokens, and not when logprobs are asked for (forced tokens have none)."""
+        decides the next token: not with allowed_token_ids, logit_bias or bad_words (a forced token might be
+        banned), not while min_tokens bans stop tokens, and not when logprobs are asked for (forced tokens have
+        none)."""
         req = state.req
         p = req.params
         return (self.config.jump_forward and state.logprobs is None and not p.adjusts_logits
+                and req.bad_words_ids is None
                 and len(req.output_token_ids) >= p.min_tokens)
 
     def _jump_forward(self, state: SeqState, new_tokens: list[int], text: str,

@@ -52,6 +52,7 @@ class SamplingRows:
     penalized: list[tuple[int, Request]]
     banned: list[tuple[int, Request]]
     adjusted: list[tuple[int, Request]] = field(default_factory=list)
+    worded: list[tuple[int, Request]] = field(default_factory=list)  # bad_words: bans that follow the output
     # Structured outputs: (indices among the sampling rows, their allowed-token bitmasks int32 [R, ceil(V/32)]),
     # computed here on the host from each request's grammar state; None if no row follows a grammar.
     grammar: Optional[tuple[np.ndarray, np.ndarray]] = None
@@ -161,6 +162,7 @@ class InputBatch:
         self.seeded = np.zeros(0, dtype=bool)
         self.penalized = np.zeros(0, dtype=bool)
         self.adjusted = np.zeros(0, dtype=bool)
+        self.worded = np.zeros(0, dtype=bool)  # has bad_words
         self.constrained = np.zeros(0, dtype=bool)  # follows a structured-output grammar
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
         self.lora_slot = np.zeros(0, dtype=np.int64)  # 0 = no adapter
@@ -176,7 +178,7 @@ class InputBatch:
 
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
-                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted",
+                   "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted", "worded",
                    "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "rope_delta",
                    "epoch", "state_slot")
 
@@ -230,6 +232,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not p.greedy
         self.penalized[row] = p.needs_penalties
         self.adjusted[row] = p.adjusts_logits
+        self.worded[row] = req.bad_words_ids is not None
         self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pool_mode[row] = 0 if req.pooling is None else POOL_CODE[req.pooling.pooling]
@@ -419,6 +422,7 @@ class InputBatch:
         seeded = np.flatnonzero(self.seeded[rows])
         penalized = np.flatnonzero(self.penalized[rows])
         adjusted = np.flatnonzero(self.adjusted[rows])
+        worded = np.flatnonzero(self.worded[rows])
         banned = np.flatnonzero(seq_lens - self.num_prompt[rows] < self.min_tokens[rows])
         constrained = np.flatnonzero(self.constrained[rows])
         grammar = None
@@ -432,6 +436,7 @@ class InputBatch:
             penalized=[(int(i), reqs[rows[i]]) for i in penalized],  # type: ignore[misc]
             banned=[(int(i), reqs[rows[i]]) for i in banned],  # type: ignore[misc]
             adjusted=[(int(i), reqs[rows[i]]) for i in adjusted],  # type: ignore[misc]
+            worded=[(int(i), reqs[rows[i]]) for i in worded],  # type: ignore[misc]
             grammar=grammar)
 
     # ------------------------------------------------------------------ tests

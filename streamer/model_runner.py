@@ -36,7 +36,7 @@ from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
-from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, build_penalties, score_tokens
+from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, bad_word_bans, build_penalties, score_tokens
 
 if TYPE_CHECKING:
     from streamer.draft_model import DraftModel
@@ -644,7 +644,7 @@ class ModelRunner:
             grammar = (to_device(rows.grammar[0], dev), to_device(rows.grammar[1], dev))
         return SamplingBatch(
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
-            all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned),
+            all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned, rows.worded),
             penalties=penalties, max_logprobs=rows.max_logprobs, adjust=adjust,
             grammar=grammar)
 
@@ -662,8 +662,11 @@ class ModelRunner:
             req.logit_adjust = to_device(row, self.device)
         return req.logit_adjust  # type: ignore[return-value]
 
-    def _banned(self, banned: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """min_tokens: the stop tokens (eos unless ignored, stop_token_ids) of rows still short of it."""
+    def _banned(self, banned: list[tuple[int, Request]], worded: list[tuple[int, Request]],
+                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """min_tokens: the stop tokens (eos unless ignored, stop_token_ids) of rows still short of it; bad_words:
+        the tokens that would complete one of the row's words (its output so far is known: the engine does not
+        schedule ahead of such rows)."""
         rows: list[int] = []
         ids: list[int] = []
         for i, r in banned:
@@ -671,6 +674,10 @@ class ModelRunner:
             stop_ids = sorted(t for t in stop_ids if t < self.model_cfg.vocab_size)
             rows += [i] * len(stop_ids)
             ids += stop_ids
+        for i, r in worded:
+            bans = bad_word_bans(r.bad_words_ids, r.output_token_ids)  # type: ignore[arg-type]
+            rows += [i] * len(bans)
+            ids += bans
         if not rows:
             return None
         return (to_device(np.array(rows, dtype=np.int64), self.device),

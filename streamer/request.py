@@ -84,6 +84,9 @@ class Request:
         self.generator: Optional[object] = None
         # logit_bias / allowed_token_ids as one [vocab] row added to the logits: built by the runner once.
         self.logit_adjust: Optional[object] = None
+        # bad_words as token-id sequences (the engine encodes them): the last token of each is banned where the
+        # output ends with the others.
+        self.bad_words_ids: Optional[list[list[int]]] = None
         # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.
         self.matcher: Optional[object] = None
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.

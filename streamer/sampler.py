@@ -9,7 +9,7 @@ with rejection (`sample_cpu_fast`); seeded rows there too draw from their own ge
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,7 +29,7 @@ class SamplingBatch:
     generators: list[Optional[torch.Generator]]  # per row; None = the global generator
     all_greedy: bool
     any_seeded: bool
-    banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) masked to -inf (min_tokens)
+    banned: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) masked to -inf (min_tokens, bad_words)
     penalties: Optional["PenaltyBatch"]
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
     adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
@@ -51,6 +51,28 @@ class SamplerOutput:
     logprobs: Optional[torch.Tensor] = None  # [B, 1 + N]: sampled token, then the top-N
     logprob_token_ids: Optional[torch.Tensor] = None  # [B, 1 + N]
     ranks: Optional[torch.Tensor] = None  # [B]: rank of the sampled token (1 = most likely)
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """Each bad word as the token sequences that would write it: mid-text (" word") and at the start ("word")."""
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode(text)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
+
+
+def bad_word_bans(seqs: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete a bad word next: each sequence's last token, where the output ends with the
+    rest of it (vLLM's rule; the prompt does not count)."""
+    banned = []
+    for seq in seqs:
+        k = len(seq) - 1
+        if k == 0 or (k <= len(output) and output[-k:] == seq[:-1]):
+            banned.append(seq[-1])
+    return banned
 
 
 def build_penalties(reqs: list[Request], rows: list[int], batch: int, vocab: int,

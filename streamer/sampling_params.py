@@ -56,6 +56,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit (OpenAI's logit_bias)
     allowed_token_ids: Optional[list[int]] = None  # only these may be sampled (vLLM's extension)
+    # Words never generated (vLLM's field): a token that would complete one, with or without a leading space,
+    # is banned at that point of the output.
+    bad_words: Optional[list[str]] = None
     # The output must match a JSON schema, regex, choice list or grammar (vLLM's field; a dict is converted).
     structured_outputs: Optional[StructuredOutputsParams] = None
     # Keep only the prompt's last N tokens (vLLM's field: an explicit opt-in; prompts are never cut silently).
@@ -78,6 +81,10 @@ class SamplingParams:
                                                                                      "__iter__"):
                 raise ValueError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, (str, bytes, dict)) or not hasattr(self.bad_words, "__iter__"):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words) or None
         if isinstance(self.structured_outputs, dict):
             unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
             if unknown:
@@ -131,6 +138,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (
                 not self.allowed_token_ids or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

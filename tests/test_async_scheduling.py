@@ -72,11 +72,14 @@ def test_async_scheduling_matches_synchronous(llama_dir):
     assert finish == {"stop", "length"}
 
 
-def test_penalty_steps_do_not_overlap(llama_dir):
-    """A running request with penalties makes the loop wait for each step's tokens before the next."""
+@pytest.mark.parametrize("host_state", [{"frequency_penalty": 1.0}, {"bad_words": ["abc def"]}],
+                         ids=["penalties", "bad_words"])
+def test_penalty_steps_do_not_overlap(llama_dir, host_state):
+    """A running request with penalties (or bad_words) makes the loop wait for each step's tokens before the
+    next: the next step's penalties (bans) are built from them."""
     async def main():
         async with AsyncEngine(str(llama_dir), dtype="float32", async_scheduling=True) as engine:
-            sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.0)
+            sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **host_state)
             out = await engine.generate(PROMPTS[0], sp)
             assert len(out.outputs[0].token_ids) == 8
             assert engine.num_overlapped_steps == 0
@@ -86,7 +89,7 @@ def test_penalty_steps_do_not_overlap(llama_dir):
 
     out = run(main())
     ref = LLM(str(llama_dir), dtype="float32").generate(
-        PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.0))
+        PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **host_state))
     assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
 
 

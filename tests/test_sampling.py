@@ -23,7 +23,7 @@ def llm(llama_dir) -> LLM:
     ("stop_token_ids", [-1]), ("max_tokens", True), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: 100.5}),
     ("logit_bias", {5: float("nan")}), ("logit_bias", {-3: 1.0}), ("allowed_token_ids", []),
     ("allowed_token_ids", [1, -2]), ("logit_bias", [1, 2]), ("logit_bias", "x"), ("allowed_token_ids", 5),
-    ("allowed_token_ids", "12"),
+    ("allowed_token_ids", "12"), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [5]),
     # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
     ("seed", 2 ** 64), ("seed", -1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])
@@ -174,6 +174,39 @@ def test_logit_bias_and_allowed_token_ids(llm):
     # Only stop tokens allowed, and min_tokens bans them: every logit would be -inf.
     with pytest.raises(ValueError, match="^allowed_token_ids holds only stop tokens"):
         llm.generate([prompts[0]], greedy.clone(allowed_token_ids=[50], stop_token_ids=[50], min_tokens=2))
+
+
+def _completes(seqs: list[list[int]], ids: list[int]) -> list[int]:
+    """Positions of `ids` at which a token finishes one of `seqs` (the earlier tokens all from `ids`)."""
+    return [i for i in range(len(ids)) for s in seqs if i + 1 >= len(s) and ids[i + 1 - len(s):i + 1] == s]
+
+
+def test_bad_words_bans_what_would_complete_them(llm):
+    """A word the greedy output writes (as two tokens) is banned: the output is the same up to the token that would
+    complete it, then differs there, and never holds the word's tokens; words of one token never appear; the
+    other request of the batch is untouched."""
+    from streamer.sampler import bad_word_bans, bad_words_token_ids
+    tok = llm.engine.tokenizer
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    prompts = [[9, 10, 11, 12], [30, 31]]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    base = _ids(llm, prompts, greedy)
+    # A two-token window of the output that is how its text tokenizes (so the engine bans exactly these tokens).
+    word = next(w for i in range(2, len(base[0]) - 1) for w in [tok.decode(base[0][i:i + 2])]
+                if w.strip() and base[0][i:i + 2] in bad_words_token_ids([w], encode))
+    seqs = bad_words_token_ids([word], encode)
+    first = min(_completes(seqs, base[0]))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy.clone(bad_words=[word]), greedy])
+    out = outs[0].outputs[0].token_ids
+    assert out[:first] == base[0][:first] and out[first] != base[0][first]
+    assert _completes(seqs, out) == [] and outs[1].outputs[0].token_ids == base[1]
+    single = tok.decode([base[0][0]])
+    if single.strip() and [base[0][0]] in bad_words_token_ids([single], encode):
+        out = _ids(llm, prompts[:1], greedy.clone(bad_words=[single]))[0]
+        assert base[0][0] not in out
+    # The rule itself: a sequence's last token is banned where the output ends with the rest of it.
+    assert bad_word_bans([[4, 5, 6], [7]], [1, 4, 5]) == [6, 7]
+    assert bad_word_bans([[4, 5, 6]], [4]) == [] and bad_word_bans([[4, 5, 6]], [5]) == []
 
 
 def test_top_k_top_p_mask():

@@ -266,6 +266,33 @@ def test_logit_bias_and_allowed_token_ids(live):
     run(main())
 
 
+def test_bad_words(live):
+    """vLLM's bad_words: the greedy output changes where it would have completed the word, and never holds it
+    (with async scheduling too: the next step waits for the token its bans depend on)."""
+    from streamer.sampler import bad_words_token_ids
+    tok = live.engine.tokenizer
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=24, **{**GREEDY, "extra_body": {"ignore_eos": True,
+                                                                                       "return_token_ids": True}})
+
+    async def main():
+        async with client(live) as c:
+            base = (await c.completions.create(**kw)).choices[0].model_extra["token_ids"]
+            word = next(w for i in range(2, len(base) - 1) for w in [tok.decode(base[i:i + 2])]
+                        if w.strip() and base[i:i + 2] in bad_words_token_ids([w], encode))
+            out = await c.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "bad_words": [word]}})
+            with pytest.raises(openai.BadRequestError) as e:
+                await c.completions.create(**{**kw, "extra_body": {"bad_words": "word"}})
+            assert e.value.body["param"] == "bad_words"
+        return base, word, out.choices[0].model_extra["token_ids"]
+
+    base, word, out = run(main())
+    seqs = bad_words_token_ids([word], encode)
+    ends = [i for i in range(len(base)) for s in seqs if i + 1 >= len(s) and base[i + 1 - len(s):i + 1] == s]
+    assert out[:min(ends)] == base[:min(ends)] and out[min(ends)] != base[min(ends)]
+    assert not any(out[i:i + len(s)] == s for s in seqs for i in range(len(out)))
+
+
 def test_echo_with_logprobs_scores_the_prompt(live, llama_dir):
     """lm-eval's loglikelihood request: echo + logprobs + max_tokens 1; the prompt's logprobs are transformers'."""
     import torch

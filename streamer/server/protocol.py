@@ -184,6 +184,16 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
+def _bad_words(body: dict) -> Optional[list[str]]:
+    v = body.get("bad_words")
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > MAX_STOP or not all(isinstance(w, str) and w.strip() for w in v):
+        raise APIError(f"bad_words must be an array of at most {MAX_STOP} non-empty strings, got {_show(v)}",
+                       param="bad_words")
+    return v
+
+
 def _stop_token_ids(body: dict) -> list[int]:
     v = body.get("stop_token_ids")
     if v is None:
@@ -244,7 +254,7 @@ def _param_of(message: str, known: set[str]) -> Optional[str]:
 _SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
-                    "allowed_token_ids", "structured_outputs"}
+                    "allowed_token_ids", "bad_words", "structured_outputs"}
 
 
 def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
@@ -286,7 +296,7 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
             ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True), logit_bias=_logit_bias(body),
-            allowed_token_ids=_allowed_token_ids(body),
+            allowed_token_ids=_allowed_token_ids(body), bad_words=_bad_words(body),
             truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, INT64_MAX))
     except ValueError as e:
         err = value_error(e)
