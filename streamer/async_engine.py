@@ -494,8 +494,7 @@ class AsyncEngine:
             if u.finished:
                 met = u.state.metrics
                 if m is not None:
-                    m.observe_finished(req.finish_reason or "stop", req.num_prompt_tokens, req.num_output_tokens,
-                                       req.arrival_time, req.first_scheduled_time, met.first_token_time, now)
+                    m.observe_finished(req, met.first_token_time, now)
                 if rid not in self._core.groups:
                     done.add(rid)
         if m is not None and generated:

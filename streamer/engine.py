@@ -120,6 +120,7 @@ class TokenTimings:
     ttft: list[float] = field(default_factory=list)
     itl: dict[float, int] = field(default_factory=dict)
     prompt_tokens: int = 0
+    step_tokens: list[int] = field(default_factory=list)  # tokens of each step scheduled
 
     def first_token(self, req: Request, ttft: float) -> None:
         self.ttft.append(ttft)
@@ -133,6 +134,7 @@ class TokenTimings:
         self.ttft.clear()
         self.itl.clear()
         self.prompt_tokens = 0
+        self.step_tokens.clear()
 
 
 class LLMEngine:
@@ -425,6 +427,8 @@ class LLMEngine:
         if not sched.scheduled:
             return None
         inputs = self.prepare(sched)
+        if self.timings is not None:
+            self.timings.step_tokens.append(len(inputs.input_ids))
         drafter = self.runner.drafter
         if isinstance(drafter, EagleDrafter):  # the head fills its KV after every step; proposes before some
             inputs.eagle = plan_fill(inputs, self.batch.tokens, self.batch.num_tokens, drafter.keep)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from streamer.engine import TokenTimings
+    from streamer.request import Request
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -64,11 +65,18 @@ class Gauge(Metric):
         return self.header() + [f"{self.name}{_fmt_labels(k)} {v}" for k, v in rows]
 
 
+def _le(bound: object) -> str:
+    return 'le="' + str(bound) + '"'
+
+
 class Histogram(Metric):
     kind = "histogram"
 
-    def __init__(self, name: str, help: str, buckets: list[float]) -> None:
+    def __init__(self, name: str, help: str, buckets: list[float], labels: Callable[[], Labels] = lambda: ()
+                 ) -> None:
+        """labels: read at scrape time (the model's served name, which the server may set after start-up)."""
         super().__init__(name, help)
+        self.labels = labels
         self.buckets = sorted(buckets)
         self.counts = [0] * (len(self.buckets) + 1)
         self.sum = 0.0
@@ -83,17 +91,22 @@ class Histogram(Metric):
 
     def render(self) -> list[str]:
         lines = self.header()
+        labels = self.labels()
         acc = 0
         for le, c in zip(self.buckets, self.counts):
             acc += c
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {acc}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines += [f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+            lines.append(f"{self.name}_bucket{_fmt_labels(labels, _le(le))} {acc}")
+        lines.append(f"{self.name}_bucket{_fmt_labels(labels, _le('+Inf'))} {self.count}")
+        lines += [f"{self.name}_sum{_fmt_labels(labels)} {self.sum}",
+                  f"{self.name}_count{_fmt_labels(labels)} {self.count}"]
         return lines
 
 
 _LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_LENGTHS = [2.0 ** i for i in range(18)]
+_STEP_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]  # vLLM's buckets
+_PARAMS_N = [1, 2, 5, 10, 20]
 
 
 class Registry:
@@ -152,17 +165,29 @@ class EngineMetrics:
         self.prompt_tokens = r.add(Counter("vllm:prompt_tokens_total", "Prompt tokens processed."))
         self.generation_tokens = r.add(Counter("vllm:generation_tokens_total", "Tokens generated."))
         self.request_success = r.add(Counter("vllm:request_success_total", "Finished requests by finish reason."))
-        self.ttft = r.add(Histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY))
-        self.itl = r.add(Histogram("vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY))
-        self.tpot = r.add(Histogram("vllm:request_time_per_output_token_seconds",
-                                    "Mean time per output token of a request.", _LATENCY))
-        self.e2e = r.add(Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY))
-        self.queue_time = r.add(Histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
-                                          _LATENCY))
-        self.prompt_len = r.add(Histogram("vllm:request_prompt_tokens", "Prompt length.",
-                                          [2.0 ** i for i in range(18)]))
-        self.gen_len = r.add(Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
-                                       [2.0 ** i for i in range(18)]))
+        # Histograms carry model_name as every vLLM metric does: its dashboards select on it.
+        model = lambda: (("model_name", self.model_name),)  # noqa: E731
+
+        def histogram(name: str, help: str, buckets: list[float]) -> Histogram:
+            return r.add(Histogram(name, help, buckets, model))  # type: ignore[return-value]
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", _LATENCY)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token of a "
+                              "request.", _LATENCY)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _LATENCY)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                                      _LATENCY)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to finish.", _LATENCY)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "First scheduled to finish.",
+                                        _LATENCY)
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt length.", _LENGTHS)
+        self.gen_len = histogram("vllm:request_generation_tokens", "Generated tokens per sequence.", _LENGTHS)
+        self.params_n = histogram("vllm:request_params_n", "The n of finished requests.", _PARAMS_N)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens of finished requests.",
+                                           _LENGTHS)
+        self.step_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", _STEP_TOKENS)
 
     def render(self) -> str:
         return self.registry.render()
@@ -175,14 +200,26 @@ class EngineMetrics:
             self.itl.observe(seconds, count)
         if t.prompt_tokens:
             self.prompt_tokens.inc(t.prompt_tokens, model_name=self.model_name)
+        for tokens in t.step_tokens:
+            self.step_tokens.observe(tokens)
 
-    def observe_finished(self, finish_reason: str, prompt_tokens: int, output_tokens: int, arrival: float,
-                         first_scheduled: Optional[float], first_token: Optional[float], finished: float) -> None:
-        self.request_success.inc(finished_reason=finish_reason, model_name=self.model_name)
-        self.prompt_len.observe(prompt_tokens)
+    def observe_finished(self, req: "Request", first_token: Optional[float], finished: float) -> None:
+        """A finished sequence (each of a request's n): its latencies and lengths; the request's parameters once."""
+        self.request_success.inc(finished_reason=req.finish_reason or "stop", model_name=self.model_name)
+        output_tokens = req.num_output_tokens
+        self.prompt_len.observe(req.num_prompt_tokens)
         self.gen_len.observe(output_tokens)
-        self.e2e.observe(finished - arrival)
-        if first_scheduled is not None:
-            self.queue_time.observe(first_scheduled - arrival)
-        if first_token is not None and output_tokens > 1:
-            self.tpot.observe((finished - first_token) / (output_tokens - 1))
+        self.e2e.observe(finished - req.arrival_time)
+        if req.seq_index == 0:
+            self.params_n.observe(req.params.n)
+            self.params_max_tokens.observe(req.max_tokens)
+        scheduled = req.first_scheduled_time
+        if scheduled is not None:
+            self.queue_time.observe(scheduled - req.arrival_time)
+            self.inference_time.observe(finished - scheduled)
+            if first_token is not None:
+                self.prefill_time.observe(first_token - scheduled)
+        if first_token is not None:
+            self.decode_time.observe(finished - first_token)
+            if output_tokens > 1:
+                self.tpot.observe((finished - first_token) / (output_tokens - 1))

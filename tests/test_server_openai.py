@@ -520,6 +520,35 @@ def test_health_and_metrics(live):
         live.wait_idle()
         text = h.get("/metrics").text
         assert metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:kv_cache_usage_perc") == 0
+        before = _families(text)
+        c = httpx.post(live.base_url + "/completions", timeout=60,
+                       json={"model": "llama", "prompt": PROMPT, "max_tokens": 5, "n": 2, "ignore_eos": True})
+        assert c.status_code == 200
+        live.wait_idle()
+        after = _families(h.get("/metrics").text)
+    # The reference parser reads every family; every sample carries model_name, as vLLM's dashboards select it.
+    hist = {name for name, f in after.items() if f.type == "histogram"}
+    assert {"vllm:e2e_request_latency_seconds", "vllm:request_prefill_time_seconds", "vllm:iteration_tokens_total",
+            "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds", "vllm:request_params_n",
+            "vllm:request_params_max_tokens", "vllm:time_to_first_token_seconds"} <= hist
+    for name in hist:
+        assert all(s.labels.get("model_name") == "llama" for s in after[name].samples), name
+
+    def grew(name: str, suffix: str = "_count") -> float:
+        def total(fams):
+            return sum(s.value for s in fams[name].samples if s.name == name + suffix) if name in fams else 0.0
+        return total(after) - total(before)
+
+    # One request, n = 2: two sequences finish, the request's parameters are counted once.
+    assert grew("vllm:e2e_request_latency_seconds") == grew("vllm:request_decode_time_seconds") == 2
+    assert grew("vllm:request_params_n") == 1 and grew("vllm:request_params_n", "_sum") == 2
+    assert grew("vllm:request_params_max_tokens", "_sum") == 5
+    assert grew("vllm:iteration_tokens_total") >= 5 and grew("vllm:request_generation_tokens", "_sum") == 10
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
 
 def test_stream_interval_chunks_carry_several_tokens(llama_dir):
