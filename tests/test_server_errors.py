@@ -258,7 +258,8 @@ def secured(llama_dir):
 
 ENDPOINTS = [("GET", "/v1/models", None), ("POST", "/v1/completions", COMPLETION),
              ("POST", "/v1/chat/completions", CHAT), ("GET", "/metrics", None),
-             ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]})]
+             ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+             ("GET", "/v1/models/llama", None), ("POST", "/invocations", COMPLETION)]
 
 
 @pytest.mark.parametrize("auth", [None, "Bearer wrong", "s3cret", "Basic s3cret", "Bearer s3cretx", "Bearer"])
@@ -269,7 +270,7 @@ def test_auth_rejects(secured, auth):
             r = h.request(method, path, json=body) if body is not None else h.request(method, path)
             err = assert_error(r, 401)
             assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
-        assert h.get("/health").status_code == 200
+        assert h.get("/health").status_code == 200 and h.get("/ping").status_code == 200
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer"])

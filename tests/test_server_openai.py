@@ -511,6 +511,26 @@ def test_reasoning_effort_and_tokenize_render_as_chat(live):
     assert resp.reasoning.effort == "high"
 
 
+def test_sagemaker_ping_and_invocations(live):
+    """/ping is the health check; /invocations answers as the endpoint the body's shape names."""
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.0}
+    cmpl_body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0}
+    with httpx.Client(base_url=live.url, timeout=60) as h:
+        assert h.get("/ping").status_code == 200 and h.post("/ping").status_code == 200
+        for body, path in ((chat_body, "/v1/chat/completions"), (cmpl_body, "/v1/completions")):
+            via, direct = h.post("/invocations", json=body).json(), h.post(path, json=body).json()
+            assert via["object"] == direct["object"] and via["choices"] == direct["choices"]
+        emb = h.post("/invocations", json={"input": "hello"}).json()
+        assert emb["data"][0]["embedding"] == h.post("/v1/embeddings", json={"input": "hello"}).json()[
+            "data"][0]["embedding"]
+        streamed = h.post("/invocations", json={**cmpl_body, "stream": True})
+        assert streamed.headers["content-type"].startswith("text/event-stream") and "[DONE]" in streamed.text
+        bad = h.post("/invocations", json={"max_tokens": 3})
+        assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"]
+        bad = h.post("/invocations", json={"prompt": PROMPT, "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
 def test_health_and_metrics(live):
     with httpx.Client(base_url=live.url, timeout=30) as h:
         assert h.get("/health").status_code == 200

@@ -318,6 +318,22 @@ class OpenAIServer:
         self.engine.remove_lora(name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's (and vLLM's) one endpoint: a body with `messages` is a chat completion, with `prompt` a
+        completion, with `input` an embedding (a classifier's: classification) request."""
+        raw = await self._body(request)
+        body = parse_body(raw)
+        if "messages" in body:
+            route = self.chat
+        elif "prompt" in body:
+            route = self.completions
+        elif "input" in body:
+            route = self.classify if self.engine.classifier is not None else self.embeddings
+        else:
+            raise APIError("an /invocations body needs `messages` (chat), `prompt` (completions) or `input` "
+                           "(embeddings)", param=None)
+        return await route(Request(request.scope, _replay(raw, request.receive)))
+
     async def health(self, request: Request) -> Response:
         return Response(status_code=200 if self.engine.is_alive else 503)
 
@@ -364,6 +380,9 @@ class OpenAIServer:
     # ------------------------------------------------------------------ helpers
     async def _json(self, request: Request) -> dict:
         """The body, read with a size limit (413 past it) and parsed strictly."""
+        return parse_body(await self._body(request))
+
+    async def _body(self, request: Request) -> bytes:
         limit = self.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
@@ -374,7 +393,7 @@ class OpenAIServer:
             if size > limit:
                 raise _too_large(limit)
             chunks.append(chunk)
-        return parse_body(b"".join(chunks))
+        return b"".join(chunks)
 
     def _loras(self) -> dict:
         return self.engine.loras if self.engine.config.enable_lora else {}
@@ -391,6 +410,15 @@ class OpenAIServer:
 
     def _prompt_text(self, prompt: PromptInput) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def _replay(raw: bytes, receive: Receive) -> Receive:
+    """A receive channel that hands out a body already read, then the connection's own messages (disconnects)."""
+    pending = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+    return replay  # type: ignore[return-value]
 
 
 def _too_large(limit: int) -> APIError:
@@ -464,15 +492,19 @@ class CORSConfig:
     allow_credentials: bool = False
 
 
+_OPEN_PATHS = frozenset({"/health", "/ping"})
+
+
 class BearerAuth:
-    """`Authorization: Bearer <key>` on every path but /health (load balancers probe it without a key)."""
+    """`Authorization: Bearer <key>` on every path but the health checks /health and /ping (load balancers probe
+    them without a key)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health" and not self._authorized(scope):
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS and not self._authorized(scope):
             err = APIError("invalid or missing API key: send `Authorization: Bearer <key>`", 401,
                            code="invalid_api_key")
             response = error_response(err)
@@ -536,6 +568,8 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/models/{model:path}", s.model, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
+        Route("/ping", s.health, methods=["GET", "POST"]),  # SageMaker's health check
+        Route("/invocations", s.invocations, methods=["POST"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/version", s.version, methods=["GET"]),
         Route("/tokenize", s.tokenize, methods=["POST"]),
