@@ -407,6 +407,47 @@ def test_logprobs(live):
     run(main())
 
 
+def test_return_tokens_as_token_ids(live):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:{id}", the same ids as the output's
+    and in the same order, values unchanged; the echoed prompt's tokens too."""
+    ids_too = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+    kw = dict(model="llama", prompt=PROMPT, max_tokens=6, logprobs=3, temperature=0.0)
+
+    msgs = [{"role": "user", "content": "hi"}]
+
+    async def main():
+        async with client(live) as c, httpx.AsyncClient(base_url=live.url, timeout=60) as h:
+            plain = await c.completions.create(**kw)
+            named = await c.completions.create(**kw, echo=True, extra_body=ids_too)
+            _, _, chunks = await _stream_completion(c, **{**kw, "prompt": [PROMPT, "Hello"]}, extra_body=ids_too)
+            chat = await c.chat.completions.create(model="llama", messages=msgs, max_tokens=6, logprobs=True,
+                                                   top_logprobs=2, temperature=0.0, extra_body=ids_too)
+            chat_chunks = [ch async for ch in await c.chat.completions.create(
+                model="llama", messages=msgs, max_tokens=2, stream=True, extra_body={"return_token_ids": True})]
+            tokenized = [(await h.post("/tokenize", json=body)).json()["tokens"] for body in (
+                {"prompt": PROMPT}, {"prompt": "Hello"}, {"messages": msgs})]
+        return plain, named, chunks, chat, chat_chunks, tokenized
+
+    plain, named, chunks, chat, chat_chunks, tokenized = run(main())
+    lp, choice = named.choices[0].logprobs, named.choices[0]
+    prompt_ids, out_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    # return_token_ids: the prompt's ids as vLLM returns them; streamed, once per choice, in its first chunk.
+    assert prompt_ids == tokenized[0]
+    sent = [(c_.index, c_.model_extra["prompt_token_ids"]) for ch in chunks for c_ in ch.choices
+            if c_.model_extra.get("prompt_token_ids") is not None]
+    assert sorted(sent) == [(0, tokenized[0]), (1, tokenized[1])]
+    assert chat.model_extra["prompt_token_ids"] == tokenized[2]
+    assert [ch.model_extra.get("prompt_token_ids") for ch in chat_chunks][:2] == [tokenized[2], None]
+    assert lp.tokens == [f"token_id:{t}" for t in prompt_ids + out_ids]
+    assert lp.token_logprobs[len(prompt_ids):] == plain.choices[0].logprobs.token_logprobs
+    for tid, top in zip(out_ids, lp.top_logprobs[len(prompt_ids):]):
+        assert f"token_id:{tid}" in top and all(k.startswith("token_id:") for k in top)
+    content = chat.choices[0].logprobs.content
+    assert [e.token for e in content] == [f"token_id:{t}" for t in chat.choices[0].model_extra["token_ids"]]
+    assert all(e.top_logprobs[0].token.startswith("token_id:") and e.bytes == list(e.token.encode())
+               for e in content)
+
+
 def test_concurrent_streams_match_offline_greedy(live, llama_dir):
     prompts = [f"Client {i} says: the number {i * 7} is" for i in range(32)]
     offline = LLM(str(llama_dir), **ENGINE_KWARGS).generate(
@@ -509,6 +550,38 @@ def test_reasoning_effort_and_tokenize_render_as_chat(live):
     assert tools["token_strs"] == [tok.id_to_token(t) for t in tools["tokens"]]
     assert chat.usage.prompt_tokens == high["count"] == resp.usage.input_tokens
     assert resp.reasoning.effort == "high"
+
+
+def test_request_logging(live, caplog):
+    """--enable-log-requests: each request's prompt (cut to --max-log-len) and parameters, in one line per prompt;
+    off by default."""
+    import logging
+
+    from streamer.cli import build_parser
+    args = build_parser().parse_args(["serve", "--enable-log-requests", "--max-log-len", "10"])
+    assert args.enable_log_requests and args.max_log_len == 10
+    server = live.app.state.server
+    assert not server.log_requests
+
+    def send(body: dict, path: str = "/v1/completions") -> None:
+        assert httpx.post(live.url + path, json={"model": "llama", "max_tokens": 3, **body}, timeout=60).is_success
+
+    with caplog.at_level(logging.INFO, logger="streamer.server"):
+        send({"prompt": PROMPT})
+        assert not [r for r in caplog.records if "received" in r.getMessage()]
+        server.log_requests, server.max_log_len = True, 10
+        try:
+            send({"prompt": PROMPT, "temperature": 0.5})
+            send({"prompt": [list(range(5, 30)), [7, 8]]})
+            send({"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+        finally:
+            server.log_requests, server.max_log_len = False, None
+    lines = [r.getMessage() for r in caplog.records if "received" in r.getMessage()]
+    assert len(lines) == 4
+    assert f"prompt: {PROMPT[:10]!r}," in lines[0] and "temperature=0.5" in lines[0] and "max_tokens=3" in lines[0]
+    assert "(prompt 0)" in lines[1] and f"prompt_token_ids: {list(range(5, 15))}," in lines[1]
+    assert "(prompt 1)" in lines[2] and "prompt_token_ids: [7, 8]," in lines[2]
+    assert lines[3].startswith("request chatcmpl-") and "prompt_token_ids: [" in lines[3]
 
 
 def test_sagemaker_ping_and_invocations(live):

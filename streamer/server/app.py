@@ -82,6 +82,10 @@ class OpenAIServer:
         if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
+        self.return_tokens_as_token_ids = False  # vLLM's --return-tokens-as-token-ids
+        # vLLM's --enable-log-requests: each request's prompt (cut to max_log_len characters / ids) and parameters
+        self.log_requests = False
+        self.max_log_len: Optional[int] = None
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -112,6 +116,9 @@ class OpenAIServer:
         fmt = CompletionFormat(len(req.prompts) * req.params.n, req.logprobs, req.return_token_ids, echo,
                                req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs,
                                req.scored_only)
+        fmt.tokens_as_ids = self._tokens_as_ids(req)
+        if req.return_token_ids:
+            fmt.prompt_ids = [s.prompt_token_ids for s in gen.streams]
         if req.best_of is None:
             return await self._respond(request, gen, fmt, req)
         choices = await collect_choices(request, gen, fmt)
@@ -177,7 +184,14 @@ class OpenAIServer:
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
+        fmt.tokens_as_ids = self._tokens_as_ids(req)
+        if req.return_token_ids:
+            fmt.prompt_ids = [gen.streams[0].prompt_token_ids]  # (images expanded: what the model read)
         return gen, fmt
+
+    def _tokens_as_ids(self, req: CompletionRequest | ChatRequest) -> bool:
+        """Logprobs name tokens "token_id:{id}": the request's return_tokens_as_token_ids, else the server's."""
+        return req.tokens_as_ids if req.tokens_as_ids is not None else self.return_tokens_as_token_ids
 
     async def _load_images(self, sources: list[Any]) -> list[Any]:
         """The chat's images, decoded (and fetched, for http(s) URLs the server may fetch) on worker threads."""
@@ -221,6 +235,8 @@ class OpenAIServer:
         """lora: the LoRA adapter the client named as its `model` (None: the base model). A non-streamed request's
         outputs come in one piece per choice, when it finishes, unless `progress` asks for them step by step."""
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        if self.log_requests:
+            self._log_request(rid, prompts, req, lora)
         streams = []
         try:
             for i, prompt in enumerate(prompts):
@@ -240,6 +256,18 @@ class OpenAIServer:
                 raise err from None
             raise
         return Generation(rid, streams, req.params.n, model=lora or self.model_name)
+
+    def _log_request(self, rid: str, prompts: Sequence[Any], req: CompletionRequest | ChatRequest,
+                     lora: Optional[str]) -> None:
+        cut = self.max_log_len
+        for i, prompt in enumerate(prompts):
+            text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+            if isinstance(text, list):
+                text, ids = None, text
+            logger.info("request %s%s received: prompt: %r, prompt_token_ids: %s, params: %s, lora: %s", rid,
+                        f" (prompt {i})" if len(prompts) > 1 else "", text[:cut] if text is not None else None,
+                        ids[:cut] if ids is not None else None, req.params, lora)
 
     async def _respond(self, request: Request, gen: Generation, fmt: Format,
                        req: CompletionRequest | ChatRequest) -> Response:
@@ -547,12 +575,17 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
-              cors: Optional[CORSConfig] = None) -> Starlette:
+              cors: Optional[CORSConfig] = None, return_tokens_as_token_ids: bool = False,
+              log_requests: bool = False, max_log_len: Optional[int] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
     /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
-    browser origins allowed (None: no CORS headers)."""
+    browser origins allowed (None: no CORS headers). return_tokens_as_token_ids: logprobs name tokens
+    "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first
+    max_log_len characters or token ids; None: all) and sampling parameters."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
+    s.return_tokens_as_token_ids = return_tokens_as_token_ids
+    s.log_requests, s.max_log_len = log_requests, max_log_len
     responses = ResponsesAPI(s, responses_store_size)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),

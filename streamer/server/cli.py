@@ -31,12 +31,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger("streamer.server")
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on every endpoint but /health "
+                   help="require `Authorization: Bearer KEY` on every endpoint but /health and /ping "
                         "(default: $STREAMER_API_KEY)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids clients may use; the first is the one reported (default: the folder name)")
@@ -50,6 +57,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="bound on queued requests; past it the server answers 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:{id}" (exact where token texts are not); a request\'s '
+                        "return_tokens_as_token_ids overrides it")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters (off by default: prompts may be private)")
+    g.add_argument("--max-log-len", type=_non_negative_int, default=None, metavar="N",
+                   help="with --enable-log-requests: log at most N characters (or token ids) of each prompt")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
@@ -236,7 +250,9 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
                         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         allow_lora_updates=args.allow_runtime_lora_updating,
-                        responses_store_size=args.responses_store_size, cors=cors)
+                        responses_store_size=args.responses_store_size, cors=cors,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,

@@ -317,6 +317,7 @@ class _Common:
     cache_salt: Optional[str]
     return_token_ids: bool
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: return them
+    tokens_as_ids: Optional[bool] = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     structured_field: Optional[str] = None  # the field that constrains the output (errors found later name it)
 
 
@@ -335,7 +336,8 @@ def _common(body: dict, params: SamplingParams) -> _Common:
                    continuous_usage=include_usage and get_bool(options, "continuous_usage_stats", False),
                    priority=get_int(body, "priority", 0, -(2 ** 31), 2 ** 31 - 1),  # type: ignore[arg-type]
                    cache_salt=cache_salt, return_token_ids=get_bool(body, "return_token_ids", False),
-                   prompt_logprobs=body.get("prompt_logprobs") is not None)
+                   prompt_logprobs=body.get("prompt_logprobs") is not None,
+                   tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", None))  # type: ignore[arg-type]
 
 
 def _constrain(body: dict, params: SamplingParams, forced: Optional[structured.ForcedTool] = None,

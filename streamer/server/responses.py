@@ -36,10 +36,10 @@ def prompt_logprobs_json(entries: list) -> list[Optional[dict[str, dict[str, Any
             for e in entries]
 
 
-def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The top-k alternatives of one position, best first (the sampled token is among them if ranked <= k)."""
-    ranked = [lp for lp in entry.values() if lp.rank is not None and 1 <= lp.rank <= k]
-    return sorted(ranked, key=lambda lp: lp.rank or 0)
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and 1 <= lp.rank <= k]
+    return sorted(ranked, key=lambda x: x[1].rank or 0)
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Piece:
     tool_calls: Optional[list[dict[str, Any]]] = None  # chat, with a tool-call parser: calls completed in this piece
     reasoning: Optional[str] = None  # chat, with a reasoning parser: reasoning text in this piece
     cumulative_logprob: float = 0.0  # of this piece's tokens, when the engine scored them (best_of ranks by it)
+    prompt_index: int = 0  # which of the request's prompts the choice answers
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Choice:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     reasoning_pieces: list[str] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    prompt_index: int = 0
 
     @property
     def text(self) -> str:
@@ -84,6 +86,7 @@ class Choice:
             self.reasoning_pieces.append(piece.reasoning)
         self.token_ids += piece.token_ids
         self.cumulative_logprob += piece.cumulative_logprob
+        self.prompt_index = piece.prompt_index
         lp = piece.logprobs
         if isinstance(lp, dict):
             self.logprobs = self.logprobs or {k: [] for k in lp}
@@ -116,10 +119,22 @@ class Format:
         self.k = top_logprobs  # None: no logprobs
         self.return_token_ids = return_token_ids
         self.want_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field asked for
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:{id}" (exact where texts are not:
+        # partial UTF-8 bytes, tokens that decode alike)
+        self.tokens_as_ids = False
+        # With return_token_ids: each prompt's token ids, returned as vLLM does (completions: on each choice, in
+        # its first chunk; chat: beside the choices, in the first chunk)
+        self.prompt_ids: Optional[list[list[int]]] = None
+
+    def _name(self, token_id: int, lp: Optional[Logprob]) -> str:
+        """A token as logprobs name it."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return _text(lp) if lp is not None else ""
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         lp = self._logprobs(index, out) if self.k is not None else None
-        p = Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason)
+        p = Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason, prompt_index=prompt_index)
         if out.logprobs:
             p.cumulative_logprob = sum(_chosen(e, t).logprob for t, e in zip(out.token_ids, out.logprobs))
         if self.want_prompt_logprobs and out.prompt_logprobs is not None:
@@ -135,6 +150,10 @@ class Format:
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return []
+
+    def first_chunk_extras(self) -> dict[str, Any]:
+        """Top-level fields of a stream's first chunk beside its choices."""
+        return {}
 
     def chunk_choice(self, p: Piece) -> Optional[dict[str, Any]]:
         """A streamed choice, or None when the piece carries nothing (a token held back mid-character)."""
@@ -168,6 +187,7 @@ class CompletionFormat(Format):
         self.echo_texts, self.n, self.decode_token = echo_texts, n, decode_token
         self.scored_only = scored_only
         self._echoed: set[int] = set()
+        self._ids_sent: set[int] = set()  # choices whose prompt_token_ids went out
         self._offsets = [0] * num_choices
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
@@ -194,7 +214,7 @@ class CompletionFormat(Format):
         for tid, entry in zip(out.prompt_token_ids or [], out.prompt_logprobs or []):
             if entry is None:
                 text = self.decode_token(tid) if self.decode_token is not None else ""
-                self._add(d, index, text, None, None)
+                self._add(d, index, f"token_id:{tid}" if self.tokens_as_ids else text, None, None)
             else:
                 self._add(d, index, *self._scored(entry, tid))
         return d
@@ -206,13 +226,14 @@ class CompletionFormat(Format):
         return d
 
     def _scored(self, entry: dict[int, Logprob], tid: int) -> tuple[str, float, dict[str, float]]:
-        chosen = _chosen(entry, tid)
+        cid = tid if tid in entry else next(iter(entry))
+        chosen = entry[cid]
         # vLLM's shape: the scored token is always listed. Tokens with the same text (partial UTF-8 bytes)
         # share a key: the likelier one keeps it, so the dict stays best-first.
         top: dict[str, float] = {}
-        for lp in sorted([*_top(entry, self.k or 0), chosen], key=lambda lp: -lp.logprob):
-            top.setdefault(_text(lp), _lp(lp.logprob))
-        return _text(chosen), _lp(chosen.logprob), top
+        for t, lp in sorted([*_top(entry, self.k or 0), (cid, chosen)], key=lambda x: -x[1].logprob):
+            top.setdefault(self._name(t, lp), _lp(lp.logprob))
+        return self._name(cid, chosen), _lp(chosen.logprob), top
 
     def _add(self, d: dict[str, list], index: int, text: str, logprob: Optional[float],
              top: Optional[dict[str, float]]) -> None:
@@ -228,12 +249,17 @@ class CompletionFormat(Format):
         d = {"index": p.index, "text": p.text, "logprobs": p.logprobs, "finish_reason": p.finish_reason}
         if p.prompt_logprobs is not None:
             d["prompt_logprobs"] = p.prompt_logprobs
+        if self.prompt_ids is not None and p.index not in self._ids_sent:
+            self._ids_sent.add(p.index)
+            d["prompt_token_ids"] = self.prompt_ids[p.prompt_index]
         return self._extras(d, p.finish_reason, p.stop_reason, p.token_ids)
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
         d = {"index": index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         if self.want_prompt_logprobs:
             d["prompt_logprobs"] = c.prompt_logprobs
+        if self.prompt_ids is not None:
+            d["prompt_token_ids"] = self.prompt_ids[c.prompt_index]
         return self._extras(d, c.finish_reason, c.stop_reason, c.token_ids)
 
 
@@ -294,10 +320,10 @@ class ChatFormat(Format):
         content = []
         for tid, entry in zip(out.token_ids, out.logprobs or []):
             chosen = _chosen(entry, tid)
-            text = _text(chosen)
+            text = self._name(tid, chosen)
             content.append({"token": text, "logprob": _lp(chosen.logprob), "bytes": list(text.encode()),
-                            "top_logprobs": [{"token": _text(lp), "logprob": _lp(lp.logprob),
-                                              "bytes": list(_text(lp).encode())} for lp in _top(entry, self.k or 0)]})
+                            "top_logprobs": [{"token": name, "logprob": _lp(lp.logprob), "bytes": list(name.encode())}
+                                             for t, lp in _top(entry, self.k or 0) for name in [self._name(t, lp)]]})
         return content
 
     def opening_chunks(self) -> list[dict[str, Any]]:
@@ -320,7 +346,13 @@ class ChatFormat(Format):
 
     def response_extras(self, choices: list[Choice]) -> dict[str, Any]:
         # vLLM's place for them in a chat response: beside the choices, once (every choice has the same prompt).
-        return {"prompt_logprobs": choices[0].prompt_logprobs if choices else None} if self.want_prompt_logprobs else {}
+        extras = self.first_chunk_extras()
+        if self.want_prompt_logprobs:
+            extras["prompt_logprobs"] = choices[0].prompt_logprobs if choices else None
+        return extras
+
+    def first_chunk_extras(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.prompt_ids[0]} if self.prompt_ids is not None else {}
 
     def final_choice(self, index: int, c: Choice) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}

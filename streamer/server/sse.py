@@ -33,8 +33,10 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
     def extra() -> dict[str, Any]:
         return {"usage": gen.usage()} if continuous_usage else fixed
     try:
+        first = fmt.first_chunk_extras()
         for opening in fmt.opening_chunks():
-            yield event({**head, "choices": [opening], **extra()})
+            yield event({**head, "choices": [opening], **extra(), **first})
+            first = {}
         async for p, out in gen.items():
             choice = fmt.chunk_choice(fmt.piece(gen.choice_index(p, out), p, out))
             if choice is not None:
