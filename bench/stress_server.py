@@ -1,0 +1,123 @@
+"""A mixed-feature soak of a live server: random completions and chat requests combining n, streaming, usage,
+logprobs, stops, seeds, bad_words, penalties, min_tokens, top-k/p, priorities, best_of, echo (max_tokens 0 too),
+JSON mode and token ids, plus some invalid ones and ~15% abandoned mid-way. Prints the status counts (any 5xx, error
+event or unexpected 400 is printed with its body) and, after the load, the running/waiting/KV-usage gauges, which
+must be back to 0 (nothing leaked).
+
+    streamer serve --port 8012 --num-kv-blocks 96 --max-num-seqs 24   # small cache: preemptions happen
+    python bench/stress_server.py http://127.0.0.1:8012 --requests 600 --seed 2
+"""
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import httpx
+
+ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+ap.add_argument("url")
+ap.add_argument("--requests", type=int, default=300)
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--concurrency", type=int, default=48)
+ap.add_argument("--model", default=None, help="default: the server's first model")
+args = ap.parse_args()
+URL = args.url
+N = args.requests
+rng = random.Random(args.seed)
+M = args.model or httpx.get(URL + "/v1/models").json()["data"][0]["id"]
+PROMPTS = ["def f(", "import os\n", "class A:\n    def __init__(self", "# comment\n" * 20, "x = [" * 30, "for i in range(10):"]
+
+def body():
+    chat = rng.random() < 0.4
+    b: dict = {"model": M, "max_tokens": rng.choice([1, 2, 8, 32, 100]), "temperature": rng.choice([0, 0.7, 1.0])}
+    if chat:
+        b["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+    else:
+        b["prompt"] = rng.choice(PROMPTS) if rng.random() < 0.8 else [rng.choice(PROMPTS), rng.choice(PROMPTS)]
+    if rng.random() < 0.3:
+        b["n"] = rng.choice([2, 3])
+    if rng.random() < 0.3:
+        b["stream"] = True
+        if rng.random() < 0.5:
+            b["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.2:
+        if chat:
+            b["logprobs"], b["top_logprobs"] = True, rng.choice([0, 3])
+        else:
+            b["logprobs"] = rng.choice([0, 2])
+    extras = [(0.2, {"stop": ["\n", "):"]}), (0.15, {"seed": rng.randrange(1000)}),
+              (0.15, {"bad_words": ["self", "import"]}), (0.1, {"presence_penalty": 1.0}),
+              (0.1, {"min_tokens": min(2, b["max_tokens"])}), (0.1, {"top_k": 5, "top_p": 0.9}),
+              (0.1, {"priority": rng.choice([-1, 0, 5])}), (0.05, {"temperature": -1}),  # (a 400)
+              (0.05, {"return_token_ids": True, "return_tokens_as_token_ids": True})]
+    for p, fields in extras:
+        if rng.random() < p:
+            b.update(fields)
+    if chat and rng.random() < 0.1:
+        b["response_format"] = {"type": "json_object"}
+    if not chat and not b.get("stream") and rng.random() < 0.1:
+        b["best_of"] = (b.get("n") or 1) + 1
+    if not chat and rng.random() < 0.1:
+        b["echo"] = True
+        if rng.random() < 0.5:
+            b["max_tokens"], b["min_tokens"] = 0, 0
+    return ("/v1/chat/completions" if chat else "/v1/completions"), b
+
+stats: dict = {}
+async def one(c, i):
+    path, b = body()
+    abandon = rng.random() < 0.15
+    try:
+        if b.get("stream"):
+            async with c.stream("POST", path, json=b) as r:
+                key = r.status_code
+                if r.status_code == 200:
+                    k = 0
+                    async for line in r.aiter_lines():
+                        k += 1
+                        if abandon and k > 3:
+                            key = "abandoned"
+                            break
+                        if line.startswith("data: {\"error"):
+                            key = "stream-error:" + line[:200]
+                else:
+                    await r.aread()
+                    if r.status_code >= 500 or b.get("temperature", 0) >= 0:
+                        key = f"{r.status_code}:{json.dumps(b)[:200]} -> {r.text[:300]}"
+        else:
+            if abandon:
+                try:
+                    key = (await c.post(path, json=b, timeout=0.05)).status_code
+                except httpx.TimeoutException:
+                    key = "abandoned"
+            else:
+                r = await c.post(path, json=b)
+                key = r.status_code
+                if r.status_code >= 500 or r.status_code == 400 and b.get("temperature", 0) >= 0:
+                    key = f"{r.status_code}:{json.dumps(b)[:300]} -> {r.text[:300]}"
+    except Exception as e:
+        key = f"exc:{type(e).__name__}:{e}"
+    stats[key] = stats.get(key, 0) + 1
+
+async def main():
+    async with httpx.AsyncClient(base_url=URL, timeout=300) as c:
+        sem = asyncio.Semaphore(args.concurrency)
+        async def guarded(i):
+            async with sem:
+                await one(c, i)
+        t = time.time()
+        await asyncio.gather(*[guarded(i) for i in range(N)])
+        print("took", round(time.time() - t, 1), "s")
+        await asyncio.sleep(2)
+        m = (await c.get("/metrics")).text
+        for line in m.splitlines():
+            if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total")):
+                print(line)
+    for k, v in sorted(stats.items(), key=lambda kv: str(kv[0])):
+        print(v, k)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
