@@ -20,7 +20,7 @@ from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTim
 from streamer.multimodal import ImagePrompts, check_truncation
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
-from streamer.metrics import EngineMetrics
+from streamer.metrics import EngineMetrics, StatsLogger
 from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
 from streamer.pooling import Classifier, PoolingParams, encode_pair, truncate_prompt
 from streamer.sampling_params import SamplingParams
@@ -122,6 +122,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[RequestStream, asyncio.Queue]] = {}
         self._dead: Optional[BaseException] = None
         self._task: Optional[asyncio.Task] = None
+        self._stats_task: Optional[asyncio.Task] = None
         self._device: Optional[ThreadPoolExecutor] = None
         self._waiter: Optional[ThreadPoolExecutor] = None  # waits for a launched step's tokens (CUDA)
         self._wakeup: Optional[asyncio.Event] = None
@@ -140,7 +141,18 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task = asyncio.create_task(self._run(), name="streamer-engine-loop")
+        if self.config.log_stats_interval > 0:
+            self._stats_task = asyncio.create_task(self._log_stats(self.config.log_stats_interval),
+                                                   name="streamer-stats-log")
         return self
+
+    async def _log_stats(self, interval: float) -> None:
+        stats = StatsLogger(self.metrics, self.stats)  # type: ignore[arg-type]
+        while True:
+            await asyncio.sleep(interval)
+            line = stats.line()
+            if line is not None:
+                logger.info("%s", line)
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         """Stop the engine. With a drain timeout, in-flight requests may finish first; the rest are aborted."""
@@ -149,6 +161,8 @@ class AsyncEngine:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout)
             except asyncio.TimeoutError:
                 logger.warning("drain timeout: aborting %d request(s)", len(self._streams))
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -26,7 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: the KV cache in float8_e4m3fn, twice the tokens in the same memory")
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
     g.add_argument("--state-checkpoints", type=int, default=None,
                    help="hybrid / recurrent models: recurrent-state checkpoints kept for prefix caching "
                         "(default: max-num-seqs, within the memory budget)")
@@ -95,6 +96,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="bytes of image features kept for prompts still being computed (and repeated images)")
     im.add_argument("--no-image-urls", dest="allow_image_urls", action="store_false",
                     help="the server reads images only from data: URLs, never fetching http(s) ones")
+    v = p.add_argument_group("vLLM's spellings", "accepted so that vLLM command lines run as they are")
+    v.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="(the default)")
+    v.add_argument("--enable-chunked-prefill", action="store_true", help="(always on)")
+    v.add_argument("--trust-remote-code", action="store_true",
+                   help="(ignored: streamer never runs code from a checkpoint; its architectures are built in)")
     lo = p.add_argument_group("LoRA adapters")
     lo.add_argument("--enable-lora", action="store_true", help="let requests run with LoRA adapters")
     lo.add_argument("--max-loras", type=int, default=4, help="adapters the model holds at once")

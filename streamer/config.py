@@ -107,6 +107,9 @@ class EngineConfig:
     encoder_cache_bytes: int = 512 << 20
     # Whether the server fetches http(s) image URLs in chat messages (data: URLs are always read).
     allow_image_urls: bool = True
+    # AsyncEngine: seconds between vLLM-style throughput log lines while there is work (0: none; `streamer serve`
+    # logs every 10 s unless --disable-log-stats).
+    log_stats_interval: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -196,6 +199,14 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":
+        """The config from engine arguments, as `LLM(...)` / `AsyncEngine(...)` take them. vLLM's arguments that
+        change nothing here are accepted so that vLLM code runs as it is: trust_remote_code (no checkpoint code is
+        ever run), disable_log_stats, enable_chunked_prefill=True (prefill is always chunked)."""
+        kwargs.pop("trust_remote_code", None)
+        kwargs.pop("disable_log_stats", None)
+        if kwargs.pop("enable_chunked_prefill", True) is not True:
+            raise ValueError("enable_chunked_prefill: prefill is always chunked here (max_num_batched_tokens "
+                             "bounds a step's tokens)")
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

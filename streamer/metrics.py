@@ -223,3 +223,29 @@ class EngineMetrics:
             self.decode_time.observe(finished - first_token)
             if output_tokens > 1:
                 self.tpot.observe((finished - first_token) / (output_tokens - 1))
+
+
+class StatsLogger:
+    """vLLM's periodic log line: prompt and generation throughput over the last interval, running and waiting
+    requests, KV cache usage and the interval's prefix-cache hit rate. Nothing is logged while the engine idles."""
+
+    def __init__(self, metrics: EngineMetrics, stats: Callable[[], dict]) -> None:
+        self.metrics, self.stats = metrics, stats
+        self._last = (time.monotonic(), 0.0, 0.0, 0, 0)  # (time, prompt tokens, generated, cache hits, queries)
+
+    def line(self) -> Optional[str]:
+        """The line for the interval since the last call, or None when nothing ran and nothing waits."""
+        now, st = time.monotonic(), self.stats()
+        prompt = sum(self.metrics.prompt_tokens.values.values())
+        generated = sum(self.metrics.generation_tokens.values.values())
+        hits, queries = st["prefix_cache_hits"], st["prefix_cache_queries"]
+        t0, prompt0, generated0, hits0, queries0 = self._last
+        self._last = (now, prompt, generated, hits, queries)
+        if prompt == prompt0 and generated == generated0 and not st["num_running"] and not st["num_waiting"]:
+            return None
+        dt = max(now - t0, 1e-9)
+        hit_rate = 100.0 * (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
+        return (f"Avg prompt throughput: {(prompt - prompt0) / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {(generated - generated0) / dt:.1f} tokens/s, "
+                f"Running: {st['num_running']} reqs, Waiting: {st['num_waiting']} reqs, "
+                f"KV cache usage: {100.0 * st['kv_cache_usage']:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%")

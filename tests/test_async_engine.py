@@ -295,3 +295,42 @@ def test_aborted_non_streamed_request_gets_what_it_generated(llama_dir):
             assert _pool_whole(engine)
 
     run(main())
+
+
+def test_stats_log_line_while_busy_and_quiet_when_idle(llama_dir, caplog):
+    """log_stats_interval: vLLM's periodic line (throughputs, queue, KV usage, prefix-cache hit rate) while there is
+    work; none while the engine idles; none at all by default."""
+    import logging
+    from streamer.metrics import StatsLogger
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32", log_stats_interval=0.05) as engine:
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            await asyncio.gather(*[engine.generate(p, params) for p in [*PROMPTS[:3], " ".join(PROMPTS)]])
+            await asyncio.sleep(0.3)  # the interval that saw the end, then idle ones
+            busy = len(lines())
+            await asyncio.sleep(0.3)
+            assert len(lines()) == busy  # idle: quiet
+            # The line's numbers: one more request, with a prompt seen before (its blocks hit the cache).
+            stats = StatsLogger(engine.metrics, engine.stats)
+            await engine.generate(" ".join(PROMPTS), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+            return busy, stats.line()
+
+    with caplog.at_level(logging.INFO, logger="streamer"):
+        busy, line = run(main())
+    assert busy >= 1 and "Running:" in lines()[0] and "KV cache usage:" in lines()[0]
+    assert any(not line.startswith("Avg prompt throughput: 0.0") for line in lines())
+    assert line is not None and "Avg generation throughput: 0.0 tokens/s" not in line
+    assert not line.endswith("Prefix cache hit rate: 0.0%")  # the prompt's full blocks came from the cache
+    caplog.clear()
+
+    async def quiet():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            await engine.generate(PROMPTS[1], SamplingParams(max_tokens=3))
+            await asyncio.sleep(0.1)
+    with caplog.at_level(logging.INFO, logger="streamer"):
+        run(quiet())
+    assert lines() == []

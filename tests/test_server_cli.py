@@ -186,6 +186,35 @@ def test_model_as_positional_or_flag(monkeypatch, capsys):
     assert exc.value.code == 2 and "two models given" in capsys.readouterr().err
 
 
+def test_vllm_command_lines_run_as_they_are(monkeypatch, capsys):
+    """vLLM's common serve flags parse: no-ops (chunked prefill, remote code, request-log opt-out), aliases
+    (prefix caching, uvicorn's log level, -tp); --enable-auto-tool-choice needs a parser, as in vLLM."""
+    import streamer.server.cli as server_cli
+    from streamer.cli import build_parser, engine_kwargs, main
+    from streamer.config import EngineConfig
+    vllm = ["serve", "/m", "--enable-prefix-caching", "--enable-chunked-prefill", "--trust-remote-code",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
+            "--disable-log-stats", "--uvicorn-log-level", "warning", "-tp", "1", "--max-model-len", "512"]
+    args = build_parser().parse_args(vllm)
+    kw = engine_kwargs(args)
+    assert kw["enable_prefix_caching"] is True and kw["max_model_len"] == 512 and args.log_level == "warning"
+    assert "trust_remote_code" not in kw and "enable_chunked_prefill" not in kw
+    assert engine_kwargs(build_parser().parse_args(["serve"]))["enable_prefix_caching"] is True
+    assert engine_kwargs(build_parser().parse_args(["serve", "--no-enable-prefix-caching"]))[
+        "enable_prefix_caching"] is False
+    # The Python API takes vLLM's no-op arguments too; a chunked-prefill opt-out is refused, not ignored.
+    cfg = EngineConfig.from_kwargs(None, trust_remote_code=True, disable_log_stats=True, enable_chunked_prefill=True)
+    assert cfg.model is None
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineConfig.from_kwargs(None, enable_chunked_prefill=False)
+    # Refused before anything loads (cmd_serve is the real one here).
+    assert main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(server_cli, "cmd_serve", lambda a: seen.append(a) or 0)
+    assert main(vllm) == 0 and seen[0].tool_call_parser == "hermes"
+
+
 def test_startup_objects_are_frozen_while_serving():
     """What start-up made stays out of the cyclic GC's full collections while the server runs, and is handed back
     after."""

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("streamer.server")
 
 
+LOG_STATS_SECONDS = 10.0
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -50,6 +53,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls "
                         "(gpt-oss: 'openai', the default for it)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: --tool-call-parser alone turns parsing on")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted for vLLM's command lines: prompts are logged only with --enable-log-requests")
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="read <think>...</think> (gpt-oss: its analysis channel, 'openai_gptoss', the default for "
                         "it) in chat output into message.reasoning_content")
@@ -74,8 +81,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
                    help="how many /v1/responses responses to keep in memory for retrieval, previous_response_id and "
                         "background mode (least recently used out first; 0: store none)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no throughput / queue / KV-usage log line every 10 s while there is work")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS), e.g. https://app.example.com or '*' "
                         "(default: none, no CORS headers)")
@@ -167,7 +177,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamer.config import EngineConfig
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     api_key = args.api_key or os.environ.get("STREAMER_API_KEY") or None
-    kwargs = dict(engine_kwargs(args), max_waiting=args.max_waiting)
+    kwargs = dict(engine_kwargs(args), max_waiting=args.max_waiting,
+                  log_stats_interval=0.0 if args.disable_log_stats else LOG_STATS_SECONDS)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("streamer serve: error: --enable-auto-tool-choice needs --tool-call-parser (as vLLM's)", file=sys.stderr)
+        return 2
     if kwargs.get("enforce_eager") is None:
         # A server runs for long: compile the model on every device (on CPU this costs ~15-60 s at the first
         # start, less from the on-disk cache, and buys 20-30% per decode step; `--enforce-eager` opts out).
