@@ -83,9 +83,10 @@ def _write_vocab(w: Any, hf_dir: Path, model: str, pre: str) -> None:
 
 
 def write_gguf(hf_dir: Path, out: Path, family: str, qtype: Any = Q.F32, tokenizer: str = "gpt2",
-               pre: str = "llama-bpe") -> Path:
+               pre: str = "llama-bpe", encode: Any = None) -> Path:
     """hf_dir as llama.cpp's converter writes it: 2-D weights as `qtype` (1-D ones F32), tensor names from gguf's
-    own name map, Llama's q/k permuted, Gemma's norms + 1, Llama 3's rope factors as `rope_freqs`."""
+    own name map, Llama's q/k permuted, Gemma's norms + 1, Llama 3's rope factors as `rope_freqs`. encode(name,
+    weights): a 2-D tensor's (raw bytes, type) in place of `qtype`'s."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = _ARCH[family]
     w = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
@@ -118,7 +119,10 @@ def write_gguf(hf_dir: Path, out: Path, family: str, qtype: Any = Q.F32, tokeniz
         if family.startswith("gemma") and hf_name.endswith("norm.weight"):
             t = t + 1
         data = t.float().numpy()
-        if data.ndim > 1 and qtype != Q.F32:
+        if data.ndim > 1 and encode is not None:
+            raw, raw_type = encode(name, data)
+            w.add_tensor(name, raw, raw_dtype=raw_type)
+        elif data.ndim > 1 and qtype != Q.F32:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data)
@@ -224,6 +228,42 @@ def test_greedy_matches_transformers_gguf(ckpt, tmp_path, name, qtype):
     assert len({tuple(r) for r in want}) == len(PROMPTS), "degenerate reference"
     llm = LLM(str(path), dtype="float32")
     assert greedy(llm, PROMPTS, MAX_NEW) == want
+
+
+def _random_k_blocks(rows: int, cols: int, qtype: Any, rng: np.random.Generator) -> np.ndarray:
+    """Valid K-quant blocks of random weights (the gguf package dequantizes K-quants but cannot write them):
+    Q4_K blocks whose every sub-block's minimum sits 7.5 steps down (values centred on zero), Q6_K blocks with small
+    positive scales. Bytes [rows, cols / 256 * block size], as the writer takes quantized data."""
+    half = lambda x: np.frombuffer(np.float16(x).tobytes(), np.uint8)  # noqa: E731
+    n = rows * cols // 256
+    if qtype == Q.Q4_K:  # d, dmin (fp16), 12 bytes of packed 6-bit scales and mins, 128 bytes of 4-bit values
+        b = rng.integers(0, 256, (n, 144), dtype=np.uint8)
+        b[:, 0:2], b[:, 2:4], b[:, 4:16] = half(1e-3), half(7.5e-3), 0x11  # (scale = min: 17 or 1)
+    else:  # Q6_K: 128 + 64 bytes of 6-bit values, 16 int8 scales, d (fp16)
+        b = rng.integers(0, 256, (n, 210), dtype=np.uint8)
+        b[:, 192:208] = rng.integers(1, 9, (n, 16), dtype=np.int8).view(np.uint8)
+        b[:, 208:210] = half(5e-4)
+    return b.reshape(rows, -1)
+
+
+def test_k_quants_match_transformers_gguf(make_ckpt, tmp_path):
+    """A Q4_K_M-style file (Q4_K weights; the output, attn_v and ffn_down ones Q6_K), the most common GGUF kind:
+    streamer's greedy tokens equal transformers' on it (both dequantize with the gguf package's reference)."""
+    hf_dir = make_ckpt("gguf-llama-256", family="llama", tokenizer="bytelevel", rope_scaling=None, hidden_size=256,
+                       intermediate_size=512)
+    rng = np.random.default_rng(0)
+    types: dict[str, Any] = {}
+
+    def encode(name: str, data: np.ndarray) -> tuple[np.ndarray, Any]:
+        qtype = Q.Q6_K if any(k in name for k in ("output.", "attn_v", "ffn_down")) else Q.Q4_K
+        types[name] = qtype
+        return _random_k_blocks(*data.shape, qtype, rng), qtype
+
+    path = write_gguf(hf_dir, tmp_path / "k.gguf", "llama", encode=encode)
+    assert set(types.values()) == {Q.Q4_K, Q.Q6_K} and types["output.weight"] == Q.Q6_K
+    want = _generate(hf_gguf_model(path, quantized=True), PROMPTS, MAX_NEW)
+    assert len({tuple(r) for r in want}) == len(PROMPTS), "degenerate reference"
+    assert greedy(LLM(str(path), dtype="float32"), PROMPTS, MAX_NEW) == want
 
 
 @pytest.mark.parametrize("name", ["llama3-rope", "gemma3", "phi3"])

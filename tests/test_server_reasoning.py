@@ -361,3 +361,37 @@ def test_seed_oss_reads_its_own_tags():
         got = [s.feed(c, final=k == len(chunks) - 1) for k, c in enumerate(chunks)]
         assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == \
             ("Let me see.", "The answer <think>x</think>."), chunks
+
+
+def test_mistral_reads_its_think_tokens():
+    """mistral (Magistral) reads as qwen3, with [THINK] ... [/THINK]; <think> is then plain text."""
+    gen = "[INST]hi[/INST]"
+    mode = reasoning_mode("mistral", gen, {})
+    assert mode == ReasoningMode(True, inside=False, tags=("[THINK]", "[/THINK]"))
+    assert reasoning_mode("mistral", gen + "[THINK]", {}).inside
+    text = "[THINK]Let me see [the] list.[/THINK]The answer <think>x</think>."
+    for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)]:
+        s = mode.splitter()
+        got = [s.feed(c, final=k == len(chunks) - 1) for k, c in enumerate(chunks)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == \
+            ("Let me see [the] list.", "The answer <think>x</think>."), chunks
+    assert mode.splitter().feed("[TH] is not a tag", final=True) == ("", "[TH] is not a tag")
+
+
+def test_live_mistral_reasoning_keeps_special_tokens(live):
+    """Under the mistral reasoning parser the text keeps special tokens ([THINK] is one in Mistral's vocabularies):
+    here the model is made to write <|pad|>, a special token of this tokenizer."""
+    pad = live.engine.tokenizer.pad_token_id
+    kw = dict(model="llama", messages=MSG, max_tokens=3, temperature=0.0, logit_bias={str(pad): 100},
+              extra_body={"ignore_eos": True})
+
+    async def main():
+        async with _client(live) as c:
+            with _Parsers(live, "mistral", None):
+                kept = await c.chat.completions.create(**kw)
+            with _Parsers(live, "qwen3", None):
+                dropped = await c.chat.completions.create(**kw)
+            return kept, dropped
+
+    kept, dropped = _run(main())
+    assert kept.choices[0].message.content == "<|pad|>" * 3 and dropped.choices[0].message.content is None

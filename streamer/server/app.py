@@ -34,6 +34,7 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
+from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.reasoning import ReasoningMode, reasoning_mode
 from streamer.server.harmony import REASONING_PARSER as HARMONY_REASONING_PARSER
@@ -165,9 +166,10 @@ class OpenAIServer:
                                        add_special_tokens=False)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
         harmony = HARMONY_REASONING_PARSER == self.reasoning_parser or HARMONY_TOOL_PARSER == self.tool_call_parser
-        if (harmony or (parse_tools and self.tool_call_parser == "mistral")) and req.forced_tool is None:
-            # As vLLM: [TOOL_CALLS] and gpt-oss's channel tags are special tokens, which the text would otherwise
-            # leave out.
+        if (harmony or (parse_tools and self.tool_call_parser == "mistral")
+                or self.reasoning_parser in REASONING_KEEPS_SPECIAL_TOKENS) and req.forced_tool is None:
+            # As vLLM: [TOOL_CALLS], [THINK] and gpt-oss's channel tags are special tokens, which the text would
+            # otherwise leave out.
             req.params = req.params.clone(skip_special_tokens=False)
         reasoning = None
         if harmony:

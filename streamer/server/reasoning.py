@@ -10,6 +10,9 @@ the rest stays `content`.
 - glm45 (GLM-4.5 / 4.6): as qwen3.
 - deepseek_v3 (DeepSeek-V3.1 / V3.2, which think only when asked): as deepseek_r1 when
   `chat_template_kwargs` has `thinking` (or `enable_thinking`) true, else no reasoning at all.
+- seed_oss: as qwen3, with `<seed:think>` ... `</seed:think>`.
+- mistral (Magistral): as qwen3, with `[THINK]` ... `[/THINK]`, special tokens of Mistral's vocabularies (the text
+  keeps special tokens under this parser, as under the mistral tool-call parser).
 - openai_gptoss: gpt-oss's harmony channels (server/harmony.py).
 
 Which of the two the prompt left open is read from the rendered prompt: its last `<think>`/`</think>` tag (vLLM
@@ -24,9 +27,11 @@ from typing import Any, Optional
 
 START, END = "<think>", "</think>"
 # openai_gptoss (gpt-oss's channels) is read by server/harmony.py, not by a <think> splitter.
-PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "seed_oss", "openai_gptoss")
+PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "seed_oss", "mistral", "openai_gptoss")
 # Parsers whose reasoning is delimited by other tags than <think> ... </think>
-TAGS = {"seed_oss": ("<seed:think>", "</seed:think>")}
+TAGS = {"seed_oss": ("<seed:think>", "</seed:think>"), "mistral": ("[THINK]", "[/THINK]")}
+# Parsers whose tags are special tokens: the output's text keeps special tokens so that the tags are there to read
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
 
 def held(text: str, tag: str) -> int:
@@ -115,7 +120,7 @@ def reasoning_mode(parser: str, prompt: str, template_kwargs: dict[str, Any], *,
     elif parser == "deepseek_r1":
         inside = last != tags[1]  # unless the prompt closed it already
     else:
-        inside = last == tags[0]  # qwen3, glm45, seed_oss: only when the prompt opened it
+        inside = last == tags[0]  # qwen3, glm45, seed_oss, mistral: only when the prompt opened it
     return ReasoningMode(split=True, inside=inside, include=include, tags=tags)
 
 
