@@ -88,4 +88,22 @@ def test_async_engine_and_server_beam_search(llama_dir, hf):
                     r = await http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 2,
                                                                  "max_tokens": 3, **extra})
                     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+                # Chat: the rendered conversation's beams, as chat answers.
+                msgs = [{"role": "user", "content": "hello"}]
+                ids = (await http.post("/tokenize", json={"messages": msgs})).json()["tokens"]
+                r = await http.post("/v1/chat/completions", json={"messages": msgs, "use_beam_search": True, "n": 2,
+                                                                  "max_tokens": 4, "ignore_eos": True,
+                                                                  "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                chat_want = await asyncio.to_thread(
+                    lambda: LLM(str(llama_dir), dtype="float32").beam_search(
+                        [{"prompt_token_ids": ids}], BeamSearchParams(2, 4, ignore_eos=True))[0].sequences)
+                assert [c["message"]["content"] for c in body["choices"]] == [s.text for s in chat_want]
+                assert [c["token_ids"] for c in body["choices"]] == [s.token_ids for s in chat_want]
+                assert body["object"] == "chat.completion" and body["usage"]["prompt_tokens"] == len(ids)
+                assert body["usage"]["completion_tokens"] == 8 and [c["index"] for c in body["choices"]] == [0, 1]
+                r = await http.post("/v1/chat/completions", json={"messages": msgs, "use_beam_search": True,
+                                                                  "stream": True})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         asyncio.run(run_server())

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.async_engine import AsyncEngine
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
+from streamer.outputs import StreamOutput
 from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
@@ -129,8 +130,33 @@ class OpenAIServer:
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await self._json(request), self.engine.sampling_defaults)
+        if req.beam_search is not None:
+            return await self._chat_beam_search(req)
         gen, fmt = await self.start_chat(req)
         return await self._respond(request, gen, fmt, req)
+
+    async def _chat_beam_search(self, req: ChatRequest) -> Response:
+        """use_beam_search on chat: the n best beams as the n choices, each read as a chat answer (reasoning and
+        tool-call parsers included)."""
+        lora, prompt, fmt = await self._prepare_chat(req)
+        if "multi_modal_data" in prompt:
+            raise APIError("use_beam_search does not take images or videos", param="use_beam_search")
+        try:
+            out = await self.engine.beam_search({"prompt_token_ids": prompt["prompt_token_ids"]}, req.beam_search,
+                                                lora_request=lora)
+        except Exception as e:
+            raise engine_error(e, chat=True) from None
+        choices = []
+        for i, s in enumerate(out.sequences):
+            c = Choice()
+            c.add(fmt.piece(i, 0, StreamOutput("", i, s.token_ids, s.text,
+                                               finish_reason="stop" if s.finished else "length")))
+            choices.append(fmt.final_choice(i, c))
+        prompt_tokens, completion = len(out.prompt_token_ids), sum(len(s.token_ids) for s in out.sequences)
+        return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                             "created": int(time.time()), "model": lora or self.model_name, "choices": choices,
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                                       "total_tokens": prompt_tokens + completion}})
 
     async def _beam_search(self, req: CompletionRequest, lora: Optional[str]) -> Response:
         """use_beam_search: each prompt's n best beams as its n choices (finish_reason "stop" for a beam that ended
@@ -156,6 +182,16 @@ class OpenAIServer:
     async def start_chat(self, req: ChatRequest, progress: bool = False) -> tuple[Generation, ChatFormat]:
         """Render, tokenize and start a chat request (also the Responses API's way in). `progress`: outputs come
         step by step even when the response is not streamed (a background response shows them as it goes)."""
+        lora, prompt, fmt = await self._prepare_chat(req)
+        gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora, progress=progress)
+        fmt.tokens_as_ids = self._tokens_as_ids(req)
+        if req.return_token_ids:
+            fmt.prompt_ids = [gen.streams[0].prompt_token_ids]  # (images expanded: what the model read)
+        return gen, fmt
+
+    async def _prepare_chat(self, req: ChatRequest) -> tuple[Optional[str], dict[str, Any], ChatFormat]:
+        """The adapter a chat request names, its rendered and tokenized prompt (with its images) and how its
+        output reads (tool-call and reasoning parsers)."""
         lora = self._check_model(req.model)
         text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                          req.tools, req.template_kwargs)
@@ -182,14 +218,10 @@ class OpenAIServer:
         videos = message_videos(req.messages)
         if sources or videos:
             prompt["multi_modal_data"] = await self._load_media(sources, videos)
-        gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora, progress=progress)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
-        fmt.tokens_as_ids = self._tokens_as_ids(req)
-        if req.return_token_ids:
-            fmt.prompt_ids = [gen.streams[0].prompt_token_ids]  # (images expanded: what the model read)
-        return gen, fmt
+        return lora, prompt, fmt
 
     def _tokens_as_ids(self, req: CompletionRequest | ChatRequest) -> bool:
         """Logprobs name tokens "token_id:{id}": the request's return_tokens_as_token_ids, else the server's."""

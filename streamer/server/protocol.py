@@ -388,6 +388,7 @@ class ChatRequest(_Common):
     forced_tool: Optional[structured.ForcedTool] = None  # the output is held to that call's JSON
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     include_reasoning: bool = True  # vLLM's: false drops the reasoning (with a reasoning parser)
+    beam_search: Optional[Any] = None  # vLLM's use_beam_search: BeamSearchParams (width n)
 
 
 def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> CompletionRequest:
@@ -440,8 +441,9 @@ def _best_of(body: dict) -> tuple[int, Optional[int]]:
     return n, best_of if best_of is not None and best_of > n else None
 
 
-def _beam_search(body: dict, common: _Common) -> Optional[Any]:
-    """vLLM's `use_beam_search` (with `n` beams, `length_penalty`): not streamed, no sampling options."""
+def _beam_search(body: dict, common: _Common, default_max_tokens: int = 16) -> Optional[Any]:
+    """vLLM's `use_beam_search` (with `n` beams, `length_penalty`): not streamed, no sampling options. Beams also
+    end where the context does."""
     if not get_bool(body, "use_beam_search", False):
         return None
     from streamer.beam_search import BeamSearchParams
@@ -452,7 +454,7 @@ def _beam_search(body: dict, common: _Common) -> Optional[Any]:
         if getattr(p, name):
             raise APIError(f"{name} is not supported with use_beam_search", param=name)
     try:
-        return BeamSearchParams(p.n, p.max_tokens or 16, ignore_eos=p.ignore_eos,
+        return BeamSearchParams(p.n, p.max_tokens or default_max_tokens, ignore_eos=p.ignore_eos,
                                 length_penalty=get_float(body, "length_penalty", 1.0))
     except ValueError as e:
         raise APIError(str(e).replace("beam_width", "n"), param="n") from None
@@ -506,7 +508,9 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
     return ChatRequest(**vars(common), messages=messages, top_logprobs=top_logprobs, add_generation_prompt=add_gen,
                        continue_final_message=cont, tools=tools,
                        tool_choice=tool_choice if isinstance(tool_choice, str) else "function", forced_tool=forced,
-                       template_kwargs=template_kwargs, include_reasoning=get_bool(body, "include_reasoning", True))
+                       template_kwargs=template_kwargs, include_reasoning=get_bool(body, "include_reasoning", True),
+                       # (chat's max_tokens defaults to what the context leaves, where the beams end anyway)
+                       beam_search=_beam_search(body, common, default_max_tokens=2 ** 31 - 1))
 
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
