@@ -13,6 +13,7 @@ from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutpu
 from streamer.pooling import PoolingParams, encode_pair, pair_up, truncate_prompt
 from streamer.progress import GenerateProgress
 from streamer.sampling_params import SamplingParams
+from streamer.tokenizer import Tokenizer
 
 
 def _is_token_list(x: object) -> bool:
@@ -58,6 +59,10 @@ class LLM:
 
     def remove_lora(self, name: str) -> None:
         self.engine.remove_lora(name)
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (streamer's: encode, decode, the chat template's text; vLLM's LLM has the same)."""
+        return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling `generate` uses when given none: the checkpoint's generation_config.json values where it

@@ -186,7 +186,8 @@ def test_bad_words_bans_what_would_complete_them(llm):
     complete it, then differs there, and never holds the word's tokens; words of one token never appear; the
     other request of the batch is untouched."""
     from streamer.sampler import bad_word_bans, bad_words_token_ids
-    tok = llm.engine.tokenizer
+    tok = llm.get_tokenizer()  # (vLLM's spelling)
+    assert tok is llm.engine.tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     prompts = [[9, 10, 11, 12], [30, 31]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -184,7 +184,6 @@ class OpenAIServer:
         step by step even when the response is not streamed (a background response shows them as it goes)."""
         lora, prompt, fmt = await self._prepare_chat(req)
         gen = await self._start("chatcmpl", [prompt], req, chat=True, lora=lora, progress=progress)
-        fmt.tokens_as_ids = self._tokens_as_ids(req)
         if req.return_token_ids:
             fmt.prompt_ids = [gen.streams[0].prompt_token_ids]  # (images expanded: what the model read)
         return gen, fmt
@@ -221,6 +220,7 @@ class OpenAIServer:
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
+        fmt.tokens_as_ids = self._tokens_as_ids(req)
         return lora, prompt, fmt
 
     def _tokens_as_ids(self, req: CompletionRequest | ChatRequest) -> bool:
