@@ -348,34 +348,23 @@ def test_live_mistral_keeps_special_tokens_in_the_text(live):
     assert without_tools.choices[0].message.content == hermes.choices[0].message.content == ""
 
 
-def test_seed_oss_reads_its_own_tags():
-    """seed_oss reads as qwen3, with <seed:think> ... </seed:think>; <think> is then plain text."""
-    gen = "<seed:bos>assistant\n"
-    mode = reasoning_mode("seed_oss", gen, {})
-    assert mode == ReasoningMode(True, inside=False, tags=("<seed:think>", "</seed:think>"))
-    assert reasoning_mode("seed_oss", gen + "<seed:think>", {}).inside
-    assert not reasoning_mode("seed_oss", gen + "<think>", {}).inside
-    text = "<seed:think>Let me see.</seed:think>The answer <think>x</think>."
+@pytest.mark.parametrize("parser, prompt, tags, reasoning", [
+    ("seed_oss", "<seed:bos>assistant\n", ("<seed:think>", "</seed:think>"), "Let me see."),
+    ("mistral", "[INST]hi[/INST]", ("[THINK]", "[/THINK]"), "Let me see [the] list."),  # (Magistral)
+])
+def test_parsers_with_their_own_tags(parser, prompt, tags, reasoning):
+    """seed_oss and mistral read as qwen3, with their own tags; <think> is then plain text."""
+    mode = reasoning_mode(parser, prompt, {})
+    assert mode == ReasoningMode(True, inside=False, tags=tags)
+    assert reasoning_mode(parser, prompt + tags[0], {}).inside
+    assert not reasoning_mode(parser, prompt + "<think>", {}).inside
+    text = f"{tags[0]}{reasoning}{tags[1]}The answer <think>x</think>."
     for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)]:
         s = mode.splitter()
         got = [s.feed(c, final=k == len(chunks) - 1) for k, c in enumerate(chunks)]
         assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == \
-            ("Let me see.", "The answer <think>x</think>."), chunks
-
-
-def test_mistral_reads_its_think_tokens():
-    """mistral (Magistral) reads as qwen3, with [THINK] ... [/THINK]; <think> is then plain text."""
-    gen = "[INST]hi[/INST]"
-    mode = reasoning_mode("mistral", gen, {})
-    assert mode == ReasoningMode(True, inside=False, tags=("[THINK]", "[/THINK]"))
-    assert reasoning_mode("mistral", gen + "[THINK]", {}).inside
-    text = "[THINK]Let me see [the] list.[/THINK]The answer <think>x</think>."
-    for chunks in [[text[:i], text[i:]] for i in range(len(text) + 1)]:
-        s = mode.splitter()
-        got = [s.feed(c, final=k == len(chunks) - 1) for k, c in enumerate(chunks)]
-        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == \
-            ("Let me see [the] list.", "The answer <think>x</think>."), chunks
-    assert mode.splitter().feed("[TH] is not a tag", final=True) == ("", "[TH] is not a tag")
+            (reasoning, "The answer <think>x</think>."), chunks
+    assert mode.splitter().feed(tags[0][:3] + " is not a tag", final=True) == ("", tags[0][:3] + " is not a tag")
 
 
 def test_live_mistral_reasoning_keeps_special_tokens(live):
