@@ -123,6 +123,7 @@ class OpenAIServer:
             fmt.prompt_ids = [s.prompt_token_ids for s in gen.streams]
         if req.best_of is None:
             return await self._respond(request, gen, fmt, req)
+        fmt.sums_logprobs = True
         choices = await collect_choices(request, gen, fmt)
         if choices is None:
             return Response(status_code=499)

@@ -277,9 +277,6 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
     if max_tokens is None and max_tokens_field != "max_tokens":
         max_tokens = get_int(body, "max_tokens", None, 1, INT64_MAX)
     top_k = get_int(body, "top_k", d["top_k"], -1, INT64_MAX)
-    best_of = get_int(body, "best_of", None, 1, MAX_N)
-    if best_of is not None and best_of != n:
-        raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
     try:
         return SamplingParams(
             n=n, max_tokens=max_tokens if max_tokens is not None else d.get("max_tokens", default_max_tokens),
@@ -401,8 +398,8 @@ def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> 
     if scored_only:  # the engine samples one token, which the response leaves out
         body = {**body, "max_tokens": 1}
     n, best_of = _best_of(body)
-    params = sampling_params({k: v for k, v in body.items() if k != "best_of"}, max_tokens_field="max_tokens",
-                             default_max_tokens=16, logprobs=logprobs, defaults=defaults)
+    params = sampling_params(body, max_tokens_field="max_tokens", default_max_tokens=16, logprobs=logprobs,
+                             defaults=defaults)
     params = _with_prompt_logprobs(body, params, logprobs if echo else None)
     if best_of is not None:  # ranked by cumulative logprob, so every token is scored
         params = params.clone(n=best_of, logprobs=logprobs if logprobs is not None else 0)
@@ -492,6 +489,9 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
     top_logprobs = (top or 0) if want_logprobs else None
     params = sampling_params(body, max_tokens_field="max_completion_tokens", default_max_tokens=None,
                              logprobs=top_logprobs, defaults=defaults)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)  # (completions only: chat has no best_of)
+    if best_of is not None and best_of != params.n:
+        raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
     params = _with_prompt_logprobs(body, params)
     add_gen, cont, tools, template_kwargs = _rendering(body, messages)
     tool_choice = body.get("tool_choice") or "auto"  # absent or null: the default

@@ -25,8 +25,11 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
-def _chosen(entry: dict[int, Logprob], token_id: int) -> Logprob:
-    return entry.get(token_id) or next(iter(entry.values()))
+def _chosen(entry: dict[int, Logprob], token_id: int) -> tuple[int, Logprob]:
+    """The scored token's id and entry (the first entry if the token is missing)."""
+    if token_id in entry:
+        return token_id, entry[token_id]
+    return next(iter(entry.items()))
 
 
 def prompt_logprobs_json(entries: list) -> list[Optional[dict[str, dict[str, Any]]]]:
@@ -125,6 +128,7 @@ class Format:
         # With return_token_ids: each prompt's token ids, returned as vLLM does (completions: on each choice, in
         # its first chunk; chat: beside the choices, in the first chunk)
         self.prompt_ids: Optional[list[list[int]]] = None
+        self.sums_logprobs = False  # each piece's cumulative logprob (best_of ranks choices by it)
 
     def _name(self, token_id: int, lp: Optional[Logprob]) -> str:
         """A token as logprobs name it."""
@@ -135,8 +139,8 @@ class Format:
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         lp = self._logprobs(index, out) if self.k is not None else None
         p = Piece(index, out.text, out.token_ids, lp, out.finish_reason, out.stop_reason, prompt_index=prompt_index)
-        if out.logprobs:
-            p.cumulative_logprob = sum(_chosen(e, t).logprob for t, e in zip(out.token_ids, out.logprobs))
+        if self.sums_logprobs and out.logprobs:
+            p.cumulative_logprob = sum(_chosen(e, t)[1].logprob for t, e in zip(out.token_ids, out.logprobs))
         if self.want_prompt_logprobs and out.prompt_logprobs is not None:
             p.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         return p
@@ -226,8 +230,7 @@ class CompletionFormat(Format):
         return d
 
     def _scored(self, entry: dict[int, Logprob], tid: int) -> tuple[str, float, dict[str, float]]:
-        cid = tid if tid in entry else next(iter(entry))
-        chosen = entry[cid]
+        cid, chosen = _chosen(entry, tid)
         # vLLM's shape: the scored token is always listed. Tokens with the same text (partial UTF-8 bytes)
         # share a key: the likelier one keeps it, so the dict stays best-first.
         top: dict[str, float] = {}
@@ -319,8 +322,8 @@ class ChatFormat(Format):
     def _logprobs(self, index: int, out: StreamOutput) -> list[dict[str, Any]]:
         content = []
         for tid, entry in zip(out.token_ids, out.logprobs or []):
-            chosen = _chosen(entry, tid)
-            text = self._name(tid, chosen)
+            cid, chosen = _chosen(entry, tid)
+            text = self._name(cid, chosen)
             content.append({"token": text, "logprob": _lp(chosen.logprob), "bytes": list(text.encode()),
                             "top_logprobs": [{"token": name, "logprob": _lp(lp.logprob), "bytes": list(name.encode())}
                                              for t, lp in _top(entry, self.k or 0) for name in [self._name(t, lp)]]})
