@@ -80,6 +80,46 @@ def test_same_answer_as_chat_streamed_and_not(live):
     _run(main())
 
 
+def test_logprobs_match_chat_streamed_and_not(live):
+    """include=["message.output_text.logprobs"] / top_logprobs: the output text's tokens with their logprobs and
+    alternatives, as the equivalent chat completion scores them; streamed, the deltas carry them piece by piece."""
+    messages = [{"role": "user", "content": "count"}]
+
+    async def main():
+        c = _client(live)
+        chat = await c.chat.completions.create(model=live.model_name, messages=messages, max_tokens=8, logprobs=True,
+                                               top_logprobs=3, **GREEDY)
+        want = [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs])
+                for e in chat.choices[0].logprobs.content]
+        assert len(want) == 8
+
+        def entries(lps):
+            return [(e.token, round(e.logprob, 4), [(t.token, round(t.logprob, 4)) for t in e.top_logprobs])
+                    for e in lps]
+
+        for kwargs in ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, {"top_logprobs": 3}):
+            r = await c.responses.create(model=live.model_name, input="count", max_output_tokens=8, **GREEDY,
+                                         **kwargs)
+            part = r.output[0].content[0]
+            assert entries(part.logprobs) == want and r.top_logprobs == 3
+            assert "".join(e.token for e in part.logprobs) == part.text == chat.choices[0].message.content
+            stream = await c.responses.create(model=live.model_name, input="count", max_output_tokens=8,
+                                              stream=True, **GREEDY, **kwargs)
+            events = [e async for e in stream]
+            sent = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+            done = next(e for e in events if e.type == "response.output_text.done")
+            assert entries(sent) == entries(done.logprobs) == want
+            assert entries(events[-1].response.output[0].content[0].logprobs) == want
+        # Only the chosen tokens without top_logprobs; none unless asked for.
+        r = await c.responses.create(model=live.model_name, input="count", max_output_tokens=8, **GREEDY,
+                                     include=["message.output_text.logprobs", "reasoning.encrypted_content"])
+        assert [(e.token, round(e.logprob, 4), e.top_logprobs) for e in r.output[0].content[0].logprobs] == \
+            [(t, lp, []) for t, lp, _ in want]
+        r = await c.responses.create(model=live.model_name, input="count", max_output_tokens=8, **GREEDY)
+        assert r.output[0].content[0].logprobs == []
+    _run(main())
+
+
 def test_text_format_and_forced_function_call(live):
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
               "additionalProperties": False}
@@ -128,7 +168,10 @@ def test_bad_requests_are_4xx(live):
                  ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
                  ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
                  ({"input": "x", "max_output_tokens": 0}, "max_tokens"),
-                 ({"input": "x", "temperature": -1}, "temperature")]
+                 ({"input": "x", "temperature": -1}, "temperature"),
+                 ({"input": "x", "include": ["message.output_text.bogus"]}, "include"),
+                 ({"input": "x", "include": "message.output_text.logprobs"}, "include"),
+                 ({"input": "x", "top_logprobs": 21}, "top_logprobs")]
         for kwargs, param in cases:
             with pytest.raises(openai.BadRequestError) as e:
                 await c.responses.create(model=live.model_name, **kwargs)

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from streamer.server.generation import Generation, engine_error
-from streamer.server.protocol import REASONING_EFFORTS, APIError, _show, dumps, get_bool, parse_chat
+from streamer.sampling_params import MAX_LOGPROBS
+from streamer.server.protocol import REASONING_EFFORTS, APIError, _show, dumps, get_bool, get_int, parse_chat
 from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
@@ -70,7 +71,29 @@ def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[di
     effort = _effort(body)
     if effort is not None:
         chat["reasoning_effort"] = effort
+    top = _top_logprobs(body)
+    if top is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, top
     return chat, items
+
+
+# OpenAI's `include` values. Only the output text's logprobs change what is computed; the rest name things this
+# server has no part of (hosted tools, encrypted reasoning), so they are accepted and add nothing.
+_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
+             "computer_call_output.output.image_url", "code_interpreter_call.outputs", "file_search_call.results",
+             "web_search_call.action.sources", "web_search_call.results")
+
+
+def _top_logprobs(body: dict) -> Optional[int]:
+    """How many alternatives each output token's logprob lists, or None for no logprobs: they come with
+    `include: ["message.output_text.logprobs"]` or a positive `top_logprobs`."""
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or any(i not in _INCLUDES for i in include)):
+        raise APIError(f"include must be an array of {list(_INCLUDES)}, got {_show(include)}", param="include")
+    top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if "message.output_text.logprobs" in (include or ()) or top:
+        return top or 0
+    return None
 
 
 def _effort(body: dict) -> Optional[str]:
@@ -207,7 +230,7 @@ class ResponseBuilder:
             "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
                                                                 or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": usage, "user": b.get("user"),
+            "top_logprobs": b.get("top_logprobs"), "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": usage, "user": b.get("user"),
             "metadata": b.get("metadata") or {},
         }
 
@@ -232,13 +255,16 @@ class ResponseBuilder:
         if c.reasoning:
             out.append(reasoning_item(f"rs_{uuid.uuid4().hex}", c.reasoning, "completed"))
         if c.text.strip() or not c.tool_calls:
-            out.append(message_item(f"msg_{uuid.uuid4().hex}", c.text, self.status(c.finish_reason)))
+            out.append(message_item(f"msg_{uuid.uuid4().hex}", c.text, self.status(c.finish_reason), c.logprobs))
         out += [call_item(call, "completed") for call in c.tool_calls]
         return out
 
 
-def message_item(item_id: str, text: Optional[str], status: str) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+def message_item(item_id: str, text: Optional[str], status: str,
+                 logprobs: Optional[list[dict[str, Any]]] = None) -> dict[str, Any]:
+    """logprobs: those of every output token (a reasoning model's thoughts included, as vLLM's)."""
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [],
+                                        "logprobs": logprobs or []}]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -419,6 +445,18 @@ class _EventStream:
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, tuple[int, str, list[str]]] = {}  # kind -> (output index, item id, text pieces)
         self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # open function calls: chat index -> (output index, call)
+        # With logprobs asked for: every token's so far (the message's done event carries them all), and those not
+        # yet sent (a token without text of its own, a thought's, rides with the message's next delta).
+        self.logprobs: Optional[list[dict[str, Any]]] = None
+        self.unsent: list[dict[str, Any]] = []
+
+    def scored(self, logprobs: Optional[list[dict[str, Any]]]) -> None:
+        """A piece's tokens' logprobs (None: not asked for)."""
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += logprobs
+            self.unsent += logprobs
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -441,7 +479,9 @@ class _EventStream:
         index, item_id, pieces = self.open[kind]
         pieces.append(delta)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {}
+        if kind == "message":
+            extra["logprobs"], self.unsent = self.unsent, []
         out.append(self.event(name, item_id=item_id, output_index=index, content_index=0, delta=delta, **extra))
         return out
 
@@ -449,9 +489,9 @@ class _EventStream:
         index, item_id, pieces = self.open.pop(kind)
         text = "".join(pieces)
         if kind == "message":
-            item = message_item(item_id, text, status)
+            item = message_item(item_id, text, status, self.logprobs)
             out = [self.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                              text=text, logprobs=[]),
+                              text=text, logprobs=item["content"][0]["logprobs"]),
                    self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
                               part=item["content"][0])]
         else:
@@ -503,6 +543,7 @@ async def _events(gen: Generation, fmt: ChatFormat, b: ResponseBuilder,
     try:
         async for p, out in gen.items():
             piece = fmt.piece(0, p, out)
+            s.scored(piece.logprobs)
             for kind, text in (("reasoning", piece.reasoning), ("message", piece.text)):
                 if text:
                     for e in s.text(kind, text):
