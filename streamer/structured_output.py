@@ -27,21 +27,23 @@ if TYPE_CHECKING:  # imported where used: SamplingParams (and so `import streame
     import torch
 
 assert sys.byteorder == "little", "the token bitmask is unpacked as little-endian bytes"
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Exactly one of: a JSON schema (`json`, a dict or its JSON text), a regex (Rust `regex` syntax), a list of
-    `choice` strings, a `grammar` (Lark, as llguidance reads it, or GBNF), or `json_object=True` (any JSON
-    object). Field names follow vLLM's StructuredOutputsParams."""
+    `choice` strings, a `grammar` (Lark, as llguidance reads it, or GBNF), `json_object=True` (any JSON
+    object), or a `structural_tag` (free text in which each trigger starts a tagged JSON segment: see
+    `structural_tag_grammar`). Field names follow vLLM's StructuredOutputsParams."""
 
     json: Union[None, str, dict] = None
     regex: Optional[str] = None
     choice: Optional[Sequence[str]] = None
     grammar: Optional[str] = None
     json_object: bool = False
+    structural_tag: Union[None, str, dict] = None
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -63,13 +65,16 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if self.structural_tag is not None:
+            _structural_tags(self.structural_tag)  # its shape is checked now: a 400, not a failed request later
 
     @property
     def kind(self) -> str:
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
 
-    def to_grammar(self) -> str:
-        """The llguidance grammar (its JSON form, or Lark). Raises ValueError for a schema that is not JSON."""
+    def to_grammar(self, special_triggers: bool = True) -> str:
+        """The llguidance grammar (its JSON form, or Lark). Raises ValueError for a schema that is not JSON.
+        special_triggers: a structural tag's triggers spelled <...> are the vocabulary's special tokens."""
         import llguidance
 
         def from_schema(schema: Any) -> str:
@@ -94,6 +99,9 @@ class StructuredOutputsParams:
         if self.choice is not None:
             # Lark string literals take JSON's escapes, so json.dumps quotes any choice exactly.
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        if self.structural_tag is not None:
+            return llguidance.StructTag.to_grammar(_structural_tags(self.structural_tag),
+                                                   assume_special=special_triggers)
         assert self.grammar is not None
         if "::=" in self.grammar:  # GBNF (llama.cpp's, xgrammar's): llguidance translates it to Lark
             from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -102,6 +110,39 @@ class StructuredOutputsParams:
             except Exception as e:
                 raise ValueError(f"structured_outputs.grammar: not a valid GBNF grammar: {e}") from None
         return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+
+def _structural_tags(spec: Union[str, dict]) -> list[Any]:
+    """vLLM's structural tag, {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as llguidance's
+    StructTags: the output is free text until it writes a trigger; from there it must go on with the `begin` of a
+    structure that starts with that trigger, a JSON value that fits its `schema`, then its `end` (tool calls written
+    in a model's own tags, e.g. begin "<function=get_weather>", end "</function>", trigger "<function=")."""
+    import llguidance
+
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+    structures, triggers = (spec.get("structures"), spec.get("triggers")) if isinstance(spec, dict) else (None, None)
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers \
+            or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_outputs.structural_tag must be {\"structures\": [{\"begin\", \"schema\", "
+                         "\"end\"}, ...], \"triggers\": [non-empty strings]}")
+    tags = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
+                or not isinstance(s.get("schema", {}), (dict, bool)):
+            raise ValueError(f"structured_outputs.structural_tag.structures[{i}] must have a string begin and end "
+                             "and a JSON schema object")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {s['begin']!r} starts with "
+                             f"none of the triggers {triggers}")
+        schema = s.get("schema", {})
+        schema = {"x-guidance": {"whitespace_flexible": False}, **(schema if isinstance(schema, dict) else {})}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"], grammar=schema))
+    return tags
 
 
 class Grammar:
@@ -146,6 +187,9 @@ class GrammarCompiler:
                 return hit
             tokenizer = self._llg_tokenizer()
         template = llguidance.LLMatcher(tokenizer, source, log_level=0)  # drops the GIL while compiling
+        if template.is_error() and params.structural_tag is not None and "unknown special token" in \
+                template.get_error():  # its <...> triggers are plain text in this vocabulary
+            template = llguidance.LLMatcher(tokenizer, params.to_grammar(special_triggers=False), log_level=0)
         if template.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {_one_line(template.get_error())}")
         grammar = Grammar(template)

@@ -58,6 +58,12 @@ def _pool_whole(llm: LLM) -> None:
     ({"choice": []}, "structured_outputs.choice"), ({"choice": "yes"}, "structured_outputs.choice"),
     ({"choice": ["a", 1]}, "structured_outputs.choice"), ({"grammar": 3}, "structured_outputs.grammar"),
     ({"json_object": "yes"}, "structured_outputs"),
+    ({"structural_tag": "{"}, "structured_outputs.structural_tag"),
+    ({"structural_tag": {"structures": [], "triggers": ["<f"]}}, "structured_outputs.structural_tag"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<g"]}},
+     "structured_outputs.structural_tag.structures[0].begin"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "end": 3}], "triggers": ["<f"]}},
+     "structured_outputs.structural_tag.structures[0]"),
 ])
 def test_params_refuse_bad_values(kw, field):
     with pytest.raises(ValueError, match=re.escape(field)):
@@ -168,6 +174,66 @@ def test_greedy_equals_transformers_argmax_over_allowed_tokens(request, llama_di
     elif not jump_forward:
         assert steps == len(got.token_ids)
     _pool_whole(engine)
+
+
+N_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["n"], "additionalProperties": False}
+
+
+def check_tagged(text: str, trigger: str, finished: bool) -> int:
+    """Every `trigger` in text opens `trigger<f>{json}</f>`, the JSON fitting N_SCHEMA (the last segment may be
+    cut short by max_tokens when not finished). Returns how many whole segments there are."""
+    begin, end = trigger + "<f>", "</f>"
+    whole, at = 0, text.find(trigger)
+    while at >= 0:
+        rest = text[at:]
+        if not rest.startswith(begin):
+            assert not finished and begin.startswith(rest), text
+            break
+        try:
+            obj, used = json.JSONDecoder().raw_decode(rest[len(begin):])
+        except ValueError:
+            assert not finished, text
+            break
+        assert set(obj) == {"n"} and type(obj["n"]) is int and 0 <= obj["n"] <= 99, text
+        tail = rest[len(begin) + used:]
+        if not tail.startswith(end):
+            assert not finished and end.startswith(tail), text
+            break
+        whole += 1
+        at = text.find(trigger, at + len(begin) + used + len(end))
+    return whole
+
+
+def test_structural_tag_greedy_equals_transformers_and_segments_fit(llama_dir, llm):
+    """vLLM's structural tag: free text, and each trigger the model writes opens a tagged JSON segment. The
+    trigger is the text of the model's first greedy token, so it is met at once."""
+    prompt = [1, 45, 368, 173, 170, 299, 43]
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].outputs[0].text
+    trigger = first  # the model's first pick: with the trigger allowed, it still writes it
+    spec = SO(structural_tag=json.dumps({"structures": [{"begin": trigger + "<f>", "schema": N_SCHEMA,
+                                                         "end": "</f>"}], "triggers": [trigger]}))
+    assert trigger.strip() and "\ufffd" not in trigger
+    got = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec))[0]
+    got = got.outputs[0]
+    assert got.token_ids == _hf_constrained_greedy(llama_dir, llm.engine, prompt, spec, 60, jump_forward=True)
+    assert check_tagged(got.text, trigger, finished=False) >= 1, got.text
+    # Sampled, batched with n=3: every segment fits.
+    outs = llm.generate([prompt, [7, 8, 9]], SamplingParams(max_tokens=60, temperature=1.0, seed=1, n=3,
+                                                            structured_outputs=spec))
+    for o in (o for out in outs for o in out.outputs):
+        check_tagged(o.text, trigger, finished=False)
+    _pool_whole(llm)
+
+
+def test_structural_tag_triggers_that_look_special(llm):
+    """A trigger spelled <...> is the special token when the vocabulary has one, and plain text otherwise."""
+    for trigger in ("<|begin_of_text|>", "<tool_call>"):
+        tag = {"structures": [{"begin": trigger + "{", "schema": N_SCHEMA, "end": "}"}], "triggers": [trigger]}
+        llm.engine.grammars.compile(SO(structural_tag=tag))  # raises if llguidance refused it
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag is invalid"):
+        llm.engine.grammars.compile(SO(structural_tag={"structures": [{"begin": "<f", "schema": {"type": "nope"},
+                                                                       "end": ">"}], "triggers": ["<f"]}))
 
 
 def test_jump_forward_stops_at_max_tokens(llm):
@@ -387,10 +453,37 @@ def test_server_forced_tool_calls(live, stream):
             assert tc.function.name == "get_time" and re.fullmatch("[A-Z]{3}", args["zone"])
 
 
+def test_server_structural_tag(live):
+    hello = [{"role": "user", "content": "hello"}]  # (its first token is a whole character, unlike MSG's)
+
+    async def main():
+        async with _client(live) as c:
+            first = await c.chat.completions.create(model="llama", messages=hello, max_tokens=1, temperature=0.0)
+            trigger = first.choices[0].message.content  # met at once (see the engine's structural tag test)
+            fmt = {"type": "structural_tag", "triggers": [trigger],
+                   "structures": [{"begin": trigger + "<f>", "schema": N_SCHEMA, "end": "</f>"}]}
+            plain = await c.chat.completions.create(model="llama", messages=hello, max_tokens=60, temperature=0.0,
+                                                    extra_body={"response_format": fmt})
+            streamed = ""
+            async for chunk in await c.chat.completions.create(model="llama", messages=hello, max_tokens=60,
+                                                               temperature=0.0, stream=True,
+                                                               extra_body={"response_format": fmt}):
+                if chunk.choices:
+                    streamed += chunk.choices[0].delta.content or ""
+            return trigger, plain.choices[0].message.content, streamed
+
+    trigger, plain, streamed = _run(main())
+    assert trigger.strip() and "\ufffd" not in trigger
+    assert streamed == plain and check_tagged(plain, trigger, finished=False) >= 1, plain
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<f>", "end": ">"}],
+                          "triggers": ["<g"]}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format"),
     ({"guided_regex": "a(b"}, "guided_regex"),
     ({"guided_choice": "yes"}, "guided_choice"),
     ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),

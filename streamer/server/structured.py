@@ -1,6 +1,7 @@
 """The request fields that constrain the output, read into one `StructuredOutputsParams`:
 
-- OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}};
+- OpenAI's `response_format`: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}},
+  and vLLM's {"type": "structural_tag", "structures": [...], "triggers": [...]};
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...};
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - a forced `tool_choice` ("required", or {"type": "function", "function": {"name": ...}}) on chat: the output is
@@ -85,7 +86,13 @@ def _response_format(v: Any) -> Optional[StructuredOutputsParams]:
         if not isinstance(schema, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON schema object")
         return StructuredOutputsParams(json=schema)
-    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    if kind == "structural_tag":
+        if "format" in v:  # xgrammar's nested tag formats (vLLM's newer spelling)
+            raise ValueError("response_format: a structural_tag's nested \"format\" is not supported; give "
+                             "\"structures\" and \"triggers\"")
+        return StructuredOutputsParams(structural_tag={k: v.get(k) for k in ("structures", "triggers")})
+    raise ValueError("response_format.type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got "
+                     f"{kind!r}")
 
 
 def forced_tool(tool_choice: Any, tools: Optional[list[dict]]) -> Optional[ForcedTool]:
