@@ -117,7 +117,7 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
-                "chat_template")
+                "chat_template", "reasoning_parser")
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -58,6 +58,9 @@ class EngineConfig:
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
     jump_forward: bool = True
+    # The reasoning model's parser (streamer/thinking.py PARSERS): its think tags are what a request's
+    # thinking_token_budget counts between. The server also reads reasoning out of chat output with it.
+    reasoning_parser: Optional[str] = None
     # A streamed sequence's outputs after its first token go out every this many tokens (and when it finishes):
     # fewer, larger SSE events and fewer wake-ups on the event loop under heavy streaming load (SGLang's
     # --stream-interval). 1 = every token.
@@ -148,6 +151,9 @@ class EngineConfig:
             raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
+        from streamer.thinking import PARSERS
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {PARSERS}, got {self.reasoning_parser!r}")
         if (not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool)
                 or self.stream_interval < 1):
             raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")

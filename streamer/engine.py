@@ -36,6 +36,7 @@ from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
 from streamer.speculative import propose_ngram
 from streamer.structured_output import Grammar, GrammarCompiler
+from streamer.thinking import ThinkTags
 from streamer.tokenizer import Tokenizer
 
 logger = logging.getLogger("streamer")
@@ -173,6 +174,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
+        self.think_tags = ThinkTags.of(config.reasoning_parser, self._encode_text) \
+            if config.reasoning_parser is not None else None
         self.seqs: dict[str, SeqState] = {}
         # Token latencies for whoever keeps metrics (the async engine sets it and takes them): measured here, as
         # sequences get their tokens, since updates do not come token by token (final-only, stream_interval).
@@ -353,6 +356,7 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else None
+        think = self._think_tags(params)
         states = []
         for i in range(params.n):
             seq_params = params
@@ -367,6 +371,8 @@ class LLMEngine:
             if grammar is not None:
                 req.matcher = grammar.matcher()
             req.bad_words_ids = bad_words
+            if think is not None:
+                req.think = think.budget(prompt_token_ids, params.thinking_token_budget)  # type: ignore[arg-type]
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -377,9 +383,23 @@ class LLMEngine:
         self.groups[request_id] = [s.req.request_id for s in states]
         return states
 
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def _bad_words_ids(self, words: list[str]) -> Optional[list[list[int]]]:
-        seqs = bad_words_token_ids(words, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        seqs = bad_words_token_ids(words, self._encode_text)
         return [s for s in seqs if s[-1] < self.vocab_size] or None
+
+    def _think_tags(self, params: SamplingParams) -> Optional[ThinkTags]:
+        """The tags a request's thinking_token_budget counts between (None: it has none). An output held to a
+        grammar starts outside the reasoning (as the server reads it), so the grammar alone decides it."""
+        if params.thinking_token_budget is None or params.structured_outputs is not None:
+            return None
+        if self.think_tags is None:
+            why = "one with think tags (gpt-oss's channels have none)" if self.config.reasoning_parser else \
+                "reasoning_parser (--reasoning-parser) naming the model's"
+            raise ValueError(f"thinking_token_budget needs the engine's {why}")
+        return self.think_tags
 
     def resolve_pooling(self, pooling: PoolingParams) -> PoolingParams:
         """The request's pooling with the model's defaults (task, pooling method) filled in, checked against the
@@ -441,10 +461,10 @@ class LLMEngine:
 
     def can_overlap(self, running: StepInputs) -> bool:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties,
-        bad_words or follows a grammar: the next step's penalties, bans or token mask need the token it samples,
-        on the host."""
+        bad_words, follows a grammar or may have to close its reasoning: the next step's penalties, bans, token
+        mask or forced token need the token it samples, on the host."""
         return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
-                and not running.sampling.worded
+                and not running.sampling.worded and not running.sampling.thinking
                 and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known
 
     def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:
@@ -544,7 +564,7 @@ class LLMEngine:
             return
         for req in running:
             if (req.num_pending or req.matcher is not None or req.params.needs_penalties or req.pooling is not None
-                    or req.bad_words_ids is not None):
+                    or req.bad_words_ids is not None or (req.think is not None and req.think.active)):
                 continue  # its next token depends on host state the drafts would skip
             room = min(req.max_tokens - len(req.output_token_ids), self.max_model_len - len(req.all_token_ids)) - 1
             k = min(self.scheduler.draft_limit(req), room)  # (0: not decoding, or at a block boundary)
@@ -650,6 +670,8 @@ class LLMEngine:
         """Append one token: (its text, the finish status if it ends the sequence, the stop reason)."""
         req = state.req
         req.append_token(token)
+        if req.think is not None:
+            req.think.feed(req.output_token_ids)
         status, stop_reason = self._check_stop(req, token)
         stopped_by_token = status == RequestStatus.FINISHED_STOPPED
         # A complete grammar admits only EOS next: stop now rather than spend a step on it.

@@ -646,7 +646,7 @@ class ModelRunner:
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned, rows.worded),
             penalties=penalties, max_logprobs=rows.max_logprobs, adjust=adjust,
-            grammar=grammar)
+            grammar=grammar, forced=self._forced(rows.thinking))
 
     def _logit_adjust(self, req: Request) -> torch.Tensor:
         """The request's logit_bias / allowed_token_ids as one row added to its logits (built once)."""
@@ -682,6 +682,16 @@ class ModelRunner:
             return None
         return (to_device(np.array(rows, dtype=np.int64), self.device),
                 to_device(np.array(ids, dtype=np.int64), self.device))
+
+    def _forced(self, thinking: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Rows whose thinking_token_budget is spent: the closing tag's next token (the engine does not schedule
+        ahead of such rows, so their output so far is known)."""
+        pairs = [(i, t) for i, r in thinking for t in [r.think.forced(r.output_token_ids)]  # type: ignore
+                 if t is not None]
+        if not pairs:
+            return None
+        return (to_device(np.array([i for i, _ in pairs], dtype=np.int64), self.device),
+                to_device(np.array([t for _, t in pairs], dtype=np.int64), self.device))
 
     def _generator(self, req: Request) -> torch.Generator:
         gen = req.generator

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 
 from streamer.sampling_params import SamplingParams
+from streamer.thinking import ThinkingBudget
 
 
 class RequestStatus(enum.Enum):
@@ -87,6 +88,8 @@ class Request:
         # bad_words as token-id sequences (the engine encodes them): the last token of each is banned where the
         # output ends with the others.
         self.bad_words_ids: Optional[list[list[int]]] = None
+        # thinking_token_budget: where the sequence is in its reasoning and what is left of the budget.
+        self.think: Optional[ThinkingBudget] = None
         # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.
         self.matcher: Optional[object] = None
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.

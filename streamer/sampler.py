@@ -34,6 +34,7 @@ class SamplingBatch:
     max_logprobs: int  # top-N logprobs to return (0 = sampled token only, -1 = none)
     adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
     grammar: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, int32 [rows, V/32] allowed-token bits)
+    forced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, token ids) written whatever the logits
 
 
 @dataclass
@@ -365,6 +366,8 @@ class Sampler:
             tokens = torch.where(batch.temperature > 0, sampled, greedy)
         if dead is not None:
             tokens = tokens.masked_fill(dead, -1)
+        if batch.forced is not None:  # (a spent thinking budget's closing tag; scored as the model's own below)
+            tokens = tokens.index_put((batch.forced[0],), batch.forced[1])
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
             scored = tokens.clamp(min=0)

@@ -63,6 +63,9 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     # Keep only the prompt's last N tokens (vLLM's field: an explicit opt-in; prompts are never cut silently).
     truncate_prompt_tokens: Optional[int] = None
+    # At most this many tokens of reasoning, then the closing think tag is forced (vLLM's field; needs the
+    # engine's reasoning_parser, whose tags it counts between: streamer/thinking.py).
+    thinking_token_budget: Optional[int] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +131,9 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
+        b = self.thinking_token_budget
+        if b is not None and (not _is_int(b) or b < 0):
+            raise ValueError(f"thinking_token_budget must be an integer >= 0, got {b!r}")
         if self.prompt_logprobs is not None and (
                 not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")

@@ -84,7 +84,9 @@ def test_async_engine_and_server_beam_search(llama_dir, hf):
                 assert [c["text"] for c in body["choices"]] == [s.text for o in want for s in o.sequences]
                 assert all(c["finish_reason"] == "length" for c in body["choices"])
                 assert body["usage"]["completion_tokens"] == 6 * 5
-                for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"), ({"logprobs": 2}, "logprobs")):
+                for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"), ({"logprobs": 2}, "logprobs"),
+                                      ({"logprobs": 0}, "logprobs"),
+                                      ({"thinking_token_budget": 0}, "thinking_token_budget")):
                     r = await http.post("/v1/completions", json={"prompt": "x", "use_beam_search": True, "n": 2,
                                                                  "max_tokens": 3, **extra})
                     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

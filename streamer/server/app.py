@@ -90,6 +90,8 @@ class OpenAIServer:
         self.max_log_len: Optional[int] = None
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
+        if reasoning_parser is None:  # the engine's (whose thinking_token_budget counts between its tags)
+            reasoning_parser = engine.config.reasoning_parser
         if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {reasoning_parser!r}")
         engine_config = engine.engine.model_config if engine.engine is not None else None

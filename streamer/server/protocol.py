@@ -254,7 +254,7 @@ def _param_of(message: str, known: set[str]) -> Optional[str]:
 _SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "logprobs",
                     "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "logit_bias",
-                    "allowed_token_ids", "bad_words", "structured_outputs"}
+                    "allowed_token_ids", "bad_words", "structured_outputs", "thinking_token_budget"}
 
 
 def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
@@ -294,7 +294,8 @@ def sampling_params(body: dict, *, max_tokens_field: str, default_max_tokens: Op
             include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
             skip_special_tokens=get_bool(body, "skip_special_tokens", True), logit_bias=_logit_bias(body),
             allowed_token_ids=_allowed_token_ids(body), bad_words=_bad_words(body),
-            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, INT64_MAX))
+            truncate_prompt_tokens=get_int(body, "truncate_prompt_tokens", None, 1, INT64_MAX),
+            thinking_token_budget=get_int(body, "thinking_token_budget", None, 0, INT64_MAX))
     except ValueError as e:
         err = value_error(e)
         if err.param == "max_tokens" and max_tokens_field in body:
@@ -447,8 +448,8 @@ def _beam_search(body: dict, common: _Common, default_max_tokens: int = 16) -> O
     p = common.params
     if common.stream:
         raise APIError("use_beam_search cannot be streamed", param="stream")
-    for name in ("logprobs", "structured_outputs", "stop", "prompt_logprobs"):
-        if getattr(p, name):
+    for name in ("logprobs", "structured_outputs", "stop", "prompt_logprobs", "thinking_token_budget"):
+        if getattr(p, name) not in (None, []):  # (0 is a value: logprobs 0 still asks for them)
             raise APIError(f"{name} is not supported with use_beam_search", param=name)
     try:
         return BeamSearchParams(p.n, p.max_tokens or default_max_tokens, ignore_eos=p.ignore_eos,

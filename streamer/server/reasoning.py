@@ -25,11 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-START, END = "<think>", "</think>"
-# openai_gptoss (gpt-oss's channels) is read by server/harmony.py, not by a <think> splitter.
-PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "seed_oss", "mistral", "openai_gptoss")
-# Parsers whose reasoning is delimited by other tags than <think> ... </think>
-TAGS = {"seed_oss": ("<seed:think>", "</seed:think>"), "mistral": ("[THINK]", "[/THINK]")}
+from streamer.thinking import END, PARSERS, START, TAGS  # (the engine's thinking budget reads the same tags)
+
 # Parsers whose tags are special tokens: the output's text keeps special tokens so that the tags are there to read
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 

@@ -37,7 +37,7 @@ logger = logging.getLogger("streamer.server")
 # Fields passed to the chat request as they are (the rest are translated, echoed, or refused).
 _SAME = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stream", "parallel_tool_calls", "user",
          "priority", "cache_salt", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop",
-         "chat_template_kwargs", "ignore_eos", "min_tokens", "include_reasoning")
+         "chat_template_kwargs", "ignore_eos", "min_tokens", "include_reasoning", "thinking_token_budget")
 
 
 def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[dict, list[dict[str, Any]]]:
