@@ -42,8 +42,8 @@ class ThinkTags:
         start, end = TAGS.get(parser, (START, END))
         return cls(tuple(encode(start)), tuple(encode(end)), parser in _STARTS_INSIDE)
 
-    def budget(self, prompt: Sequence[int], tokens: int) -> "ThinkingBudget":
-        """A sequence's budget of `tokens` thinking tokens, where its prompt leaves it."""
+    def budget(self, prompt: Sequence[int], tokens: Optional[int]) -> "ThinkingBudget":
+        """A sequence's budget of `tokens` thinking tokens (None: counted only), where its prompt leaves it."""
         last_start, last_end = _rfind(prompt, self.start), _rfind(prompt, self.end)
         if last_start > last_end:
             phase = INSIDE
@@ -58,19 +58,20 @@ BEFORE, INSIDE, CLOSED = 0, 1, 2
 
 
 class ThinkingBudget:
-    """One sequence's reasoning and what is left of its budget. `feed` after each output token; `forced` is the
-    token the next step must write (the closing tag's next token once the budget is spent), or None. Once the
-    reasoning closes the budget is done with: later tags are not counted."""
+    """One sequence's reasoning: where it is, how many tokens it has taken (`used`, the tags left out) and what
+    is left of its budget (None: no budget, only counted). `feed` after each output token; `forced` is the token
+    the next step must write (the closing tag's next token once the budget is spent), or None. Once the reasoning
+    closes it is done with: later tags are not counted."""
 
-    __slots__ = ("tags", "left", "phase")
+    __slots__ = ("tags", "left", "phase", "used")
 
-    def __init__(self, tags: ThinkTags, left: int, phase: int) -> None:
-        self.tags, self.left, self.phase = tags, left, phase
+    def __init__(self, tags: ThinkTags, left: Optional[int], phase: int) -> None:
+        self.tags, self.left, self.phase, self.used = tags, left, phase, 0
 
     @property
     def active(self) -> bool:
         """The next token may be forced (so the step after this one's depends on the token this one samples)."""
-        return self.phase != CLOSED
+        return self.left is not None and self.phase != CLOSED
 
     def feed(self, output: Sequence[int]) -> None:
         if self.phase == BEFORE:
@@ -79,11 +80,14 @@ class ThinkingBudget:
         elif self.phase == INSIDE:
             if _ends_with(output, self.tags.end):
                 self.phase = CLOSED
+                self.used -= len(self.tags.end) - 1  # (the tag's first tokens were counted as they came)
             else:
-                self.left -= 1
+                self.used += 1
+                if self.left is not None:
+                    self.left -= 1
 
     def forced(self, output: Sequence[int]) -> Optional[int]:
-        if self.phase != INSIDE or self.left > 0:
+        if self.phase != INSIDE or self.left is None or self.left > 0:
             return None
         end = self.tags.end
         # The closing tag may be under way (the model began it, or earlier steps forced its first tokens).

@@ -222,6 +222,7 @@ async def _both(c, **kw):
             calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
         finish = chunk.choices[0].finish_reason or finish
     assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.completion_tokens_details == full.usage.completion_tokens_details
     return full, (reasoning, content, list(calls.values()), finish, n)
 
 
@@ -263,6 +264,11 @@ def test_live_reasoning_of_the_models_own_output(live):
     assert m.content == text and m.model_extra["reasoning_content"] is None and q3_stream[:2] == ("", text)
     m = opened.choices[0].message
     assert m.model_extra["reasoning_content"] and m.content is None
+    # usage.completion_tokens_details.reasoning_tokens: all 12 where all is reasoning, none where none is; no
+    # details without a parser.
+    assert r1.usage.completion_tokens_details.reasoning_tokens == 12 == dropped.usage.completion_tokens_details \
+        .reasoning_tokens == opened.usage.completion_tokens_details.reasoning_tokens
+    assert q3.usage.completion_tokens_details.reasoning_tokens == 0 and plain.usage.completion_tokens_details is None
 
 
 FORCED = [
@@ -310,6 +316,12 @@ def test_live_forced_outputs(live, reasoning, tools, kwargs, output, want_reason
     assert s_reasoning == (want_reasoning or "") and s_calls == want_calls
     assert s_content.strip() == (want_content or "").strip()
     assert "think>" not in s_reasoning and ("think>" in s_content) == ("think>" in (want_content or ""))
+    # Reasoning tokens: the tokens between the tags (the tags' own left out), counted where the text was read.
+    reasoning_tokens = full.usage.completion_tokens_details.reasoning_tokens if reasoning else None
+    if want_reasoning:
+        assert 0 < reasoning_tokens < full.usage.completion_tokens - 2
+    elif reasoning:
+        assert reasoning_tokens == 0
     # One token a step (no jump-forward): the tags and calls were written across many pieces.
     assert full.usage.completion_tokens > 10 and n_chunks >= 1 + bool(want_reasoning) + bool(want_calls)
 

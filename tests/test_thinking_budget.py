@@ -180,10 +180,19 @@ def test_server_reasoning_and_content_split_at_the_forced_tag(llama_dir):
                 free = await c.chat.completions.create(**kw, logprobs=True)
                 r = await c.chat.completions.create(**kw, logprobs=True, extra_body={"thinking_token_budget": 3})
                 chunks = [ch async for ch in await c.chat.completions.create(
-                    **kw, stream=True, extra_body={"thinking_token_budget": 3})]
-                return free, r, chunks
+                    **kw, stream=True, stream_options={"include_usage": True},
+                    extra_body={"thinking_token_budget": 3})]
+                resp = await c.responses.create(model=live.model_name, input="hello", max_output_tokens=16,
+                                                temperature=0.0, extra_body={"thinking_token_budget": 3})
+                return free, r, chunks, resp
 
-        free, r, chunks = asyncio.run(main())
+        free, r, chunks, resp = asyncio.run(main())
+        # usage counts the reasoning tokens (the tags' own left out); all 16 are reasoning when nothing closes it.
+        assert r.usage.completion_tokens_details.reasoning_tokens == 3 == chunks[-1].usage.completion_tokens_details \
+            .reasoning_tokens == resp.usage.output_tokens_details.reasoning_tokens
+        assert free.usage.completion_tokens_details.reasoning_tokens == 16
+        assert [o.type for o in resp.output] == ["reasoning", "message"]
+        assert resp.output_text == r.choices[0].message.content
         m = r.choices[0].message
         first3 = "".join(e.token for e in free.choices[0].logprobs.content[:3])
         assert m.reasoning_content == first3 and m.content

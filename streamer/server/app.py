@@ -25,6 +25,7 @@ from streamer.async_engine import AsyncEngine
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
 from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
+from streamer.thinking import ThinkTags
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
@@ -102,6 +103,7 @@ class OpenAIServer:
             logger.info("gpt-oss: reading its harmony channels (reasoning, content, tool calls) in chat output")
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self._think_tags: dict[str, Optional[ThinkTags]] = {}
         images = engine.image_prompts
         self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer,
                                                          images.placeholder if images is not None else None,
@@ -223,8 +225,22 @@ class OpenAIServer:
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
+        tags = self.think_tags()
+        if tags is not None and reasoning is not None:
+            fmt.count_reasoning(tags, reasoning.inside, reasoning.split)
         fmt.tokens_as_ids = self._tokens_as_ids(req)
         return lora, prompt, fmt
+
+    def think_tags(self) -> Optional[ThinkTags]:
+        """The reasoning parser's tags as token ids, to count reasoning tokens in usage (None: no parser, or
+        gpt-oss's channels)."""
+        parser = self.reasoning_parser
+        if parser is None:
+            return None
+        if parser not in self._think_tags:
+            self._think_tags[parser] = ThinkTags.of(
+                parser, lambda text: self.engine.tokenizer.encode(text, add_special_tokens=False))
+        return self._think_tags[parser]
 
     def _tokens_as_ids(self, req: CompletionRequest | ChatRequest) -> bool:
         """Logprobs name tokens "token_id:{id}": the request's return_tokens_as_token_ids, else the server's."""
@@ -323,7 +339,7 @@ class OpenAIServer:
         """A non-streamed response: the choices in order, the usage of everything generated."""
         return JSONResponse({"id": gen.request_id, "object": fmt.object, "created": int(time.time()),
                              "model": gen.model, "choices": [fmt.final_choice(i, c) for i, c in enumerate(choices)],
-                             "usage": gen.usage(), **fmt.response_extras(choices)},
+                             "usage": fmt.usage(gen), **fmt.response_extras(choices)},
                             headers={"X-Request-Id": gen.request_id})
 
     async def embeddings(self, request: Request) -> Response:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
+from streamer.thinking import BEFORE, INSIDE, ThinkingBudget, ThinkTags
 from streamer.server.reasoning import ReasoningMode
 from streamer.server.harmony import HarmonyParser
 from streamer.server.tool_calls import ForcedToolCalls, make_parser
@@ -148,6 +149,10 @@ class Format:
     def response_extras(self, choices: list["Choice"]) -> dict[str, Any]:
         """Top-level fields of a non-streamed response beside `choices`."""
         return {}
+
+    def usage(self, gen: Any) -> dict[str, Any]:
+        """The response's `usage` (gen: its server.generation.Generation)."""
+        return gen.usage()
 
     def _logprobs(self, index: int, out: StreamOutput) -> Any:
         raise NotImplementedError
@@ -293,11 +298,35 @@ class ChatFormat(Format):
         # With a reasoning parser: each choice's text is split into reasoning and content first; tool calls are
         # read from the content only.
         self.reasoning = reasoning
+        self._thoughts: Optional[list[ThinkingBudget]] = None  # counting reasoning tokens (count_reasoning)
         self._think = [reasoning.splitter() for _ in range(num_choices)] \
             if reasoning is not None and self._harmony is None else None
 
+    def count_reasoning(self, tags: ThinkTags, inside: bool, split: bool = True) -> None:
+        """Count each choice's reasoning tokens (between the parser's tags, as the vocabulary spells them) for
+        usage.completion_tokens_details.reasoning_tokens; inside: the prompt opened the reasoning; split: False
+        where the output is not read for reasoning (none is counted)."""
+        self._thoughts = [ThinkingBudget(tags, None, INSIDE if inside else BEFORE)
+                          for _ in range(self.num_choices if split else 0)]
+        self._seen: list[list[int]] = [[] for _ in range(self.num_choices)]
+
+    @property
+    def reasoning_tokens(self) -> Optional[int]:
+        return None if self._thoughts is None else sum(t.used for t in self._thoughts)
+
+    def usage(self, gen: Any) -> dict[str, Any]:
+        u = gen.usage()
+        if self._thoughts is not None:
+            u["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return u
+
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
         p = super().piece(index, prompt_index, out)
+        if self._thoughts:
+            seen, thought = self._seen[index], self._thoughts[index]
+            for t in out.token_ids:
+                seen.append(t)
+                thought.feed(seen)
         if self._harmony is not None:
             parser = self._harmony[index]
             thought, p.text, calls = parser.feed(p.text, final=p.finish_reason is not None)

@@ -210,10 +210,11 @@ def _format(fmt: Any) -> dict[str, Any]:
 class ResponseBuilder:
     """The `response` object and its output items, for one request."""
 
-    def __init__(self, body: dict, model: str, store: bool = False) -> None:
+    def __init__(self, body: dict, model: str, store: bool = False, fmt: Optional[ChatFormat] = None) -> None:
+        """fmt: the chat request's format (it counts the reasoning tokens, where a reasoning parser has tags)."""
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.body, self.model, self.store = body, model, store
+        self.body, self.model, self.store, self.fmt = body, model, store, fmt
 
     def response(self, status: str, output: list[dict], usage: Optional[dict] = None,
                  finish_reason: Optional[str] = None, error: Optional[APIError] = None) -> dict[str, Any]:
@@ -230,16 +231,17 @@ class ResponseBuilder:
             "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
                                                                 or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
-            "top_logprobs": b.get("top_logprobs"), "top_p": b.get("top_p", 1.0), "truncation": "disabled", "usage": usage, "user": b.get("user"),
-            "metadata": b.get("metadata") or {},
+            "top_logprobs": b.get("top_logprobs"), "top_p": b.get("top_p", 1.0), "truncation": "disabled",
+            "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
         }
 
-    @staticmethod
-    def usage(gen: Generation) -> dict[str, Any]:
-        u = gen.usage()
+    def usage(self, gen: Generation) -> dict[str, Any]:
+        """OpenAI's shape; reasoning_tokens 0 where none are counted (no parser with think tags)."""
+        u = gen.usage() if self.fmt is None else self.fmt.usage(gen)
         cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
         return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
-                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": u["total_tokens"]}
 
     @staticmethod
@@ -302,7 +304,7 @@ class ResponsesAPI:
         if chat.params.n != 1:
             raise APIError("n is not part of the Responses API", param="n")
         gen, fmt = await self.server.start_chat(chat, progress=background)
-        builder = ResponseBuilder(body, gen.model, store)
+        builder = ResponseBuilder(body, gen.model, store, fmt)
         headers = {"X-Request-Id": gen.request_id}
         if background:
             return JSONResponse(self._start_background(gen, fmt, builder, items), headers=headers)

@@ -31,7 +31,7 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
     fixed: dict[str, Any] = {"usage": None} if include_usage else {}
 
     def extra() -> dict[str, Any]:
-        return {"usage": gen.usage()} if continuous_usage else fixed
+        return {"usage": fmt.usage(gen)} if continuous_usage else fixed
     try:
         first = fmt.first_chunk_extras()
         for opening in fmt.opening_chunks():
@@ -42,7 +42,7 @@ async def stream_events(gen: Generation, fmt: Format, head: dict[str, Any], incl
             if choice is not None:
                 yield event({**head, "choices": [choice], **extra()})
         if include_usage:
-            yield event({**head, "choices": [], "usage": gen.usage()})
+            yield event({**head, "choices": [], "usage": fmt.usage(gen)})
     except (asyncio.CancelledError, GeneratorExit) as e:  # the client left (sse-starlette cancels us)
         logger.debug("request %s: stream cancelled (%s)", gen.request_id, type(e).__name__)
         gen.close("disconnect")
