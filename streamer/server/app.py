@@ -29,6 +29,7 @@ from streamer.thinking import ThinkTags
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
+from streamer.server.messages_api import MessagesAPI
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
@@ -577,8 +578,8 @@ _OPEN_PATHS = frozenset({"/health", "/ping"})
 
 
 class BearerAuth:
-    """`Authorization: Bearer <key>` on every path but the health checks /health and /ping (load balancers probe
-    them without a key)."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every path but the health checks /health
+    and /ping (load balancers probe them without a key)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -599,6 +600,8 @@ class BearerAuth:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.expected)
+            if name == b"x-api-key":  # Anthropic's clients (/v1/messages) send the key so
+                return hmac.compare_digest(value, self.expected)
         return False
 
 
@@ -651,6 +654,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/v1/rerank", s.rerank, methods=["POST"]),
         Route("/rerank", s.rerank, methods=["POST"]),
         *responses.routes(),
+        *MessagesAPI(s).routes(),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/models/{model:path}", s.model, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),
