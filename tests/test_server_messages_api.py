@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import LiveServer
+from tests.server_utils import LiveServer, metric
 
 GREEDY = {"temperature": 0.0}  # (the anthropic SDK no longer sends sampling fields: they go in extra_body)
 KEY = "s3cret"
@@ -229,3 +229,28 @@ def test_auth_and_unknown_model(live):
         assert e.value.body["error"]["type"] == "not_found_error"
     _run(main())
     _assert_idle(live)
+
+
+def test_streams_dropped_mid_way_leak_nothing(live):
+    """Clients that leave mid-stream (and one that never reads) abort their requests: every KV block comes back."""
+    async def one(a: anthropic.AsyncAnthropic, i: int) -> int:
+        seen = 0
+        async with a.messages.stream(model=live.model_name, max_tokens=400, messages=[
+                {"role": "user", "content": f"story {i}"}], extra_body={"ignore_eos": True, "temperature": 1.0}) as s:
+            async for e in s:
+                seen += 1
+                if seen == 3 + i % 4:
+                    break
+        return seen
+
+    def aborts() -> float:
+        text = httpx.get(live.url + "/metrics", headers={"x-api-key": KEY}, timeout=60).text
+        return metric(text, "vllm:request_success_total", finished_reason="abort")
+
+    async def main():
+        a, _ = _clients(live)
+        return await asyncio.gather(*(one(a, i) for i in range(8)))
+    before = aborts()
+    assert all(n >= 3 for n in _run(main()))
+    _assert_idle(live)
+    assert aborts() - before == 8  # each was aborted, not run to its 400 tokens
