@@ -392,8 +392,10 @@ class LLMEngine:
 
     def _think_tags(self, params: SamplingParams) -> Optional[ThinkTags]:
         """The tags a request's thinking_token_budget counts between (None: it has none). An output held to a
-        grammar starts outside the reasoning (as the server reads it), so the grammar alone decides it."""
-        if params.thinking_token_budget is None or params.structured_outputs is not None:
+        grammar starts outside the reasoning (as the server reads it), so the grammar alone decides it; a
+        structural tag leaves the text free, so it counts."""
+        so = params.structured_outputs
+        if params.thinking_token_budget is None or (so is not None and so.structural_tag is None):
             return None
         if self.think_tags is None:
             why = "one with think tags (gpt-oss's channels have none)" if self.config.reasoning_parser else \

@@ -550,3 +550,65 @@ def test_sentencepiece_tokenizer(make_ckpt):
                                                    structured_outputs=SO(regex="[a-z]{1,8} [0-9]{2}!")))[0].outputs[0]
         assert re.fullmatch("[a-z]{1,8} [0-9]{2}!", out.text), out.text
     _pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------------------- strict tool calling
+STRICT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+                    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                    "additionalProperties": False}}},
+                {"type": "function", "function": {"name": "get_time", "parameters": {
+                    "type": "object", "properties": {"zone": {"type": "string"}}}}}]
+
+
+def test_strict_tool_tag_holds_calls_to_their_tools(llm):
+    """tool_choice "auto" with a strict tool: free text, and a hermes call must name a tool and (strict) fit its
+    schema; the hermes parser reads back what the tag lets through."""
+    from streamer.server.structured import strict_tool_tag
+    from streamer.server.tool_calls import parse_all
+    loose = [{"type": "function", "function": {**t["function"], "strict": False}} for t in STRICT_TOOLS]
+    assert strict_tool_tag("hermes", loose) is None and strict_tool_tag("pythonic", STRICT_TOOLS) is None
+    assert strict_tool_tag("hermes", loose, enforce_all=True) is not None
+    grammar = llm.engine.grammars.compile(strict_tool_tag("hermes", STRICT_TOOLS))
+
+    def fits(text: str) -> bool:
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        return grammar.matcher().try_consume_tokens(ids) == len(ids)
+
+    good = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call> ok'
+    assert fits(good) and fits("no call at all, <tool_ or tool_call>")
+    assert fits('<tool_call>\n{"name": "get_time", "arguments": {"anything":[1,2]}}\n</tool_call>')  # not strict
+    assert not fits('<tool_call>\n{"name": "get_weather", "arguments": {"town":"Paris"}}\n</tool_call>')
+    assert not fits('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    assert not fits('<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}</tool_call>')
+    content, calls = parse_all(good, "hermes")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+
+
+def test_server_strict_tools(live):
+    """With the hermes parser, a strict tool puts the structural tag on an "auto" request: the text stays free (whole
+    characters), and a strict tool whose schema cannot compile is a 400 (a non-strict one is never compiled)."""
+    import httpx
+    server = live.app.state.server
+    body = {"model": "llama", "messages": MSG, "max_tokens": 12, "temperature": 0.0, "tools": STRICT_TOOLS}
+    broken = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]
+    server.tool_call_parser = "hermes"
+    try:
+        plain = httpx.post(live.base_url + "/chat/completions", timeout=60,
+                           json={**body, "tools": [dict(t, function={**t["function"], "strict": False})
+                                                   for t in STRICT_TOOLS]}).json()
+        strict = httpx.post(live.base_url + "/chat/completions", json=body, timeout=60).json()
+        # No call: the text is the model's own, except that a grammar admits only whole UTF-8 characters (this
+        # random model's plain text has stray bytes, shown as U+FFFD).
+        message = strict["choices"][0]["message"]
+        assert message["content"] and "\ufffd" not in message["content"] and not message.get("tool_calls")
+        assert plain["choices"][0]["finish_reason"] == strict["choices"][0]["finish_reason"] == "length"
+        ok = httpx.post(live.base_url + "/chat/completions", json={**body, "tools": broken}, timeout=60)
+        bad = httpx.post(live.base_url + "/chat/completions", timeout=60, json={
+            **body, "tools": [{"type": "function", "function": {**broken[0]["function"], "strict": True}}]})
+        server.enforce_strict_tool_calling = True
+        enforced = httpx.post(live.base_url + "/chat/completions", json={**body, "tools": broken}, timeout=60)
+    finally:
+        server.tool_call_parser, server.enforce_strict_tool_calling = None, False
+    assert ok.status_code == 200 and bad.status_code == enforced.status_code == 400, (ok.text, bad.text)
+    assert "structural_tag" in bad.json()["error"]["message"]

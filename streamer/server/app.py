@@ -37,6 +37,7 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
+from streamer.server.structured import strict_tool_tag
 from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.reasoning import ReasoningMode, reasoning_mode
@@ -87,6 +88,8 @@ class OpenAIServer:
             engine.metrics.model_name = self.model_name
         self.max_body_bytes = max_body_bytes
         self.return_tokens_as_token_ids = False  # vLLM's --return-tokens-as-token-ids
+        # Hold "auto" tool calls to their tools' schemas as if every tool were strict (server/structured.py)
+        self.enforce_strict_tool_calling = False
         # vLLM's --enable-log-requests: each request's prompt (cut to max_log_len characters / ids) and parameters
         self.log_requests = False
         self.max_log_len: Optional[int] = None
@@ -206,6 +209,10 @@ class OpenAIServer:
         ids = await self.engine.encode(images.expand_text(text) if sources and images else text,
                                        add_special_tokens=False)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
+        if parse_tools and req.forced_tool is None and req.params.structured_outputs is None:
+            tag = strict_tool_tag(self.tool_call_parser, req.tools, self.enforce_strict_tool_calling)  # type: ignore
+            if tag is not None:
+                req.params = req.params.clone(structured_outputs=tag)
         harmony = HARMONY_REASONING_PARSER == self.reasoning_parser or HARMONY_TOOL_PARSER == self.tool_call_parser
         if (harmony or (parse_tools and self.tool_call_parser == "mistral")
                 or self.reasoning_parser in REASONING_KEEPS_SPECIAL_TOKENS) and req.forced_tool is None:
@@ -216,8 +223,9 @@ class OpenAIServer:
         if harmony:
             reasoning = ReasoningMode(split=False, include=req.include_reasoning)
         elif self.reasoning_parser is not None:
+            so = req.params.structured_outputs  # (a structural tag leaves the text free: reasoning is read)
             reasoning = reasoning_mode(self.reasoning_parser, text, req.template_kwargs,
-                                       constrained=req.params.structured_outputs is not None,
+                                       constrained=so is not None and so.structural_tag is None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
         videos = message_videos(req.messages)
@@ -632,16 +640,20 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               cors: Optional[CORSConfig] = None, return_tokens_as_token_ids: bool = False,
-              log_requests: bool = False, max_log_len: Optional[int] = None) -> Starlette:
+              log_requests: bool = False, max_log_len: Optional[int] = None,
+              enforce_strict_tool_calling: bool = False) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
     /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
     browser origins allowed (None: no CORS headers). return_tokens_as_token_ids: logprobs name tokens
     "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first
-    max_log_len characters or token ids; None: all) and sampling parameters."""
+    max_log_len characters or token ids; None: all) and sampling parameters. enforce_strict_tool_calling: every
+    tool is held to its schema under tool_choice "auto", as `"strict": true` holds one (where the tool-call parser's
+    format allows)."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
     s.return_tokens_as_token_ids = return_tokens_as_token_ids
     s.log_requests, s.max_log_len = log_requests, max_log_len
+    s.enforce_strict_tool_calling = enforce_strict_tool_calling
     responses = ResponsesAPI(s, responses_store_size)
     routes = [
         Route("/v1/completions", s.completions, methods=["POST"]),

@@ -53,6 +53,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="read tool calls in chat output (requests with `tools`) into OpenAI's tool_calls "
                         "(gpt-oss: 'openai', the default for it)")
+    g.add_argument("--enforce-strict-tool-calling", action="store_true",
+                   help="hold tool calls under tool_choice 'auto' to their tools' schemas as if every tool were "
+                        "`strict: true` (hermes format)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: --tool-call-parser alone turns parsing on")
     g.add_argument("--disable-log-requests", action="store_true",
@@ -266,7 +269,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
                         allow_lora_updates=args.allow_runtime_lora_updating,
                         responses_store_size=args.responses_store_size, cors=cors,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                        enforce_strict_tool_calling=args.enforce_strict_tool_calling)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,

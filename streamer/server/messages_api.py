@@ -158,8 +158,9 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
             raise APIError(f"only custom tools ({{\"name\", \"input_schema\"}}) are supported, got {_show(t)}",
                            param="tools")
         fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        for key in ("description", "strict"):
+            if t.get(key) is not None:
+                fn[key] = t[key]
         out.append({"type": "function", "function": fn})
     return out
 

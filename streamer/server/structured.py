@@ -5,7 +5,10 @@
 - vLLM's `structured_outputs`: {"json" | "regex" | "choice" | "grammar" | "json_object": ...};
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - a forced `tool_choice` ("required", or {"type": "function", "function": {"name": ...}}) on chat: the output is
-  held to the JSON of the call's arguments (named), or of a list of {"name", "arguments"} calls (required).
+  held to the JSON of the call's arguments (named), or of a list of {"name", "arguments"} calls (required);
+- strict tool calling (`tool_choice` "auto" with a tool marked `"strict": true`, or every tool under
+  `--enforce-strict-tool-calling`): the text stays free, but a call the model starts in its parser's format must
+  name a given tool and fit its schema (a structural tag: `strict_tool_tag`).
 """
 from __future__ import annotations
 
@@ -127,6 +130,25 @@ def _tool_name(tool: dict, i: int) -> str:
 def _parameters(tool: dict) -> dict:
     params = tool["function"].get("parameters")
     return params if isinstance(params, dict) else {"type": "object"}
+
+
+# The tool-call formats strict tool calling can hold to their tools: (trigger, a call's opening given its name, its
+# closing), the arguments object between them.
+_CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>")}
+
+
+def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False) -> Optional[StructuredOutputsParams]:
+    """The structural tag that holds the calls of a `tool_choice: "auto"` request to its tools: None unless a tool
+    is strict (`function.strict: true`; all are with enforce_all) and the parser's format is one it knows. Every
+    tool's name is held to; the strict ones' arguments to their schema, the others' to any object."""
+    tags = _CALL_TAGS.get(parser)
+    strict = [enforce_all or t["function"].get("strict") is True for t in tools]
+    if tags is None or not any(strict):
+        return None
+    trigger, begin, end = tags
+    structures = [{"begin": begin.format(name=t["function"]["name"]), "end": end,
+                   "schema": _parameters(t) if s else {"type": "object"}} for t, s in zip(tools, strict)]
+    return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": [trigger]})
 
 
 def tool_constraint(forced: ForcedTool, tools: list[dict], parallel: bool = True) -> StructuredOutputsParams:
