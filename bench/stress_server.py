@@ -1,11 +1,12 @@
-"""A mixed-feature soak of a live server: random completions and chat requests combining n, streaming, usage,
-logprobs, stops, seeds, bad_words, penalties, min_tokens, top-k/p, priorities, best_of, echo (max_tokens 0 too),
-JSON mode and token ids, plus some invalid ones and ~15% abandoned mid-way. Prints the status counts (any 5xx, error
-event or unexpected 400 is printed with its body) and, after the load, the running/waiting/KV-usage gauges, which
-must be back to 0 (nothing leaked).
+"""A mixed-feature soak of a live server: random completions, chat and Anthropic Messages requests combining n,
+streaming, usage, logprobs, stops, seeds, bad_words, penalties, min_tokens, top-k/p, priorities, best_of, echo
+(max_tokens 0 too), JSON mode, token ids, thinking budgets and strict tools, plus some invalid ones and ~15%
+abandoned mid-way. Prints the status counts (any 5xx, error event or unexpected 400 is printed with its body) and,
+after the load, the running/waiting/KV-usage gauges, which must be back to 0 (nothing leaked).
 
-    streamer serve --port 8012 --num-kv-blocks 96 --max-num-seqs 24   # small cache: preemptions happen
-    python bench/stress_server.py http://127.0.0.1:8012 --requests 600 --seed 2
+    streamer serve --port 8012 --num-kv-blocks 96 --max-num-seqs 24 \
+        --reasoning-parser deepseek_r1 --tool-call-parser hermes    # small cache: preemptions happen
+    python bench/stress_server.py http://127.0.0.1:8012 --requests 600 --seed 2 --reasoning --tools
 """
 import argparse
 import asyncio
@@ -21,6 +22,8 @@ ap.add_argument("--requests", type=int, default=300)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--concurrency", type=int, default=48)
 ap.add_argument("--model", default=None, help="default: the server's first model")
+ap.add_argument("--reasoning", action="store_true", help="the server has a reasoning parser: send thinking budgets")
+ap.add_argument("--tools", action="store_true", help="the server has the hermes tool parser: send strict tools")
 args = ap.parse_args()
 URL = args.url
 N = args.requests
@@ -28,7 +31,31 @@ rng = random.Random(args.seed)
 M = args.model or httpx.get(URL + "/v1/models").json()["data"][0]["id"]
 PROMPTS = ["def f(", "import os\n", "class A:\n    def __init__(self", "# comment\n" * 20, "x = [" * 30, "for i in range(10):"]
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def messages_body():
+    """Anthropic's Messages API (its own field names; no n, logprobs or best_of there)."""
+    b: dict = {"model": M, "max_tokens": rng.choice([1, 8, 32, 100]), "temperature": rng.choice([0, 1.0]),
+               "messages": [{"role": "user", "content": rng.choice(PROMPTS)}]}
+    if rng.random() < 0.3:
+        b["system"] = "be brief"
+    if rng.random() < 0.4:
+        b["stream"] = True
+    if rng.random() < 0.2:
+        b["stop_sequences"] = ["\n"]
+    if args.reasoning and rng.random() < 0.3:
+        b["thinking"] = {"type": "enabled", "budget_tokens": rng.choice([0, 4, 16])}
+    if rng.random() < 0.1:
+        b["tools"] = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
+        b["tool_choice"] = rng.choice([{"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}])
+    return "/v1/messages", b
+
+
 def body():
+    if rng.random() < 0.15:
+        return messages_body()
     chat = rng.random() < 0.4
     b: dict = {"model": M, "max_tokens": rng.choice([1, 2, 8, 32, 100]), "temperature": rng.choice([0, 0.7, 1.0])}
     if chat:
@@ -56,6 +83,10 @@ def body():
             b.update(fields)
     if chat and rng.random() < 0.1:
         b["response_format"] = {"type": "json_object"}
+    elif chat and args.tools and rng.random() < 0.1:
+        b["tools"] = TOOLS  # strict: a structural tag holds any call the model starts
+    if args.reasoning and rng.random() < 0.15:
+        b["thinking_token_budget"] = rng.choice([0, 3, 10])
     if not chat and not b.get("stream") and rng.random() < 0.1:
         b["best_of"] = (b.get("n") or 1) + 1
     if not chat and rng.random() < 0.1:
@@ -79,7 +110,7 @@ async def one(c, i):
                         if abandon and k > 3:
                             key = "abandoned"
                             break
-                        if line.startswith("data: {\"error"):
+                        if line.startswith(("data: {\"error", "event: error")):
                             key = "stream-error:" + line[:200]
                 else:
                     await r.aread()

@@ -466,7 +466,8 @@ class LLMEngine:
         bad_words, follows a grammar or may have to close its reasoning: the next step's penalties, bans, token
         mask or forced token need the token it samples, on the host."""
         return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
-                and not running.sampling.worded and not running.sampling.thinking
+                and not running.sampling.worded and not any(r.think.pins_next  # type: ignore[union-attr]
+                                                            for _, r in running.sampling.thinking)
                 and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known
 
     def schedule_next(self, running: Optional[StepInputs]) -> Optional[tuple[SchedulerOutput, StepInputs]]:

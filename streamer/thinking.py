@@ -70,8 +70,17 @@ class ThinkingBudget:
 
     @property
     def active(self) -> bool:
-        """The next token may be forced (so the step after this one's depends on the token this one samples)."""
+        """A token of it may still be forced."""
         return self.left is not None and self.phase != CLOSED
+
+    @property
+    def pins_next(self) -> bool:
+        """Whether the token after the one being sampled now may be forced, depending on that one: then the next
+        step must wait for it (no async scheduling, no drafts). Otherwise it cannot be, whatever comes: the
+        budget has two tokens or more left (one before the reasoning opens)."""
+        if not self.active:
+            return False
+        return self.left <= (1 if self.phase == INSIDE else 0)  # type: ignore[operator]
 
     def feed(self, output: Sequence[int]) -> None:
         if self.phase == BEFORE:

@@ -126,7 +126,15 @@ def test_async_scheduling_and_batches_give_the_same_tokens(llama_dir, llm):
     outs = fast.generate(prompts, params)
     alone = [llm.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
     assert [o.outputs[0].token_ids for o in outs] == alone
-    assert fast.engine.num_overlapped_steps > 0  # once the reasoning closed, the pipeline overlaps again
+    assert fast.engine.num_overlapped_steps > 0
+    # Alone, with room left in its budget, a request's steps still overlap: only the last two tokens of the budget
+    # (and the forced tag) wait for the token before them.
+    steps = fast.engine.num_overlapped_steps
+    long = SamplingParams(max_tokens=30, temperature=0.0, thinking_token_budget=16)
+    got = fast.generate([PROMPT], long)[0].outputs[0].token_ids
+    assert got == llm.generate([PROMPT], long)[0].outputs[0].token_ids
+    assert got[16:16 + len(llm.engine.think_tags.end)] == list(llm.engine.think_tags.end)
+    assert fast.engine.num_overlapped_steps - steps >= 18  # (29 steps after the first; before, ~7 overlapped)
     _pool_whole(fast)
 
 
