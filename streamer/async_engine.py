@@ -55,6 +55,8 @@ class RequestStream:
         self.prompt_tokens = len(prompt_token_ids)
         self.cached_tokens = 0
         self.completion_tokens = 0
+        # Predicted Outputs, where drafting used the prediction: per sequence, (its tokens, how many were accepted)
+        self.predictions: dict[int, tuple[int, int]] = {}
         self._queue = queue
         self._finished_seqs = 0
         self._next: Optional[StreamOutput | BaseException] = None  # taken off the queue, not merged
@@ -100,9 +102,18 @@ class RequestStream:
         return item
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+             "total_tokens": self.prompt_tokens + self.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.predictions:
+            u["completion_tokens_details"] = self.prediction_details()
+        return u
+
+    def prediction_details(self) -> dict[str, int]:
+        """OpenAI's: the prediction's tokens that the output took (drafts accepted) and those it did not."""
+        accepted = sum(a for _, a in self.predictions.values())
+        total = sum(n for n, _ in self.predictions.values())
+        return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": max(total - accepted, 0)}
 
     def close(self) -> None:
         """Abort the request unless it already finished (idempotent)."""
@@ -499,6 +510,8 @@ class AsyncEngine:
             if entry is not None:
                 stream, queue = entry
                 stream.cached_tokens = max(req.num_cached_tokens, 0)
+                if req.prediction is not None:
+                    stream.predictions[req.seq_index] = (len(req.prediction), req.prediction_accepted)
                 queue.put_nowait(StreamOutput(rid, req.seq_index, u.new_token_ids, u.text, u.logprobs,
                                               req.finish_reason if u.finished else None,
                                               req.stop_reason if u.finished else None,

@@ -34,7 +34,7 @@ from streamer.request import Request, RequestStatus
 from streamer.sampler import bad_words_token_ids
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
-from streamer.speculative import propose_ngram
+from streamer.speculative import propose_ngram, propose_predicted
 from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.thinking import ThinkTags
 from streamer.tokenizer import Tokenizer
@@ -357,6 +357,7 @@ class LLMEngine:
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else None
         think = self._think_tags(params)
+        predicted = self._prediction(params)
         states = []
         for i in range(params.n):
             seq_params = params
@@ -373,6 +374,7 @@ class LLMEngine:
             req.bad_words_ids = bad_words
             if think is not None:
                 req.think = think.budget(prompt_token_ids, params.thinking_token_budget)  # type: ignore[arg-type]
+            req.prediction = predicted
             state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
@@ -389,6 +391,14 @@ class LLMEngine:
     def _bad_words_ids(self, words: list[str]) -> Optional[list[list[int]]]:
         seqs = bad_words_token_ids(words, self._encode_text)
         return [s for s in seqs if s[-1] < self.vocab_size] or None
+
+    def _prediction(self, params: SamplingParams) -> Optional[np.ndarray]:
+        """A predicted output's tokens, where n-gram drafting will use them (else the prediction is a hint
+        nothing reads, as OpenAI allows)."""
+        if not params.prediction or not self.config.num_speculative_tokens or self.runner.drafter is not None:
+            return None
+        ids = self._encode_text(params.prediction)
+        return np.asarray(ids, dtype=np.int32) if ids else None
 
     def _think_tags(self, params: SamplingParams) -> Optional[ThinkTags]:
         """The tags a request's thinking_token_budget counts between (None: it has none). An output held to a
@@ -580,6 +590,13 @@ class LLMEngine:
             if self.runner.drafter is not None:  # placeholders: the draft model fills them on the device
                 req.draft_token_ids = [0] * k
                 continue
+            if req.prediction is not None:
+                req.draft_token_ids, req.prediction_cursor = propose_predicted(
+                    req.prediction, np.asarray(req.output_token_ids, dtype=np.int32), k, cfg.prompt_lookup_min,
+                    cfg.prompt_lookup_max, req.prediction_cursor)
+                req.drafts_predicted = bool(req.draft_token_ids)
+                if req.drafts_predicted:
+                    continue
             tokens = self.batch.tokens[row, :self.batch.num_tokens[row]]
             req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
@@ -610,6 +627,13 @@ class LLMEngine:
         req.num_draft_computed = min(req.num_draft_computed, req.num_tokens + accepted)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
+        if req.drafts_predicted:  # the prediction's tokens the output took: the drafts accepted, and the token
+            # drawn after them when it is the prediction's next one too
+            ahead = req.prediction_cursor + len(drafts)
+            bonus = accepted == len(drafts) and ahead < len(req.prediction) \
+                and sampled[accepted] == req.prediction[ahead]  # type: ignore[index, arg-type]
+            req.prediction_accepted += accepted + int(bonus)
+            req.drafts_predicted = False
         if accepted < len(drafts):
             self.kv.reject_drafts(req)  # (a hybrid model: its recurrent state goes back to before the step)
         self._settle_backoff(req, accepted, len(drafts))

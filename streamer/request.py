@@ -92,6 +92,12 @@ class Request:
         self.think: Optional[ThinkingBudget] = None
         # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.
         self.matcher: Optional[object] = None
+        # Predicted Outputs: the prediction's tokens (drafted from where the output lines up with them), where the
+        # last alignment ended, whether the pending drafts came from it, and how many of its tokens were accepted.
+        self.prediction: Optional[np.ndarray] = None
+        self.prediction_cursor = 0
+        self.drafts_predicted = False
+        self.prediction_accepted = 0
         # Speculative decoding: tokens proposed to follow (not yet known), verified by the next step.
         self.draft_token_ids: list[int] = []
         # A draft model's KV: how many leading positions of this sequence it holds (streamer/draft_model.py).

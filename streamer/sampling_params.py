@@ -66,6 +66,9 @@ class SamplingParams:
     # At most this many tokens of reasoning, then the closing think tag is forced (vLLM's field; needs the
     # engine's reasoning_parser, whose tags it counts between: streamer/thinking.py).
     thinking_token_budget: Optional[int] = None
+    # The output as it is expected to read (OpenAI's Predicted Outputs, e.g. a file about to be edited): with n-gram
+    # speculative decoding on, its tokens are drafted where the output lines up with them.
+    prediction: Optional[str] = None
     extra: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,8 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or k < 1):
             raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {k!r}")
+        if self.prediction is not None and not isinstance(self.prediction, str):
+            raise ValueError(f"prediction must be a string, got {self.prediction!r}")
         b = self.thinking_token_budget
         if b is not None and (not _is_int(b) or b < 0):
             raise ValueError(f"thinking_token_budget must be an integer >= 0, got {b!r}")

@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): no draft model, just the request's own tokens.
+"""Speculative decoding with n-gram drafts (prompt lookup): no draft model, just the request's own tokens (and, when
+the request predicts its output, that prediction's: `propose_predicted`).
 
 When the last few tokens of a sequence occurred before (in its prompt or its output), the tokens that followed
 them then are a good guess for what follows now: code edits, extraction, summaries and repetitive text echo
@@ -35,3 +36,23 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[in
             period = length - start
             return [ahead[i % period] for i in range(k)]
     return []
+
+
+def propose_predicted(predicted: np.ndarray, output: np.ndarray, k: int, min_n: int, max_n: int,
+                      cursor: int) -> tuple[list[int], int]:
+    """Drafts from a predicted output (OpenAI's Predicted Outputs): before any output, its first k tokens; then the
+    k tokens that follow where the output's last n tokens occur in it (the longest n in [min_n, max_n]), the first
+    such place at or after `cursor` (where the previous alignment ended: an edited file is read in order) or else
+    the last one. Returns (drafts, the new cursor: where the drafts start); ([], cursor) when nothing lines up."""
+    if len(output) == 0:
+        return predicted[:k].tolist(), 0
+    for n in range(min(max_n, len(output)), min_n - 1, -1):
+        if len(predicted) <= n:
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(predicted[:len(predicted) - 1], n)
+        hits = np.flatnonzero((windows == output[len(output) - n:]).all(axis=1))
+        if len(hits):
+            ahead = hits[hits + n >= cursor]
+            start = int(ahead[0] if len(ahead) else hits[-1]) + n
+            return predicted[start:start + k].tolist(), start
+    return [], cursor

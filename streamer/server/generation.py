@@ -93,8 +93,12 @@ class Generation:
             prompt += s.prompt_tokens
             completion += 0 if self.scored_only else s.completion_tokens
             cached += s.cached_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+        predicted = [s.prediction_details() for s in self.streams if s.predictions]
+        if predicted:
+            u["completion_tokens_details"] = {k: sum(d[k] for d in predicted) for k in predicted[0]}
+        return u
 
     def close(self, reason: Optional[str] = None) -> None:
         """Abort what is still running (frees its KV blocks at once) and log the request's one line."""

@@ -319,6 +319,21 @@ class _Common:
     structured_field: Optional[str] = None  # the field that constrains the output (errors found later name it)
 
 
+def _prediction(body: dict) -> Optional[str]:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": a string or text parts}."""
+    v = body.get("prediction")
+    if v is None:
+        return None
+    content = v.get("content") if isinstance(v, dict) and v.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError("prediction must be {\"type\": \"content\", \"content\": a string or text parts}, got "
+                       f"{_show(v)}", param="prediction")
+    return content
+
+
 def _common(body: dict, params: SamplingParams) -> _Common:
     stream = get_bool(body, "stream", False)
     options = get_object(body, "stream_options")
@@ -494,6 +509,9 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
     if best_of is not None and best_of != params.n:
         raise APIError("best_of is not supported (it must equal n when given)", param="best_of")
     params = _with_prompt_logprobs(body, params)
+    prediction = _prediction(body)
+    if prediction:
+        params = params.clone(prediction=prediction)
     add_gen, cont, tools, template_kwargs = _rendering(body, messages)
     tool_choice = body.get("tool_choice") or "auto"  # absent or null: the default
     try:

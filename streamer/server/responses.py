@@ -317,7 +317,8 @@ class ChatFormat(Format):
     def usage(self, gen: Any) -> dict[str, Any]:
         u = gen.usage()
         if self._thoughts is not None:
-            u["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+            u["completion_tokens_details"] = {**u.get("completion_tokens_details", {}),
+                                              "reasoning_tokens": self.reasoning_tokens}
         return u
 
     def piece(self, index: int, prompt_index: int, out: StreamOutput) -> Piece:
