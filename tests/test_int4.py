@@ -52,9 +52,10 @@ def test_int4_kernel_matches_the_dequantized_weight(out, cols, groups, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_dequantize_chunks(dtype, monkeypatch):
-    """From DEQUANT_ROWS rows on, a CPU matmul dequantizes the weight 16 blocks of 64 output rows at a time and
-    multiplies densely: 18 blocks here, a full chunk and a partial one. Same result as the int4 kernel, which
-    still takes fewer rows, and every row count when the dequantization may not be compiled (enforce_eager)."""
+    """From DEQUANT_ROWS rows on, a CPU matmul dequantizes the weight 1,024 output rows at a time (in the blocks
+    torch's CPU layout has on this machine: 64 rows with AVX-512, 32 with AVX2) and multiplies densely: 1,152 rows
+    here, a full chunk and a partial one. Same result as the int4 kernel, which still takes fewer rows, and every
+    row count when the dequantization may not be compiled (enforce_eager)."""
     calls = []
     real = woq._dequantize
     monkeypatch.setattr(woq, "_dequantize", lambda *a: calls.append(a[0].shape[0]) or real(*a))
@@ -69,7 +70,10 @@ def test_many_rows_dequantize_chunks(dtype, monkeypatch):
             got = w.matmul(x).float()
             err = (got - want).norm() / want.norm()
             assert err < (1e-6 if dtype == torch.float32 else 1e-2), (n, err)
-    assert calls == [16, 2, 16, 2], calls  # (compiled, from `rows` rows on)
+    block = woq.cpu_int4_block()
+    assert block in (64, 32) and w.block_scales is not None
+    chunk = 1024 // block
+    assert calls == [chunk, 18 * 64 // block - chunk] * 2, calls  # (compiled, from `rows` rows on)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -25,6 +25,8 @@ dequantized to the compute dtype as it loads.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 import logging
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -269,19 +271,35 @@ def kernel_group(cols: int, group_size: int) -> Optional[int]:
 # loop, ~0.3 ns a weight) and multiplying densely beats `_weight_int4pack_mm_for_cpu`, whose cost grows with every
 # row: ~2x faster at 512 rows of bf16 (bench/RESULTS.md). Its fp32 path is ~30x slower a row than bf16's.
 DEQUANT_ROWS = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 4}
-_CHUNK_BLOCKS = 16  # output rows dequantized at a time, in the CPU layout's blocks of 64: a few MB of weights
+_CHUNK_ROWS = 1024  # output rows dequantized at a time: a few MB of weights
 _NIBBLES = torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_int4_block() -> Optional[int]:
+    """Output rows per block of torch's CPU int4 layout on this machine, read off a probe: torch packs for its
+    kernel's vector width (64 rows with AVX-512, 32 with AVX2). Block b stores, for each input column k, `block / 2`
+    bytes whose low nibbles are rows b*block .. + block/2 - 1 and high nibbles the block's other half. None if the
+    layout is none of these (the kernel then takes every matmul)."""
+    rows, cols = 128, 64
+    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2).view(torch.uint8).reshape(-1)
+    for block in (64, 32, 16):
+        q = (packed.view(rows // block, cols, 1, block // 2) >> _NIBBLES) & 15  # [blocks, cols, 2, block / 2]
+        if torch.equal(q.reshape(rows // block, cols, block).permute(0, 2, 1).reshape(rows, cols), codes.byte()):
+            return block
+    return None
+
+
 def _dequantize_blocks(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """W^T of some blocks of 64 output rows from the CPU int4 layout: block b stores, for each input column k, 32
-    bytes whose low nibbles are rows b*64 .. +31 and high nibbles rows b*64+32 .. +63. packed: uint8 [blocks,
-    cols * 32]; scales, zeros: [blocks, groups, 64] (`Int4Weight.block_scales`). Returns [blocks, cols, 64]."""
-    blocks, groups = scales.shape[:2]
-    group = packed.shape[1] * 2 // 64 // groups
-    q = (packed.view(blocks, groups, group, 1, 32) >> _NIBBLES.to(packed.device)) & 15
-    w = (q.reshape(blocks, groups, group, 64).float() - 8) * scales[:, :, None].float() + zeros[:, :, None].float()
-    return w.to(scales.dtype).view(blocks, groups * group, 64)
+    """W^T of some blocks of output rows from the CPU int4 layout (`cpu_int4_block`). packed: uint8 [blocks,
+    cols * block / 2]; scales, zeros: [blocks, groups, block] (`Int4Weight.block_scales`). Returns [blocks, cols,
+    block]."""
+    blocks, groups, block = scales.shape
+    group = packed.shape[1] * 2 // block // groups
+    q = (packed.view(blocks, groups, group, 1, block // 2) >> _NIBBLES.to(packed.device)) & 15
+    w = (q.reshape(blocks, groups, group, block).float() - 8) * scales[:, :, None].float() + zeros[:, :, None].float()
+    return w.to(scales.dtype).view(blocks, groups * group, block)
 
 
 _compiled_dequantize: Optional[Callable] = None
@@ -320,9 +338,9 @@ class Int4Weight:
     group_size: int
     out_features: int
     compile: bool = True  # whether many rows may take the compiled dequantization (False under enforce_eager)
-    # CPU: scales and zeros again, [2, out / 64, groups, 64], laid out as the packed blocks are, for the dequantizing
-    # path (read through the kernels' [groups, out, 2], the dequantization was ~100x slower); 1/16 of the 4-bit
-    # weight's bytes at 128-column groups
+    # CPU: scales and zeros again, [2, out / block, groups, block], laid out as the packed blocks are
+    # (`cpu_int4_block`), for the dequantizing path (read through the kernels' [groups, out, 2], the dequantization
+    # was ~100x slower); 1/16 of the 4-bit weight's bytes at 128-column groups
     block_scales: Optional[torch.Tensor] = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,16 +362,18 @@ class Int4Weight:
     def _dequantized_matmul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """Many rows on CPU: the weight dequantized a chunk of output rows at a time (a few MB, never the whole
         matrix) and multiplied densely. None where the compiler is unavailable."""
-        cols, blocks = x.shape[1], self.out_features // 64
-        packed, scales = self.packed.view(blocks, cols * 32), self.block_scales
+        scales = self.block_scales
         assert scales is not None
+        block = scales.shape[-1]
+        cols, blocks, chunk = x.shape[1], self.out_features // block, max(_CHUNK_ROWS // block, 1)
+        packed = self.packed.view(torch.uint8).reshape(blocks, cols * block // 2)
         parts = []
-        for b in range(0, blocks, _CHUNK_BLOCKS):
-            e = min(b + _CHUNK_BLOCKS, blocks)
-            w_t = _dequantize(packed[b:e], scales[0, b:e], scales[1, b:e])  # [n, cols, 64]
+        for b in range(0, blocks, chunk):
+            e = min(b + chunk, blocks)
+            w_t = _dequantize(packed[b:e], scales[0, b:e], scales[1, b:e])  # [n, cols, block]
             if w_t is None:
                 return None
-            parts.append(x @ w_t.transpose(0, 1).reshape(cols, (e - b) * 64))
+            parts.append(x @ w_t.transpose(0, 1).reshape(cols, (e - b) * block))
         return torch.cat(parts, dim=1)
 
 
@@ -385,8 +405,9 @@ def pack_int4(u: Unpacked, dtype: torch.dtype, device: torch.device) -> Int4Weig
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
     else:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
-        if out % 64 == 0:  # (the layout of a partial block is another: those rows keep the kernel)
-            blocks = sz.view(groups * repeat, out // 64, 64, 2).permute(3, 1, 0, 2).contiguous()
+        block = cpu_int4_block()
+        if block is not None and out % block == 0:  # (a partial block's layout is another: it keeps the kernel)
+            blocks = sz.view(groups * repeat, out // block, block, 2).permute(3, 1, 0, 2).contiguous()
             return Int4Weight(packed, sz, g, out, block_scales=blocks)
     return Int4Weight(packed, sz, g, out)
 
