@@ -590,14 +590,14 @@ class LLMEngine:
             if self.runner.drafter is not None:  # placeholders: the draft model fills them on the device
                 req.draft_token_ids = [0] * k
                 continue
-            if req.prediction is not None:
+            tokens = self.batch.tokens[row, :self.batch.num_tokens[row]]
+            if req.prediction is not None:  # (the output: the persistent row past the prompt, no copy)
                 req.draft_token_ids, req.prediction_cursor = propose_predicted(
-                    req.prediction, np.asarray(req.output_token_ids, dtype=np.int32), k, cfg.prompt_lookup_min,
+                    req.prediction, tokens[self.batch.num_prompt[row]:], k, cfg.prompt_lookup_min,
                     cfg.prompt_lookup_max, req.prediction_cursor)
                 req.drafts_predicted = bool(req.draft_token_ids)
                 if req.drafts_predicted:
                     continue
-            tokens = self.batch.tokens[row, :self.batch.num_tokens[row]]
             req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def _plan_drafts(self, sched: SchedulerOutput, inputs: StepInputs) -> DraftPlan:
