@@ -17,12 +17,12 @@ from typing import Any, AsyncIterator, Optional
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings
-from streamer.multimodal import ImagePrompts, check_truncation
+from streamer.multimodal import ImagePrompts
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
 from streamer.metrics import EngineMetrics, StatsLogger
 from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
-from streamer.pooling import Classifier, PoolingParams, encode_pair, truncate_prompt
+from streamer.pooling import Classifier, PoolingParams, encode_pair
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
 
@@ -342,15 +342,12 @@ class AsyncEngine:
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         if isinstance(prompt, str):
             ids, images = core.place_images(await self.encode(prompt), None)
-        elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            # (decoding and resizing images takes a while: off the loop)
+        elif isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or "prompt_embeds" in prompt):
+            # (decoding and resizing images, or checking and hashing embeddings, takes a while: off the loop)
             text, ids, images = await asyncio.to_thread(core.process_prompt, prompt)
         else:
             text, ids, images = core.process_prompt(prompt)
-        cut = truncate_prompt(ids, pooling if pooling is not None else params)
-        if len(cut) < len(ids):
-            check_truncation(images)
-            text, ids = None, cut  # (the text no longer matches the tokens)
+        text, ids, images = core.truncate(text, ids, images, pooling if pooling is not None else params)
         self._check_alive()
         limit = self.config.max_waiting
         if limit is not None and core.scheduler.num_waiting + params.n > max(limit, params.n):

@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="bytes of image features kept for prompts still being computed (and repeated images)")
     im.add_argument("--no-image-urls", dest="allow_image_urls", action="store_false",
                     help="the server reads images only from data: URLs, never fetching http(s) ones")
+    p.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="let requests give their prompt as embeddings (completions' prompt_embeds: base64 of "
+                        "torch.save(tensor [length, hidden]))")
     v = p.add_argument_group("vLLM's spellings", "accepted so that vLLM command lines run as they are")
     v.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="(the default)")
@@ -117,7 +120,7 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
-                "chat_template", "reasoning_parser")
+                "chat_template", "reasoning_parser", "enable_prompt_embeds")
 
 
 def _json_object(text: str) -> dict[str, Any]:

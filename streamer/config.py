@@ -93,6 +93,9 @@ class EngineConfig:
     # "none": always dequantize.
     quantization: Optional[str] = None
     enable_lora: bool = False
+    # Prompts given as embeddings (streamer/prompt_embeds.py; the server's prompt_embeds): off by default, since
+    # such a request carries a tensor the size of its prompt times the hidden size
+    enable_prompt_embeds: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
     # Where unset request fields take their defaults from (streamer/generation_config.py): "auto" = the model's
@@ -163,8 +166,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8", "int4", "int8", "none"):
             raise ValueError(f"quantization must be 'fp8', 'int4', 'int8' or 'none', got {self.quantization!r}")
-        if not isinstance(self.enable_lora, bool):
-            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("enable_lora", "enable_prompt_embeds"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("max_loras", "max_lora_rank"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -24,11 +24,11 @@ from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from streamer.pooling import (Classifier, PoolingParams, default_pooling, embedding_width, finish_pooled,
-                              truncate_prompt)
+from streamer.pooling import Classifier, PoolingParams, default_pooling, embedding_width, finish_pooled
+from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
-from streamer.multimodal import ImageInput, as_media, check_truncation, image_prompts_for
+from streamer.multimodal import ImageInput, as_media, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampler import bad_words_token_ids
@@ -248,7 +248,10 @@ class LLMEngine:
 
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
         """(text, token ids, images) of a prompt, images included (see `place_images`). A text prompt with images
-        has its placeholders expanded before it is tokenized (Gemma 3's: `ImagePrompts.expand_text`)."""
+        has its placeholders expanded before it is tokenized (Gemma 3's: `ImagePrompts.expand_text`). A prompt of
+        embeddings ({"prompt_embeds": tensor}) is placeholder ids and one input holding its rows."""
+        if prompt_embeds.is_embeds_prompt(prompt):
+            return (None, *self.embeds_prompt(prompt))  # type: ignore[arg-type]
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None
         if data is not None and self.image_prompts is not None and isinstance(text, str):
@@ -258,11 +261,35 @@ class LLMEngine:
         ids, images = self.place_images(ids, data)
         return text, ids, images
 
+    def embeds_prompt(self, prompt: dict) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A {"prompt_embeds": tensor} prompt's placeholder ids and input (streamer/prompt_embeds.py)."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompt_embeds needs the engine started with enable_prompt_embeds "
+                             "(--enable-prompt-embeds)")
+        if set(prompt) - {"prompt_embeds"}:
+            raise ValueError(f"a prompt_embeds prompt takes no other keys, got {sorted(set(prompt) - {'prompt_embeds'})}")
+        if self.model_config.multimodal is not None:
+            raise ValueError("prompt_embeds is not supported for vision-language models")
+        model = self.runner.model
+        rows = prompt_embeds.check_embeds(prompt["prompt_embeds"], model.input_width, self.runner.dtype)
+        return prompt_embeds.embeds_input(rows)
+
+    def truncate(self, text: Optional[str], ids: list[int], images: tuple[ImageInput, ...], options: Any,
+                 ) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
+        """The prompt cut to its last `truncate_prompt_tokens` tokens if its SamplingParams / PoolingParams ask
+        (the text no longer matches the tokens then: None)."""
+        keep = getattr(options, "truncate_prompt_tokens", None)
+        if keep is None or len(ids) <= keep:
+            return text, ids, images
+        return (None, *prompt_embeds.truncate_inputs(ids, images, keep))  # type: ignore[return-value]
+
     # ------------------------------------------------------------------ intake
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(text, token ids) of a prompt without images (beam search's; `process_prompt` takes images)."""
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             raise ValueError("multi_modal_data (images) is not supported by beam search")
+        if prompt_embeds.is_embeds_prompt(prompt):
+            raise ValueError("prompt_embeds is not supported by beam search")
         return self._tokenize(prompt)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -344,13 +371,14 @@ class LLMEngine:
             text = prompt if isinstance(prompt, str) else None
             if images is None:
                 prompt_token_ids, images = self.place_images(prompt_token_ids, None)
-        cut = truncate_prompt(prompt_token_ids, pooling if pooling is not None else params)
-        if len(cut) < len(prompt_token_ids):
-            check_truncation(images)
-            text, prompt_token_ids = None, cut  # (the text no longer matches the tokens)
+        text, prompt_token_ids, images = self.truncate(text, prompt_token_ids, images,
+                                                       pooling if pooling is not None else params)
         if pooling is not None:
             params, pooling = SamplingParams(temperature=0.0), self.resolve_pooling(pooling)
         max_tokens = self.validate(prompt_token_ids, params, pooling=pooling is not None)
+        embedded = any(im.features is not None for im in images)
+        if embedded and params.prompt_logprobs is not None and pooling is None:
+            raise ValueError("prompt_logprobs is not supported with prompt_embeds (the prompt has no tokens)")
         adapter = self.resolve_lora(lora_request)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
@@ -375,7 +403,9 @@ class LLMEngine:
             if think is not None:
                 req.think = think.budget(prompt_token_ids, params.thinking_token_budget)  # type: ignore[arg-type]
             req.prediction = predicted
-            state = SeqState(req, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, seq_params), text,
+            # (a prompt of embeddings gives the detokenizer no context: its placeholders are no text)
+            state = SeqState(req, IncrementalDetokenizer(self.tokenizer, () if embedded else prompt_token_ids,
+                                                         seq_params), text,
                              logprobs=[] if params.logprobs is not None else None,
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                              metrics=RequestMetrics(arrival_time=arrival), final_only=not stream)

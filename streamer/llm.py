@@ -8,9 +8,9 @@ from typing import Any, Optional, Sequence, Union
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
-from streamer.multimodal import check_truncation, load_image, load_video
+from streamer.multimodal import load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
-from streamer.pooling import PoolingParams, encode_pair, pair_up, truncate_prompt
+from streamer.pooling import PoolingParams, encode_pair, pair_up
 from streamer.progress import GenerateProgress
 from streamer.sampling_params import SamplingParams
 from streamer.tokenizer import Tokenizer
@@ -88,13 +88,9 @@ class LLM:
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
-        tokenized = [engine.process_prompt(p) for p in prompts]
-        for i, ((text, ids, images), sp) in enumerate(zip(tokenized, params)):
-            cut = truncate_prompt(ids, sp)
-            if len(cut) < len(ids):
-                check_truncation(images)
-                tokenized[i] = (text, cut, images)
-            engine.validate(cut, sp)
+        tokenized = [engine.truncate(*engine.process_prompt(p), sp) for p, sp in zip(prompts, params)]
+        for (_, ids, _), sp in zip(tokenized, params):
+            engine.validate(ids, sp)
         adapters = [engine.resolve_lora(x) for x in loras]
         ids = []
         states: dict[str, list[SeqState]] = {}
@@ -214,12 +210,8 @@ class LLM:
         prompts = _prompt_list(prompts)
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
-        tokenized = []
-        for text, ids, images in map(engine.process_prompt, prompts):  # (images too: a VLM embeds them)
-            cut = truncate_prompt(ids, pooling)
-            if len(cut) < len(ids):
-                check_truncation(images)
-            tokenized.append((text, cut, images))
+        # (images too: a VLM embeds them)
+        tokenized = [engine.truncate(*engine.process_prompt(p), pooling) for p in prompts]
         checked = engine.resolve_pooling(pooling)
         for _, ids, _ in tokenized:  # everything first, so one bad prompt adds nothing
             engine.validate(ids, SamplingParams(), pooling=True)

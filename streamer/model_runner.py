@@ -804,8 +804,13 @@ class ModelRunner:
     def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> tuple[torch.Tensor, dict[str, Any]]:
         """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now
         unless the encoder cache holds them), and what else the model's forward takes for them (Qwen3-VL's
-        DeepStack features: `place_image_features`)."""
+        DeepStack features: `place_image_features`); or a prompt's placeholders by its given embeddings."""
         cache, dev = self.encoder_cache, self.device
+        x = self.model.embed(input_ids)
+        if images.images[0].features is not None:  # prompt embeddings (a text model's: no images among them)
+            rows = torch.cat([im.features for im in images.images])[torch.from_numpy(images.rows)]
+            x[to_device(images.token_idx, dev)] = self.model.from_input_embeddings(rows.to(dev, non_blocking=True))
+            return x, {}
         found = {im.hash: cache.get(im.hash) for im in images.images}
         missing = [im for im in images.images if found[im.hash] is None]
         if missing:
@@ -813,7 +818,6 @@ class ModelRunner:
                 found[im.hash] = feats
                 cache.put(im.hash, feats)
         feats = torch.cat([found[im.hash] for im in images.images])  # type: ignore[misc]
-        x = self.model.embed(input_ids)
         extra = self.model.place_image_features(x, to_device(images.token_idx, dev), feats[to_device(images.rows, dev)])
         return x, extra
 

@@ -76,6 +76,9 @@ class ImageInput:
     time_interval: float = 1.0
     # LLaVA-NeXT: the image's (height, width) before preprocessing, which lays its features out (and its hash covers)
     size: Optional[tuple[int, int]] = None
+    # The features themselves, given (a prompt of embeddings, streamer/prompt_embeds.py: [length, width] in the
+    # model's dtype, on the host): no encoder runs, and pixel_values is empty
+    features: Optional[torch.Tensor] = None
 
     @property
     def end(self) -> int:
@@ -836,10 +839,3 @@ def decode_image(data: bytes) -> "Image":
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError) as e:
         raise ValueError(f"not a readable image ({type(e).__name__}: {e})") from None
     return im
-
-
-def check_truncation(images: Sequence[ImageInput]) -> None:
-    """Truncating a prompt (truncate_prompt_tokens) keeps its end: refused when it holds images, whose
-    placeholders the cut could split."""
-    if images:
-        raise ValueError("truncate_prompt_tokens cannot be used with a prompt that holds images")

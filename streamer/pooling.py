@@ -102,12 +102,6 @@ def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[floa
     return vec.tolist()
 
 
-def truncate_prompt(token_ids: list[int], options: object) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens, if the request's SamplingParams / PoolingParams ask."""
-    k = getattr(options, "truncate_prompt_tokens", None)
-    return token_ids[-k:] if k is not None and len(token_ids) > k else token_ids
-
-
 def finish_pooled(total: Any, count: int, params: PoolingParams, classifier: Optional["Classifier"]) -> list[float]:
     """A pooling request's result from its summed chunks: the embedding, or (classify, score) the classifier's
     output from the logits the runner's head made of the last token's hidden state."""

@@ -121,6 +121,11 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def embedded_prompt(self) -> bool:
+        """The prompt is embeddings (streamer/prompt_embeds.py): its placeholder ids stand for no tokens."""
+        return bool(self.images) and self.images[0].features is not None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

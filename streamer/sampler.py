@@ -88,7 +88,8 @@ def build_penalties(reqs: list[Request], rows: list[int], batch: int, vocab: int
         presence[row], frequency[row], repetition[row] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         out = torch.as_tensor(req.output_token_ids, dtype=torch.int64)
         counts[row].index_add_(0, out, torch.ones(len(out)))
-        seen[row, torch.as_tensor(req.prompt_token_ids, dtype=torch.int64)] = True
+        if not req.embedded_prompt:  # (an embedded prompt's placeholders are no tokens it has seen)
+            seen[row, torch.as_tensor(req.prompt_token_ids, dtype=torch.int64)] = True
         seen[row, out] = True
     return PenaltyBatch(*(to_device(t, device) for t in (presence, frequency, repetition, counts, seen)))
 

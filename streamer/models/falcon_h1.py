@@ -144,7 +144,11 @@ class FalconH1ForCausalLM(HybridModel, LlamaForCausalLM):
         self.lm_head_multiplier = float(raw.get("lm_head_multiplier", 1.0))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
+        return self.from_input_embeddings(self.embed_tokens(input_ids))
+
+    def from_input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        # (transformers skips the multiplier for given inputs_embeds; the contract here is the token ids' path)
+        return x * self.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.lm_head_multiplier

@@ -42,7 +42,10 @@ class GraniteForCausalLM(LlamaForCausalLM):
     decoder_layer = GraniteDecoderLayer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * float(self.cfg.raw.get("embedding_multiplier", 1.0))
+        return self.from_input_embeddings(self.embed_tokens(input_ids))
+
+    def from_input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(self.cfg.raw.get("embedding_multiplier", 1.0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) / float(self.cfg.raw.get("logits_scaling", 1.0))

@@ -268,6 +268,17 @@ class LlamaForCausalLM(nn.Module):
         """The residual stream's start (Gemma and Granite scale it)."""
         return self.embed_tokens(input_ids)
 
+    @property
+    def input_width(self) -> int:
+        """The embedding layer's output width: a prompt embedding's."""
+        return self.cfg.hidden_size
+
+    def from_input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """Given rows of the embedding layer's output (prompt embeddings: what transformers'
+        `get_input_embeddings()` makes of token ids, Gemma's scale included), the residual stream's start as
+        `embed` makes it of token ids (Granite's multiplier and OPT's projection come after that layer)."""
+        return x
+
     packed_head: Optional[torch.Tensor] = None
     aux_layers: tuple[int, ...] = ()  # see run_layers
     long_rope: Optional[tuple[int, int]] = None

@@ -124,7 +124,13 @@ class OPTForCausalLM(LlamaForCausalLM):
             self.project_out = ReplicatedLinear(hidden, width)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self.from_input_embeddings(self.embed_tokens(input_ids))
+
+    @property
+    def input_width(self) -> int:
+        return self.output_width
+
+    def from_input_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.project_in is None else self.project_in(x)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

@@ -21,6 +21,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from streamer import prompt_embeds
 from streamer.async_engine import AsyncEngine
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
@@ -120,10 +121,11 @@ class OpenAIServer:
         lora = self._check_model(req.model)
         if req.beam_search is not None:
             return await self._beam_search(req, lora)
-        gen = await self._start("cmpl", req.prompts, req, lora=lora)
+        prompts = await self._embedded_prompts(req.prompt_embeds) + req.prompts
+        gen = await self._start("cmpl", prompts, req, lora=lora)
         gen.scored_only = req.scored_only
         echo = [self._prompt_text(p) for p in req.prompts] if req.echo else None
-        fmt = CompletionFormat(len(req.prompts) * req.params.n, req.logprobs, req.return_token_ids, echo,
+        fmt = CompletionFormat(len(prompts) * req.params.n, req.logprobs, req.return_token_ids, echo,
                                req.params.n, self.engine.tokenizer.decode_token, req.prompt_logprobs,
                                req.scored_only)
         fmt.tokens_as_ids = self._tokens_as_ids(req)
@@ -327,6 +329,8 @@ class OpenAIServer:
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
             if isinstance(text, list):
                 text, ids = None, text
+            if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+                text = f"<prompt_embeds of shape {list(prompt['prompt_embeds'].shape)}>"
             logger.info("request %s%s received: prompt: %r, prompt_token_ids: %s, params: %s, lora: %s", rid,
                         f" (prompt {i})" if len(prompts) > 1 else "", text[:cut] if text is not None else None,
                         ids[:cut] if ids is not None else None, req.params, lora)
@@ -497,6 +501,21 @@ class OpenAIServer:
         raise APIError(f"The model `{model}` does not exist. This server serves `{self.model_name}`"
                        + "".join(f", `{n}`" for n in self._loras()) + ".", 404, param="model",
                        code="model_not_found")
+
+    async def _embedded_prompts(self, items: list[str]) -> list[dict[str, Any]]:
+        """vLLM's prompt_embeds as engine prompts (decoded off the loop: each is a tensor the size of a prompt)."""
+        if not items:
+            return []
+        if not self.engine.config.enable_prompt_embeds:
+            raise APIError("prompt_embeds needs the server started with --enable-prompt-embeds",
+                           param="prompt_embeds")
+        many = len(items) > 1
+        try:
+            tensors = await asyncio.to_thread(
+                lambda: [prompt_embeds.decode_base64(x, i if many else None) for i, x in enumerate(items)])
+        except ValueError as e:
+            raise APIError(str(e), param="prompt_embeds") from None
+        return [{"prompt_embeds": t} for t in tensors]
 
     def _prompt_text(self, prompt: PromptInput) -> str:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt, skip_special_tokens=False)

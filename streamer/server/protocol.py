@@ -257,7 +257,8 @@ _SAMPLING_FIELDS = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "to
                     "allowed_token_ids", "bad_words", "structured_outputs", "thinking_token_budget"}
 
 
-def value_error(e: ValueError, extra_fields: frozenset[str] = frozenset({"prompt", "priority"})) -> APIError:
+def value_error(e: ValueError,
+                extra_fields: frozenset[str] = frozenset({"prompt", "priority", "prompt_embeds"})) -> APIError:
     msg = str(e)
     return APIError(msg, param=_param_of(msg, _SAMPLING_FIELDS | extra_fields))
 
@@ -388,6 +389,8 @@ class CompletionRequest(_Common):
     best_of: Optional[int] = None
     n: int = 1  # choices per prompt in the response
     scored_only: bool = False  # echo with max_tokens 0: the prompt's logprobs, nothing generated
+    # vLLM's prompt_embeds: prompts given as embeddings (base64 of torch.save(tensor)), before the text prompts
+    prompt_embeds: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -405,9 +408,15 @@ class ChatRequest(_Common):
 
 
 def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> CompletionRequest:
-    prompts = parse_prompts(body.get("prompt"))
+    embeds = _prompt_embeds(body.get("prompt_embeds"))
+    # (with prompt_embeds, an empty prompt is the OpenAI client's required argument, not a prompt)
+    prompts = parse_prompts(body.get("prompt")) if not embeds or body.get("prompt") not in (None, "", []) else []
+    if len(embeds) + len(prompts) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
+    if echo and embeds:
+        raise APIError("echo is not supported with prompt_embeds (the prompt has no text)", param="echo")
     if body.get("suffix"):
         raise APIError("suffix is not supported", param="suffix")
     scored_only = _scored_only(body, echo)
@@ -427,8 +436,21 @@ def parse_completion(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> 
     beam = _beam_search(body, common)
     if best_of is not None and beam is not None:
         raise APIError("best_of is not supported with use_beam_search", param="best_of")
+    if beam is not None and embeds:
+        raise APIError("prompt_embeds is not supported with use_beam_search", param="prompt_embeds")
     return CompletionRequest(**vars(common), prompts=prompts, echo=echo, beam_search=beam, logprobs=logprobs,
-                             best_of=best_of, n=n, scored_only=scored_only)
+                             best_of=best_of, n=n, scored_only=scored_only, prompt_embeds=embeds)
+
+
+def _prompt_embeds(v: Any) -> list[str]:
+    """vLLM's prompt_embeds: one base64 string (of torch.save(tensor)) or an array of them; decoded later."""
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not items or not all(isinstance(x, str) and x for x in items):
+        raise APIError("prompt_embeds must be a base64 string (of torch.save(tensor)) or a non-empty array of them, "
+                       f"got {_show(v)}", param="prompt_embeds")
+    return items
 
 
 def _scored_only(body: dict, echo: bool) -> bool:
