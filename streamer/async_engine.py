@@ -297,6 +297,12 @@ class AsyncEngine:
         return search.results()[0]
 
     # ------------------------------------------------------------------ LoRA adapters
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'
+        scheduling: what a step in flight reads was settled when it was scheduled.)"""
+        self._check_alive()
+        return self._core.reset_prefix_cache()
+
     async def add_lora(self, name: str, path: str) -> None:
         """Register a PEFT LoRA adapter folder under `name`; it is read and checked on a worker thread."""
         core = self._core

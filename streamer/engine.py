@@ -215,6 +215,12 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (`KVCacheManager.reset_prefix_cache`); returns the blocks forgotten."""
+        n = self.kv.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", n)
+        return n
+
     def resolve_lora(self, lora: LoRAType) -> Optional[LoRAAdapter]:
         return self.loras.resolve(lora)
 

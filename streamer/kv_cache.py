@@ -77,8 +77,12 @@ class BlockPool:
             self.block_hash[b] = block_hash
 
     def reset_prefix_cache(self) -> None:
-        for h, b in list(self.cached.items()):
+        """Nothing cached is findable any more; blocks in use stay their requests' (whose later full blocks are
+        cached again as they fill, but a lookup stops at the first block it misses, so never reaches them)."""
+        for b in self.cached.values():
             self.block_hash[b] = None
+            if self.ref_cnt[b] == 0:
+                self.free.move_to_end(b, last=False)  # (reused before the cached blocks that come back later)
         self.cached.clear()
 
 
@@ -272,6 +276,16 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (new weights, a benchmark's cold start): later requests compute their whole
+        prompt. Safe between steps: nothing a scheduled step reads is touched (a hybrid model's checkpoint copies
+        are taken with the step). Returns how many cached blocks were forgotten."""
+        n = len(self.pool.cached)
+        self.pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        return n
 
     @property
     def usage(self) -> float:

@@ -57,6 +57,10 @@ class LLM:
         """Register a PEFT LoRA adapter folder under `name` (needs enable_lora=True)."""
         self.engine.add_lora(name, path)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (the next prompts are computed whole); returns the blocks forgotten."""
+        return self.engine.reset_prefix_cache()
+
     def remove_lora(self, name: str) -> None:
         self.engine.remove_lora(name)
 

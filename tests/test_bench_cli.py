@@ -236,3 +236,27 @@ def test_default_input_len_fits_the_servers_context(tokdir: str, capsys: pytest.
         assert main(["--base-url", srv.base_url, "--tokenizer", tokdir, "--num-prompts", "2", "--output-len", "2",
                      "--progress", "off"]) == 0
         assert capsys.readouterr().err == ""
+
+
+def test_reset_prefix_cache_gives_the_timed_run_a_cold_cache(llama_dir, capsys: pytest.CaptureFixture[str]) -> None:
+    """--reset-prefix-cache: the warm-ups sent the same prompts, yet the timed run finds nothing cached (streamer's
+    POST /reset_prefix_cache); without it, it finds their blocks. A server without the route stops the run."""
+    from tests.server_utils import LiveServer
+
+    def argv(seed: int, *more: str) -> list[str]:
+        return ["--base-url", server.url, "--tokenizer", str(llama_dir), "--num-prompts", "2", "--input-len", "40",
+                "--output-len", "2", "--num-warmups", "2", "--max-concurrency", "1", "--seed", str(seed),
+                "--progress", "off", *more]
+
+    with LiveServer(llama_dir, block_size=16) as server:
+        kv = server.engine._core.kv  # type: ignore[union-attr]
+        before = kv.prefix_hits
+        assert main(argv(1, "--reset-prefix-cache")) == 0
+        assert kv.prefix_hits == before  # (two distinct random prompts: the warm-ups share nothing either)
+        assert main(argv(2)) == 0
+        assert kv.prefix_hits - before == 2 * 32  # each timed prompt found its warm-up's two full blocks
+    with FakeServer() as fake:
+        args = argv(1, "--reset-prefix-cache")
+        args[1] = fake.base_url
+        assert main(args) == 1
+        assert "POST /reset_prefix_cache failed (HTTP 404" in capsys.readouterr().err

@@ -227,7 +227,8 @@ def test_tensor_parallel_restores_on_every_rank(ckpt):
 
 def test_live_server_reports_cached_tokens(ckpt):
     """Through the server and the openai client: a conversation's next turn resumes from its first turn's
-    checkpoint (usage's cached_tokens, /metrics' prefix-cache hits), with transformers' tokens."""
+    checkpoint (usage's cached_tokens, /metrics' prefix-cache hits), with transformers' tokens; after
+    POST /reset_prefix_cache it resumes from nothing, to the same tokens."""
     import httpx
     import openai
 
@@ -252,4 +253,9 @@ def test_live_server_reports_cached_tokens(ckpt):
         assert cached > len(first), cached  # (into the answer: the checkpoint taken while it decoded)
         prom = httpx.get(server.url + "/metrics", timeout=30).text
         assert metric(prom, "vllm:prefix_cache_hits_total") == cached
+        # vLLM's POST /reset_prefix_cache: the blocks and the state checkpoints are forgotten
+        reset = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
+        assert reset.status_code == 200 and reset.json()["blocks"] > 0
+        out = complete(turn)
+        assert out.choices[0].token_ids == want and out.usage.prompt_tokens_details.cached_tokens == 0
         server.wait_idle()

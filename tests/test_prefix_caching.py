@@ -101,3 +101,28 @@ def test_cache_salt_isolates(llama_dir):
         while eng.has_unfinished():
             eng.step()
         assert state.req.num_cached_tokens == expect, (salt, expect)
+
+
+def test_reset_prefix_cache_forgets_everything_while_requests_run(cold, llama_dir):
+    """reset_prefix_cache between steps: later prompts find nothing (also none of a running request's blocks),
+    the running request goes on to the same output, nothing leaks."""
+    llm = LLM(str(llama_dir), dtype="float32", block_size=BS)
+    eng = llm.engine
+    a, b = _rand(4 * BS, seed=11), _rand(3 * BS, seed=12)
+    ref, _ = _ids(cold, [a, b])
+    assert _ids(llm, [a]) == ([ref[0]], [0])
+    assert _ids(llm, [a]) == ([ref[0]], [3 * BS])
+    (running,) = eng.add_request(None, b, GREEDY, prompt_token_ids=b)
+    for _ in range(3):
+        eng.step()
+    assert llm.reset_prefix_cache() >= 4 + 3  # a's blocks, and the running b's prompt blocks
+    assert eng.kv.pool.cached == {}
+    (again,) = eng.add_request(None, b, GREEDY, prompt_token_ids=b)  # b's own blocks are no longer findable
+    while eng.has_unfinished():
+        eng.step()
+    assert running.req.output_token_ids == again.req.output_token_ids == ref[1]
+    assert again.req.num_cached_tokens == 0
+    assert _ids(llm, [a]) == ([ref[0]], [0])
+    assert _ids(llm, [a]) == ([ref[0]], [3 * BS])  # caching goes on after a reset
+    eng.kv.check_consistency()
+    assert eng.kv.pool.num_free == eng.kv.num_blocks

@@ -27,6 +27,7 @@ ops = st.lists(st.one_of(
               st.integers(0, 3)),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 1000)),
+    st.tuples(st.just("reset")),  # reset_prefix_cache, whatever is running
 ), min_size=1, max_size=60)
 
 
@@ -46,6 +47,7 @@ class Sim:
         self.finished: list[Request] = []
         self.rng = random.Random(0)
         self.n = 0
+        self.owners_at_reset: dict[int, set[str]] = {}  # blocks in use at a reset_prefix_cache: their owners then
 
     def add(self, prompt_len: int, max_tokens: int, prefix: int, prio: int, lora: int = 0,
             image: Optional[tuple[int, int, int]] = None) -> None:
@@ -110,8 +112,9 @@ class Sim:
             for b in blocks:
                 shared.setdefault(b, []).append(rid)
         for b, owners in shared.items():
-            if len(owners) > 1:
-                assert self.kv.pool.block_hash[b] is not None, "a block is shared without being a cached prefix"
+            if len(owners) > 1 and self.kv.pool.block_hash[b] is None:  # (a reset unhashes blocks shared then)
+                assert set(owners) <= self.owners_at_reset.get(b, set()), \
+                    "a block is shared without being a cached prefix"
 
     def check_lora(self, out) -> None:
         """Every running request with an adapter holds a slot with that adapter in it; slot users add up."""
@@ -136,9 +139,24 @@ class Sim:
                 self.add(*op[1:])
             elif op[0] == "step":
                 self.step()
+            elif op[0] == "reset":
+                self.reset()
             else:
                 self.abort(op[1])
         self.drain()
+
+    def reset(self) -> None:
+        """reset_prefix_cache between two steps: nothing cached is found afterwards (the requests' own blocks are
+        still theirs; the attention check in `step` catches any wrong reuse)."""
+        self.owners_at_reset = {}
+        for rid, blocks in self.kv.req_blocks.items():
+            for b in blocks:
+                self.owners_at_reset.setdefault(b, set()).add(rid)
+        self.kv.reset_prefix_cache()
+        assert not self.kv.pool.cached and all(h is None for h in self.kv.pool.block_hash)
+        if self.kv.checkpoints is not None:
+            assert not self.kv.checkpoints.lru
+        self.kv.check_consistency()
 
     def drain(self) -> None:
         for _ in range(5000):

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gamma shape of the arrivals: 1 = Poisson, < 1 burstier, > 1 more uniform")
     g.add_argument("--max-concurrency", type=_int_at_least(1), default=None)
     g.add_argument("--num-warmups", type=_int_at_least(0), default=0, help="untimed requests sent first")
+    g.add_argument("--reset-prefix-cache", action="store_true",
+                   help="POST /reset_prefix_cache before the timed run (after the warm-ups), so that it starts with "
+                        "a cold prefix cache (streamer; vLLM with VLLM_SERVER_DEV_MODE=1)")
     g.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: true")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", type=_json_object, default={}, help="JSON object merged into every request")
@@ -308,6 +311,7 @@ def bench_main(argv: Sequence[str]) -> int:
     cfg = RunConfig(base_url=args.base_url, model=model, endpoint=args.endpoint,
                     request_rate=args.request_rate, burstiness=args.burstiness,
                     max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, ignore_eos=args.ignore_eos,
+                    reset_prefix_cache=args.reset_prefix_cache,
                     temperature=args.temperature, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                     timeout=args.timeout, seed=args.seed, extra_body=args.extra_body,
                     progress=args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()))

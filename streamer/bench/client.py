@@ -227,11 +227,12 @@ class HttpClient:
         self._common = (f"Host: {host_hdr}\r\nUser-Agent: streamer-bench\r\nAccept: */*\r\n{auth}").encode()
         self._idle: list[_Conn] = []
 
-    def url(self, path: str) -> str:
-        return f"{self.prefix}{path}"
+    def url(self, path: str, root: bool = False) -> str:
+        """`root`: a path beside /v1, not under it (vLLM's /reset_prefix_cache)."""
+        return f"{self.prefix.removesuffix('/v1') if root else self.prefix}{path}"
 
-    async def post(self, path: str, body: bytes) -> RawResponse:
-        head = (f"POST {self.url(path)} HTTP/1.1\r\n").encode() + self._common
+    async def post(self, path: str, body: bytes, root: bool = False) -> RawResponse:
+        head = (f"POST {self.url(path, root)} HTTP/1.1\r\n").encode() + self._common
         head += b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
         return await self._send(head + body)
 

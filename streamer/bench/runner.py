@@ -26,6 +26,7 @@ class RunConfig:
     burstiness: float = 1.0
     max_concurrency: Optional[int] = None
     num_warmups: int = 0
+    reset_prefix_cache: bool = False  # POST /reset_prefix_cache before the timed run (after any warm-ups)
     ignore_eos: bool = False
     temperature: float = 0.0
     api_key: Optional[str] = None
@@ -196,9 +197,20 @@ async def run(cfg: RunConfig, requests: Sequence[SampleRequest], tok: Optional[T
         bodies = [request_body(cfg, model, r) for r in requests]
         if cfg.num_warmups:
             await _warmup(cfg, client, path, bodies)
+        if cfg.reset_prefix_cache:
+            await _reset_prefix_cache(client)
         return await _timed(cfg, client, path, model, requests, bodies, tok)
     finally:
         await client.close()
+
+
+async def _reset_prefix_cache(client: HttpClient) -> None:
+    """A cold prefix cache for the timed run: the warm-ups (or an earlier run) sent the same prompts."""
+    r = await client.post("/reset_prefix_cache", b"", root=True)
+    if r.error or r.status != 200:
+        why = r.error or f"HTTP {r.status}: {bytes(r.body[:200]).decode(errors='replace')}"
+        raise BenchError(f"--reset-prefix-cache: POST /reset_prefix_cache failed ({why}); vLLM serves it only "
+                         "with VLLM_SERVER_DEV_MODE=1")
 
 
 async def _warmup(cfg: RunConfig, client: HttpClient, path: str, bodies: list[bytes]) -> None:

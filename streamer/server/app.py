@@ -435,6 +435,14 @@ class OpenAIServer:
         from streamer import __version__
         return JSONResponse({"version": __version__})
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's POST /reset_prefix_cache (a benchmark's cold start; new weights): every cached prefix forgotten."""
+        try:
+            n = await self.engine.reset_prefix_cache()
+        except Exception as e:
+            raise engine_error(e) from None
+        return JSONResponse({"reset": True, "blocks": n})
+
     async def metrics(self, request: Request) -> Response:
         text = self.engine.metrics.render() if self.engine.metrics is not None else ""
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -693,6 +701,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/invocations", s.invocations, methods=["POST"]),
         Route("/metrics", s.metrics, methods=["GET"]),
         Route("/version", s.version, methods=["GET"]),
+        Route("/reset_prefix_cache", s.reset_prefix_cache, methods=["POST"]),
         Route("/tokenize", s.tokenize, methods=["POST"]),
         Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
