@@ -226,3 +226,17 @@ def test_async_engine_streams_a_prompt_of_embeddings(llama_dir):
 
     as_float, as_bf16 = asyncio.run(main())
     assert len(as_bf16) == 8 and as_bf16 == as_float
+
+
+def test_tensor_parallel_ranks_place_the_same_rows(make_ckpt):
+    """Under tensor parallelism every rank gets the step's rows with the step (OPT: each rank projects them)."""
+    path = make_ckpt("embeds-opt", family="opt", word_embed_proj_dim=32)
+    soft = _soft_prompt(32, 19)
+    want = llm(path).generate({"prompt_embeds": soft}, GREEDY, use_tqdm=False)
+    with LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=64, enable_prompt_embeds=True,
+             tensor_parallel_size=2, max_num_batched_tokens=8) as tp:
+        got = tp.generate({"prompt_embeds": soft}, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        (t, lp), = [(t, lp.logprob) for t, lp in a.items() if lp.rank == 1]
+        assert b[t].logprob == pytest.approx(lp, abs=1e-3)
