@@ -539,7 +539,8 @@ def _replay(raw: bytes, receive: Receive) -> Receive:
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(f"the request body is larger than {limit} bytes", 413, code="request_too_large")
+    return APIError(f"the request body is larger than {limit} bytes (the server's --max-body-bytes)", 413,
+                    code="request_too_large")
 
 
 def best_choices(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
