@@ -260,3 +260,20 @@ def test_reset_prefix_cache_gives_the_timed_run_a_cold_cache(llama_dir, capsys: 
         args[1] = fake.base_url
         assert main(args) == 1
         assert "POST /reset_prefix_cache failed (HTTP 404" in capsys.readouterr().err
+
+
+def test_messages_endpoint_against_a_live_server(llama_dir, tmp_path: Path) -> None:
+    """--endpoint messages drives Anthropic's /v1/messages: every request completes with the asked output length
+    (message_delta's usage), the prompt lengths from message_start's."""
+    from tests.server_utils import LiveServer
+
+    res = tmp_path / "r.json"
+    with LiveServer(llama_dir) as server:
+        assert main(["--base-url", server.url, "--tokenizer", str(llama_dir), "--endpoint", "messages",
+                     "--num-prompts", "4", "--input-len", "12", "--output-len", "5", "--ignore-eos",
+                     "--max-concurrency", "2", "--save-result", str(res), "--progress", "off"]) == 0
+    doc = json.loads(res.read_text())
+    assert doc["summary"]["completed"] == 4 and doc["summary"]["failed"] == 0
+    reqs = doc["requests"]
+    assert [r["output_len"] for r in reqs] == [5] * 4 and all(r["output_len_source"] == "usage" for r in reqs)
+    assert all(r["prompt_len"] > 0 for r in reqs)

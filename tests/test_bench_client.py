@@ -169,3 +169,38 @@ def test_text_without_usage_is_left_for_the_tokenizer(monkeypatch: pytest.Monkey
     res, pending = to_result(resp, SampleRequest("p", 5, 4), sent=0.0)
     assert res.success and pending == "abcd"
     assert (res.prompt_len, res.output_len, res.output_len_source) == (5, 2, "chunks")
+
+
+def anthropic(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\n" + event({"type": kind, **fields})
+
+
+def test_anthropic_messages_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--endpoint messages: each content_block_delta is a token chunk (text, thinking, tool JSON alike), usage comes
+    from message_start (input) and message_delta (output), message_stop ends it."""
+    start = anthropic("message_start", message={"id": "m", "usage": {"input_tokens": 7, "output_tokens": 0}})
+    block = anthropic("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    reads = [(1.0, HEAD_CHUNKED + chunked(start + block)),
+             (1.25, chunked(anthropic("content_block_delta", index=0, delta={"type": "thinking_delta",
+                                                                              "thinking": "hm"}))),
+             (1.5, chunked(anthropic("content_block_delta", index=0, delta={"type": "text_delta", "text": "a"}))),
+             (2.0, chunked(anthropic("content_block_delta", index=1, delta={"type": "input_json_delta",
+                                                                             "partial_json": "{}"}))),
+             (2.5, chunked(anthropic("content_block_stop", index=1)
+                           + anthropic("message_delta", delta={"stop_reason": "max_tokens"},
+                                       usage={"output_tokens": 3}))),
+             (3.0, chunked(anthropic("message_stop")) + b"0\r\n\r\n")]
+    resp = drive(reads, monkeypatch)
+    out = interpret(resp, messages=True)
+    assert out.done and not out.error and out.text == "hma{}"
+    assert out.token_times == [1.25, 1.5, 2.0]
+    res, pending = to_result(resp, SampleRequest("p", 1, 3), sent=1.0, endpoint="messages")
+    assert res.success and pending is None
+    assert (res.ttft, res.itl, res.latency) == (0.25, [0.25, 0.5], 2.0)
+    assert (res.prompt_len, res.output_len, res.output_len_source) == (7, 3, "usage")
+    # no message_stop: a broken stream; an error event: its message
+    cut = drive(reads[:-1] + [(3.0, b"0\r\n\r\n")], monkeypatch)
+    assert to_result(cut, SampleRequest("p", 1, 3), 1.0, "messages")[0].error == "stream ended without message_stop"
+    busy = anthropic("error", error={"type": "overloaded_error", "message": "busy"})
+    err = drive([(1.0, HEAD_CHUNKED + chunked(start + busy) + b"0\r\n\r\n")], monkeypatch)
+    assert to_result(err, SampleRequest("p", 1, 3), 1.0, "messages")[0].error == "error in stream: busy"

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "serves as --tokenizer")
     a("--served-model-name", help="name sent in requests when it differs from --model")
     a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
-    a("--endpoint", choices=("completions", "chat"), default="completions")
+    a("--endpoint", choices=("completions", "chat", "messages"), default="completions",
+      help="/v1/completions, /v1/chat/completions, or Anthropic's /v1/messages")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "file", "prefix"),
                    help="random prompts, a JSON/JSONL/ShareGPT file, or prefix-sharing groups "
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-shuffle", action="store_true", help="keep the order of a prompt file")
     g.add_argument("--images-per-request", type=_int_at_least(0), default=0,
                    help="random-pixel images sent with each request as image_url parts (vision-language models; "
-                        "needs --endpoint chat); each request gets its own")
+                        "needs --endpoint chat or messages); each request gets its own")
     g.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
                    help="the images' size in pixels (default 512x512)")
     g.add_argument("--seed", type=int, default=0)
@@ -159,8 +160,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dataset-path is only for --dataset file, not {args.dataset}")
     if args.dataset == "prefix" and args.prefix_len < 1:
         p.error("--dataset prefix needs --prefix-len >= 1")
-    if args.images_per_request and args.endpoint != "chat":
-        p.error("--images-per-request needs --endpoint chat (images travel as chat content parts)")
+    if args.images_per_request and args.endpoint == "completions":
+        p.error("--images-per-request needs --endpoint chat or messages (images travel as content parts)")
     if args.plot and not report.plot_available():
         p.error("--plot needs matplotlib: pip install 'streamer[plot]'")
     for f in (args.save_result, args.plot):

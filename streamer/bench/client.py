@@ -329,12 +329,15 @@ class StreamOutcome:
     error: str = ""
 
 
-def interpret(resp: RawResponse) -> StreamOutcome:
-    """Turn a completed 200 response into token times, text and usage (completions and chat alike).
+def interpret(resp: RawResponse, messages: bool = False) -> StreamOutcome:
+    """Turn a completed 200 response into token times, text and usage (completions and chat alike; `messages`:
+    Anthropic's Messages API events instead, `interpret_messages`).
 
     A chunk counts as a token chunk when it has choices and carries text, or carries none while not being a
     role announcement or a bare finish (special tokens and held-back bytes arrive as empty text).
     """
+    if messages:
+        return interpret_messages(resp)
     out = StreamOutcome()
     parts: list[str] = []
     body = bytes(resp.body)
@@ -365,6 +368,37 @@ def interpret(resp: RawResponse) -> StreamOutcome:
             if text or not (ch.get("finish_reason") or (isinstance(delta, dict) and "role" in delta)):
                 out.token_times.append(out.end_time)
                 parts.append(text)
+    out.text = "".join(parts)
+    return out
+
+
+def interpret_messages(resp: RawResponse) -> StreamOutcome:
+    """Anthropic's stream: each `content_block_delta` (text, thinking or a tool call's JSON) is a token chunk;
+    `message_start` carries the prompt's tokens, `message_delta` the output's, `message_stop` ends it (no [DONE])."""
+    out = StreamOutcome()
+    parts: list[str] = []
+    for end, data in sse_events(bytes(resp.body)):
+        out.end_time = resp.time_at(end)
+        try:
+            obj = _loads(data)
+        except ValueError:
+            out.error = f"invalid JSON in stream: {data[:120]!r}"
+            return out
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        if kind == "error":
+            out.error = "error in stream: " + _error_text(obj)
+            return out
+        if kind == "message_start":
+            usage = (obj.get("message") or {}).get("usage") or {}
+            out.prompt_tokens = usage.get("input_tokens", out.prompt_tokens)
+        elif kind == "message_delta":
+            out.completion_tokens = (obj.get("usage") or {}).get("output_tokens", out.completion_tokens)
+        elif kind == "message_stop":
+            out.done = True
+        elif kind == "content_block_delta":
+            delta = obj.get("delta") or {}
+            out.token_times.append(out.end_time)
+            parts.append(delta.get("text") or delta.get("thinking") or delta.get("partial_json") or "")
     out.text = "".join(parts)
     return out
 

@@ -21,7 +21,7 @@ from streamer.bench.metrics import RequestResult
 class RunConfig:
     base_url: str
     model: Optional[str] = None  # None: the first id of GET /v1/models
-    endpoint: str = "completions"  # "completions" | "chat"
+    endpoint: str = "completions"  # "completions" | "chat" | "messages" (Anthropic's)
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: Optional[int] = None
@@ -58,16 +58,23 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarr
 
 
 def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                            "temperature": cfg.temperature}
-    if cfg.endpoint == "chat":
+    body: dict[str, Any] = {"model": model, "stream": True, "temperature": cfg.temperature}
+    if cfg.endpoint == "messages":  # Anthropic's: usage always streams; images as base64 image blocks
         content: Any = req.prompt
+        if req.images:
+            content = [_anthropic_image(u) for u in req.images] + [{"type": "text", "text": req.prompt}]
+        body["messages"] = [{"role": "user", "content": content}]
+        body["max_tokens"] = req.output_len
+    elif cfg.endpoint == "chat":
+        body["stream_options"] = {"include_usage": True}
+        content = req.prompt
         if req.images:  # OpenAI's content parts: the images, then the text
             content = [{"type": "image_url", "image_url": {"url": u}} for u in req.images]
             content.append({"type": "text", "text": req.prompt})
         body["messages"] = [{"role": "user", "content": content}]
         body["max_completion_tokens"] = req.output_len
     else:
+        body["stream_options"] = {"include_usage": True}
         body["prompt"] = req.prompt
         body["max_tokens"] = req.output_len
     if cfg.ignore_eos:
@@ -76,23 +83,32 @@ def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
     return json.dumps(body, ensure_ascii=False).encode()
 
 
+def _anthropic_image(url: str) -> dict[str, Any]:
+    """A data: URL as an Anthropic base64 image block."""
+    head, _, data = url.partition(",")
+    return {"type": "image", "source": {"type": "base64", "media_type": head.removeprefix("data:").split(";")[0],
+                                        "data": data}}
+
+
 def endpoint_path(endpoint: str) -> str:
-    return "/chat/completions" if endpoint == "chat" else "/completions"
+    return {"chat": "/chat/completions", "messages": "/messages"}.get(endpoint, "/completions")
 
 
-def to_result(resp: RawResponse, req: SampleRequest, sent: float) -> tuple[RequestResult, Optional[str]]:
+def to_result(resp: RawResponse, req: SampleRequest, sent: float,
+              endpoint: str = "completions") -> tuple[RequestResult, Optional[str]]:
     """RequestResult (absolute `start`) plus the generated text when its tokens must still be counted."""
     res = RequestResult(prompt_len=req.prompt_len, asked_output_len=req.output_len, start=sent)
     if resp.status != 200:
         res.error = error_of(resp)
         return res, None
-    out = interpret(resp)  # even after a broken connection: an error event in the stream says more
+    out = interpret(resp, messages=endpoint == "messages")  # (after a broken connection too: an error event says more)
     if out.error:
         res.error = out.error
     elif resp.error:
         res.error = resp.error
     elif not out.done:
-        res.error = "stream ended without data: [DONE]"
+        res.error = "stream ended without message_stop" if endpoint == "messages" else \
+            "stream ended without data: [DONE]"
     elif not out.token_times:
         res.error = "no token chunks in the stream"
     if res.error:
@@ -244,7 +260,7 @@ async def _timed(cfg: RunConfig, client: HttpClient, path: str, model: str, requ
         finally:
             if sem is not None:
                 sem.release()
-        res, text = to_result(resp, requests[i], sent)
+        res, text = to_result(resp, requests[i], sent, cfg.endpoint)
         if text is not None:
             pending.append((res, text))
         results[i] = res
