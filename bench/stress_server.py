@@ -1,20 +1,25 @@
 """A mixed-feature soak of a live server: random completions, chat and Anthropic Messages requests combining n,
 streaming, usage, logprobs, stops, seeds, bad_words, penalties, min_tokens, top-k/p, priorities, best_of, echo
-(max_tokens 0 too), JSON mode, token ids, thinking budgets and strict tools, plus some invalid ones and ~15%
+(max_tokens 0 too), JSON mode, token ids, thinking budgets, strict tools and prompt embeddings, plus some invalid
+ones and ~15%
 abandoned mid-way. Prints the status counts (any 5xx, error event or unexpected 400 is printed with its body) and,
 after the load, the running/waiting/KV-usage gauges, which must be back to 0 (nothing leaked).
 
     streamer serve --port 8012 --num-kv-blocks 96 --max-num-seqs 24 \
         --reasoning-parser deepseek_r1 --tool-call-parser hermes    # small cache: preemptions happen
     python bench/stress_server.py http://127.0.0.1:8012 --requests 600 --seed 2 --reasoning --tools
+(`--embeds 256`: the server has --enable-prompt-embeds and that hidden size, the demo model's.)
 """
 import argparse
 import asyncio
+import base64
+import io
 import json
 import random
 import time
 
 import httpx
+import torch
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("url")
@@ -24,6 +29,8 @@ ap.add_argument("--concurrency", type=int, default=48)
 ap.add_argument("--model", default=None, help="default: the server's first model")
 ap.add_argument("--reasoning", action="store_true", help="the server has a reasoning parser: send thinking budgets")
 ap.add_argument("--tools", action="store_true", help="the server has the hermes tool parser: send strict tools")
+ap.add_argument("--embeds", type=int, default=0, metavar="HIDDEN",
+                help="the server takes prompt_embeds of this width: send some (and some of the wrong width)")
 args = ap.parse_args()
 URL = args.url
 N = args.requests
@@ -51,6 +58,16 @@ def messages_body():
         b["tools"] = [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
         b["tool_choice"] = rng.choice([{"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "auto"}])
     return "/v1/messages", b
+
+
+BAD: set = set()  # ids of bodies the server must refuse with a 400 (besides temperature < 0)
+
+
+def embeds_b64(rows: int, width: int) -> str:
+    buf = io.BytesIO()
+    torch.save(torch.randn(rows, width, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) * 0.05,
+               buf)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def body():
@@ -93,7 +110,19 @@ def body():
         b["echo"] = True
         if rng.random() < 0.5:
             b["max_tokens"], b["min_tokens"] = 0, 0
+    if not chat and args.embeds and not b.get("echo") and rng.random() < 0.15:
+        wrong = rng.random() < 0.1
+        b["prompt_embeds"] = [embeds_b64(rng.choice([3, 20, 70]), args.embeds + wrong)
+                              for _ in range(rng.choice([1, 1, 2]))]
+        if rng.random() < 0.5:
+            b["prompt"] = ""  # (the embedded prompts alone)
+        if wrong:
+            BAD.add(id(b))
     return ("/v1/chat/completions" if chat else "/v1/completions"), b
+
+def expected_400(b: dict) -> bool:
+    return b.get("temperature", 0) < 0 or id(b) in BAD
+
 
 stats: dict = {}
 async def one(c, i):
@@ -114,7 +143,7 @@ async def one(c, i):
                             key = "stream-error:" + line[:200]
                 else:
                     await r.aread()
-                    if r.status_code >= 500 or b.get("temperature", 0) >= 0:
+                    if r.status_code >= 500 or not expected_400(b):
                         key = f"{r.status_code}:{json.dumps(b)[:200]} -> {r.text[:300]}"
         else:
             if abandon:
@@ -125,10 +154,12 @@ async def one(c, i):
             else:
                 r = await c.post(path, json=b)
                 key = r.status_code
-                if r.status_code >= 500 or r.status_code == 400 and b.get("temperature", 0) >= 0:
+                if r.status_code >= 500 or r.status_code == 400 and not expected_400(b):
                     key = f"{r.status_code}:{json.dumps(b)[:300]} -> {r.text[:300]}"
     except Exception as e:
         key = f"exc:{type(e).__name__}:{e}"
+    if key == 200 and id(b) in BAD:
+        key = f"unexpected 200: {json.dumps(b)[:200]}"
     stats[key] = stats.get(key, 0) + 1
 
 async def main():
