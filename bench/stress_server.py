@@ -60,7 +60,7 @@ def messages_body():
     return "/v1/messages", b
 
 
-BAD: set = set()  # ids of bodies the server must refuse with a 400 (besides temperature < 0)
+BAD: dict = {}  # bodies the server must refuse with a 400 (besides temperature < 0), by id (kept alive: ids unique)
 
 
 def embeds_b64(rows: int, width: int) -> str:
@@ -117,7 +117,8 @@ def body():
         if rng.random() < 0.5:
             b["prompt"] = ""  # (the embedded prompts alone)
         if wrong:
-            BAD.add(id(b))
+            BAD[id(b)] = b
+        stats["(sent with prompt_embeds)"] = stats.get("(sent with prompt_embeds)", 0) + 1
     return ("/v1/chat/completions" if chat else "/v1/completions"), b
 
 def expected_400(b: dict) -> bool:
