@@ -240,3 +240,15 @@ def test_tensor_parallel_ranks_place_the_same_rows(make_ckpt):
     for a, b in zip(want[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
         (t, lp), = [(t, lp.logprob) for t, lp in a.items() if lp.rank == 1]
         assert b[t].logprob == pytest.approx(lp, abs=1e-3)
+
+
+def test_speculative_decoding_over_a_prompt_of_embeddings(llama_dir):
+    """n-gram drafts look up the request's tokens, the placeholders among them: drafts may be wasted, never the
+    output (greedy: the plain engine's tokens)."""
+    embeds = hf_embeds(llama_dir, PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = llm(llama_dir).generate([{"prompt_embeds": e} for e in embeds], params, use_tqdm=False)
+    spec_llm = llm(llama_dir, num_speculative_tokens=3, prompt_lookup_min=1)
+    spec = spec_llm.generate([{"prompt_embeds": e} for e in embeds], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert spec_llm.engine.num_draft_tokens > 0
