@@ -496,19 +496,21 @@ def test_a_real_qwen2_vl_config_reads() -> None:
 
 def test_bench_sends_images(llava_dir: Path, tmp_path: Path) -> None:
     """`streamer bench --images-per-request` against a live LLaVA server: every request carries its own image as
-    an image_url part, and the server's usage counts the image's tokens."""
+    an image_url part (chat) or a base64 image block (Anthropic's messages), and the server's usage counts the
+    image's tokens."""
     import json
 
     from streamer.bench import main
-    out = tmp_path / "run.json"
     with LiveServer(llava_dir) as server:
-        code = main(["--base-url", server.url, "--endpoint", "chat", "--tokenizer", str(llava_dir),
-                     "--input-len", "8", "--output-len", "4", "--num-prompts", "4", "--images-per-request", "1",
-                     "--image-size", "40x30", "--save-result", str(out), "--progress", "off"])
-        assert code == 0
-        encoded = server.engine._core.runner.encoder_cache.num_encoded  # type: ignore[union-attr]
-    doc = json.loads(out.read_text())
-    assert [r["success"] for r in doc["requests"]] == [True] * 4
-    assert all(r["prompt_len"] > 8 + TOKENS for r in doc["requests"])  # text + template + the image's tokens
-    assert encoded == 4  # four distinct images
+        for i, endpoint in enumerate(("chat", "messages")):
+            out = tmp_path / f"{endpoint}.json"
+            code = main(["--base-url", server.url, "--endpoint", endpoint, "--tokenizer", str(llava_dir),
+                         "--input-len", "8", "--output-len", "4", "--num-prompts", "4", "--images-per-request", "1",
+                         "--image-size", "40x30", "--seed", str(i), "--save-result", str(out), "--progress", "off"])
+            assert code == 0
+            encoded = server.engine._core.runner.encoder_cache.num_encoded  # type: ignore[union-attr]
+            doc = json.loads(out.read_text())
+            assert [r["success"] for r in doc["requests"]] == [True] * 4
+            assert all(r["prompt_len"] > 8 + TOKENS for r in doc["requests"])  # text + template + the image's
+            assert encoded == 4 * (i + 1)  # four distinct images each time
     assert main(["--base-url", "http://127.0.0.1:9", "--images-per-request", "1"]) == 2  # needs --endpoint chat
