@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings, resolve_model_dir
 from streamer.multimodal import ImagePrompts
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
@@ -297,6 +297,17 @@ class AsyncEngine:
         return search.results()[0]
 
     # ------------------------------------------------------------------ LoRA adapters
+    async def update_weights(self, folder: str) -> None:
+        """New weights from a checkpoint of the same model, loaded on the device thread between two steps (steps
+        queued before it run with the old weights, those after with the new), then the prefix cache reset.
+        ValueError (nothing changed) for another model's checkpoint; RuntimeError for a failure part-way (a
+        corrupt file): the weights are then mixed until a complete checkpoint is loaded again."""
+        self._check_alive()
+        core = self._core
+        await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights,
+                                                         resolve_model_dir(folder))
+        core.reset_prefix_cache()
+
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'
         scheduling: what a step in flight reads was settled when it was scheduled.)"""

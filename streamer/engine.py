@@ -215,6 +215,13 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name)
 
+    def update_weights(self, folder: str | Path) -> None:
+        """New weights for the running model from a checkpoint of it (`ModelRunner.update_weights`), then a reset
+        prefix cache (its KV came from the old weights). Requests already running go on with the new weights over
+        their old KV, as in SGLang and vLLM; abort or finish them first for outputs from the new weights alone."""
+        self.runner.update_weights(resolve_model_dir(str(folder)))
+        self.reset_prefix_cache()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (`KVCacheManager.reset_prefix_cache`); returns the blocks forgotten."""
         n = self.kv.reset_prefix_cache()

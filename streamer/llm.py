@@ -57,6 +57,11 @@ class LLM:
         """Register a PEFT LoRA adapter folder under `name` (needs enable_lora=True)."""
         self.engine.add_lora(name, path)
 
+    def update_weights(self, folder: str) -> None:
+        """Load a checkpoint of the same model (same config and tensor names: the next step of RL training, say)
+        into the running model in place; the prefix cache is reset. ValueError for another model's checkpoint."""
+        self.engine.update_weights(folder)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (the next prompts are computed whole); returns the blocks forgotten."""
         return self.engine.reset_prefix_cache()

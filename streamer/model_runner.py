@@ -28,7 +28,7 @@ from streamer.lora import LoRAAdapter
 from streamer.models import lora
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
-from streamer.models.loader import _MODEL_CLASSES, load_model
+from streamer.models.loader import _MODEL_CLASSES, checkpoint_tensor_names, load_model, reload_weights
 from streamer.models.quant import fp8_supported
 from streamer.models.moe import SparseMoE
 from streamer.models.woq import parse_int_quant
@@ -848,6 +848,56 @@ class ModelRunner:
             torch.distributed.broadcast(tokens, src=0)
             self.keep_last_tokens(step.rows[idx], tokens)
 
+    def why_weights_fixed(self) -> Optional[str]:
+        """Why new weights cannot be loaded in place (None: they can): weights this engine derived at load
+        (quantized, absorbed), or parts of them held by other processes."""
+        if self.tp_size > 1:
+            return "not under tensor parallelism yet"
+        if getattr(self.model, "post_load", None) is not None:
+            return f"{self.model_cfg.architecture}'s weights are transformed after loading"
+        if self.model_cfg.quantization is not None or self.config.quantization not in (None, "none") or self.fp8:
+            return "not with quantized weights"
+        if self.model.kv_scales is not None:
+            return "not with a checkpoint's FP8 KV-cache scales"
+        return None
+
+    @torch.inference_mode()
+    def update_weights(self, folder: Path) -> None:
+        """Load a checkpoint of the same model (the same config and tensor names; e.g. the next step of RL
+        training) into the running model's tensors, in place: compiled graphs and CUDA graphs keep reading them.
+        On the device thread, between steps. CPU-packed linears get their plain weight back for the load, then
+        are packed again. ValueError (nothing changed) for a checkpoint of another shape."""
+        from streamer.models.config import ModelConfig
+        why = self.why_weights_fixed()
+        if why is not None:
+            raise ValueError(f"update_weights: {why}")
+        new = ModelConfig.from_dir(folder).with_mla_cache(self.config.mla_latent_cache)
+        if _structure(new) != _structure(self.model_cfg):
+            diff = sorted(k for k, v in _structure(new).items() if _structure(self.model_cfg).get(k) != v)
+            raise ValueError(f"update_weights: {folder} is not a checkpoint of this model (config differs in "
+                             f"{', '.join(diff)})")
+        names, ours = checkpoint_tensor_names(folder), checkpoint_tensor_names(self.model_dir)
+        if names != ours:
+            odd = sorted(names ^ ours)
+            raise ValueError(f"update_weights: {folder} holds other tensors than the model's ({', '.join(odd[:4])}"
+                             + (" ..." if len(odd) > 4 else "") + ")")
+        packed = [m for m in self.model.modules() if isinstance(m, PackableLinear) and m.unpack_for_load()]
+        head = self.model.lm_head if self.model.packed_head is not None else None
+        if head is not None:
+            head.weight.data = head.weight.data.new_empty(self.model.packed_head.shape)
+        try:
+            reload_weights(self.model, folder)
+        except Exception as e:  # (I/O or a corrupt file, after the checks): some tensors are already the new ones
+            raise RuntimeError(f"update_weights failed part-way ({e!r}): the model's weights are now mixed; load a "
+                               "complete checkpoint of the model again") from e
+        for m in packed:
+            m.repack()
+        if self.model.packed_head is not None:
+            self.model.pack_head_for_cpu()
+        self.model_dir = Path(folder)
+        self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)  # (images' features: the old encoder's)
+        logger.info("weights updated in place from %s", folder)
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
         if self.tp_workers is not None:
@@ -959,3 +1009,8 @@ class PendingStep:
             logprobs, ids, ranks = host
             result.logprobs, result.logprob_token_ids, result.ranks = logprobs.tolist(), ids.tolist(), ranks.tolist()
         return result
+
+
+def _structure(cfg: ModelConfig) -> dict[str, Any]:
+    """What a checkpoint must share with the running model for its weights to load in place."""
+    return {k: v for k, v in vars(cfg).items() if k not in ("raw", "torch_dtype", "bos_token_id", "eos_token_id")}

@@ -172,12 +172,24 @@ class PackableLinear(nn.Module):
         if self.fp8 is not None:
             return  # FP8 weights run through _scaled_mm
         if self.packed is None and self.qweight is None:  # (4-/8-bit weights are in their kernels' layout)
-            self.out_features = self.weight.shape[0]
+            self.out_features, self.in_features = self.weight.shape
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-            self.weight.data = self.weight.data.new_empty(0)  # loaders never run again; nothing else reads it
+            self.weight.data = self.weight.data.new_empty(0)  # (nothing else reads it; `unpack_for_load` restores)
         if as_op and self.op_id is None:
             _packed_layers.append(weakref.ref(self))  # weak: an engine's weights die with its model
             self.op_id = len(_packed_layers) - 1
+
+    def unpack_for_load(self) -> bool:
+        """Give a packed layer back a plain weight for a loader to fill (new weights in place); True if it was
+        packed (then `repack` after the load)."""
+        if self.packed is None:
+            return False
+        self.weight.data = self.weight.data.new_empty(self.out_features, self.in_features)
+        return True
+
+    def repack(self) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:

@@ -207,6 +207,22 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     return model.eval()
 
 
+def checkpoint_tensor_names(folder: Path) -> set[str]:
+    """Every tensor name of a folder's safetensors files (their headers only)."""
+    return {name for f in safetensors_files(folder) for name in _tensor_names(f)}
+
+
+def reload_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    """A checkpoint's weights copied into a loaded model's tensors, in place (compiled graphs and CUDA graphs keep
+    reading the same memory). The caller has checked that the checkpoint has the model's structure and that no
+    weight is derived (packed, quantized, absorbed) at the time."""
+    weights = _taking_kv_scales(model.rename_weights(iter_safetensors(safetensors_files(folder), "cpu")), {})
+    missing = model.expected_weights() - model.load_weights(weights)
+    if missing:
+        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s): "
+                         f"{', '.join(sorted(model.checkpoint_name(m) for m in missing)[:8])}")
+
+
 def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> set[str]:
     """Make every linear whose checkpoint weight is 4-bit, or 8-bit with one scale per output channel (all its
     parts, for a layer that packs several), take the codes; returns their checkpoint names. Read from the files'

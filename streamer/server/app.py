@@ -403,6 +403,21 @@ class OpenAIServer:
             raise APIError(str(e), param="lora_path" if name not in self._loras() else "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        """SGLang's `{"model_path"}`: a checkpoint of the served model (the next step of RL training) loaded in
+        place between two steps; the prefix cache is reset. 400 for a folder that is not one (nothing changed)."""
+        body = await self._json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise APIError("model_path must be a non-empty string", param="model_path")
+        try:
+            await self.engine.update_weights(path)
+        except (ValueError, FileNotFoundError) as e:
+            raise APIError(str(e), param="model_path") from None
+        except RuntimeError as e:
+            raise APIError(str(e), 500, "server_error") from None
+        return JSONResponse({"success": True, "message": f"weights updated from {path}"})
+
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = await self._json(request)
         name = body.get("lora_name")
@@ -666,13 +681,14 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               served_model_name: Optional[str | Sequence[str]] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
+              allow_weight_updates: bool = False,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               cors: Optional[CORSConfig] = None, return_tokens_as_token_ids: bool = False,
               log_requests: bool = False, max_log_len: Optional[int] = None,
               enforce_strict_tool_calling: bool = False) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
-    /v1/unload_lora_adapter. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
+    /v1/unload_lora_adapter. allow_weight_updates: serve SGLang's /update_weights_from_disk. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
     browser origins allowed (None: no CORS headers). return_tokens_as_token_ids: logprobs name tokens
     "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first
     max_log_len characters or token ids; None: all) and sampling parameters. enforce_strict_tool_calling: every
@@ -706,6 +722,8 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/tokenize", s.tokenize, methods=["POST"]),
         Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
+    if allow_weight_updates:
+        routes.append(Route("/update_weights_from_disk", s.update_weights_from_disk, methods=["POST"]))
     if allow_lora_updates:
         routes += [Route("/v1/load_lora_adapter", s.load_lora_adapter, methods=["POST"]),
                    Route("/v1/unload_lora_adapter", s.unload_lora_adapter, methods=["POST"])]

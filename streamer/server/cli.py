@@ -81,6 +81,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         " also '{\"name\": ..., \"path\": ...}'")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (loads folders of this machine)")
+    g.add_argument("--allow-weight-updates", action="store_true",
+                   help="serve POST /update_weights_from_disk {\"model_path\"}: new weights of the served model, from "
+                        "a checkpoint folder of this machine, loaded in place (RL rollouts)")
     g.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
                    help="how many /v1/responses responses to keep in memory for retrieval, previous_response_id and "
                         "background mode (least recently used out first; 0: store none)")
@@ -267,6 +270,7 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
                         max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         allow_lora_updates=args.allow_runtime_lora_updating,
+                        allow_weight_updates=args.allow_weight_updates,
                         responses_store_size=args.responses_store_size, cors=cors,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
