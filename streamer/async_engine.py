@@ -299,14 +299,17 @@ class AsyncEngine:
     # ------------------------------------------------------------------ LoRA adapters
     async def update_weights(self, folder: str) -> None:
         """New weights from a checkpoint of the same model, loaded on the device thread between two steps (steps
-        queued before it run with the old weights, those after with the new), then the prefix cache reset.
-        ValueError (nothing changed) for another model's checkpoint; RuntimeError for a failure part-way (a
-        corrupt file): the weights are then mixed until a complete checkpoint is loaded again."""
+        queued before it run with the old weights, those after with the new). The prefix cache is reset first,
+        here, on the loop: the steps already queued registered their blocks before it (so they are dropped), and
+        every step scheduled after it computes after the update (the device thread takes work in order), so
+        nothing cached from then on comes from the old weights. ValueError (nothing changed) for another model's
+        checkpoint; RuntimeError for a failure part-way (a corrupt file): the weights are then mixed until a
+        complete checkpoint is loaded again."""
         self._check_alive()
         core = self._core
+        core.reset_prefix_cache()
         await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights,
                                                          resolve_model_dir(folder))
-        core.reset_prefix_cache()
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'
