@@ -808,7 +808,8 @@ class ModelRunner:
         cache, dev = self.encoder_cache, self.device
         x = self.model.embed(input_ids)
         if images.images[0].features is not None:  # prompt embeddings (a text model's: no images among them)
-            rows = torch.cat([im.features for im in images.images])[torch.from_numpy(images.rows)]
+            given = [im.features for im in images.images]  # (one per prompt: no copy of a lone prompt's rows)
+            rows = (given[0] if len(given) == 1 else torch.cat(given))[torch.from_numpy(images.rows)]
             x[to_device(images.token_idx, dev)] = self.model.from_input_embeddings(rows.to(dev, non_blocking=True))
             return x, {}
         found = {im.hash: cache.get(im.hash) for im in images.images}
