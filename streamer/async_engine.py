@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings, resolve_model_dir
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings, WeightsArg, new_weights
 from streamer.multimodal import ImagePrompts
 from streamer.input_batch import StepInputs
 from streamer.lora import LoRARequest
@@ -297,19 +297,19 @@ class AsyncEngine:
         return search.results()[0]
 
     # ------------------------------------------------------------------ LoRA adapters
-    async def update_weights(self, folder: str) -> None:
-        """New weights from a checkpoint of the same model, loaded on the device thread between two steps (steps
-        queued before it run with the old weights, those after with the new). The prefix cache is reset first,
-        here, on the loop: the steps already queued registered their blocks before it (so they are dropped), and
-        every step scheduled after it computes after the update (the device thread takes work in order), so
-        nothing cached from then on comes from the old weights. ValueError (nothing changed) for another model's
-        checkpoint; RuntimeError for a failure part-way (a corrupt file): the weights are then mixed until a
-        complete checkpoint is loaded again."""
+    async def update_weights(self, weights: WeightsArg) -> None:
+        """New weights (a checkpoint folder of the same model, or all of its tensors by name: `LLM.update_weights`),
+        loaded on the device thread between two steps (steps queued before it run with the old weights, those after
+        with the new). The prefix cache is reset first, here, on the loop: the steps already queued registered
+        their blocks before it (so they are dropped), and every step scheduled after it computes after the update
+        (the device thread takes work in order), so nothing cached from then on comes from the old weights.
+        ValueError (nothing changed) for another model's weights; RuntimeError for a failure part-way (a corrupt
+        file): the weights are then mixed until a complete set is loaded again."""
         self._check_alive()
         core = self._core
+        source = new_weights(weights)
         core.reset_prefix_cache()
-        await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights,
-                                                         resolve_model_dir(folder))
+        await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights, source)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'

@@ -90,6 +90,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "own defaults) or a folder holding a generation_config.json")
     g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help='generation_config.json keys that win over the file, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help='config.json keys that win over the checkpoint\'s, e.g. \'{"max_position_embeddings": 65536, '
+                        '"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": '
+                        '32768}}\' (nested configs such as text_config are amended key by key)')
     im = p.add_argument_group("images (vision-language models)")
     im.add_argument("--limit-images-per-prompt", type=int, default=16, help="most images one prompt may hold")
     im.add_argument("--encoder-cache-bytes", type=int, default=512 << 20,
@@ -118,7 +122,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
-                "quantization", "generation_config", "override_generation_config", "limit_images_per_prompt",
+                "quantization", "generation_config", "override_generation_config", "hf_overrides",
+                "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
                 "chat_template", "reasoning_parser", "enable_prompt_embeds")
 

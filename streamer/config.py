@@ -104,6 +104,10 @@ class EngineConfig:
     # file's keys) wins over either.
     generation_config: str = "auto"
     override_generation_config: Optional[dict[str, Any]] = None
+    # config.json keys that win over the checkpoint's (vLLM's hf_overrides), e.g. {"max_position_embeddings":
+    # 65536, "rope_scaling": {...}} to run a model past its trained length; nested configs (text_config, ...) are
+    # amended key by key (models/config.with_overrides)
+    hf_overrides: Optional[dict[str, Any]] = None
     # A Jinja chat template, or the path of a file holding one, used in place of the checkpoint's (for checkpoints
     # without one, or to fix one); checked to compile at start-up.
     chat_template: Optional[str] = None
@@ -166,6 +170,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8", "int4", "int8", "none"):
             raise ValueError(f"quantization must be 'fp8', 'int4', 'int8' or 'none', got {self.quantization!r}")
+        for name in ("hf_overrides", "override_generation_config"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, dict) or not all(isinstance(k, str) for k in v)):
+                raise ValueError(f"{name} must be a dict of config keys to values, got {v!r}")
         for name in ("enable_lora", "enable_prompt_embeds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

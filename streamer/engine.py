@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -57,6 +57,22 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         raise FileNotFoundError(f"model folder not found: {model} (streamer loads local Hugging Face checkpoint "
                                 "folders and GGUF files; nothing is downloaded)")
     return path
+
+
+# New weights (`update_weights`): a checkpoint folder, or tensors by checkpoint name (a state dict, or pairs)
+WeightsArg = Union[str, Path, Mapping[str, Any], Iterable[tuple[str, Any]]]
+
+
+def new_weights(weights: WeightsArg) -> Path | list[tuple[str, Any]]:
+    """`update_weights`' argument as the runner takes it: a checkpoint folder's path, or a list of (name, tensor)
+    (a state dict's items; an iterable is gathered, holding references to the tensors, not copies)."""
+    if isinstance(weights, (str, Path)):
+        return resolve_model_dir(str(weights))
+    pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ValueError("update_weights: weights must be a checkpoint folder, a mapping of tensor names to tensors, "
+                         "or (name, tensor) pairs")
+    return pairs
 
 
 @dataclass
@@ -142,7 +158,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.model_config = ModelConfig.from_dir(self.model_dir, config.hf_overrides)
+        if config.hf_overrides:
+            logger.info("config.json overridden: %s", ", ".join(sorted(config.hf_overrides)))
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_dir)
         self.tokenizer.token_bytes  # noqa: B018 (the detokenizer's byte table: built at start-up, not at a request)
         if config.chat_template is not None:
@@ -215,11 +233,12 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name)
 
-    def update_weights(self, folder: str | Path) -> None:
-        """New weights for the running model from a checkpoint of it (`ModelRunner.update_weights`), then a reset
-        prefix cache (its KV came from the old weights). Requests already running go on with the new weights over
-        their old KV, as in SGLang and vLLM; abort or finish them first for outputs from the new weights alone."""
-        self.runner.update_weights(resolve_model_dir(str(folder)))
+    def update_weights(self, weights: WeightsArg) -> None:
+        """New weights for the running model (`ModelRunner.update_weights`): a checkpoint folder of it, or all of
+        its tensors by checkpoint name (`new_weights`); then a reset prefix cache (its KV came from the old
+        weights). Requests already running go on with the new weights over their old KV, as in SGLang and vLLM;
+        abort or finish them first for outputs from the new weights alone."""
+        self.runner.update_weights(new_weights(weights))
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState
+from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
 from streamer.multimodal import load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.pooling import PoolingParams, encode_pair, pair_up
@@ -57,10 +57,12 @@ class LLM:
         """Register a PEFT LoRA adapter folder under `name` (needs enable_lora=True)."""
         self.engine.add_lora(name, path)
 
-    def update_weights(self, folder: str) -> None:
-        """Load a checkpoint of the same model (same config and tensor names: the next step of RL training, say)
-        into the running model in place; the prefix cache is reset. ValueError for another model's checkpoint."""
-        self.engine.update_weights(folder)
+    def update_weights(self, weights: WeightsArg) -> None:
+        """New weights for the running model, in place: a checkpoint folder of the same model (the same config
+        and tensor names: the next step of RL training, say), or every tensor of its checkpoint by name (a
+        trainer's `model.state_dict()`, or (name, tensor) pairs). The prefix cache is reset. ValueError (nothing
+        changed) for another model's weights."""
+        self.engine.update_weights(weights)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (the next prompts are computed whole); returns the blocks forgotten."""

@@ -28,7 +28,8 @@ from streamer.lora import LoRAAdapter
 from streamer.models import lora
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
-from streamer.models.loader import _MODEL_CLASSES, checkpoint_tensor_names, load_model, reload_weights
+from streamer.models.loader import (_MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model,
+                                    reload_weights)
 from streamer.models.quant import fp8_supported
 from streamer.models.moe import SparseMoE
 from streamer.models.woq import parse_int_quant
@@ -850,54 +851,105 @@ class ModelRunner:
             self.keep_last_tokens(step.rows[idx], tokens)
 
     def why_weights_fixed(self) -> Optional[str]:
-        """Why new weights cannot be loaded in place (None: they can): weights this engine derived at load
-        (quantized, absorbed), or parts of them held by other processes."""
-        if self.tp_size > 1:
-            return "not under tensor parallelism yet"
-        if getattr(self.model, "post_load", None) is not None:
-            return f"{self.model_cfg.architecture}'s weights are transformed after loading"
-        if self.model_cfg.quantization is not None or self.config.quantization not in (None, "none") or self.fp8:
-            return "not with quantized weights"
+        """Why new weights cannot be loaded in place (None: they can): what this engine loaded from the checkpoint
+        as it is stored, not as a float checkpoint of the model would give it (quantized codes, calibrated FP8
+        KV-cache scales)."""
+        if self.model_cfg.quantization is not None:
+            return "not with a quantized checkpoint (its codes load as they are stored)"
         if self.model.kv_scales is not None:
             return "not with a checkpoint's FP8 KV-cache scales"
         return None
 
-    @torch.inference_mode()
-    def update_weights(self, folder: Path) -> None:
-        """Load a checkpoint of the same model (the same config and tensor names; e.g. the next step of RL
-        training) into the running model's tensors, in place: compiled graphs and CUDA graphs keep reading them.
-        On the device thread, between steps. CPU-packed linears get their plain weight back for the load, then
-        are packed again. ValueError (nothing changed) for a checkpoint of another shape."""
-        from streamer.models.config import ModelConfig
+    def update_weights(self, source: Path | NamedTensors) -> None:
+        """Load new weights of the same model into the running model's tensors, in place (`load_weights_in_place`),
+        on every tensor-parallel rank at once, on the device thread between steps: a checkpoint folder of the model
+        (the same config and tensor names; e.g. the next step of RL training), or every one of its tensors by
+        checkpoint name (a trainer's state dict). ValueError (nothing changed) for weights of another shape."""
         why = self.why_weights_fixed()
         if why is not None:
             raise ValueError(f"update_weights: {why}")
-        new = ModelConfig.from_dir(folder).with_mla_cache(self.config.mla_latent_cache)
+        if isinstance(source, Path):
+            self._check_checkpoint(source)
+        else:
+            source = self._checked_tensors(source)
+        if self.tp_workers is not None:  # the workers load their shards while we load ours
+            self.tp_workers.command("load_weights_in_place", source if isinstance(source, Path) else
+                                    [(name, _sendable(t)) for name, t in source])
+        try:
+            self.load_weights_in_place(source)
+            if self.config.speculative_method == "mtp" and self.drafter is not None:  # (the checkpoint's own layer)
+                self.drafter.runner.load_weights_in_place(source)
+        finally:
+            failed = self.tp_workers.replies() if self.tp_workers is not None else []
+        failed = [f"rank {rank}: {why}" for rank, why in enumerate(failed, start=1) if why is not None]
+        if failed:
+            raise RuntimeError(f"update_weights failed on {', '.join(failed)}: the ranks' weights are now mixed; "
+                               "load a complete checkpoint of the model again")
+        logger.info("weights updated in place from %s", source if isinstance(source, Path) else
+                    f"{len(source)} tensors")
+
+    def _check_checkpoint(self, folder: Path) -> None:
+        from streamer.models.config import ModelConfig
+        new = ModelConfig.from_dir(folder, self.config.hf_overrides).with_mla_cache(self.config.mla_latent_cache)
         if _structure(new) != _structure(self.model_cfg):
             diff = sorted(k for k, v in _structure(new).items() if _structure(self.model_cfg).get(k) != v)
             raise ValueError(f"update_weights: {folder} is not a checkpoint of this model (config differs in "
                              f"{', '.join(diff)})")
-        names, ours = checkpoint_tensor_names(folder), checkpoint_tensor_names(self.model_dir)
+        names, ours = set(checkpoint_tensor_shapes(folder)), set(checkpoint_tensor_shapes(self.model_dir))
         if names != ours:
-            odd = sorted(names ^ ours)
-            raise ValueError(f"update_weights: {folder} holds other tensors than the model's ({', '.join(odd[:4])}"
-                             + (" ..." if len(odd) > 4 else "") + ")")
-        packed = [m for m in self.model.modules() if isinstance(m, PackableLinear) and m.unpack_for_load()]
+            raise ValueError(f"update_weights: {folder} holds other tensors than the model's ({_some(names ^ ours)})")
+
+    def _checked_tensors(self, tensors: NamedTensors) -> NamedTensors:
+        """New weights by checkpoint name: every tensor of the model's checkpoint, each of its shape, in float (a
+        tied LM head, which transformers' state dicts list beside the embeddings, is dropped)."""
+        shapes = checkpoint_tensor_shapes(self.model_dir)
+        if self.model_cfg.tie_word_embeddings and "lm_head.weight" not in shapes:
+            tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+        given = {name for name, _ in tensors}
+        if len(given) != len(tensors):
+            raise ValueError("update_weights: a tensor name is given twice")
+        if given != set(shapes):
+            missing, odd = set(shapes) - given, given - set(shapes)
+            raise ValueError("update_weights: the weights must be every tensor of the model's checkpoint, by its "
+                             "names" + (f"; missing {_some(missing)}" if missing else "")
+                             + (f"; not the model's: {_some(odd)}" if odd else ""))
+        for name, t in tensors:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or tuple(t.shape) != shapes[name]:
+                what = (type(t).__name__ if not isinstance(t, torch.Tensor)
+                        else f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}")
+                raise ValueError(f"update_weights: {name} must be a float tensor of shape {list(shapes[name])}, "
+                                 f"not {what}")
+        return tensors
+
+    @torch.inference_mode()
+    def load_weights_in_place(self, source: Path | NamedTensors) -> None:
+        """This rank's shard of new weights (checked by `update_weights`) copied into the model's tensors:
+        compiled graphs and CUDA graphs keep reading them. Weights derived after loading are set aside and derived
+        again from the new ones, into the same tensors: CPU-packed linears and head, weights rounded at load
+        (quantization="int4" / "int8" / "fp8"), DeepSeek's absorbed kv_b_proj."""
+        pre_reload = getattr(self.model, "pre_reload", None)
+        if pre_reload is not None:
+            pre_reload()
+        derived = [m for m in self.model.modules()
+                   if isinstance(m, (PackableLinear, SparseMoE)) and m.unpack_for_load()]
         head = self.model.lm_head if self.model.packed_head is not None else None
         if head is not None:
             head.weight.data = head.weight.data.new_empty(self.model.packed_head.shape)
         try:
-            reload_weights(self.model, folder)
+            reload_weights(self.model, source)
         except Exception as e:  # (I/O or a corrupt file, after the checks): some tensors are already the new ones
             raise RuntimeError(f"update_weights failed part-way ({e!r}): the model's weights are now mixed; load a "
                                "complete checkpoint of the model again") from e
-        for m in packed:
+        post_load = getattr(self.model, "post_load", None)  # (as at load: before anything is rounded or packed)
+        if post_load is not None:
+            post_load()
+        for m in derived:
             m.repack()
         if self.model.packed_head is not None:
             self.model.pack_head_for_cpu()
-        self.model_dir = Path(folder)
+        if isinstance(source, Path):
+            self.model_dir = source
         self.encoder_cache = EncoderCache(self.config.encoder_cache_bytes)  # (images' features: the old encoder's)
-        logger.info("weights updated in place from %s", folder)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -1015,3 +1067,16 @@ class PendingStep:
 def _structure(cfg: ModelConfig) -> dict[str, Any]:
     """What a checkpoint must share with the running model for its weights to load in place."""
     return {k: v for k, v in vars(cfg).items() if k not in ("raw", "torch_dtype", "bos_token_id", "eos_token_id")}
+
+
+def _some(names: set[str], most: int = 4) -> str:
+    """A few of `names`, for an error message."""
+    some = sorted(names)
+    return ", ".join(some[:most]) + (" ..." if len(some) > most else "")
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor to pickle for another process: on the host, and holding only its own elements (a pickled view
+    carries its whole storage)."""
+    t = t.detach().cpu()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()

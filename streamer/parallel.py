@@ -29,6 +29,7 @@ import torch
 
 if TYPE_CHECKING:
     from streamer.config import EngineConfig
+    from streamer.model_runner import ModelRunner
     from streamer.input_batch import StepInputs
     from streamer.models.config import ModelConfig
 
@@ -101,13 +102,34 @@ class TensorParallelWorkers:
         return None
 
     def send(self, step: "StepInputs") -> None:
-        for rank, proc in enumerate(self.procs, start=1):  # say which rank is gone, not "connection closed"
-            if proc.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {proc.returncode})")
+        self._check_alive()
         # Sampling rows hold requests (and their generators): workers only run the forward.
         payload = pickle.dumps(dataclasses.replace(step, sampling=None), pickle.HIGHEST_PROTOCOL)
         for conn in self.conns:
             conn.send_bytes(payload)
+
+    def command(self, method: str, *args: object) -> None:
+        """Have every worker call its runner's `method(*args)` between two steps (new weights in place); collect
+        their answers with `replies`."""
+        self._check_alive()
+        payload = pickle.dumps((method, *args), pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            conn.send_bytes(payload)
+
+    def replies(self) -> list[Optional[str]]:
+        """Each worker's answer to the last `command`, by rank from 1: None, or its error."""
+        answers: list[Optional[str]] = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                answers.append(conn.recv())
+            except (EOFError, OSError):
+                answers.append(f"tensor-parallel rank {rank} exited")
+        return answers
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):  # say which rank is gone, not "connection closed"
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {proc.returncode})")
 
     def close(self) -> None:
         self._finalizer()
@@ -176,8 +198,22 @@ def _worker_main(address: str, rank: int) -> None:
             break
         if msg == _STOP:
             break
-        runner.run_worker_step(pickle.loads(msg))
+        work = pickle.loads(msg)
+        if isinstance(work, tuple):  # a command between steps (`TensorParallelWorkers.command`): answer it
+            conn.send(_call(runner, *work))
+        else:
+            runner.run_worker_step(work)
     torch.distributed.destroy_process_group()
+
+
+def _call(runner: "ModelRunner", method: str, *args: object) -> Optional[str]:
+    """A command's answer: None, or the error it raised (the worker goes on serving steps)."""
+    try:
+        getattr(runner, method)(*args)
+        return None
+    except Exception as e:
+        logger.exception("tensor-parallel %s failed", method)
+        return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

@@ -77,12 +77,12 @@ def test_matches_transformers(ckpt, refs, name, latent) -> None:
             # One kv head per token and layer: K = [normed latent (16), rope(k_pe) (8)], V the same (a copy)
             assert runner.kv_caches[0].shape[2:] == (8, 1, 16 + 8)
             assert runner.kv_bytes_per_block() == 3 * 8 * (2 * 1 * 24) * 4
-            assert attn.kv_b_proj is None and attn.w_uk.shape == (4, 16, 16) and attn.w_uv.shape == (4, 16, 12)
+            assert attn.kv_b_proj.weight.numel() == 0 and attn.w_uk.shape == (4, 16, 16) and attn.w_uv.shape == (4, 16, 12)
         else:
             # Every head's K (16 + 8) and V (12, padded to 24): 2 * 4 * 24 values a token, 4x the latent cache's
             assert runner.kv_caches[0].shape[2:] == (8, 4, 24)
             assert runner.kv_bytes_per_block() == 3 * 8 * (2 * 4 * 24) * 4
-            assert attn.kv_b_proj is not None and attn.w_uk is None
+            assert attn.w_uk is None and (attn.kv_b_proj.weight.numel() or attn.kv_b_proj.packed is not None)
 
 
 def test_cli_flag_turns_the_latent_cache_off() -> None:
@@ -154,7 +154,7 @@ def test_tp2_matches_transformers(ckpt, refs) -> None:
             attn, moe = model.layers[1].self_attn, model.layers[1].mlp
             # (the linears' plain weights are gone, prepacked for oneDNN: their sizes remain)
             # each rank absorbs its heads' halves of kv_b_proj; the latent cache is whole on every rank
-            assert attn.num_heads == 2 and attn.kv_b_proj is None
+            assert attn.num_heads == 2 and attn.kv_b_proj.weight.numel() == 0
             assert attn.w_uk.shape == (2, 16, 16) and attn.w_uv.shape == (2, 16, 12)
             assert llm.engine.runner.kv_caches[0].shape[2:] == (16, 1, 16 + 8)
             assert attn.o_proj.input_size == 2 * 12
@@ -238,7 +238,7 @@ def test_int4_experts_match_transformers_on_the_rounded_weights(make_ckpt, tmp_p
             assert model.layers[0].mlp.down_proj.qweight is not None  # (the dense layer's)
             attn = model.layers[0].self_attn
             if latent:
-                assert attn.kv_b_proj is None and attn.w_uk.dtype == torch.float32
+                assert attn.kv_b_proj.weight.numel() == 0 and attn.w_uk.dtype == torch.float32
             else:
                 assert attn.kv_b_proj.qweight is None and not attn.kv_b_proj.prepare_int4(32)
             assert greedy(llm, PROMPTS[:4], MAX_NEW) == want, latent

@@ -9,10 +9,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from streamer import LLM, SamplingParams
 from tests.checkpoints import hf_greedy
+from tests.int_checkpoints import write_int_checkpoint
 from tests.server_utils import LiveServer
 
 PROMPTS = [[5, 9, 200, 3, 17, 88, 120, 7, 7, 31, 64, 2, 90, 14, 15, 16, 300, 301], [40, 41, 42]]
@@ -72,8 +75,15 @@ def test_another_models_checkpoint_changes_nothing(old_new, make_ckpt, tmp_path)
     with pytest.raises(FileNotFoundError):
         llm.update_weights(str(tmp_path / "nowhere"))
     assert tokens(llm) == before
-    with pytest.raises(ValueError, match="update_weights: not with quantized weights"):
-        LLM(str(old), dtype="float32", quantization="int8").update_weights(str(new))
+
+
+def test_a_quantized_checkpoint_keeps_its_weights(llama_dir, tmp_path):
+    """A checkpoint's own 4-bit codes load as stored: a float checkpoint would not give them back."""
+    gptq = tmp_path / "gptq"
+    write_int_checkpoint(llama_dir, gptq, tmp_path / "ref", "gptq", group_size=32)
+    with LLM(str(gptq), dtype="float32") as llm, \
+            pytest.raises(ValueError, match="update_weights: not with a quantized checkpoint"):
+        llm.update_weights(str(gptq))
 
 
 def test_server_updates_weights_from_disk(old_new):
@@ -105,3 +115,125 @@ def test_other_families(make_ckpt, family):
     tokens(llm)
     llm.update_weights(str(new))
     assert tokens(llm) == want
+
+
+def derived_tensors(llm: LLM) -> list[torch.Tensor]:
+    """Every tensor the model derived from its float weights at load (rounded, FP8, absorbed)."""
+    out: list[torch.Tensor] = []
+    for m in llm.engine.runner.model.modules():
+        q = getattr(m, "qweight", None)
+        if q is not None:
+            out += [t for t in vars(q).values() if isinstance(t, torch.Tensor)]
+        if getattr(m, "fp8", None) is not None:
+            out += list(m.fp8)
+        if getattr(m, "int4", None) is not None:
+            out += [t for ws in m.int4 for w in ws for t in vars(w).values() if isinstance(t, torch.Tensor)]
+        if getattr(m, "w_uk", None) is not None:
+            out += [m.w_uk, m.w_uv]
+    return out
+
+
+@pytest.mark.parametrize("family,quantization", [("llama", "int8"), ("llama", "int4"), ("llama", "fp8"),
+                                                 ("qwen3_moe", "int4"), ("deepseek_v3", None)])
+def test_weights_derived_at_load_are_derived_again_in_place(make_ckpt, family, quantization):
+    """Weights rounded at load (4-bit linears and experts, 8-bit, FP8) and DeepSeek's absorbed latent projections
+    are computed again from the new float weights, into the tensors the model already reads: the engine then
+    writes what a fresh engine on the new checkpoint writes."""
+    old = make_ckpt(f"upd_{family}_a", family=family)
+    new = make_ckpt(f"upd_{family}_b", family=family, seed=1)
+    args = dict(dtype="float32", quantization=quantization, block_size=4)
+    with LLM(str(new), **args) as fresh:
+        want = tokens(fresh)
+    with LLM(str(old), **args) as llm:
+        before = tokens(llm)
+        assert before != want
+        derived = derived_tensors(llm)
+        assert derived, "nothing derived at load: the case tests nothing"
+        ptrs = [t.data_ptr() for t in derived]
+        llm.update_weights(str(new))
+        assert tokens(llm) == want
+        assert [t.data_ptr() for t in derived_tensors(llm)] == ptrs  # (the same memory, new values)
+        llm.update_weights(str(old))
+        assert tokens(llm) == before
+
+
+def test_tensor_parallel_ranks_load_their_shards(old_new, make_ckpt):
+    """Under tensor parallelism every rank loads its shard of the new checkpoint between the same two steps."""
+    old, new = old_new
+    want_old, want_new = hf_greedy(old, PROMPTS, NEW), hf_greedy(new, PROMPTS, NEW)
+    with LLM(str(old), dtype="float32", tensor_parallel_size=2, block_size=4) as llm:
+        assert tokens(llm) == want_old
+        llm.update_weights(str(new))
+        assert tokens(llm) == want_new
+        wider = make_ckpt("upd_wider", family="llama", tie_word_embeddings=False, intermediate_size=96)
+        with pytest.raises(ValueError, match="config differs in intermediate_size"):
+            llm.update_weights(str(wider))
+        llm.update_weights(str(old))
+        assert tokens(llm) == want_old
+        llm.update_weights(state_dict(new))  # (tensors: sent to the workers with the command)
+        assert tokens(llm) == want_new
+
+
+def state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    (f,) = folder.glob("*.safetensors")
+    return load_file(f)
+
+
+def test_tensors_by_checkpoint_name(old_new, make_ckpt):
+    """A trainer's weights, in memory: a state dict (transformers' own, with its tied head listed twice) or
+    (name, tensor) pairs, in any float dtype."""
+    old, new = old_new
+    want_old, want_new = hf_greedy(old, PROMPTS, NEW), hf_greedy(new, PROMPTS, NEW)
+    with LLM(str(old), dtype="float32") as llm:
+        llm.update_weights(state_dict(new))
+        assert tokens(llm) == want_new
+        llm.update_weights((name, t.double()) for name, t in state_dict(old).items())  # (a generator of pairs)
+        assert tokens(llm) == want_old
+    tied_old, tied_new = make_ckpt("upd_tied_a", family="llama"), make_ckpt("upd_tied_b", family="llama", seed=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tied_new, dtype=torch.float32)
+    assert "lm_head.weight" in hf.state_dict()  # (the tied head, listed beside the embeddings)
+    with LLM(str(tied_old), dtype="float32") as llm:
+        llm.update_weights(hf.state_dict())
+        assert tokens(llm) == hf_greedy(tied_new, PROMPTS, NEW)
+
+
+def test_bad_tensors_change_nothing(old_new):
+    old, new = old_new
+    with LLM(str(old), dtype="float32") as llm:
+        before = tokens(llm)
+        good = state_dict(new)
+        cases = {
+            "missing model.norm.weight": {k: v for k, v in good.items() if k != "model.norm.weight"},
+            "not the model's: model.extra": {**good, "model.extra": torch.zeros(3)},
+            "model.norm.weight must be a float tensor of shape \\[64\\], not float32 \\[65\\]":
+                {**good, "model.norm.weight": torch.zeros(65)},
+            "model.norm.weight must be a float tensor of shape \\[64\\], not int64 \\[64\\]":
+                {**good, "model.norm.weight": torch.zeros(64, dtype=torch.int64)},
+            "model.norm.weight must be a float tensor of shape \\[64\\], not list":
+                {**good, "model.norm.weight": [0.0] * 64},
+            "given twice": list(good.items()) + [("model.norm.weight", good["model.norm.weight"])],
+            "a mapping of tensor names to tensors, or \\(name, tensor\\) pairs": [torch.zeros(3)],
+        }
+        for message, weights in cases.items():
+            with pytest.raises(ValueError, match=message):
+                llm.update_weights(weights)
+        assert tokens(llm) == before
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_an_mtp_layer_drafts_with_its_new_weights(make_ckpt, tmp_path):
+    """speculative_method="mtp": the checkpoint's own MTP layer (a drafter of its own, sharing the target's
+    embeddings) loads its new weights too: its proposals are the new layer's."""
+    from tests.test_eagle import assert_proposals_match, spy_proposals
+    from tests.test_mtp import K, MAX_NEW, PROMPTS as MTP_PROMPTS, Reference, with_mtp_layer
+    old = with_mtp_layer(make_ckpt("upd_deepseek_v3_a", family="deepseek_v3"), tmp_path / "a", seed=3)
+    new = with_mtp_layer(make_ckpt("upd_deepseek_v3_b", family="deepseek_v3", seed=1), tmp_path / "b", seed=4)
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    with LLM(str(old), dtype="float32", speculative_method="mtp", num_speculative_tokens=K) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in MTP_PROMPTS], params, use_tqdm=False)
+        llm.update_weights(str(new))
+        calls = spy_proposals(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in MTP_PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == hf_greedy(new, MTP_PROMPTS, MAX_NEW)
+        sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, MTP_PROMPTS)}
+        assert assert_proposals_match(Reference(new), calls[:4], sequences) >= 12

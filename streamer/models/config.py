@@ -223,6 +223,19 @@ def _quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     return check_quantization(qc)
 
 
+def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json as `hf_overrides` (vLLM's) amends it: each key's value replaces the file's, except inside a
+    nested model's config (`text_config`, `vision_config`, ...: a key ending in "_config" whose value is an object
+    in both), whose keys are amended one by one the same way. A null value sets null (as if the key were absent)."""
+    out = dict(config)
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = with_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -292,7 +305,8 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "ModelConfig":
+        """A folder's config.json, with `overrides` (the engine's `hf_overrides`) applied first."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model folder not found: {path}")
@@ -300,7 +314,8 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise FileNotFoundError(f"config.json not found in model folder {path}")
         with open(cfg_file) as f:
-            return cls.from_dict(json.load(f))
+            raw = json.load(f)
+        return cls.from_dict(with_overrides(raw, overrides) if overrides else raw)
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":

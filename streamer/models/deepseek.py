@@ -222,8 +222,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         # rows head by head, [k_nope, v] each: splitting the rows over ranks splits the heads. Kept in float (never
         # 4-bit or FP8, a 4-bit checkpoint's dequantized) in both forms: the latent form absorbs it (`absorb`) and
-        # then drops it; the MHA form computes the same rounding-free maths, so the two agree under quantization.
-        self.kv_b_proj: Optional[ColumnParallelLinear] = ColumnParallelLinear(
+        # then frees its weight; the MHA form computes the same rounding-free maths, so the two agree under
+        # quantization.
+        self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank, [heads * (self.nope + self.v_dim)])
         self.kv_b_proj.keep_float = True
         # kv_b_proj's key half per head [h, nope, kv_lora_rank] and value half transposed [h, kv_lora_rank, v_dim]
@@ -239,17 +240,28 @@ class MLAttention(nn.Module):
 
     @torch.no_grad()
     def absorb(self) -> None:
-        """Latent form: split kv_b_proj's loaded float weight into W_UK and W_UV, then drop kv_b_proj (the forward
-        pass never uses it; keeping it would double these weights' memory). Called once, after loading."""
-        if not self.latent or self.kv_b_proj is None:
+        """Latent form: split kv_b_proj's loaded float weight into W_UK and W_UV, then free it (the forward pass
+        never uses it; keeping it would double these weights' memory). After loading, and after each load of new
+        weights in place (`unabsorb` first), into the same tensors: compiled graphs and CUDA graphs read them."""
+        if not self.latent:
             return
         w = self.kv_b_proj.weight.detach()
         if not w.is_floating_point() or w.numel() == 0:  # (keep_float keeps it so; a guard against a change)
             raise RuntimeError("MLA absorption needs kv_b_proj's float weight")
+        self.absorbed_shape = w.shape
         w = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        self.w_uk = w[:, :self.nope].contiguous()
-        self.w_uv = w[:, self.nope:].transpose(1, 2).contiguous()
-        self.kv_b_proj = None
+        uk, uv = w[:, :self.nope].contiguous(), w[:, self.nope:].transpose(1, 2).contiguous()
+        if self.w_uk is None:
+            self.w_uk, self.w_uv = uk, uv
+        else:
+            self.w_uk.copy_(uk)
+            self.w_uv.copy_(uv)
+        self.kv_b_proj.weight.data = w.new_empty(0)
+
+    def unabsorb(self) -> None:
+        """Give kv_b_proj back a weight for a loader to fill (new weights in place); `absorb` again after."""
+        if self.latent:
+            self.kv_b_proj.weight.data = self.kv_b_proj.weight.data.new_empty(self.absorbed_shape)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 decode: Optional[DecodeBatch] = None) -> torch.Tensor:
@@ -275,7 +287,6 @@ class MLAttention(nn.Module):
             # per head the weighted latents [T, kv_lora_rank] @ W_UV^T [kv_lora_rank, v_dim]
             out = torch.bmm(out[..., :self.kv_lora_rank].transpose(0, 1), self.w_uv).transpose(0, 1)
             return self.o_proj(out.reshape(t, h * self.v_dim))
-        assert self.kv_b_proj is not None
         kv = self.kv_b_proj(latent).view(t, h, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
@@ -391,3 +402,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         if latent and getattr(self, "kv_scales", None):
             logger.info("DeepSeek latent KV cache: the checkpoint's k/v scales (per-head K and V) are not used")
             self.kv_scales = None
+
+    def pre_reload(self) -> None:
+        """Before new weights load in place: the absorbed kv_b_proj weights get their float tensors back
+        (`post_load` absorbs them again)."""
+        for layer in self.layers:
+            layer.self_attn.unabsorb()

@@ -22,8 +22,8 @@ from streamer.models.quant import fp8_linear
 
 if TYPE_CHECKING:
     from streamer.models.config import ModelConfig
-from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, int4_supported, int8_supported, kernel_group,
-                                 pack_int4, pack_int8, quantize_rtn, quantize_rtn_int8)
+from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, copy_into, int4_supported, int8_supported,
+                                 kernel_group, pack_int4, pack_int8, quantize_rtn, quantize_rtn_int8)
 
 
 class ParallelContext:
@@ -149,7 +149,7 @@ class PackableLinear(nn.Module):
             if group is None or not int4_supported(out, cols, group, w.dtype, w.device):
                 return False
             self.qweight = pack_int4(quantize_rtn(w, group), w.dtype, w.device)
-        self.out_features = out
+        self.out_features, self.in_features = out, cols
         self.weight.data = w.new_empty(0)
         return True
 
@@ -161,7 +161,7 @@ class PackableLinear(nn.Module):
             return
         if self.packed is not None:
             raise RuntimeError("quantize_fp8 needs the plain weight; this layer's is prepacked for oneDNN")
-        self.out_features = self.weight.shape[0]
+        self.out_features, self.in_features = self.weight.shape
         self.fp8 = quantize_weight_fp8(self.weight.detach())
         self.weight.data = self.weight.data.new_empty(0)
 
@@ -171,6 +171,8 @@ class PackableLinear(nn.Module):
         in its on-disk cache)."""
         if self.fp8 is not None:
             return  # FP8 weights run through _scaled_mm
+        if self.packed is None and self.qweight is None and self.weight.numel() == 0:
+            return  # a weight freed after loading, never run (DeepSeek's absorbed kv_b_proj)
         if self.packed is None and self.qweight is None:  # (4-/8-bit weights are in their kernels' layout)
             self.out_features, self.in_features = self.weight.shape
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
@@ -180,16 +182,33 @@ class PackableLinear(nn.Module):
             self.op_id = len(_packed_layers) - 1
 
     def unpack_for_load(self) -> bool:
-        """Give a packed layer back a plain weight for a loader to fill (new weights in place); True if it was
-        packed (then `repack` after the load)."""
-        if self.packed is None:
+        """Give a layer whose float weight was packed or quantized after loading (`pack_for_cpu`, `quantize_int4`,
+        `quantize_fp8`) a plain weight again for a loader to fill (new weights in place); True if it had one
+        (then `repack` after the load). Not for a checkpoint's own codes (`prepare_int4`)."""
+        if self.packed is None and self.qweight is None and self.fp8 is None:
             return False
         self.weight.data = self.weight.data.new_empty(self.out_features, self.in_features)
         return True
 
     def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
-        self.weight.data = self.weight.data.new_empty(0)
+        """Derive from the new plain weight what `unpack_for_load` set aside: pack it again, or quantize it again
+        into the same tensors (compiled graphs and CUDA graphs keep reading their memory)."""
+        if self.qweight is not None:
+            old, self.qweight = self.qweight, None
+            done = self.quantize_int4(bits=8 if isinstance(old, Int8Weight) else 4)
+            assert done, "a weight quantized once quantizes again"
+            copy_into(old, self.qweight)
+            self.qweight = old
+        elif self.fp8 is not None:
+            old_fp8, self.fp8 = self.fp8, None
+            self.quantize_fp8()
+            assert self.fp8 is not None
+            for dst, src in zip(old_fp8, self.fp8):
+                dst.copy_(src)
+            self.fp8 = old_fp8
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+            self.weight.data = self.weight.data.new_empty(0)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if self.op_id is not None:

@@ -207,19 +207,27 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     return model.eval()
 
 
-def checkpoint_tensor_names(folder: Path) -> set[str]:
-    """Every tensor name of a folder's safetensors files (their headers only)."""
-    return {name for f in safetensors_files(folder) for name in _tensor_names(f)}
+NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def reload_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    """A checkpoint's weights copied into a loaded model's tensors, in place (compiled graphs and CUDA graphs keep
-    reading the same memory). The caller has checked that the checkpoint has the model's structure and that no
-    weight is derived (packed, quantized, absorbed) at the time."""
-    weights = _taking_kv_scales(model.rename_weights(iter_safetensors(safetensors_files(folder), "cpu")), {})
+def checkpoint_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a folder's safetensors files, by name, with its shape (from the files' headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
+
+
+def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors) -> None:
+    """A checkpoint's weights (a folder's, or tensors by checkpoint name) copied into a loaded model's tensors, in
+    place (compiled graphs and CUDA graphs keep reading the same memory). The caller has checked that they have the
+    model's structure and that no weight is derived (packed, quantized, absorbed) at the time."""
+    tensors = iter_safetensors(safetensors_files(source), "cpu") if isinstance(source, Path) else iter(source)
+    weights = _taking_kv_scales(model.rename_weights(tensors), {})
     missing = model.expected_weights() - model.load_weights(weights)
     if missing:
-        raise ValueError(f"checkpoint {folder} is missing {len(missing)} tensor(s): "
+        raise ValueError(f"new weights are missing {len(missing)} tensor(s): "
                          f"{', '.join(sorted(model.checkpoint_name(m) for m in missing)[:8])}")
 
 

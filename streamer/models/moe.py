@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.models.layers import ParallelContext
-from streamer.models.woq import Int4Weight, Unpacked, int4_supported, kernel_group, pack_int4, quantize_rtn
+from streamer.models.woq import (Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4,
+                                 quantize_rtn)
 
 
 
@@ -245,23 +246,50 @@ class SparseMoE(nn.Module):
         refuse the shapes (the experts stay as they are)."""
         if self.int4 is not None:
             return True
-        if self.w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        experts = self._rounded_experts(group_size)
+        if experts is None:
             return False
+        self._use_int4(*experts)
+        return True
+
+    def _rounded_experts(self, group_size: int = 128) -> Optional[tuple[list[Int4Weight], list[Int4Weight]]]:
+        if self.w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return None
         w13, w2 = self.w13.data, self.w2.data
         groups = [kernel_group(w.shape[-1], group_size) for w in (w13, w2)]
         if None in groups or not all(int4_supported(w.shape[1], w.shape[2], g, w.dtype, w.device)
                                      for w, g in zip((w13, w2), groups)):
-            return False
-        self._use_int4(*[[pack_int4(quantize_rtn(w[e], g), w.dtype, w.device) for e in range(self.num_experts)]
-                         for w, g in zip((w13, w2), groups)])
-        return True
+            return None
+        return tuple([pack_int4(quantize_rtn(w[e], g), w.dtype, w.device) for e in range(self.num_experts)]
+                     for w, g in zip((w13, w2), groups))  # type: ignore[return-value]
 
     def _use_int4(self, w13: list[Int4Weight], w2: list[Int4Weight]) -> None:
         self.int4 = (w13, w2)
-        for w in ("w13", "w2"):
-            setattr(self, w, nn.Parameter(getattr(self, w).data.new_empty(0), requires_grad=False))
+        self.float_shapes = (self.w13.shape, self.w2.shape)  # (for `unpack_for_load`)
+        for w in (self.w13, self.w2):  # (the parameters stay, with their loaders)
+            w.data = w.data.new_empty(0)
         _int4_layers.append(weakref.ref(self))
         self.int4_id = len(_int4_layers) - 1
+
+    def unpack_for_load(self) -> bool:
+        """Experts rounded to 4 bits at load get their float parameters back for a loader to fill (new weights in
+        place); True if so (then `repack`)."""
+        if self.int4 is None:
+            return False
+        for w, shape in zip((self.w13, self.w2), self.float_shapes):
+            w.data = w.data.new_empty(shape)
+        return True
+
+    def repack(self) -> None:
+        """Round the new float experts again, into the tensors the kernels read."""
+        assert self.int4 is not None
+        new = self._rounded_experts()
+        assert new is not None, "experts rounded once round again"
+        for olds, news in zip(self.int4, new):
+            for old, fresh in zip(olds, news):
+                copy_into(old, fresh)
+        for w in (self.w13, self.w2):
+            w.data = w.data.new_empty(0)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights: (weights [T, k], expert ids [T, k]). Softmax over the router's

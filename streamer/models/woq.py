@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 import logging
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -326,6 +326,18 @@ def _dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor)
         return None
     finally:
         dyn.recompile_limit = saved
+
+
+def copy_into(dst: "Int4Weight | Int8Weight", src: "Int4Weight | Int8Weight") -> None:
+    """A weight quantized anew (new weights in place) copied into the tensors of the one it replaces, which the
+    model's graphs read."""
+    for f in fields(dst):
+        old, new = getattr(dst, f.name), getattr(src, f.name)
+        if isinstance(old, torch.Tensor):
+            assert isinstance(new, torch.Tensor) and new.shape == old.shape, f"{f.name} changed shape"
+            old.copy_(new)
+        else:
+            assert not isinstance(new, torch.Tensor) and (f.name == "compile" or new == old), f"{f.name} changed"
 
 
 @dataclass
