@@ -138,6 +138,10 @@ class AsyncEngine:
         self._waiter: Optional[ThreadPoolExecutor] = None  # waits for a launched step's tokens (CUDA)
         self._wakeup: Optional[asyncio.Event] = None
         self._idle: Optional[asyncio.Event] = None
+        # pause_generation: no step is scheduled while paused; the loop sets `_quiet` once none is in flight
+        self._paused = False
+        self._quiet: Optional[asyncio.Event] = None
+        self._resumed: Optional[asyncio.Event] = None
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> "AsyncEngine":
@@ -151,6 +155,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._quiet, self._resumed = asyncio.Event(), asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="streamer-engine-loop")
         if self.config.log_stats_interval > 0:
             self._stats_task = asyncio.create_task(self._log_stats(self.config.log_stats_interval),
@@ -166,7 +171,10 @@ class AsyncEngine:
                 logger.info("%s", line)
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
-        """Stop the engine. With a drain timeout, in-flight requests may finish first; the rest are aborted."""
+        """Stop the engine. With a drain timeout, in-flight requests may finish first (a paused engine resumes
+        for that); the rest are aborted."""
+        if drain_timeout > 0 and self._paused:
+            await self.resume_generation()
         if drain_timeout > 0 and self.is_alive and self._idle is not None:
             try:
                 await asyncio.wait_for(self._idle.wait(), drain_timeout)
@@ -310,6 +318,42 @@ class AsyncEngine:
         source = new_weights(weights)
         core.reset_prefix_cache()
         await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights, source)
+
+    async def pause_generation(self, mode: str = "keep") -> int:
+        """Stop computing (RL weight syncs: pause, `update_weights`, resume): no step is scheduled until
+        `resume_generation`, and this returns once the step in flight, if any, has been processed. "keep": the
+        requests stay where they are, their KV cache too, and go on when resumed; "abort": every request in flight
+        ends now with finish_reason "abort". Requests that arrive meanwhile wait. Returns the requests kept or
+        aborted."""
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
+        self._check_alive()
+        assert self._quiet is not None and self._resumed is not None and self._wakeup is not None
+        if not self._paused:
+            self._paused = True
+            self._resumed.clear()
+            self._quiet.clear()
+            self._wakeup.set()  # (an idle loop wakes to notice)
+        await self._quiet.wait()
+        self._check_alive()  # (the loop also sets `_quiet` when it dies)
+        count = len(self._streams)
+        if mode == "abort":
+            for rid in list(self._streams):
+                self.abort_now(rid)
+        return count
+
+    async def resume_generation(self) -> None:
+        """Schedule steps again after `pause_generation` (a no-op when not paused)."""
+        if self._paused:
+            assert self._resumed is not None and self._wakeup is not None
+            self._paused = False
+            self._resumed.set()
+            self._wakeup.set()
+            self._quiet.set()  # type: ignore[union-attr]  (a pause still waiting returns: it was overtaken)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'
@@ -480,7 +524,7 @@ class AsyncEngine:
         nxt = None
         try:
             while True:
-                step = core.schedule_next(inflight[1] if inflight is not None else None)
+                step = None if self._paused else core.schedule_next(inflight[1] if inflight is not None else None)
                 nxt = None if step is None else (*step, loop.run_in_executor(self._device, core.runner.launch, step[1]))
                 if inflight is not None:
                     sched, _, future = inflight
@@ -490,7 +534,10 @@ class AsyncEngine:
                               else await loop.run_in_executor(self._waiter, pending.result))
                     self._dispatch(core.process(sched, result))
                 elif nxt is None:
-                    if core.has_unfinished():
+                    if self._paused:  # (nothing in flight now: pause_generation may return)
+                        self._quiet.set()  # type: ignore[union-attr]
+                        await self._resumed.wait()  # type: ignore[union-attr]
+                    elif core.has_unfinished():
                         await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)
                     else:
                         self._wakeup.clear()  # type: ignore[union-attr]
@@ -509,6 +556,8 @@ class AsyncEngine:
             self._streams.clear()
             if self._idle is not None:
                 self._idle.set()
+            if self._quiet is not None:  # (a pause_generation waiting for the loop: it reports the failure)
+                self._quiet.set()
 
     def _dispatch(self, updates: list[SeqUpdate]) -> None:
         now = time.monotonic()

@@ -3,7 +3,10 @@ same model loads in place, CPU-packed linears and the packed head included, eage
 writes what transformers writes with the new weights; a checkpoint of another shape changes nothing."""
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -237,3 +240,73 @@ def test_an_mtp_layer_drafts_with_its_new_weights(make_ckpt, tmp_path):
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(new, MTP_PROMPTS, MAX_NEW)
         sequences = {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, MTP_PROMPTS)}
         assert assert_proposals_match(Reference(new), calls[:4], sequences) >= 12
+
+
+def test_pause_update_resume(old_new):
+    """The RL weight sync: pause (no step runs, running requests keep their place), load new weights, resume. A
+    request that arrives while paused waits and then runs wholly on the new weights; "abort" ends the requests in
+    flight instead."""
+    from streamer import AsyncEngine
+    old, new = old_new
+    want_b = hf_greedy(new, PROMPTS[1:], NEW)[0]
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        async with AsyncEngine(str(old), dtype="float32") as engine:
+            launches = []
+            inner = engine._core.runner.launch
+            engine._core.runner.launch = lambda step: (launches.append(1), inner(step))[1]
+            first: list[int] = []
+            a_started = asyncio.Event()
+
+            async def run_a() -> list[int]:
+                async for out in engine.stream({"prompt_token_ids": PROMPTS[0]}, long):
+                    first.extend(out.token_ids)
+                    if len(first) >= 3:
+                        a_started.set()
+                return first
+
+            a = asyncio.create_task(run_a())
+            await a_started.wait()
+            assert await engine.pause_generation() == 1 and engine.is_paused
+            steps, got = len(launches), len(first)
+            b = asyncio.create_task(engine.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY))
+            await engine.update_weights(str(new))
+            await asyncio.sleep(0.3)
+            assert len(launches) == steps and len(first) == got and not b.done()  # (nothing ran while paused)
+            await engine.resume_generation()
+            assert (await b).outputs[0].token_ids == want_b
+            assert len(await a) == 200
+            c = asyncio.create_task(engine.generate({"prompt_token_ids": PROMPTS[0]}, long))
+            while not launches or len(launches) == steps:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert await engine.pause_generation("abort") == 1
+            assert (await c).outputs[0].finish_reason == "abort"
+            await engine.resume_generation()
+            assert engine._core.kv.pool.num_free == engine._core.kv.num_blocks
+            with pytest.raises(ValueError, match="mode must be 'keep' or 'abort'"):
+                await engine.pause_generation("later")
+
+    asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def test_server_pause_and_continue(old_new):
+    old, _ = old_new
+    with LiveServer(old, allow_weight_updates=True) as server:
+        r = httpx.post(server.url + "/pause_generation", json={"mode": "keep"})
+        assert r.status_code == 200 and r.json() == {"paused": True, "mode": "keep", "requests": 0}
+        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": True}
+        c = openai.OpenAI(base_url=server.base_url, api_key="x")
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(c.completions.create, model=server.model_name, prompt=PROMPTS[0], max_tokens=NEW,
+                                  temperature=0)
+            time.sleep(0.5)
+            assert not pending.done()  # (it waits for the resume)
+            assert httpx.post(server.url + "/continue_generation").json() == {"paused": False}
+            assert pending.result(timeout=60).usage.completion_tokens == NEW
+        assert httpx.get(server.url + "/is_paused").json() == {"is_paused": False}
+        r = httpx.post(server.url + "/pause_generation", json={"mode": "later"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+    with LiveServer(old) as server:
+        assert httpx.post(server.url + "/pause_generation").status_code == 404

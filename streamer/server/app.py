@@ -450,6 +450,26 @@ class OpenAIServer:
         from streamer import __version__
         return JSONResponse({"version": __version__})
 
+    async def pause_generation(self, request: Request) -> Response:
+        """SGLang's POST /pause_generation {"mode": "keep" | "abort"} (RL weight syncs): no step runs until
+        /continue_generation; answers once the step in flight is done."""
+        body = await self._body(request)
+        mode = parse_body(body).get("mode", "keep") if body.strip() else "keep"
+        if mode not in ("keep", "abort"):
+            raise APIError("mode must be 'keep' or 'abort'", param="mode")
+        try:
+            n = await self.engine.pause_generation(mode)
+        except Exception as e:
+            raise engine_error(e) from None
+        return JSONResponse({"paused": True, "mode": mode, "requests": n})
+
+    async def continue_generation(self, request: Request) -> Response:
+        await self.engine.resume_generation()
+        return JSONResponse({"paused": False})
+
+    async def is_paused(self, request: Request) -> Response:
+        return JSONResponse({"is_paused": self.engine.is_paused})
+
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's POST /reset_prefix_cache (a benchmark's cold start; new weights): every cached prefix forgotten."""
         try:
@@ -688,7 +708,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               enforce_strict_tool_calling: bool = False) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
-    /v1/unload_lora_adapter. allow_weight_updates: serve SGLang's /update_weights_from_disk. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
+    /v1/unload_lora_adapter. allow_weight_updates: serve SGLang's /update_weights_from_disk, /pause_generation and /continue_generation. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
     browser origins allowed (None: no CORS headers). return_tokens_as_token_ids: logprobs name tokens
     "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first
     max_log_len characters or token ids; None: all) and sampling parameters. enforce_strict_tool_calling: every
@@ -723,7 +743,10 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/detokenize", s.detokenize, methods=["POST"]),
     ]
     if allow_weight_updates:
-        routes.append(Route("/update_weights_from_disk", s.update_weights_from_disk, methods=["POST"]))
+        routes += [Route("/update_weights_from_disk", s.update_weights_from_disk, methods=["POST"]),
+                   Route("/pause_generation", s.pause_generation, methods=["POST"]),
+                   Route("/continue_generation", s.continue_generation, methods=["POST"]),
+                   Route("/is_paused", s.is_paused, methods=["GET"])]
     if allow_lora_updates:
         routes += [Route("/v1/load_lora_adapter", s.load_lora_adapter, methods=["POST"]),
                    Route("/v1/unload_lora_adapter", s.unload_lora_adapter, methods=["POST"])]

@@ -83,7 +83,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (loads folders of this machine)")
     g.add_argument("--allow-weight-updates", action="store_true",
                    help="serve POST /update_weights_from_disk {\"model_path\"}: new weights of the served model, from "
-                        "a checkpoint folder of this machine, loaded in place (RL rollouts)")
+                        "a checkpoint folder of this machine, loaded in place (RL rollouts); and /pause_generation, "
+                        "/continue_generation, /is_paused")
     g.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
                    help="how many /v1/responses responses to keep in memory for retrieval, previous_response_id and "
                         "background mode (least recently used out first; 0: store none)")
