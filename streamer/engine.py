@@ -68,7 +68,10 @@ def new_weights(weights: WeightsArg) -> Path | list[tuple[str, Any]]:
     (a state dict's items; an iterable is gathered, holding references to the tensors, not copies)."""
     if isinstance(weights, (str, Path)):
         return resolve_model_dir(str(weights))
-    pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+    try:
+        pairs = list(weights.items() if isinstance(weights, Mapping) else weights)
+    except TypeError:
+        pairs = [weights]  # (not iterable: refused below)
     if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
         raise ValueError("update_weights: weights must be a checkpoint folder, a mapping of tensor names to tensors, "
                          "or (name, tensor) pairs")

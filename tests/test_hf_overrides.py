@@ -71,6 +71,12 @@ def test_bad_overrides(make_ckpt):
     for bad in ("max_position_embeddings=256", [1], {1: 2}):
         with pytest.raises(ValueError, match="hf_overrides must be a dict"):
             LLM(str(path), hf_overrides=bad)
+    for bad, message in [({"num_hidden_layers": "two"}, "num_hidden_layers is int in config.json \\(2\\), got 'two'"),
+                         ({"num_hidden_layers": 2.5}, "num_hidden_layers is int"),
+                         ({"max_position_embeddings": -3}, "max_position_embeddings must be a positive integer"),
+                         ({"hidden_size": True}, "hidden_size is int")]:
+        with pytest.raises(ValueError, match=f"hf_overrides: {message}"):
+            LLM(str(path), hf_overrides=bad)
     cli = subprocess.run([sys.executable, "-m", "streamer", "generate", str(path), "--prompt", "x",
                           "--hf-overrides", "[1]"], capture_output=True, text=True)
     assert cli.returncode == 2 and "--hf-overrides: must be a JSON object" in cli.stderr

@@ -217,6 +217,9 @@ def test_bad_tensors_change_nothing(old_new):
             "given twice": list(good.items()) + [("model.norm.weight", good["model.norm.weight"])],
             "a mapping of tensor names to tensors, or \\(name, tensor\\) pairs": [torch.zeros(3)],
         }
+        for weights in (5, None):
+            with pytest.raises(ValueError, match="weights must be a checkpoint folder"):
+                llm.update_weights(weights)
         for message, weights in cases.items():
             with pytest.raises(ValueError, match=message):
                 llm.update_weights(weights)

@@ -232,8 +232,26 @@ def with_overrides(config: dict[str, Any], overrides: dict[str, Any]) -> dict[st
         if key.endswith("_config") and isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = with_overrides(out[key], value)
         else:
+            _check_override(key, out.get(key), value)
             out[key] = value
     return out
+
+
+# Sizes a model cannot have zero or fewer of
+_POSITIVE = ("max_position_embeddings", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "vocab_size")
+
+
+def _check_override(key: str, old: Any, new: Any) -> None:
+    """ValueError for an override of another kind than the file's value (a number for a number, ...), or a size
+    below 1: caught here, with the key's name, rather than deep inside the model's construction."""
+    kinds = {bool: (bool,), int: (int, float), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    want = next((k for t, k in kinds.items() if type(old) is t), None)
+    fraction = type(old) is int and isinstance(new, float) and not new.is_integer()  # (1e6 for 1000000 is fine)
+    if want is not None and new is not None and (type(new) not in want or fraction):
+        raise ValueError(f"hf_overrides: {key} is {type(old).__name__} in config.json ({old!r}), got {new!r}")
+    if key in _POSITIVE and new is not None and (not isinstance(new, int) or isinstance(new, bool) or new < 1):
+        raise ValueError(f"hf_overrides: {key} must be a positive integer, got {new!r}")
 
 
 @dataclass
