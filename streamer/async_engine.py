@@ -304,7 +304,7 @@ class AsyncEngine:
                                                   for r in requests)))
         return search.results()[0]
 
-    # ------------------------------------------------------------------ LoRA adapters
+    # ------------------------------------------------------------------ weights, pausing, the prefix cache
     async def update_weights(self, weights: WeightsArg) -> None:
         """New weights (a checkpoint folder of the same model, or all of its tensors by name: `LLM.update_weights`),
         loaded on the device thread between two steps (steps queued before it run with the old weights, those after
@@ -345,11 +345,11 @@ class AsyncEngine:
     async def resume_generation(self) -> None:
         """Schedule steps again after `pause_generation` (a no-op when not paused)."""
         if self._paused:
-            assert self._resumed is not None and self._wakeup is not None
+            assert self._resumed is not None and self._wakeup is not None and self._quiet is not None
             self._paused = False
             self._resumed.set()
             self._wakeup.set()
-            self._quiet.set()  # type: ignore[union-attr]  (a pause still waiting returns: it was overtaken)
+            self._quiet.set()  # (a pause still waiting returns: this resume overtook it)
 
     @property
     def is_paused(self) -> bool:
@@ -361,6 +361,7 @@ class AsyncEngine:
         self._check_alive()
         return self._core.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ LoRA adapters
     async def add_lora(self, name: str, path: str) -> None:
         """Register a PEFT LoRA adapter folder under `name`; it is read and checked on a worker thread."""
         core = self._core

@@ -455,10 +455,10 @@ class OpenAIServer:
         /continue_generation; answers once the step in flight is done."""
         body = await self._body(request)
         mode = parse_body(body).get("mode", "keep") if body.strip() else "keep"
-        if mode not in ("keep", "abort"):
-            raise APIError("mode must be 'keep' or 'abort'", param="mode")
         try:
             n = await self.engine.pause_generation(mode)
+        except ValueError as e:  # (the only field)
+            raise APIError(str(e), param="mode") from None
         except Exception as e:
             raise engine_error(e) from None
         return JSONResponse({"paused": True, "mode": mode, "requests": n})
