@@ -182,7 +182,11 @@ class LLMEngine:
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+        # An encoder's prompts attend both ways: a prefix's KV depends on what follows it, so none is reused.
+        self.encoder = self.runner.model.bidirectional
+        self._check_encoder()
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching and not self.encoder,
                                  state_slots=self.runner.num_state_slots,
                                  checkpoint_slots=self.runner.num_checkpoint_slots,
                                  snapshot_slots=self.runner.num_snapshot_slots)
@@ -211,12 +215,21 @@ class LLMEngine:
                                  else self.runner.device.type == "cuda")
         self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.runner.place_lora,
                                   self.scheduler.lora_slots)
-        self.default_pooling = default_pooling(self.model_dir)  # for embedding requests that name none
+        # for embedding requests that name none (an encoder's own default: its first token, [CLS])
+        self.default_pooling = default_pooling(self.model_dir, "cls" if self.encoder else "last")
         # A sequence-classification model's labels and activations (None for other models): it only pools.
-        self.classifier = Classifier.from_config(self.model_config.raw, self.model_config.num_labels)
+        self.classifier = Classifier.from_config(self.model_config.raw, self.model_config.num_labels,
+                                                 "cls" if self.encoder else "last")
         # What unset request fields default to: the checkpoint's recommended sampling (generation_config.json).
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_dir,
                                                    config.override_generation_config)
+
+    def _check_encoder(self) -> None:
+        """An encoder computes each prompt in one step: the step's token budget must hold the longest."""
+        if self.encoder and self.config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at least "
+                             f"max_model_len ({self.max_model_len}) for an encoder model, whose prompts are computed "
+                             "whole in one step (or lower max_model_len)")
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling field gets: SamplingParams' defaults, with the checkpoint's
@@ -347,6 +360,9 @@ class LLMEngine:
         if not pooling and self.classifier is not None:
             raise ValueError(f"{self.classifier.architecture} is a sequence-classification model: it has no LM head "
                              "and cannot generate; classify prompts (or score pairs, with one label) instead")
+        if not pooling and self.encoder:
+            raise ValueError(f"{self.model_config.raw['architectures'][0]} is an encoder (embedding) model: it cannot "
+                             "generate; embed prompts (or score pairs) instead")
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in token_ids):
@@ -431,7 +447,8 @@ class LLMEngine:
                           block_size=self.config.block_size, hash_blocks=self.prefix_caching,
                           seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
                           long_rope_threshold=self.long_rope_threshold, images=images,
-                          whole_images=bool(images) and self.runner.model.bidirectional_images)
+                          whole_images=bool(images) and self.runner.model.bidirectional_images,
+                          whole_prompt=self.encoder)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             req.bad_words_ids = bad_words

@@ -26,6 +26,7 @@ from streamer.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.kv_cache import cdiv
 from streamer.lora import LoRAAdapter
 from streamer.models import lora
+from streamer.models.bert import sep_token_id
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
 from streamer.models.loader import (_MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model,
@@ -206,6 +207,11 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))
         self._use_eagle()
+        if self.model.bidirectional:  # an encoder reads a pair's token types from its separator (models/bert.py)
+            self.model.sep_token_id = sep_token_id(model_dir)
+            if self.model.sep_token_id is None and model_cfg.raw.get("type_vocab_size", 1) > 1:
+                logger.warning("no separator token found in %s: every token is read as type 0 (a pair's second "
+                               "text too)", model_dir)
         # LoRA: every adaptable linear gets its adapter slots now, before its weights are packed.
         self.lora_layers = (lora.attach(self.model, config.max_loras + 1, config.max_lora_rank)
                             if config.enable_lora else {})
@@ -252,7 +258,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
-        if self._cpu_packing():
+        if self._cpu_packing() and not self.model.bidirectional:  # (an encoder only pools: no LM head to run)
             self.model.pack_head_for_cpu()
         self.graphs: Optional[DecodeGraphs] = None
         if self.tp_workers is not None:
@@ -560,7 +566,9 @@ class ModelRunner:
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
         dev = self.device
         limit = None
-        if step.images is not None and self.model.bidirectional_images:
+        if self.model.bidirectional:  # an encoder's prompts are whole in the step: each token sees all of its own
+            limit = np.repeat(step.seq_lens.astype(np.int32) - 1, np.diff(step.query_start_loc))
+        elif step.images is not None and self.model.bidirectional_images:
             limit = step.positions.astype(np.int32)  # each image token sees up to its image's end
             limit[step.images.token_idx] = step.images.last_pos
         return AttentionMetadata(
@@ -1007,9 +1015,8 @@ class ModelRunner:
         idx, seg = to_device(pool.token_idx, self.device), to_device(pool.segment, self.device)
         sums = torch.zeros(len(pool.owners), hidden.shape[-1], dtype=torch.float32, device=self.device)
         sums.index_add_(0, seg, hidden.index_select(0, idx).float())
-        head = getattr(self.model, "score", None)  # (a family class that builds no LlamaForCausalLM has none)
-        if head is not None:
-            sums = sums @ head.weight.float().T
+        if getattr(self.model, "score", None) is not None:  # (a family class that builds no LlamaForCausalLM has none)
+            sums = self.model.classify(sums)
         return pool.owners, sums.cpu().numpy().astype(np.float64)
 
     # Rows of prompt logits made at once: a long prompt's [tokens, vocab] logits would not fit in memory.

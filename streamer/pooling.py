@@ -66,9 +66,10 @@ class PoolingParams:
         return dataclasses.replace(self, task=task)
 
 
-def default_pooling(model_dir: Path) -> str:
+def default_pooling(model_dir: Path, fallback: str = "last") -> str:
     """The pooling a sentence-transformers checkpoint declares (`modules.json` -> its Pooling module's config),
-    else "last" (what decoder embedding models such as Qwen3-Embedding use)."""
+    else `fallback`: "last" for a decoder (what decoder embedding models such as Qwen3-Embedding use), "cls" for an
+    encoder (BERT's first token)."""
     try:
         modules = json.loads((model_dir / "modules.json").read_text())
         for m in modules:
@@ -80,7 +81,7 @@ def default_pooling(model_dir: Path) -> str:
                         return name
     except (OSError, ValueError, AttributeError, TypeError):
         pass
-    return "last"
+    return fallback
 
 
 def embedding_width(model: Any) -> int:
@@ -129,9 +130,11 @@ class Classifier:
     labels: tuple[str, ...]  # config.json's id2label, by label id
     classify_activation: str  # "softmax" | "sigmoid" | "none"
     score_activation: Optional[str]
+    pooling: str = "last"  # the token its head reads: a decoder's last, an encoder's first ("cls")
 
     @classmethod
-    def from_config(cls, raw: dict[str, Any], num_labels: Optional[int]) -> Optional["Classifier"]:
+    def from_config(cls, raw: dict[str, Any], num_labels: Optional[int], pooling: str = "last",
+                    ) -> Optional["Classifier"]:
         """None for a model that is not a sequence classifier (`num_labels` None)."""
         if num_labels is None:
             return None
@@ -141,7 +144,7 @@ class Classifier:
         classify = {"regression": "none", "multi_label_classification": "sigmoid"}.get(problem or "", own)
         archs = raw.get("architectures") or ["a sequence classifier"]
         return cls(archs[0], tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels)), classify,
-                   _score_activation(raw, own))
+                   _score_activation(raw, own), pooling)
 
     @property
     def num_labels(self) -> int:
@@ -165,12 +168,13 @@ class Classifier:
         if task == "score" and self.score_activation is None:
             raise ValueError(f"task 'score': the model's cross-encoder activation is not supported; supported: "
                              f"{', '.join(_ST_ACTIVATIONS)}")
-        if pooling.pooling not in (None, "last"):
-            raise ValueError(f"pooling must be 'last' for a sequence-classification model (its head reads the last "
-                             f"token), got {pooling.pooling!r}")
+        if pooling.pooling not in (None, self.pooling):
+            which = "last" if self.pooling == "last" else "first"
+            raise ValueError(f"pooling must be {self.pooling!r} for this sequence-classification model (its head "
+                             f"reads the {which} token), got {pooling.pooling!r}")
         if pooling.dimensions is not None:
             raise ValueError("dimensions is for embeddings; a classifier's output has one value per label")
-        return dataclasses.replace(pooling, task=task, pooling="last")
+        return dataclasses.replace(pooling, task=task, pooling=self.pooling)
 
     def finish(self, logits: Any, params: PoolingParams) -> list[float]:
         """The request's output from the head's logits (numpy float64 [labels])."""

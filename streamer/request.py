@@ -66,6 +66,7 @@ class Request:
     # The images attend to themselves both ways (Gemma 3): a prefill chunk may not end inside one (its later
     # tokens' keys would be missing).
     whole_images: bool = False
+    whole_prompt: bool = False  # an encoder's: the prompt in one chunk, or not this step (see fit_chunk)
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -168,7 +169,10 @@ class Request:
 
     def fit_chunk(self, start: int, n: int) -> int:
         """How many of n tokens from `start` one chunk may compute: all, or (with `whole_images`) up to the start
-        of an image it would end inside (0: not this step)."""
+        of an image it would end inside, or (with `whole_prompt`) all only if they finish the prompt (0: not this
+        step)."""
+        if self.whole_prompt and start + n < self.num_tokens:
+            return 0
         if self.whole_images:
             end = start + n
             for im in self.images:

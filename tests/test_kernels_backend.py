@@ -204,3 +204,20 @@ def test_engine_triton_backend_gemma3_images(request) -> None:
     assert outs[0].token_ids == outs[1].token_ids
     lps = [[lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)] for o in outs]
     assert np.allclose(lps[0], lps[1], atol=1e-4)
+
+
+def test_engine_triton_backend_encoder(request) -> None:
+    """A BERT encoder (models/bert.py): every token attends to its whole prompt through the kernel's causal limit;
+    several prompts in one step give the torch backend's embeddings."""
+    pytest.importorskip("transformers")
+    from streamer import LLM, PoolingParams
+    from tests.encoder_checkpoints import make_encoder_checkpoint
+    path = request.getfixturevalue("ckpt_root") / "bert-triton"
+    if not (path / "config.json").exists():
+        make_encoder_checkpoint(path)
+    texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "a"]
+    got = {}
+    for backend in ("torch", "triton"):
+        with LLM(str(path), dtype="float32", attention_backend=backend) as llm:
+            got[backend] = [o.embedding for o in llm.embed(texts, PoolingParams(pooling="mean"))]
+    assert np.allclose(got["triton"], got["torch"], atol=1e-5)

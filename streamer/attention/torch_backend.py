@@ -351,7 +351,11 @@ class TorchAttentionBackend(KVScales):
         mask = None
         window, chunk = self.spec.sliding_window, self.spec.attention_chunk
         limit = None if meta.causal_limit_cpu is None else meta.causal_limit_cpu[start:end]
-        if (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
+        # every query sees every key (an encoder's whole prompt, no window): no mask at all
+        see_all = limit is not None and int(limit.min()) >= seq_len - 1 and window is None and not chunk
+        if see_all:
+            limit = None
+        elif (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
                 or (chunk and chunk < seq_len)):
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
@@ -364,10 +368,11 @@ class TorchAttentionBackend(KVScales):
         qi, k, v = q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if self.spec.logit_softcap or sinks is not None:
             if mask is None:
-                mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+                mask = mask if see_all else mask.tril()
             o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks)
         else:
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None,
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all,
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
 

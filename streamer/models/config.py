@@ -40,7 +40,8 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks"}
+                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
+                      "BertModel": "not implemented for encoders (small models: one device serves them)"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -52,6 +53,13 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                         "MistralForSequenceClassification": "MistralForCausalLM",
                         "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                         "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+
+# BERT-family encoders (models/bert.py): embedding models and sequence classifiers whose tokens attend both ways.
+# The checkpoint's architecture -> (family, sequence classifier?); all are served by one model class, "BertModel".
+ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
+                         "RobertaModel": ("roberta", False), "RobertaForSequenceClassification": ("roberta", True),
+                         "XLMRobertaModel": ("roberta", False),
+                         "XLMRobertaForSequenceClassification": ("roberta", True)}
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
@@ -353,9 +361,14 @@ class ModelConfig:
             c = dict(c, tie_word_embeddings=True)  # no LM head to load
             # (transformers writes id2label, not num_labels, and neither for its default of 2)
             num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
+        if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
+            family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
+            from streamer.models import bert  # (common_config; it imports torch: this module does not)
+            c, arch = bert.common_config(c, family), "BertModel"
+            num_labels = (len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)) if classifier else None
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS))}")
+            raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS) + tuple(ENCODER_ARCHITECTURES))}")
         if arch == "NemotronHForCausalLM":
             c = _nemotron_h(c)
         for old, new in _KEY_ALIASES.get(arch, {}).items():  # (an older spelling, unless the newer one is given)

@@ -233,6 +233,12 @@ class LlamaForCausalLM(nn.Module):
         # to the pooled last-token hidden states.
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
 
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The score head's logits (fp32) of pooled hidden states [n, hidden] (fp32). Linear without a bias, so the
+        runner may apply it to a chunk's share of the pooled sum."""
+        assert self.score is not None
+        return pooled @ self.score.weight.float().T
+
     def layer_indices(self, cfg: ModelConfig) -> Iterable[int]:
         """The indices of the decoder layers built (a multi-token-prediction head builds only the one past the last)."""
         return range(cfg.num_layers)
@@ -283,6 +289,7 @@ class LlamaForCausalLM(nn.Module):
     aux_layers: tuple[int, ...] = ()  # see run_layers
     long_rope: Optional[tuple[int, int]] = None
     bidirectional_images = False  # (vision-language models: models/vlm.py)
+    bidirectional = False  # every token attends to its whole prompt (an encoder: models/bert.py)
 
     def use_kernels(self, on: bool) -> None:
         """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""

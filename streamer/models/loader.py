@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from streamer.models.bert import BertModel
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
@@ -119,6 +120,7 @@ _MODEL_CLASSES["GPTJForCausalLM"] = GPTJForCausalLM
 _MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
 _MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
 _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
+_MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,77 @@
+"""Tiny BERT-family encoder checkpoints for tests (random weights, saved by transformers), with a WordPiece tokenizer
+trained here: BERT's [CLS] / [SEP] template (a pair's second text is token type 1), or RoBERTa's <s> / </s> one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from tests.tokenizer_factory import CORPUS
+
+_SPECIALS = {"bert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
+             "roberta": dict(cls="<s>", pad="<pad>", sep="</s>", unk="<unk>", mask="<mask>")}
+
+
+def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) -> int:
+    """A lower-casing WordPiece tokenizer with the family's special tokens and pair template; returns its size."""
+    sp = _SPECIALS[family]
+    tok = Tokenizer(models.WordPiece(unk_token=sp["unk"]))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(CORPUS.splitlines(), trainers.WordPieceTrainer(vocab_size=vocab_size,
+                                                                           special_tokens=list(sp.values())))
+    cls, sep = sp["cls"], sp["sep"]
+    ids = [(cls, tok.token_to_id(cls)), (sep, tok.token_to_id(sep))]
+    if family == "bert":
+        tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}",
+                                                           pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=ids)
+    else:
+        tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}",
+                                                           pair=f"{cls} $A {sep} {sep} $B {sep}", special_tokens=ids)
+    tok.decoder = decoders.WordPiece()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {f"{k}_token": v for k, v in sp.items()}
+    config.update(tokenizer_class="BertTokenizerFast" if family == "bert" else "PreTrainedTokenizerFast",
+                  do_lower_case=True, model_max_length=64)
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optional[tuple[str, ...]] = None,
+                            pooling: Optional[str] = None, seed: int = 0, **overrides: Any) -> Path:
+    """family "bert" | "roberta" (saved as XLM-RoBERTa); `labels`: a `*ForSequenceClassification` with those
+    labels, else the bare encoder (`*Model`, an embedding model). `pooling` ("mean" | "cls"): a sentence-transformers
+    Pooling module declaring it. Weights drawn wide (std 0.2), so that every part of the model shows in the output."""
+    import transformers as tf
+    vocab = make_wordpiece_tokenizer(out_dir, family)
+    sizes: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, max_position_embeddings=64)
+    if family == "roberta":  # (positions from pad + 1 = 2: two more rows; one token type, as XLM-R's checkpoints)
+        sizes.update(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if labels:
+        sizes.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
+    sizes.update(overrides)
+    config = (tf.BertConfig if family == "bert" else tf.XLMRobertaConfig)(**sizes)
+    if labels:
+        cls = tf.BertForSequenceClassification if family == "bert" else tf.XLMRobertaForSequenceClassification
+    else:
+        cls = tf.BertModel if family == "bert" else tf.XLMRobertaModel
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    if pooling is not None:
+        (out_dir / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (out_dir / "1_Pooling").mkdir(exist_ok=True)
+        (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean"}))
+    return out_dir

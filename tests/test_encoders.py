@@ -1,0 +1,217 @@
+"""BERT-family encoders (models/bert.py): embeddings, label probabilities and cross-encoder scores equal
+transformers' (fp32) for BERT and XLM-RoBERTa checkpoints, batched, compiled, over the server; a pair's second text
+reads as token type 1; prompts are never split; what an encoder cannot do is refused."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from streamer import LLM, PoolingParams, SamplingParams  # noqa: E402
+from streamer.pooling import encode_pair  # noqa: E402
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "what time is it? it is half past seven.",
+         "a"]
+QUERY, DOCS = "what does the fox do?", ["The quick brown fox jumps over the lazy dog.", "Hello, world!",
+                                        "def fibonacci(n: int) -> int:", "The dog did not care; it was asleep."]
+
+
+def _build(root: Path, name: str, **kw) -> Path:
+    from tests.encoder_checkpoints import make_encoder_checkpoint
+    path = root / name
+    if not (path / "config.json").exists():
+        make_encoder_checkpoint(path, **kw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "bert-embed")
+
+
+@pytest.fixture(scope="module")
+def xlmr_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "xlmr-embed-mean", family="roberta", pooling="mean")
+
+
+@pytest.fixture(scope="module")
+def bert_ce_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "bert-cross-encoder", labels=("relevance",))
+
+
+@pytest.fixture(scope="module")
+def xlmr_clf_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "xlmr-classifier", family="roberta", labels=("negative", "neutral", "positive"))
+
+
+def _hf(model_dir: Path, classifier: bool = False):
+    import transformers as tf
+    cls = tf.AutoModelForSequenceClassification if classifier else tf.AutoModel
+    return cls.from_pretrained(model_dir, dtype=torch.float32).eval(), tf.AutoTokenizer.from_pretrained(model_dir)
+
+
+def _hidden(model, tok, text: str) -> np.ndarray:
+    with torch.no_grad():
+        return model(**tok(text, return_tensors="pt")).last_hidden_state[0].double().numpy()
+
+
+def _pooled(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    vec = hidden[0] if pooling == "cls" else hidden.mean(0)
+    return vec / np.linalg.norm(vec) if normalize else vec
+
+
+def _logits(model, tok, *texts: str, types: bool = True) -> np.ndarray:
+    enc = tok(*texts, return_tensors="pt")
+    if not types:
+        enc["token_type_ids"] = torch.zeros_like(enc["input_ids"])
+    with torch.no_grad():
+        return model(**enc).logits[0].double().numpy()
+
+
+def _close(got, want, tol: float = 2e-5) -> bool:
+    return np.allclose(np.asarray(got), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bert_embeddings_match_transformers(bert_dir, compiled):
+    model, tok = _hf(bert_dir)
+    with LLM(str(bert_dir), dtype="float32", enforce_eager=not compiled) as llm:
+        assert llm.engine.prefix_caching is False and llm.engine.default_pooling == "cls"
+        ids = [tok(t)["input_ids"] for t in TEXTS]
+        assert [llm.engine.tokenizer.encode(t) for t in TEXTS] == ids
+        for pooling in ("cls", "mean"):
+            for normalize in (False, True):
+                outs = llm.embed(TEXTS, PoolingParams(pooling=pooling, normalize=normalize))  # one batch
+                for text, out in zip(TEXTS, outs):
+                    assert _close(out.embedding, _pooled(_hidden(model, tok, text), pooling, normalize)), \
+                        (text, pooling, normalize)
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_xlm_roberta_embeddings_pool_as_sentence_transformers_declares(xlmr_dir):
+    # The offset positions (pad_token_id + 1), one token type, and the Pooling module's mean.
+    model, tok = _hf(xlmr_dir)
+    with LLM(str(xlmr_dir), dtype="float32") as llm:
+        assert llm.engine.default_pooling == "mean" and llm.engine.max_model_len == 64
+        outs = llm.embed(TEXTS)
+        for text, out in zip(TEXTS, outs):
+            assert _close(out.embedding, _pooled(_hidden(model, tok, text), "mean", True))
+        long = " ".join(["fox"] * 80)
+        with pytest.raises(ValueError, match="max_model_len is 64"):
+            llm.embed(long)
+        assert len(llm.embed(long, PoolingParams(truncate_prompt_tokens=64))[0].embedding) == 64
+
+
+def test_bert_cross_encoder_reads_the_pair_s_token_types(bert_ce_dir):
+    model, tok = _hf(bert_ce_dir, classifier=True)
+    want = np.array([1 / (1 + np.exp(-_logits(model, tok, QUERY, d)[0])) for d in DOCS])
+    without_types = np.array([1 / (1 + np.exp(-_logits(model, tok, QUERY, d, types=False)[0])) for d in DOCS])
+    assert not _close(want, without_types, 1e-3)  # (the types matter to this checkpoint: the test can fail)
+    with LLM(str(bert_ce_dir), dtype="float32") as llm:
+        assert [encode_pair(llm.engine.tokenizer, QUERY, d) for d in DOCS] == \
+            [tok(QUERY, d)["input_ids"] for d in DOCS]
+        scores = [s.score for s in llm.score(QUERY, DOCS)]
+        assert _close(scores, want)
+        # a single text's only separator ends it: all type 0, as transformers' tokenizer gives
+        for text in TEXTS:
+            assert _close(llm.classify(text, PoolingParams(activation=False))[0].probs,
+                          _logits(model, tok, text))
+        with pytest.raises(ValueError, match="pooling must be 'cls'"):
+            llm.classify("hello", PoolingParams(pooling="last"))
+
+
+def test_xlm_roberta_classifier_labels(xlmr_clf_dir):
+    model, tok = _hf(xlmr_clf_dir, classifier=True)
+    with LLM(str(xlmr_clf_dir), dtype="float32", enforce_eager=False) as llm:
+        outs = llm.classify(TEXTS)
+        for text, out in zip(TEXTS, outs):
+            logits = _logits(model, tok, text)
+            e = np.exp(logits - logits.max())
+            assert _close(out.probs, e / e.sum())
+            assert out.label == ("negative", "neutral", "positive")[int(np.argmax(logits))]
+
+
+def test_prompts_are_computed_whole(bert_dir):
+    # A step's budget that holds one prompt of the four: each is still computed whole (in a step of its own), and
+    # equals what it is alone.
+    model, tok = _hf(bert_dir)
+    texts = ["It is half past seven.", "The dog did not care.", "I am fine, thank you.", TEXTS[1]]
+    assert all(16 < len(tok(t)["input_ids"]) <= 32 for t in texts[:3])
+    with LLM(str(bert_dir), dtype="float32", max_model_len=32, max_num_batched_tokens=32) as llm:
+        steps = llm.engine.num_steps
+        outs = llm.embed(texts, PoolingParams(normalize=False))
+        assert llm.engine.num_steps - steps >= 2
+        for text, out in zip(texts, outs):
+            assert _close(out.embedding, _pooled(_hidden(model, tok, text), "cls", False))
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_what_an_encoder_cannot_do(bert_dir, tmp_path):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        LLM(str(bert_dir), dtype="float32", tensor_parallel_size=2)
+    with LLM(str(bert_dir), dtype="float32") as llm:
+        with pytest.raises(ValueError, match="encoder .*cannot generate"):
+            llm.generate("hello", SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="sequence-classification model"):
+            llm.classify("hello")
+
+
+def test_bf16_embeddings_stay_close(bert_dir):
+    model, tok = _hf(bert_dir)
+    with LLM(str(bert_dir), dtype="bfloat16") as llm:
+        for text, out in zip(TEXTS, llm.embed(TEXTS)):
+            want = _pooled(_hidden(model, tok, text), "cls", True)
+            assert float(np.dot(out.embedding, want)) > 0.99
+
+
+def test_old_layernorm_names_load(bert_dir, tmp_path):
+    # TF-converted checkpoints spell LayerNorm's parameters gamma / beta.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    old = tmp_path / "old-names"
+    shutil.copytree(bert_dir, old)
+    tensors = load_file(str(old / "model.safetensors"))
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, str(old / "model.safetensors"), metadata={"format": "pt"})
+    with LLM(str(bert_dir), dtype="float32") as a, LLM(str(old), dtype="float32") as b:
+        assert _close(a.embed(TEXTS[0])[0].embedding, b.embed(TEXTS[0])[0].embedding, 1e-7)
+
+
+def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
+    import httpx
+    import openai
+
+    from tests.server_utils import LiveServer
+    model, tok = _hf(bert_dir)
+    with LiveServer(bert_dir) as live:
+        async def embed() -> None:
+            client = openai.AsyncOpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=60)
+            r = await client.embeddings.create(model=live.model_name, input=TEXTS)
+            for d, text in zip(r.data, TEXTS):
+                assert _close(d.embedding, _pooled(_hidden(model, tok, text), "cls", True))
+            assert r.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in TEXTS)
+            with pytest.raises(openai.BadRequestError, match="cannot generate"):
+                await client.completions.create(model=live.model_name, prompt="hello", max_tokens=2)
+        asyncio.run(embed())
+        state = live.wait_idle()
+        assert state["free"] == state["blocks"]
+    ce, ce_tok = _hf(bert_ce_dir, classifier=True)
+    want = np.array([1 / (1 + np.exp(-_logits(ce, ce_tok, QUERY, d)[0])) for d in DOCS])
+    with LiveServer(bert_ce_dir) as live:
+        async def rerank() -> None:
+            async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
+                r = (await http.post("/v1/rerank", json={"query": QUERY, "documents": DOCS})).json()
+                order = list(np.argsort(-want, kind="stable"))
+                assert [x["index"] for x in r["results"]] == order
+                assert _close([x["relevance_score"] for x in r["results"]], want[order])
+        asyncio.run(rerank())
