@@ -3,7 +3,7 @@ hidden 768, vocabulary 30,522) against transformers' `BertModel` on the same che
 sentence-transformers batches (sorted by length, 32 a batch, padded to the longest), side by side in one process.
 Reports prompt tokens per second and the embeddings' largest disagreement (1 - cosine).
 
-    python bench/encoder_embeddings.py [--requests 256] [--min-len 16] [--max-len 256] [--rounds 3] [--dtype D]
+    python bench/encoder_embeddings.py [--requests 256] [--min-len 16] [--max-len 256] [--rounds 3] [--dtype D] [--compile]
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (LLM's CPU default: eager)")
     args = ap.parse_args()
     import transformers as tf
     make_model(Path(args.model))
@@ -55,7 +55,7 @@ def main() -> None:
     prompts = [[2] + torch.randint(10, 30522, (n - 2,), generator=g).tolist() + [3] for n in lens]
     total = sum(lens)
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager or None,
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=not args.compile,
               max_num_batched_tokens=4096, max_num_seqs=256)
     start_s = time.perf_counter() - t0
     hf = tf.AutoModel.from_pretrained(args.model, dtype=llm.engine.runner.dtype).eval()
