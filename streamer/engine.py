@@ -219,7 +219,7 @@ class LLMEngine:
         self.default_pooling = default_pooling(self.model_dir, "cls" if self.encoder else "last")
         # A sequence-classification model's labels and activations (None for other models): it only pools.
         self.classifier = Classifier.from_config(self.model_config.raw, self.model_config.num_labels,
-                                                 "cls" if self.encoder else "last")
+                                                 self.runner.model.classifier_pooling)
         # What unset request fields default to: the checkpoint's recommended sampling (generation_config.json).
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_dir,
                                                    config.override_generation_config)

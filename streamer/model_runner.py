@@ -565,9 +565,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
     def _metadata(self, step: StepInputs) -> AttentionMetadata:
         dev = self.device
-        limit = None
+        limit = window = None
         if self.model.bidirectional:  # an encoder's prompts are whole in the step: each token sees all of its own
             limit = np.repeat(step.seq_lens.astype(np.int32) - 1, np.diff(step.query_start_loc))
+            if self.model.two_sided_window:  # (its local layers: as far ahead as their window reaches)
+                window = np.minimum(limit, step.positions + self.model.two_sided_window - 1).astype(np.int32)
         elif step.images is not None and self.model.bidirectional_images:
             limit = step.positions.astype(np.int32)  # each image token sees up to its image's end
             limit[step.images.token_idx] = step.images.last_pos
@@ -579,6 +581,7 @@ class ModelRunner:
             max_query_len=int(np.diff(step.query_start_loc).max()), max_seq_len=int(step.seq_lens.max()),
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
             causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit,
+            window_limit=None if window is None else to_device(window, dev), window_limit_cpu=window,
             mamba=self._mamba_step(step) if self.hybrid else None)
 
     def _mamba_step(self, step: StepInputs) -> MambaStep:
@@ -1016,6 +1019,9 @@ class ModelRunner:
         sums = torch.zeros(len(pool.owners), hidden.shape[-1], dtype=torch.float32, device=self.device)
         sums.index_add_(0, seg, hidden.index_select(0, idx).float())
         if getattr(self.model, "score", None) is not None:  # (a family class that builds no LlamaForCausalLM has none)
+            if self.model.classifier_pooling == "mean":  # (an encoder's head is not linear: it reads the mean,
+                # and the prompt is whole in this step)
+                sums /= torch.bincount(seg, minlength=len(pool.owners)).clamp(min=1).unsqueeze(1)
             sums = self.model.classify(sums)
         return pool.owners, sums.cpu().numpy().astype(np.float64)
 

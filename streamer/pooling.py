@@ -130,7 +130,7 @@ class Classifier:
     labels: tuple[str, ...]  # config.json's id2label, by label id
     classify_activation: str  # "softmax" | "sigmoid" | "none"
     score_activation: Optional[str]
-    pooling: str = "last"  # the token its head reads: a decoder's last, an encoder's first ("cls")
+    pooling: str = "last"  # what its head reads: a decoder's last token, an encoder's first ("cls") or "mean"
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], num_labels: Optional[int], pooling: str = "last",
@@ -169,9 +169,9 @@ class Classifier:
             raise ValueError(f"task 'score': the model's cross-encoder activation is not supported; supported: "
                              f"{', '.join(_ST_ACTIVATIONS)}")
         if pooling.pooling not in (None, self.pooling):
-            which = "last" if self.pooling == "last" else "first"
+            which = {"last": "the last token", "cls": "the first token", "mean": "the mean of all tokens"}
             raise ValueError(f"pooling must be {self.pooling!r} for this sequence-classification model (its head "
-                             f"reads the {which} token), got {pooling.pooling!r}")
+                             f"reads {which[self.pooling]}), got {pooling.pooling!r}")
         if pooling.dimensions is not None:
             raise ValueError("dimensions is for embeddings; a classifier's output has one value per label")
         return dataclasses.replace(pooling, task=task, pooling=self.pooling)

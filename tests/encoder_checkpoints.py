@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tests.tokenizer_factory import CORPUS
 
 _SPECIALS = {"bert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
+             "modernbert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
              "roberta": dict(cls="<s>", pad="<pad>", sep="</s>", unk="<unk>", mask="<mask>")}
 
 
@@ -28,6 +29,9 @@ def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) 
     if family == "bert":
         tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}",
                                                            pair=f"{cls} $A {sep} $B:1 {sep}:1", special_tokens=ids)
+    elif family == "modernbert":
+        tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B {sep}",
+                                                           special_tokens=ids)
     else:
         tok.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}",
                                                            pair=f"{cls} $A {sep} {sep} $B {sep}", special_tokens=ids)
@@ -43,7 +47,8 @@ def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) 
 
 def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optional[tuple[str, ...]] = None,
                             pooling: Optional[str] = None, seed: int = 0, **overrides: Any) -> Path:
-    """family "bert" | "roberta" (saved as XLM-RoBERTa); `labels`: a `*ForSequenceClassification` with those
+    """family "bert" | "roberta" (saved as XLM-RoBERTa) | "modernbert" (4 layers, the first and last global, the
+    others local with a window of 4 either way); `labels`: a `*ForSequenceClassification` with those
     labels, else the bare encoder (`*Model`, an embedding model). `pooling` ("mean" | "cls"): a sentence-transformers
     Pooling module declaring it. Weights drawn wide (std 0.2), so that every part of the model shows in the output."""
     import transformers as tf
@@ -52,14 +57,15 @@ def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optiona
                                  intermediate_size=128, max_position_embeddings=64)
     if family == "roberta":  # (positions from pad + 1 = 2: two more rows; one token type, as XLM-R's checkpoints)
         sizes.update(max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if family == "modernbert":
+        sizes.update(intermediate_size=96, num_hidden_layers=4, max_position_embeddings=128, local_attention=8,
+                     pad_token_id=0, cls_token_id=2, bos_token_id=2, sep_token_id=3, eos_token_id=3)
     if labels:
         sizes.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     sizes.update(overrides)
-    config = (tf.BertConfig if family == "bert" else tf.XLMRobertaConfig)(**sizes)
-    if labels:
-        cls = tf.BertForSequenceClassification if family == "bert" else tf.XLMRobertaForSequenceClassification
-    else:
-        cls = tf.BertModel if family == "bert" else tf.XLMRobertaModel
+    prefix = {"bert": "Bert", "roberta": "XLMRoberta", "modernbert": "ModernBert"}[family]
+    config = getattr(tf, f"{prefix}Config")(**sizes)
+    cls = getattr(tf, f"{prefix}ForSequenceClassification" if labels else f"{prefix}Model")
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():

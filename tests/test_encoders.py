@@ -1,6 +1,7 @@
-"""BERT-family encoders (models/bert.py): embeddings, label probabilities and cross-encoder scores equal
-transformers' (fp32) for BERT and XLM-RoBERTa checkpoints, batched, compiled, over the server; a pair's second text
-reads as token type 1; prompts are never split; what an encoder cannot do is refused."""
+"""Encoders (models/bert.py, models/modernbert.py): embeddings, label probabilities and cross-encoder scores equal
+transformers' (fp32) for BERT, XLM-RoBERTa and ModernBERT checkpoints, batched, compiled, over the server; a pair's
+second text reads as token type 1; ModernBERT's local layers see a window both ways; prompts are never split; what
+an encoder cannot do is refused."""
 from __future__ import annotations
 
 import asyncio
@@ -47,6 +48,19 @@ def bert_ce_dir(ckpt_root) -> Path:
 @pytest.fixture(scope="module")
 def xlmr_clf_dir(ckpt_root) -> Path:
     return _build(ckpt_root, "xlmr-classifier", family="roberta", labels=("negative", "neutral", "positive"))
+
+
+@pytest.fixture(scope="module")
+def modernbert_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "modernbert-embed", family="modernbert")
+
+
+@pytest.fixture(scope="module")
+def modernbert_clf_dir(ckpt_root) -> Path:
+    """Mean pooling into the head, and every optional bias."""
+    return _build(ckpt_root, "modernbert-classifier", family="modernbert", labels=("negative", "neutral", "positive"),
+                  classifier_pooling="mean", norm_bias=True, mlp_bias=True, attention_bias=True,
+                  classifier_bias=True)
 
 
 def _hf(model_dir: Path, classifier: bool = False):
@@ -215,3 +229,26 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
                 assert [x["index"] for x in r["results"]] == order
                 assert _close([x["relevance_score"] for x in r["results"]], want[order])
         asyncio.run(rerank())
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_modernbert_embeddings_match_transformers(modernbert_dir, compiled):
+    # Prompts longer than the local layers' window (4 either way): those layers must see a window, both ways.
+    model, tok = _hf(modernbert_dir)
+    assert all(len(tok(t)["input_ids"]) > 9 for t in TEXTS[:3])
+    with LLM(str(modernbert_dir), dtype="float32", enforce_eager=not compiled) as llm:
+        assert llm.engine.prefix_caching is False and llm.engine.runner.model.two_sided_window == 5
+        for pooling in ("cls", "mean"):
+            outs = llm.embed(TEXTS, PoolingParams(pooling=pooling, normalize=False))
+            for text, out in zip(TEXTS, outs):
+                assert _close(out.embedding, _pooled(_hidden(model, tok, text), pooling, False)), (text, pooling)
+
+
+def test_modernbert_classifier_reads_the_mean(modernbert_clf_dir):
+    model, tok = _hf(modernbert_clf_dir, classifier=True)
+    with LLM(str(modernbert_clf_dir), dtype="float32") as llm:
+        outs = llm.classify(TEXTS, PoolingParams(activation=False))
+        for text, out in zip(TEXTS, outs):
+            assert _close(out.probs, _logits(model, tok, text))
+        with pytest.raises(ValueError, match="pooling must be 'mean'"):
+            llm.classify("hello", PoolingParams(pooling="cls"))

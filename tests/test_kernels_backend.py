@@ -206,15 +206,17 @@ def test_engine_triton_backend_gemma3_images(request) -> None:
     assert np.allclose(lps[0], lps[1], atol=1e-4)
 
 
-def test_engine_triton_backend_encoder(request) -> None:
-    """A BERT encoder (models/bert.py): every token attends to its whole prompt through the kernel's causal limit;
-    several prompts in one step give the torch backend's embeddings."""
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_engine_triton_backend_encoder(request, family) -> None:
+    """Encoders (models/bert.py): every token attends to its whole prompt through the kernel's causal limit, and
+    ModernBERT's local layers to a window either way (the limit cut to the window, the window's lower side); several
+    prompts in one step give the torch backend's embeddings."""
     pytest.importorskip("transformers")
     from streamer import LLM, PoolingParams
     from tests.encoder_checkpoints import make_encoder_checkpoint
-    path = request.getfixturevalue("ckpt_root") / "bert-triton"
+    path = request.getfixturevalue("ckpt_root") / f"{family}-triton"
     if not (path / "config.json").exists():
-        make_encoder_checkpoint(path)
+        make_encoder_checkpoint(path, family=family)
     texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "a"]
     got = {}
     for backend in ("torch", "triton"):

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # themselves: Gemma 3's image tokens see their whole image. None: every query is plainly causal.
     causal_limit: Optional[torch.Tensor] = None
     causal_limit_cpu: Optional[np.ndarray] = None
+    # Two-sided windows (AttentionSpec.two_sided_window): the causal limit cut to each token's window, same layout
+    window_limit: Optional[torch.Tensor] = None
+    window_limit_cpu: Optional[np.ndarray] = None
     # Hybrid attention + Mamba models: what each Mamba layer needs of the step (None for other models)
     mamba: Optional["MambaStep"] = None
 
@@ -124,6 +127,9 @@ class AttentionSpec:
     # Chunked local attention (Llama 4's rope layers): positions form chunks of this many, and a query at position p
     # attends only to keys in its own chunk, [(p // chunk) * chunk, p]; None = off
     attention_chunk: Optional[int] = None
+    # The sliding window reaches both ways (an encoder's local layers, ModernBERT's): a query at p also sees keys up
+    # to p + sliding_window - 1, within its prompt. The metadata's `window_limit` holds that last position per token.
+    two_sided_window: bool = False
 
 
 # --------------------------------------------------------------------------------------------- forward context

@@ -51,5 +51,6 @@ class TritonAttentionBackend(KVScales):
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
                           logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
-                          causal_limit=meta.causal_limit, attention_chunk=spec.attention_chunk)
+                          causal_limit=meta.window_limit if spec.two_sided_window else meta.causal_limit,
+                          attention_chunk=spec.attention_chunk)
         return out

@@ -137,6 +137,7 @@ class BertModel(LlamaForCausalLM):
     decoder_layer = EncoderLayer
     packed = UNGATED_PACKED
     bidirectional = True
+    classifier_pooling = "cls"
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

@@ -41,7 +41,8 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "BertModel": "not implemented for encoders (small models: one device serves them)"}
+                      "BertModel": "not implemented for encoders (small models: one device serves them)",
+                      "ModernBertModel": "not implemented for encoders (small models: one device serves them)"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -55,11 +56,14 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                         "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 
 # BERT-family encoders (models/bert.py): embedding models and sequence classifiers whose tokens attend both ways.
-# The checkpoint's architecture -> (family, sequence classifier?); all are served by one model class, "BertModel".
+# The checkpoint's architecture -> (family, sequence classifier?); the BERT and RoBERTa families are served by one
+# model class, "BertModel"; ModernBERT (models/modernbert.py) by "ModernBertModel".
 ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
                          "RobertaModel": ("roberta", False), "RobertaForSequenceClassification": ("roberta", True),
                          "XLMRobertaModel": ("roberta", False),
-                         "XLMRobertaForSequenceClassification": ("roberta", True)}
+                         "XLMRobertaForSequenceClassification": ("roberta", True),
+                         "ModernBertModel": ("modernbert", False),
+                         "ModernBertForSequenceClassification": ("modernbert", True)}
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
@@ -363,8 +367,9 @@ class ModelConfig:
             num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
         if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
             family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
-            from streamer.models import bert  # (common_config; it imports torch: this module does not)
-            c, arch = bert.common_config(c, family), "BertModel"
+            from streamer.models import bert, modernbert  # (common_config; they import torch: this module does not)
+            c, arch = ((modernbert.common_config(c), "ModernBertModel") if family == "modernbert"
+                       else (bert.common_config(c, family), "BertModel"))
             num_labels = (len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)) if classifier else None
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "

@@ -401,7 +401,8 @@ class LayerNorm(nn.Module):
     returns (normed, sum), as RMSNorm's fused add-and-norm does, so the Llama decoder can take either. `affine` False:
     no weight nor bias (OLMo's, OPT's `layer_norm_elementwise_affine: false`)."""
 
-    def __init__(self, size: int, eps: float, affine: bool = True) -> None:
+    def __init__(self, size: int, eps: float, affine: bool = True, bias: bool = True) -> None:
+        """`bias` False: a weight but no bias (ModernBERT's `norm_bias: false`)."""
         super().__init__()
         self.eps = eps
         self.size = size
@@ -409,7 +410,8 @@ class LayerNorm(nn.Module):
         self.bias: Optional[nn.Parameter] = None
         if affine:
             self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-            self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(size), requires_grad=False)
 
     def scale(self) -> Optional[torch.Tensor]:
         """The multiplier applied after normalising (Nemotron's LayerNorm1P stores it less one)."""

@@ -45,12 +45,14 @@ class Attention(nn.Module):
                  rotary: RotaryEmbedding, scale: Optional[float] = None, sliding_window: Any = _FROM_CONFIG,
                  qk_norm_cls: Optional[Callable[[int, float], nn.Module]] = None,
                  logit_softcap: Optional[float] = None, sinks: bool = False,
-                 attention_chunk: Optional[int] = None, use_rope: bool = True) -> None:
+                 attention_chunk: Optional[int] = None, use_rope: bool = True,
+                 two_sided_window: bool = False) -> None:
         """`scale` (default head_dim ** -0.5), `sliding_window` (default the config's), `qk_norm_cls`
         (per-head q/k norms of another kind) and `logit_softcap` (attention scores soft-capped) are for models whose
         layers differ (Gemma 2 and 3); `sinks` (a learned logit per head in the softmax, kept in fp32) is gpt-oss's;
         `attention_chunk` (chunked local attention, AttentionSpec's) Llama 4's; `use_rope` False: a NoPE layer,
-        whose q and k do not rotate (Llama 4, SmolLM3: `rope_layers`)."""
+        whose q and k do not rotate (Llama 4, SmolLM3: `rope_layers`); `two_sided_window` (AttentionSpec's) an
+        encoder's local layers'."""
         super().__init__()
         tp = ParallelContext.size
         if cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         window = cfg.sliding_window if sliding_window is _FROM_CONFIG else sliding_window
         spec = AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim,
                              self.head_dim ** -0.5 if scale is None else scale, window, logit_softcap,
-                             attention_chunk)
+                             attention_chunk, two_sided_window)
         self.attn: AttentionBackend = backend_cls(spec)
         self.layer_id = register_layer(self.attn)
         self.use_op = False  # set when the model is compiled: attention becomes an opaque custom op
@@ -290,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
     long_rope: Optional[tuple[int, int]] = None
     bidirectional_images = False  # (vision-language models: models/vlm.py)
     bidirectional = False  # every token attends to its whole prompt (an encoder: models/bert.py)
+    two_sided_window = 0  # an encoder's local layers' window, both ways (AttentionSpec.two_sided_window); 0: none
+    classifier_pooling = "last"  # the token(s) a sequence classifier's head reads: "last", "cls" or "mean"
 
     def use_kernels(self, on: bool) -> None:
         """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from streamer.models.bert import BertModel
+from streamer.models.modernbert import ModernBertModel
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
@@ -121,6 +122,7 @@ _MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
 _MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
 _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
+_MODEL_CLASSES["ModernBertModel"] = ModernBertModel
 
 
 def safetensors_files(folder: Path) -> list[Path]:
