@@ -27,7 +27,7 @@ from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import Classifier, PoolingParams, default_pooling, embedding_width, finish_pooled
 from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
-from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from streamer.models.config import ENCODER_MODELS, HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_media, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
@@ -175,6 +175,8 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
                            config.max_model_len, limit)
         self._check_multimodal()
+        self._fit_budget_to_encoder()
+        config = self.config
         self.runner = ModelRunner(config, self.model_dir, self.model_config, self.max_model_len)
         # How the model takes images (None: it takes none)
         self.image_prompts = image_prompts_for(self.model_config, self.runner.model, self.tokenizer, self.model_dir,
@@ -184,7 +186,6 @@ class LLMEngine:
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
         # An encoder's prompts attend both ways: a prefix's KV depends on what follows it, so none is reused.
         self.encoder = self.runner.model.bidirectional
-        self._check_encoder()
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching and not self.encoder,
                                  state_slots=self.runner.num_state_slots,
@@ -224,12 +225,14 @@ class LLMEngine:
         self.sampling_defaults = sampling_defaults(config.generation_config, self.model_dir,
                                                    config.override_generation_config)
 
-    def _check_encoder(self) -> None:
-        """An encoder computes each prompt in one step: the step's token budget must hold the longest."""
-        if self.encoder and self.config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at least "
-                             f"max_model_len ({self.max_model_len}) for an encoder model, whose prompts are computed "
-                             "whole in one step (or lower max_model_len)")
+    def _fit_budget_to_encoder(self) -> None:
+        """An encoder computes each prompt in one step: the step's token budget is raised to hold the longest (as
+        vLLM does; a smaller max_model_len keeps it smaller)."""
+        budget = self.config.max_num_batched_tokens
+        if self.model_config.architecture in ENCODER_MODELS and budget < self.max_model_len:
+            logger.warning("max_num_batched_tokens raised from %d to max_model_len %d: an encoder computes each "
+                           "prompt whole, in one step", budget, self.max_model_len)
+            self.config = dataclasses.replace(self.config, max_num_batched_tokens=self.max_model_len)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling field gets: SamplingParams' defaults, with the checkpoint's

@@ -166,8 +166,9 @@ def test_prompts_are_computed_whole(bert_dir):
 
 
 def test_what_an_encoder_cannot_do(bert_dir, tmp_path):
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=16)
+    with LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=16) as llm:  # (raised: prompts are whole)
+        assert llm.engine.config.max_num_batched_tokens == llm.engine.max_model_len == 64
+        assert len(llm.embed({"prompt_token_ids": [2] + [10] * 60 + [3]})[0].embedding) == 64
     with pytest.raises(ValueError, match="tensor parallelism"):
         LLM(str(bert_dir), dtype="float32", tensor_parallel_size=2)
     with LLM(str(bert_dir), dtype="float32") as llm:

@@ -65,6 +65,8 @@ ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassific
                          "ModernBertModel": ("modernbert", False),
                          "ModernBertForSequenceClassification": ("modernbert", True)}
 
+ENCODER_MODELS = ("BertModel", "ModernBertModel")  # (the model classes they load as: ModelConfig.architecture)
+
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
