@@ -328,10 +328,13 @@ class LLMEngine:
     def truncate(self, text: Optional[str], ids: list[int], images: tuple[ImageInput, ...], options: Any,
                  ) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
         """The prompt cut to its last `truncate_prompt_tokens` tokens if its SamplingParams / PoolingParams ask
-        (the text no longer matches the tokens then: None)."""
+        (the text no longer matches the tokens then: None). An encoder's keeps its start and its last token instead:
+        [CLS] text... [SEP] cut as its tokenizer (and sentence-transformers) would cut it, framing kept."""
         keep = getattr(options, "truncate_prompt_tokens", None)
         if keep is None or len(ids) <= keep:
             return text, ids, images
+        if self.encoder and not images:
+            return None, ids[:keep - 1] + ids[-1:] if keep > 1 else ids[:1], ()
         return (None, *prompt_embeds.truncate_inputs(ids, images, keep))  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ intake

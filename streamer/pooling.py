@@ -41,7 +41,8 @@ class PoolingParams:
     pooling: Optional[str] = None
     normalize: bool = True
     dimensions: Optional[int] = None
-    truncate_prompt_tokens: Optional[int] = None  # keep only the prompt's last N tokens (as SamplingParams')
+    # keep only the prompt's last N tokens (as SamplingParams'); an encoder's first N - 1 and its last ([SEP])
+    truncate_prompt_tokens: Optional[int] = None
     task: Optional[str] = None
     activation: bool = True
 

@@ -118,7 +118,12 @@ def test_xlm_roberta_embeddings_pool_as_sentence_transformers_declares(xlmr_dir)
         long = " ".join(["fox"] * 80)
         with pytest.raises(ValueError, match="max_model_len is 64"):
             llm.embed(long)
-        assert len(llm.embed(long, PoolingParams(truncate_prompt_tokens=64))[0].embedding) == 64
+        # truncated as the tokenizer truncates: the start kept, and the closing </s>
+        cut = llm.embed(long, PoolingParams(truncate_prompt_tokens=64))[0]
+        assert cut.prompt_token_ids == tok(long, truncation=True, max_length=64)["input_ids"]
+        with torch.no_grad():
+            h = model(**tok(long, truncation=True, max_length=64, return_tensors="pt")).last_hidden_state[0]
+        assert _close(cut.embedding, _pooled(h.double().numpy(), "mean", True))
 
 
 def test_bert_cross_encoder_reads_the_pair_s_token_types(bert_ce_dir):
