@@ -344,3 +344,63 @@ def test_score_and_rerank_with_a_cross_encoder(ce_dir, ce_ref, llama_dir):
                 assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
                 assert "needs a sequence-classification model" in resp.json()["error"]["message"]
         asyncio.run(refused())
+
+
+def _word_tokens(model_dir: Path, n: int) -> list[str]:
+    """n whole-word tokens of the checkpoint's vocabulary (what a reranker's "yes" / "no" are)."""
+    import re
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    return [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if re.fullmatch("Ġ[a-z]{3,}", t)][:n]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # (an LM head of its own; one tied to the embeddings)
+def test_classifier_from_token_as_vllm(make_ckpt, family):
+    """A causal LM served as a reranker through hf_overrides (vLLM's recipe for Qwen3-Reranker): the score head is
+    the LM head's rows for the tokens; 2-way softmax (one label, the sigmoid of the logit difference) or their own
+    logits (no post-processing). Both equal transformers' causal LM's last-token logits."""
+    import transformers as tf
+    path = make_ckpt(f"{family}-reranker", family=family)
+    no, yes, other = _word_tokens(path, 3)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = Tokenizer.from_pretrained(path)
+    ids = {t: tok.token_to_id(t) for t in (no, yes, other)}
+
+    def last_logits(prompt: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return hf(torch.tensor([prompt])).logits[0, -1].double().numpy()
+    arch = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification"}[family]
+    overrides = {"architectures": [arch], "classifier_from_token": [no, yes], "method": "from_2_way_softmax"}
+    with LLM(str(path), dtype="float32", hf_overrides=overrides) as llm:
+        assert llm.engine.classifier.num_labels == 1
+        scores = [s.score for s in llm.score(QUERY, DOCS)]
+        want = []
+        for d in DOCS:
+            lg = last_logits(encode_pair(tok, QUERY, d))
+            want.append(_softmax(np.array([lg[ids[no]], lg[ids[yes]]]))[1])
+        assert _close(scores, want)
+        llm.update_weights(str(path))  # (reloaded in place: the head is made of the rows again)
+        assert _close([s.score for s in llm.score(QUERY, DOCS)], want)
+    overrides = {"architectures": [arch], "classifier_from_token": [other, yes], "method": "no_post_processing"}
+    with LLM(str(path), dtype="float32", hf_overrides=overrides) as llm:
+        for p in PROMPTS[:3]:
+            got = llm.classify({"prompt_token_ids": p}, PoolingParams(activation=False))[0].probs
+            assert _close(got, last_logits(p)[[ids[other], ids[yes]]])
+    for bad, match in (({"classifier_from_token": ["no-such-token", yes], "architectures": [arch]},
+                        "not a token of the tokenizer"),
+                       ({"classifier_from_token": [no, yes, other], "method": "from_2_way_softmax",
+                         "architectures": [arch]}, "two tokens"),
+                       ({"classifier_from_token": [no, yes]}, "ForSequenceClassification architecture")):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(path), dtype="float32", hf_overrides=bad)
+
+
+def test_classifier_from_token_methods():
+    from streamer.models.config import head_from_tokens
+    assert head_from_tokens({"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}) == \
+        (["true"], "from_2_way_softmax")
+    assert head_from_tokens({"classifier_from_token": ["0", "1"]}) == (["true"], "from_2_way_softmax")
+    assert head_from_tokens({"classifier_from_token": ["Yes"]}) == (["Yes"], "no_post_processing")
+    with pytest.raises(ValueError, match="method must be one of"):
+        head_from_tokens({"classifier_from_token": ["Yes"], "method": "softmax"})
+    with pytest.raises(ValueError, match="list of token strings"):
+        head_from_tokens({"classifier_from_token": "yes"})

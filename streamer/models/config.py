@@ -232,6 +232,30 @@ class MLADims:
                    c["v_head_dim"])
 
 
+# vLLM's `classifier_from_token` methods: a causal LM served as a sequence classifier whose score head is made of
+# its LM head's rows for those tokens: "from_2_way_softmax" (two tokens [false, true]: one label, the logit
+# difference true - false, whose sigmoid is the softmax of the pair: Qwen3-Reranker's yes / no, mxbai-rerank-v2's
+# 1 / 0); "no_post_processing" (one label per token: the tokens' own logits, bge-reranker-v2-gemma's "Yes").
+CLASSIFIER_FROM_TOKEN_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def head_from_tokens(c: dict[str, Any]) -> tuple[list[str], str]:
+    """(the labels' token strings, the method) of a config with `classifier_from_token` (set through hf_overrides,
+    as vLLM's); checked. `is_original_qwen3_reranker` means ["no", "yes"] by the 2-way softmax."""
+    tokens = c.get("classifier_from_token")
+    method = c.get("method") or ("from_2_way_softmax" if c.get("is_original_qwen3_reranker")
+                                 or (isinstance(tokens, list) and len(tokens) == 2) else "no_post_processing")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must be a list of token strings, got {tokens!r}")
+    if method not in CLASSIFIER_FROM_TOKEN_METHODS:
+        raise ValueError(f"method must be one of {CLASSIFIER_FROM_TOKEN_METHODS} for classifier_from_token, got "
+                         f"{method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"classifier_from_token with method from_2_way_softmax takes two tokens [false, true], got "
+                         f"{tokens!r}")
+    return (["true"] if method == "from_2_way_softmax" else tokens), method
+
+
 def _quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     from streamer.models.quant import check_quantization  # (imports torch: this module does not)
     return check_quantization(qc)
@@ -367,6 +391,12 @@ class ModelConfig:
             c = dict(c, tie_word_embeddings=True)  # no LM head to load
             # (transformers writes id2label, not num_labels, and neither for its default of 2)
             num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
+            if c.get("classifier_from_token") is not None:  # (a causal LM's head rows as its score head)
+                num_labels = len(head_from_tokens(c)[0])
+        if c.get("classifier_from_token") is not None and num_labels is None:
+            raise ValueError("classifier_from_token makes a causal LM's head rows a sequence classifier's score head: "
+                             "give a *ForSequenceClassification architecture too (hf_overrides: {\"architectures\": "
+                             "[\"Qwen3ForSequenceClassification\"], ...})")
         if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
             family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
             from streamer.models import bert, modernbert  # (common_config; they import torch: this module does not)

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from streamer.models.bert import BertModel
 from streamer.models.modernbert import ModernBertModel
-from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
 from streamer.models.falcon_h1 import FalconH1ForCausalLM
@@ -169,7 +169,9 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     """keep_int4: a 4-bit (or channel-wise 8-bit) checkpoint's linears keep their codes (their layers'
     `finish_int4` packs them once anything else that takes their shapes, LoRA, is attached); otherwise they are
     dequantized as they load."""
-    if cfg.tie_word_embeddings and load_format != "dummy" and _stores_own_head(safetensors_files(folder)):
+    from_tokens = cfg.num_labels is not None and cfg.raw.get("classifier_from_token") is not None
+    if (cfg.tie_word_embeddings and load_format != "dummy" and not from_tokens
+            and _stores_own_head(safetensors_files(folder))):
         logger.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint stores a different "
                        "lm_head.weight: using that (as transformers does)", folder)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -192,6 +194,9 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         files = safetensors_files(folder)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = _taking_kv_scales(model.rename_weights(iter_safetensors(files, "cpu")), kv_scales)
+        head = HeadFromTokens(model, folder) if from_tokens else None
+        if head is not None:
+            weights = head.taking(weights)
         iq = parse_int_quant(cfg.quantization) if cfg.quantization is not None else None
         if iq is not None:
             keep = _prepare_int4(model, iq, files) if keep_int4 else set()
@@ -199,6 +204,8 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         elif cfg.quantization is not None:
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)
+        if head is not None:
+            loaded.add(head.finish())
         missing = model.expected_weights() - loaded
         if missing:
             names = sorted(model.checkpoint_name(m) for m in missing)
@@ -229,10 +236,52 @@ def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors) -> None
     model's structure and that no weight is derived (packed, quantized, absorbed) at the time."""
     tensors = iter_safetensors(safetensors_files(source), "cpu") if isinstance(source, Path) else iter(source)
     weights = _taking_kv_scales(model.rename_weights(tensors), {})
-    missing = model.expected_weights() - model.load_weights(weights)
+    head = HeadFromTokens(model) if getattr(model, "head_token_ids", None) is not None else None
+    loaded = model.load_weights(weights if head is None else head.taking(weights))
+    if head is not None:
+        loaded.add(head.finish())
+    missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"new weights are missing {len(missing)} tensor(s): "
                          f"{', '.join(sorted(model.checkpoint_name(m) for m in missing)[:8])}")
+
+
+class HeadFromTokens:
+    """`classifier_from_token` (vLLM's, through hf_overrides: config.head_from_tokens): a causal LM's checkpoint
+    served as a sequence classifier, its score head made of the LM head's rows for the labels' tokens (the
+    embeddings' rows where the head is tied). The rows are taken whole as the weights stream by, before the model
+    shards or skips them (it has no LM head)."""
+
+    def __init__(self, model: LlamaForCausalLM, folder: Optional[Path] = None) -> None:
+        self.model = model
+        if folder is not None:  # (first load: the tokens' ids, kept for reloads)
+            from streamer.tokenizer import Tokenizer
+            tok = Tokenizer.from_pretrained(folder)
+            names = model.cfg.raw["classifier_from_token"]
+            ids = [tok.token_to_id(t) for t in names]
+            if None in ids:
+                raise ValueError(f"classifier_from_token: {names[ids.index(None)]!r} is not a token of the "
+                                 f"tokenizer in {folder}")
+            model.head_token_ids = ids
+        self.rows: dict[str, torch.Tensor] = {}
+
+    def taking(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        ids = self.model.head_token_ids
+        for name, t in weights:
+            if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                self.rows[name] = t[ids].float()
+            yield name, t
+
+    @torch.no_grad()
+    def finish(self) -> str:
+        """Fill the score head; returns its parameter's name (loaded)."""
+        rows = self.rows.get("lm_head.weight", self.rows.get("model.embed_tokens.weight"))
+        if rows is None:
+            raise ValueError("classifier_from_token: the checkpoint holds neither an LM head nor embeddings")
+        _, method = head_from_tokens(self.model.cfg.raw)
+        weight = rows[1:2] - rows[:1] if method == "from_2_way_softmax" else rows
+        self.model.score.weight.copy_(weight)  # type: ignore[union-attr]
+        return "score.weight"
 
 
 def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> set[str]:
