@@ -53,7 +53,9 @@ BASE = ["--base-url", "http://127.0.0.1:9"]
     (BASE + ["--goodput", "ttft"], "KEY:MS"),
     (BASE + ["--goodput", "itl:5"], "KEY:MS"),
     (BASE + ["--goodput", "ttft:-5"], "must be > 0"),
-    (BASE + ["--endpoint", "embeddings"], "invalid choice"),
+    (BASE + ["--endpoint", "vectors"], "invalid choice"),
+    (BASE + ["--endpoint", "embeddings", "--ignore-eos"], "does not apply to --endpoint embeddings"),
+    (BASE + ["--endpoint", "embeddings", "--goodput", "ttft:50"], "does not apply to --endpoint embeddings"),
     (BASE + ["--dataset", "file"], "needs --dataset-path"),
     (BASE + ["--dataset-path", "/no/such/file.json"], "is not a file"),
     (BASE + ["--dataset", "prefix", "--tokenizer", "TOK"], "needs --prefix-len"),
@@ -277,3 +279,31 @@ def test_messages_endpoint_against_a_live_server(llama_dir, tmp_path: Path) -> N
     reqs = doc["requests"]
     assert [r["output_len"] for r in reqs] == [5] * 4 and all(r["output_len_source"] == "usage" for r in reqs)
     assert all(r["prompt_len"] > 0 for r in reqs)
+
+
+def test_embeddings_endpoint_against_a_live_encoder(ckpt_root, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--endpoint embeddings drives /v1/embeddings: every request completes, its prompt length the server's usage
+    (the encoder's [CLS] and [SEP] included), its latency its whole answer; the table shows the input side and
+    end-to-end latency only."""
+    pytest.importorskip("transformers")
+    from tests.encoder_checkpoints import make_encoder_checkpoint
+    from tests.server_utils import LiveServer
+    model = ckpt_root / "bert-bench"
+    if not (model / "config.json").exists():
+        make_encoder_checkpoint(model)
+    res = tmp_path / "r.json"
+    with LiveServer(model) as server:
+        assert main(["--base-url", server.url, "--tokenizer", str(model), "--endpoint", "embeddings",
+                     "--num-prompts", "6", "--input-len", "12", "--max-concurrency", "2", "--goodput", "e2el:60000",
+                     "--save-result", str(res), "--progress", "off"]) == 0
+    table = capsys.readouterr().out
+    assert "Input token throughput (tok/s):" in table and "End-to-end Latency" in table
+    assert "Time to First Token" not in table and "Total generated tokens" not in table
+    doc = json.loads(res.read_text())
+    assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
+    assert doc["summary"]["total_input_tokens"] == sum(r["prompt_len"] for r in doc["requests"])
+    assert all(r["prompt_len"] == 14 and r["output_len"] == 0 and r["latency"] > 0 for r in doc["requests"])
+    with FakeServer() as fake:  # (a server without /v1/embeddings: every request fails, the run says so)
+        assert main(["--base-url", fake.base_url, "--tokenizer", str(model), "--endpoint", "embeddings",
+                     "--num-prompts", "2", "--input-len", "4", "--progress", "off"]) == 1

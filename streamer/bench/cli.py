@@ -94,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "serves as --tokenizer")
     a("--served-model-name", help="name sent in requests when it differs from --model")
     a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
-    a("--endpoint", choices=("completions", "chat", "messages"), default="completions",
-      help="/v1/completions, /v1/chat/completions, or Anthropic's /v1/messages")
+    a("--endpoint", choices=("completions", "chat", "messages", "embeddings"), default="completions",
+      help="/v1/completions, /v1/chat/completions, Anthropic's /v1/messages, or /v1/embeddings (an embedding "
+           "model: one prompt a request; throughput in input tokens, latency end to end)")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "file", "prefix"),
                    help="random prompts, a JSON/JSONL/ShareGPT file, or prefix-sharing groups "
@@ -160,6 +161,11 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--dataset-path is only for --dataset file, not {args.dataset}")
     if args.dataset == "prefix" and args.prefix_len < 1:
         p.error("--dataset prefix needs --prefix-len >= 1")
+    if args.endpoint == "embeddings":
+        for flag, given in (("--images-per-request", args.images_per_request), ("--ignore-eos", args.ignore_eos),
+                            ("--goodput ttft / tpot", any(k != "e2el" for k, _ in args.goodput or ()))):
+            if given:
+                p.error(f"{flag} does not apply to --endpoint embeddings (nothing is generated)")
     if args.images_per_request and args.endpoint == "completions":
         p.error("--images-per-request needs --endpoint chat or messages (images travel as content parts)")
     if args.plot and not report.plot_available():
@@ -220,11 +226,16 @@ def _fit_input_len(args: argparse.Namespace, served: Optional[ServedModel]) -> N
     limit = served.max_model_len if served is not None else None
     if limit is None or args.dataset == "file":
         return
-    fit = max(1, (limit - (args.output_len or DEFAULT_OUTPUT_LEN) - args.prefix_len) // 2)
+    fit = max(1, (limit - _output_len(args) - args.prefix_len) // 2)
     if fit < args.input_len:
         args.input_len = fit
         print(f"streamer bench: --input-len {fit} (not {DEFAULT_INPUT_LEN}): the server's max_model_len is {limit}",
               file=sys.stderr)
+
+
+def _output_len(args: argparse.Namespace) -> int:
+    """Tokens each request asks to generate: --output-len, its default, or none for embeddings."""
+    return 0 if args.endpoint == "embeddings" else args.output_len or DEFAULT_OUTPUT_LEN
 
 
 def _warn_if_too_long(requests: Sequence[SampleRequest], served: Optional[ServedModel]) -> None:
@@ -246,7 +257,7 @@ def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[Sa
         assert tok is not None
         grouped = args.dataset == "prefix"
         requests = synthetic_requests(tok, args.num_prompts, input_len=args.input_len,
-                                      output_len=args.output_len or DEFAULT_OUTPUT_LEN, range_ratio=args.range_ratio,
+                                      output_len=_output_len(args), range_ratio=args.range_ratio,
                                       prefix_len=args.prefix_len, num_prefixes=args.num_prefixes if grouped else 1,
                                       seed=args.seed, shuffle=grouped)
     if args.images_per_request:
@@ -323,7 +334,8 @@ def bench_main(argv: Sequence[str]) -> int:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
     summary = summarize(out.results, out.duration, args.percentiles, dict(args.goodput) if args.goodput else None)
-    print(report.format_summary(summary, max_concurrency=args.max_concurrency, client_cpu=out.client_cpu))
+    print(report.format_summary(summary, max_concurrency=args.max_concurrency, client_cpu=out.client_cpu,
+                                embeddings=args.endpoint == "embeddings"))
     if args.save_result:
         report.save_result(args.save_result, _config_record(args, out), summary, out.results, out.client_cpu)
     if args.plot:

@@ -57,6 +57,7 @@ class Summary:
     total_input_tokens: int
     total_output_tokens: int
     request_throughput: float
+    input_throughput: float
     output_throughput: float
     total_token_throughput: float
     max_output_tokens_per_s: float
@@ -148,7 +149,8 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
     errors = Counter(r.error for r in results if not r.success).most_common()
     return Summary(duration=duration, completed=len(ok), failed=len(results) - len(ok),
                    total_input_tokens=total_in, total_output_tokens=total_out,
-                   request_throughput=len(ok) / dur, output_throughput=total_out / dur,
+                   request_throughput=len(ok) / dur, input_throughput=total_in / dur,
+                   output_throughput=total_out / dur,
                    total_token_throughput=(total_in + total_out) / dur,
                    max_output_tokens_per_s=peak_tps, max_concurrent_requests=peak_conc,
                    max_in_flight=max_in_flight(ok),

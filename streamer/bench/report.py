@@ -22,23 +22,29 @@ def _row(label: str, value: Any) -> str:
 
 
 def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_cpu: Optional[float] = None,
-                   max_errors: int = 5) -> str:
+                   max_errors: int = 5, embeddings: bool = False) -> str:
+    """vLLM's table. `embeddings`: nothing is generated, so the input side and end-to-end latency only."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="="),
              _row("Successful requests:", s.completed), _row("Failed requests:", s.failed),
              _row("Maximum request concurrency:", max_concurrency if max_concurrency else "unlimited"),
-             _row("Benchmark duration (s):", s.duration), _row("Total input tokens:", s.total_input_tokens),
-             _row("Total generated tokens:", s.total_output_tokens),
-             _row("Request throughput (req/s):", s.request_throughput)]
+             _row("Benchmark duration (s):", s.duration), _row("Total input tokens:", s.total_input_tokens)]
+    if not embeddings:
+        lines.append(_row("Total generated tokens:", s.total_output_tokens))
+    lines.append(_row("Request throughput (req/s):", s.request_throughput))
     if s.request_goodput is not None:
         lines.append(_row("Request goodput (req/s):", s.request_goodput))
-    lines += [_row("Output token throughput (tok/s):", s.output_throughput),
-              _row("Peak output token throughput (tok/s):", s.max_output_tokens_per_s),
-              _row("Peak concurrent requests (1 s buckets):", s.max_concurrent_requests),
-              _row("Peak in-flight requests (instant):", s.max_in_flight),
-              _row("Total token throughput (tok/s):", s.total_token_throughput)]
+    if embeddings:
+        lines += [_row("Input token throughput (tok/s):", s.input_throughput),
+                  _row("Peak in-flight requests (instant):", s.max_in_flight)]
+    else:
+        lines += [_row("Output token throughput (tok/s):", s.output_throughput),
+                  _row("Peak output token throughput (tok/s):", s.max_output_tokens_per_s),
+                  _row("Peak concurrent requests (1 s buckets):", s.max_concurrent_requests),
+                  _row("Peak in-flight requests (instant):", s.max_in_flight),
+                  _row("Total token throughput (tok/s):", s.total_token_throughput)]
     if client_cpu is not None and s.duration > 0:  # near 100% would mean the generator limits the numbers
         lines.append(_row("Load generator CPU (% of one core):", 100.0 * client_cpu / s.duration))
-    for m in METRICS:
+    for m in ("e2el",) if embeddings else METRICS:
         lines.append("{s:{c}^{n}}".format(s=METRIC_NAMES[m], n=_W, c="-"))
         for k, v in s.stats[m].items():
             label = {"mean": "Mean", "median": "Median", "std": "Std"}.get(k, k.upper())
@@ -70,6 +76,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
 _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests"),
                ("duration", "Duration (s)"), ("request_throughput", "Request throughput (req/s)"),
                ("request_goodput", "Request goodput (req/s)"),
+               ("input_throughput", "Input throughput (tok/s)"),
                ("output_throughput", "Output throughput (tok/s)"),
                ("total_token_throughput", "Total token throughput (tok/s)"),
                ("max_output_tokens_per_s", "Peak output throughput (tok/s)"),

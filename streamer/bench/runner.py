@@ -21,7 +21,7 @@ from streamer.bench.metrics import RequestResult
 class RunConfig:
     base_url: str
     model: Optional[str] = None  # None: the first id of GET /v1/models
-    endpoint: str = "completions"  # "completions" | "chat" | "messages" (Anthropic's)
+    endpoint: str = "completions"  # "completions" | "chat" | "messages" (Anthropic's) | "embeddings"
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: Optional[int] = None
@@ -58,6 +58,8 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarr
 
 
 def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
+    if cfg.endpoint == "embeddings":  # one input a request, answered whole (nothing streams)
+        return json.dumps({"model": model, "input": req.prompt, **cfg.extra_body}, ensure_ascii=False).encode()
     body: dict[str, Any] = {"model": model, "stream": True, "temperature": cfg.temperature}
     if cfg.endpoint == "messages":  # Anthropic's: usage always streams; images as base64 image blocks
         content: Any = req.prompt
@@ -91,7 +93,8 @@ def _anthropic_image(url: str) -> dict[str, Any]:
 
 
 def endpoint_path(endpoint: str) -> str:
-    return {"chat": "/chat/completions", "messages": "/messages"}.get(endpoint, "/completions")
+    return {"chat": "/chat/completions", "messages": "/messages", "embeddings": "/embeddings"}.get(endpoint,
+                                                                                                 "/completions")
 
 
 def to_result(resp: RawResponse, req: SampleRequest, sent: float,
@@ -101,6 +104,8 @@ def to_result(resp: RawResponse, req: SampleRequest, sent: float,
     if resp.status != 200:
         res.error = error_of(resp)
         return res, None
+    if endpoint == "embeddings":
+        return embedding_result(resp, res, sent), None
     out = interpret(resp, messages=endpoint == "messages")  # (after a broken connection too: an error event says more)
     if out.error:
         res.error = out.error
@@ -125,6 +130,28 @@ def to_result(resp: RawResponse, req: SampleRequest, sent: float,
         return res, None
     res.output_len, res.output_len_source = len(times), "chunks"
     return res, out.text
+
+
+def embedding_result(resp: RawResponse, res: RequestResult, sent: float) -> RequestResult:
+    """An embeddings answer: its latency (also its "first token": the whole answer comes at once), and the prompt
+    tokens its usage counts; an answer without a vector of numbers is an error."""
+    if resp.error or not resp.complete:
+        res.error = resp.error or "response body cut short"
+        return res
+    try:
+        doc = json.loads(bytes(resp.body))
+        vec = doc["data"][0]["embedding"]
+        ok = isinstance(vec, str) or (isinstance(vec, list) and len(vec) > 0
+                                      and all(isinstance(x, (int, float)) for x in vec[:8]))
+    except (ValueError, KeyError, IndexError, TypeError):
+        ok, doc = False, {}
+    if not ok:
+        res.error = "no embedding in the response"
+        return res
+    res.latency = res.ttft = resp.read_times[-1] - sent if resp.read_times else 0.0
+    res.prompt_len = int((doc.get("usage") or {}).get("prompt_tokens") or res.prompt_len)
+    res.output_len, res.output_len_source, res.success = 0, "usage", True
+    return res
 
 
 class Progress:

@@ -22,7 +22,6 @@ the attention backends read them with every token's `causal_limit` at its prompt
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -36,8 +35,6 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import GELU_APPROXIMATE, LayerNorm, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.opt import AddOnly
-
-logger = logging.getLogger(__name__)
 
 _DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
              "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
