@@ -234,6 +234,15 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
                 order = list(np.argsort(-want, kind="stable"))
                 assert [x["index"] for x in r["results"]] == order
                 assert _close([x["relevance_score"] for x in r["results"]], want[order])
+                # Cohere's v2 path, without the texts
+                r = (await http.post("/v2/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 2,
+                                                          "return_documents": False})).json()
+                assert [x["index"] for x in r["results"]] == order[:2]
+                assert all("document" not in x for x in r["results"])
+                assert _close([x["relevance_score"] for x in r["results"]], want[order[:2]])
+                bad = await http.post("/v2/rerank", json={"query": QUERY, "documents": DOCS,
+                                                           "return_documents": "no"})
+                assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_documents"
         asyncio.run(rerank())
 
 

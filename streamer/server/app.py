@@ -729,6 +729,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/score", s.score, methods=["POST"]),
         Route("/v1/rerank", s.rerank, methods=["POST"]),
         Route("/rerank", s.rerank, methods=["POST"]),
+        Route("/v2/rerank", s.rerank, methods=["POST"]),  # (Cohere's v2 client)
         *responses.routes(),
         *MessagesAPI(s).routes(),
         Route("/v1/models", s.models, methods=["GET"]),

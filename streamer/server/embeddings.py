@@ -162,7 +162,8 @@ async def score(server: "OpenAIServer", request: Request) -> Response:
 
 
 async def rerank(server: "OpenAIServer", request: Request) -> Response:
-    """Jina's / Cohere's /rerank: the documents by their score with the query (as /score's), best first."""
+    """Jina's / Cohere's /rerank (and Cohere v2's /v2/rerank): the documents by their score with the query (as
+    /score's), best first; `return_documents` false leaves each result's text out."""
     body = await server._json(request)
     lora = server._check_model(get_str(body, "model", None, 1024))
     query = body.get("query")
@@ -170,10 +171,12 @@ async def rerank(server: "OpenAIServer", request: Request) -> Response:
         raise APIError(f"query must be a non-empty string, got {_show(query)}", param="query")
     docs = _texts(body, "documents", allow_single=False)
     top_n = get_int(body, "top_n", None, lo=1)
+    with_docs = get_bool(body, "return_documents", True)
     rid = f"rerank-{uuid.uuid4().hex}"
     scores, tokens = await _score_pairs(server, [query], docs, [(query, d) for d in docs], lora, rid, "documents")
     order = np.argsort(-np.asarray(scores), kind="stable")[:top_n]
-    results = [{"index": int(i), "document": {"text": docs[i]}, "relevance_score": float(scores[i])} for i in order]
+    results = [{"index": int(i), **({"document": {"text": docs[i]}} if with_docs else {}),
+                "relevance_score": float(scores[i])} for i in order]
     return JSONResponse({"id": rid, "model": lora or server.model_name, "usage": {"total_tokens": tokens},
                          "results": results})
 
