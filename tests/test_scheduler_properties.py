@@ -207,6 +207,59 @@ def test_whole_images_are_never_split(ops, block_size, num_blocks, budget, max_s
     sim.drain()
 
 
+class EncoderSim(Sim):
+    """An encoder's requests (LLMEngine with a bidirectional model): pooling, prompts computed whole, no prefix
+    caching; a request ends once its prompt is computed, as the engine finishes it with its embedding."""
+
+    def add_encoder(self, prompt_len: int, prio: int) -> None:
+        from streamer.pooling import PoolingParams
+        if cdiv(prompt_len, self.cfg.block_size) > self.kv.num_blocks:
+            return  # (refused by LLMEngine.validate)
+        req = Request(f"r{self.n}", [self.rng.randrange(50_000) for _ in range(prompt_len)], SamplingParams(), 0,
+                      block_size=self.cfg.block_size, hash_blocks=False, priority=prio,
+                      pooling=PoolingParams(), whole_prompt=True)
+        self.n += 1
+        self.sched.add(req)
+        self.live.append(req)
+
+    def step(self) -> None:
+        before = {id(r): r.num_computed_tokens for r in self.live}
+        super().step()
+        for req in list(self.live):
+            if req.num_computed_tokens != before.get(id(req), 0):
+                assert before.get(id(req), 0) == 0 and req.num_computed_tokens == req.num_tokens, \
+                    "an encoder's prompt was computed in pieces"
+            if req.status == RequestStatus.RUNNING and req.num_computed_tokens == req.num_tokens:
+                self.sched.finish(req, RequestStatus.FINISHED_STOPPED)
+                self.live.remove(req)
+                self.finished.append(req)
+
+
+encoder_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 3)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 1000)),
+), min_size=1, max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=encoder_ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(3, 40),
+       budget=st.integers(40, 64), max_seqs=st.integers(1, 8), policy=st.sampled_from(["fcfs", "priority"]))
+def test_encoder_prompts_are_computed_whole(ops, block_size, num_blocks, budget, max_seqs, policy):
+    """Encoder requests (a budget of at least the longest prompt, as the engine sets it): each prompt is computed in
+    one chunk from position 0, whatever the pool's size, priorities, preemptions and aborts; every request still
+    finishes and nothing leaks."""
+    sim = EncoderSim(block_size, num_blocks, budget, max_seqs, False, policy)
+    for op in ops:
+        if op[0] == "add":
+            sim.add_encoder(*op[1:])
+        elif op[0] == "step":
+            sim.step()
+        else:
+            sim.abort(op[1])
+    sim.drain()
+
+
 def test_prefix_hit_shares_blocks_and_leaves_last_token():
     sim = Sim(block_size=4, num_blocks=32, budget=100, max_seqs=4, caching=True, policy="fcfs")
     prompt = list(range(100, 112))  # exactly 3 blocks
