@@ -24,10 +24,11 @@ from streamer.generation_config import sampling_defaults
 from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from streamer.pooling import Classifier, PoolingParams, default_pooling, embedding_width, finish_pooled
+from streamer.pooling import (Classifier, DenseProjection, PoolingParams, default_pooling, embedding_width,
+                              finish_pooled)
 from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
-from streamer.models.config import ENCODER_MODELS, HYBRID_ARCHITECTURES, ModelConfig
+from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_media, image_prompts_for
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
@@ -218,6 +219,8 @@ class LLMEngine:
                                   self.scheduler.lora_slots)
         # for embedding requests that name none (an encoder's own default: its first token, [CLS])
         self.default_pooling = default_pooling(self.model_dir, "cls" if self.encoder else "last")
+        # sentence-transformers' Dense modules after the pooling, if the checkpoint has them (EmbeddingGemma's)
+        self.projection = DenseProjection.load(self.model_dir)
         # A sequence-classification model's labels and activations (None for other models): it only pools.
         self.classifier = Classifier.from_config(self.model_config.raw, self.model_config.num_labels,
                                                  self.runner.model.classifier_pooling)
@@ -229,7 +232,7 @@ class LLMEngine:
         """An encoder computes each prompt in one step: the step's token budget is raised to hold the longest (as
         vLLM does; a smaller max_model_len keeps it smaller)."""
         budget = self.config.max_num_batched_tokens
-        if self.model_config.architecture in ENCODER_MODELS and budget < self.max_model_len:
+        if self.model_config.bidirectional and budget < self.max_model_len:
             logger.warning("max_num_batched_tokens raised from %d to max_model_len %d: an encoder computes each "
                            "prompt whole, in one step", budget, self.max_model_len)
             self.config = dataclasses.replace(self.config, max_num_batched_tokens=self.max_model_len)
@@ -509,9 +512,9 @@ class LLMEngine:
         if pooling.task not in (None, "embed"):
             raise ValueError(f"task {pooling.task!r} needs a sequence-classification model "
                              "(*ForSequenceClassification); this one makes embeddings")
-        hidden = embedding_width(self.runner.model)
+        hidden = self.projection.out_features if self.projection is not None else embedding_width(self.runner.model)
         if pooling.dimensions is not None and pooling.dimensions > hidden:
-            raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the model's hidden size {hidden}")
+            raise ValueError(f"dimensions ({pooling.dimensions}) exceeds the model's embedding size {hidden}")
         return dataclasses.replace(pooling, task="embed", pooling=pooling.pooling or self.default_pooling)
 
     def abort(self, request_id: str) -> list[SeqState]:
@@ -885,7 +888,7 @@ class LLMEngine:
             state.pool_count += count
             if done:
                 embedding = state.embedding = finish_pooled(state.pool_sum, state.pool_count, state.req.pooling,
-                                                            self.classifier)
+                                                            self.classifier, self.projection)
                 state.metrics.first_token_time = state.metrics.finished_time = now
                 if self.timings is not None:
                     self.timings.first_token(state.req, now - state.metrics.arrival_time)

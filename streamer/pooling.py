@@ -92,11 +92,73 @@ def embedding_width(model: Any) -> int:
     return getattr(model, "output_width", None) or model.cfg.hidden_size
 
 
-def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[float]:
-    """The pooled vector from the summed hidden states (numpy float64 [H]): averaged, cut to `dimensions`,
-    normalised. (numpy is imported here: `import streamer` stays light.)"""
+# sentence-transformers' Dense activations -> ours (its default, when a config names none, is Tanh)
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "none", "torch.nn.modules.activation.Tanh": "tanh"}
+
+
+@dataclass(frozen=True)
+class DenseProjection:
+    """sentence-transformers' Dense modules after the pooling (EmbeddingGemma's 768 -> 3072 -> 768), in order: each
+    act(W x + b), applied to the pooled vector on the host (one small matrix-vector product a request), before
+    `dimensions` cuts it and it is normalised."""
+
+    layers: tuple[tuple[Any, Any, str], ...]  # (weight [out, in] float64, bias [out] or None, activation)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.layers[-1][0].shape[0])
+
+    def __call__(self, vec: Any) -> Any:
+        import numpy as np
+        for weight, bias, act in self.layers:
+            vec = weight @ vec + (bias if bias is not None else 0.0)
+            if act == "tanh":
+                vec = np.tanh(vec)
+        return vec
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Optional["DenseProjection"]:
+        """The checkpoint's Dense modules (modules.json), None if it has none; ValueError for one we cannot run."""
+        try:
+            modules = json.loads((model_dir / "modules.json").read_text())
+        except (OSError, ValueError):
+            return None
+        layers = []
+        for m in modules if isinstance(modules, list) else []:
+            if isinstance(m, dict) and str(m.get("type", "")).endswith(".Dense"):
+                layers.append(_dense_layer(model_dir / m.get("path", "")))
+        return cls(tuple(layers)) if layers else None
+
+
+def _dense_layer(folder: Path) -> tuple[Any, Any, str]:
+    import numpy as np
+    import torch
+    cfg = json.loads((folder / "config.json").read_text())
+    name = cfg.get("activation_function") or "torch.nn.modules.activation.Tanh"
+    if name not in _DENSE_ACTIVATIONS:
+        raise ValueError(f"{folder}: the Dense module's activation {name} is not supported "
+                         f"({', '.join(_DENSE_ACTIVATIONS)} are)")
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        tensors = load_file(str(folder / "model.safetensors"))
+    else:
+        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    weight = tensors["linear.weight"].double().numpy()
+    if tuple(weight.shape) != (cfg["out_features"], cfg["in_features"]):
+        raise ValueError(f"{folder}: linear.weight is {list(weight.shape)}, the config says "
+                         f"[{cfg['out_features']}, {cfg['in_features']}]")
+    bias = tensors.get("linear.bias")
+    return np.ascontiguousarray(weight), None if bias is None else bias.double().numpy(), _DENSE_ACTIVATIONS[name]
+
+
+def finish_embedding(total: Any, count: int, params: PoolingParams,
+                     projection: Optional[DenseProjection] = None) -> list[float]:
+    """The pooled vector from the summed hidden states (numpy float64 [H]): averaged, projected (the checkpoint's
+    Dense modules), cut to `dimensions`, normalised. (numpy is imported here: `import streamer` stays light.)"""
     import numpy as np
     vec = total / max(count, 1)
+    if projection is not None:
+        vec = projection(vec)
     if params.dimensions is not None:
         vec = vec[:params.dimensions]
     if params.normalize:
@@ -104,13 +166,14 @@ def finish_embedding(total: Any, count: int, params: PoolingParams) -> list[floa
     return vec.tolist()
 
 
-def finish_pooled(total: Any, count: int, params: PoolingParams, classifier: Optional["Classifier"]) -> list[float]:
+def finish_pooled(total: Any, count: int, params: PoolingParams, classifier: Optional["Classifier"],
+                  projection: Optional[DenseProjection] = None) -> list[float]:
     """A pooling request's result from its summed chunks: the embedding, or (classify, score) the classifier's
     output from the logits the runner's head made of the last token's hidden state."""
     if params.task in ("classify", "score"):
         assert classifier is not None  # (resolve_pooling refuses these tasks on other models)
         return classifier.finish(total, params)
-    return finish_embedding(total, count, params)
+    return finish_embedding(total, count, params, projection)
 
 
 # A cross-encoder's activation as sentence-transformers names it (config.json's sentence_transformers.activation_fn

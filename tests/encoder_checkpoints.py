@@ -81,3 +81,39 @@ def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optiona
             "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
             "pooling_mode_mean_tokens": pooling == "mean"}))
     return out_dir
+
+
+def make_embeddinggemma_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    """EmbeddingGemma's shape, tiny: a `Gemma3TextModel` with bidirectional attention (two sliding layers, window
+    4, then a global one), saved with its sentence-transformers modules: mean pooling, Dense 64 -> 96 -> 64 (no
+    bias, identity), normalisation."""
+    import transformers as tf
+    from safetensors.torch import save_file
+    vocab = make_wordpiece_tokenizer(out_dir, "bert")
+    config = tf.Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                 use_bidirectional_attention=True, max_position_embeddings=128,
+                                 query_pre_attn_scalar=16, pad_token_id=0, bos_token_id=2, eos_token_id=3)
+    torch.manual_seed(seed)
+    model = tf.Gemma3TextModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(out_dir)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                   "pooling_mode_mean_tokens": True}))
+    for i, (n_in, n_out) in enumerate([(64, 96), (96, 64)], start=2):
+        folder = out_dir / f"{i}_Dense"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({
+            "in_features": n_in, "out_features": n_out, "bias": False,
+            "activation_function": "torch.nn.modules.linear.Identity"}))
+        save_file({"linear.weight": torch.randn(n_out, n_in) / n_in ** 0.5}, str(folder / "model.safetensors"))
+        modules.append({"idx": i, "name": str(i), "path": folder.name, "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out_dir / "modules.json").write_text(json.dumps(modules))
+    return out_dir

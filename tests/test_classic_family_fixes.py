@@ -197,7 +197,7 @@ def test_opt_350m_embeddings_are_word_embed_proj_dim_wide(ckpt) -> None:
             for out, p in zip(outs, PROMPTS):
                 assert len(out.embedding) == (dims or 32)
                 assert np.allclose(out.embedding, reference(p, dims or 32), atol=2e-5, rtol=1e-4)
-        with pytest.raises(ValueError, match=r"dimensions \(33\) exceeds the model's hidden size 32"):
+        with pytest.raises(ValueError, match=r"dimensions \(33\) exceeds the model's embedding size 32"):
             llm.embed("hi", PoolingParams(dimensions=33))
 
 

@@ -74,7 +74,7 @@ def test_embeddings_share_batches_with_generation_and_survive_preemption(llama_d
 
 def test_bad_input_and_defaults(llama_dir, tmp_path):
     with LLM(str(llama_dir), dtype="float32", max_model_len=64) as llm:
-        with pytest.raises(ValueError, match="dimensions .* exceeds the model's hidden size 64"):
+        with pytest.raises(ValueError, match="dimensions .* exceeds the model's embedding size 64"):
             llm.embed("hi", PoolingParams(dimensions=65))
         with pytest.raises(ValueError, match="max_model_len is 64"):
             llm.embed({"prompt_token_ids": [5] * 65})

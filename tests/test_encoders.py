@@ -1,7 +1,8 @@
 """Encoders (models/bert.py, models/modernbert.py): embeddings, label probabilities and cross-encoder scores equal
 transformers' (fp32) for BERT, XLM-RoBERTa and ModernBERT checkpoints, batched, compiled, over the server; a pair's
-second text reads as token type 1; ModernBERT's local layers see a window both ways; prompts are never split; what
-an encoder cannot do is refused."""
+second text reads as token type 1; ModernBERT's and EmbeddingGemma's local layers see a window both ways;
+EmbeddingGemma's sentence-transformers Dense modules project the pooled vector; prompts are never split; what an
+encoder cannot do is refused."""
 from __future__ import annotations
 
 import asyncio
@@ -267,3 +268,41 @@ def test_modernbert_classifier_reads_the_mean(modernbert_clf_dir):
             assert _close(out.probs, _logits(model, tok, text))
         with pytest.raises(ValueError, match="pooling must be 'mean'"):
             llm.classify("hello", PoolingParams(pooling="cls"))
+
+
+@pytest.fixture(scope="module")
+def embeddinggemma_dir(ckpt_root) -> Path:
+    from tests.encoder_checkpoints import make_embeddinggemma_checkpoint
+    path = ckpt_root / "embeddinggemma"
+    if not (path / "config.json").exists():
+        make_embeddinggemma_checkpoint(path)
+    return path
+
+
+def _st_dense(model_dir: Path, vec: np.ndarray) -> np.ndarray:
+    """sentence-transformers' Dense modules (identity, no bias), read back from the checkpoint."""
+    from safetensors.torch import load_file
+    for name in ("2_Dense", "3_Dense"):
+        vec = load_file(str(model_dir / name / "model.safetensors"))["linear.weight"].double().numpy() @ vec
+    return vec
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_embeddinggemma_matches_transformers_and_sentence_transformers_modules(embeddinggemma_dir, compiled):
+    model, _ = _hf(embeddinggemma_dir)
+    prompts = [[2] + list(range(10, 10 + n)) + [3] for n in (1, 7, 20)]  # (longer than the window of 4)
+    with LLM(str(embeddinggemma_dir), dtype="float32", enforce_eager=not compiled) as llm:
+        eng = llm.engine
+        assert eng.encoder and not eng.prefix_caching and eng.default_pooling == "mean"
+        assert eng.projection is not None and eng.projection.out_features == 64
+        outs = llm.embed([{"prompt_token_ids": p} for p in prompts])
+        for p, out in zip(prompts, outs):
+            with torch.no_grad():
+                h = model(torch.tensor([p])).last_hidden_state[0].double().numpy()
+            vec = _st_dense(embeddinggemma_dir, h.mean(0))
+            assert _close(out.embedding, vec / np.linalg.norm(vec)), len(p)
+        cut = llm.embed({"prompt_token_ids": prompts[2]}, PoolingParams(dimensions=16))[0].embedding
+        assert len(cut) == 16 and _close(np.asarray(cut) * np.linalg.norm(outs[2].embedding[:16]),
+                                         outs[2].embedding[:16])
+        with pytest.raises(ValueError, match="cannot generate"):
+            llm.generate("hello", SamplingParams(max_tokens=2))

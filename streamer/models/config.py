@@ -46,7 +46,7 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
-             "Qwen3Model": "Qwen3ForCausalLM"}
+             "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
 # Sequence classifiers (classifiers, reward models, cross-encoder rerankers): the family's decoder with a `score` head
 # [num_labels, hidden] in place of the LM head; they classify the last token's hidden state (streamer/pooling.py) and
 # cannot generate.
@@ -359,6 +359,11 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def bidirectional(self) -> bool:
+        """An encoder: every token attends to its whole prompt (BERT-family models, EmbeddingGemma)."""
+        return self.architecture in ENCODER_MODELS or bool(self.raw.get("use_bidirectional_attention"))
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "ModelConfig":

@@ -10,7 +10,10 @@ Gemma 3's class-level switches). The Llama decoder's parts, with Gemma's differe
   `rope_local_base_freq`, its global ones with `rope_theta` (and the rope scaling, if any); Gemma 2 has one
   rotary table for all layers;
 - embeddings are multiplied by sqrt(hidden_size) (rounded to the weights' dtype, as transformers does); the MLP
-  gates with tanh-approximated GELU; the LM head is tied; final logits may be soft-capped.
+  gates with tanh-approximated GELU; the LM head is tied; final logits may be soft-capped;
+- `use_bidirectional_attention` (EmbeddingGemma, `Gemma3TextModel`): an encoder, every token seeing its whole
+  prompt and the sliding layers a window either way (|distance| <= sliding_window // 2); it embeds, with the
+  sentence-transformers Dense modules of its checkpoint after the pooling (pooling.DenseProjection).
 """
 from __future__ import annotations
 
@@ -88,12 +91,15 @@ class GemmaMLP(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                 rotary: RotaryEmbedding, sliding_window: Optional[int], qk_norm: bool) -> None:
+                 rotary: RotaryEmbedding, sliding_window: Optional[int], qk_norm: bool,
+                 two_sided: bool = False) -> None:
+        """`two_sided`: the window reaches both ways (EmbeddingGemma's bidirectional sliding layers)."""
         super().__init__()
         scale = float(cfg.raw.get("query_pre_attn_scalar") or cfg.head_dim) ** -0.5
         self.self_attn = Attention(cfg, backend_cls, rotary, scale=scale, sliding_window=sliding_window,
                                    qk_norm_cls=GemmaRMSNorm if qk_norm else None,
-                                   logit_softcap=cfg.raw.get("attn_logit_softcapping") or None)
+                                   logit_softcap=cfg.raw.get("attn_logit_softcapping") or None,
+                                   two_sided_window=two_sided and sliding_window is not None)
         self.mlp = GemmaMLP(cfg)
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
@@ -122,17 +128,21 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.cfg = cfg
         raw = cfg.raw
-        if raw.get("use_bidirectional_attention"):
-            raise ValueError("Gemma with bidirectional attention is not supported")
+        # EmbeddingGemma: an encoder (models/bert.py says how one is served), its sliding layers' windows both ways
+        self.bidirectional = bool(raw.get("use_bidirectional_attention"))
         theta, scaling, local_theta = _rope_params(raw, self.default_theta)
         full = RotaryEmbedding(cfg.rotary_dim, max_positions, theta, scaling)
         local = RotaryEmbedding(cfg.rotary_dim, max_positions, local_theta, None) if self.local_rope else full
         window = raw.get("sliding_window")
+        if self.bidirectional and window:  # (config.json's is the span both ways: keys within window // 2 either way,
+            window = window // 2 + 1       # as transformers' Gemma3TextConfig reads it)
         types = gemma_layer_types(raw, cfg.num_layers, self.default_pattern)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, backend_cls, local if t == "sliding_attention" else full,
-                              window if t == "sliding_attention" else None, self.qk_norm) for t in types)
+                              window if t == "sliding_attention" else None, self.qk_norm, self.bidirectional)
+            for t in types)
+        self.two_sided_window = window if self.bidirectional and "sliding_attention" in types else 0
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
