@@ -87,18 +87,20 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def warm_up(base: str, n: int) -> None:
-    """n short, unrelated completions (8 tokens out) so that first-request costs stay out of the measurement
-    without putting any of the workload's prompts in a prefix cache."""
+def warm_up(base: str, n: int, embeddings: bool = False) -> None:
+    """n short, unrelated completions (8 tokens out; embeddings of such prompts for an embedding workload) so that
+    first-request costs stay out of the measurement without putting any of the workload's prompts in a prefix
+    cache."""
     if n <= 0:
         return
     try:
         with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
             model = json.loads(r.read())["data"][0]["id"]
         for i in range(n):
-            body = json.dumps({"model": model, "prompt": f"warm up {i}: the quick brown fox", "max_tokens": 8,
-                               "temperature": 0.0}).encode()
-            req = urllib.request.Request(base + "/v1/completions", data=body,
+            prompt = f"warm up {i}: the quick brown fox"
+            body = json.dumps({"model": model, "input": prompt} if embeddings else
+                              {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}).encode()
+            req = urllib.request.Request(base + ("/v1/embeddings" if embeddings else "/v1/completions"), data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=600) as r:
                 r.read()
@@ -129,7 +131,7 @@ class Server:
         t = time.monotonic()
         wait_ready(self.base, self.proc, self.args.startup_timeout, self.log)
         print(f"   {self.name} ready after {time.monotonic() - t:.0f} s", flush=True)
-        warm_up(self.base, self.args.server_warmup)
+        warm_up(self.base, self.args.server_warmup, self.args.embeddings)
 
     def bench(self, tag: str, bench_args: list[str]) -> dict:
         assert self.proc is not None
@@ -187,6 +189,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             args.concurrency = [tuple(int(x) for x in c.split(":", 1)) for c in args.concurrency.split(",") if c.strip()]
         except ValueError:
             p.error(f"--concurrency wants comma-separated C or C:NUM_PROMPTS, got {args.concurrency!r}")
+    args.embeddings = ("--endpoint=embeddings" in bench_args
+                       or any(a == "--endpoint" and b == "embeddings" for a, b in zip(bench_args, bench_args[1:])))
     return args, bench_args or list(DEFAULT_BENCH)
 
 
@@ -215,6 +219,29 @@ def _drop(argv: list[str], flags: tuple[str, ...]) -> list[str]:
 
 def _stat(doc: dict, metric: str, key: str) -> float | None:
     return doc["summary"]["stats"].get(metric, {}).get(key)
+
+
+def format_embeddings_table(results: dict[str, dict[str, dict]], names: list[str], tags: list[str]) -> str:
+    """`--endpoint embeddings` workloads: one row per (workload, server), input tok/s and end-to-end latency
+    (median, p99), with ratios to the first server."""
+    head = (f"{'workload':<9}{'server':<18}{'ok/fail':>8}{'req/s':>8}{'in tok/s':>10}{'x first':>8}"
+            f"{'E2E med':>9}{'E2E p99':>9}{'x first':>8}{'load':>11}")
+    lines = [head, "-" * len(head)]
+    for tag in tags:
+        docs = [(n, report.load_result(results[n][tag]["path"]), results[n][tag])
+                for n in names if tag in results.get(n, {}) and results[n][tag]["path"].exists()]
+        for n, doc, info in docs:
+            s, first = doc["summary"], docs[0][1]["summary"]
+            p99, f_p99 = _stat(doc, "e2el", "p99"), _stat(docs[0][1], "e2el", "p99")
+            done = f"{s['completed']}/{s['failed']}"
+            lines.append(f"{tag.lstrip('-') or '-':<9}{n[:17]:<18}{done:>8}"
+                         f"{s['request_throughput']:>8.1f}{s['input_throughput']:>10.0f}"
+                         f"{s['input_throughput'] / (first['input_throughput'] or float('nan')):>8.2f}"
+                         f"{_stat(doc, 'e2el', 'median'):>9.0f}{p99:>9.0f}{p99 / (f_p99 or float('nan')):>8.2f}"
+                         f"{info['load_before']:>6.1f}->{info['load_after']:<3.1f}")
+    lines.append("times in ms; 'x first': ratio to the first server of the workload; load: 1-min load average "
+                 "before -> after the run")
+    return "\n".join(lines)
 
 
 def format_table(results: dict[str, dict[str, dict]], names: list[str], tags: list[str]) -> str:
@@ -289,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n{tag.lstrip('-') or 'workload'}:")
             print(report.format_compare(a, b, "vllm", "streamer"))
     print()
-    print(format_table(results, names, [t for t, _ in wls]))
+    table = format_embeddings_table if args.embeddings else format_table
+    print(table(results, names, [t for t, _ in wls]))
     return 0
 
 

@@ -77,3 +77,20 @@ def test_real_streamer_server(tmp_path: Path) -> None:
     s = json.loads((tmp_path / "out" / "streamer.json").read_text())["summary"]
     assert s["completed"] == 6 and s["failed"] == 0
     assert s["total_output_tokens"] == 36  # ignore_eos: exactly max tokens each, counted by the server
+
+
+@pytest.mark.slow
+def test_real_streamer_embedding_server(tmp_path: Path) -> None:
+    """An embedding workload (`--endpoint embeddings`) on `python -m streamer serve` with a tiny BERT encoder: the
+    warm-ups embed too, and the last table gives input tok/s and end-to-end latency."""
+    pytest.importorskip("transformers")
+    ckpt = pytest.importorskip("tests.encoder_checkpoints").make_encoder_checkpoint(tmp_path / "bert")
+    p = compare("--model", str(ckpt), "--out-dir", str(tmp_path / "out"), "--startup-timeout", "240",
+                "--server-warmup", "2", "--", "--num-prompts", "6", "--input-len", "12", "--max-concurrency", "3",
+                "--endpoint", "embeddings", "--progress", "off")
+    assert p.returncode == 0, p.stderr + (tmp_path / "out" / "streamer.log").read_text()[-3000:]
+    assert "warm-up request failed" not in p.stdout
+    s = json.loads((tmp_path / "out" / "streamer.json").read_text())["summary"]
+    assert s["completed"] == 6 and s["failed"] == 0 and s["total_input_tokens"] == 6 * 14
+    table = p.stdout[p.stdout.rindex("in tok/s") - 60:]
+    assert "E2E med" in table and "streamer" in table
