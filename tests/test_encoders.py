@@ -306,3 +306,27 @@ def test_embeddinggemma_matches_transformers_and_sentence_transformers_modules(e
                                          outs[2].embedding[:16])
         with pytest.raises(ValueError, match="cannot generate"):
             llm.generate("hello", SamplingParams(max_tokens=2))
+
+
+def test_dense_projection_reads_sentence_transformers_modules(tmp_path):
+    # LaBSE's kind: one Dense with a bias and sentence-transformers' default Tanh, its weights in a .bin file.
+    import json
+
+    from streamer.pooling import DenseProjection
+    assert DenseProjection.load(tmp_path) is None  # (no modules.json)
+    (tmp_path / "2_Dense").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 4, "out_features": 3,
+                                                                  "bias": True}))
+    w, b = torch.randn(3, 4), torch.randn(3)
+    torch.save({"linear.weight": w, "linear.bias": b}, tmp_path / "2_Dense" / "pytorch_model.bin")
+    proj = DenseProjection.load(tmp_path)
+    x = np.random.default_rng(0).normal(size=4)
+    assert proj.out_features == 3
+    assert _close(proj(x), np.tanh(w.double().numpy() @ x + b.double().numpy()), 1e-12)
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 4, "out_features": 3, "activation_function": "torch.nn.modules.activation.GELU"}))
+    with pytest.raises(ValueError, match="activation torch.nn.modules.activation.GELU is not supported"):
+        DenseProjection.load(tmp_path)
