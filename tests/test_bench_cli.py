@@ -304,6 +304,9 @@ def test_embeddings_endpoint_against_a_live_encoder(ckpt_root, tmp_path: Path,
     assert doc["summary"]["completed"] == 6 and doc["summary"]["failed"] == 0
     assert doc["summary"]["total_input_tokens"] == sum(r["prompt_len"] for r in doc["requests"])
     assert all(r["prompt_len"] == 14 and r["output_len"] == 0 and r["latency"] > 0 for r in doc["requests"])
+    side_by_side = format_compare(doc, doc)  # (`streamer bench compare`: no token timings either)
+    assert "Input throughput" in side_by_side and "E2EL" in side_by_side
+    assert "TTFT" not in side_by_side and "Output throughput" not in side_by_side
     with FakeServer() as fake:  # (a server without /v1/embeddings: every request fails, the run says so)
         assert main(["--base-url", fake.base_url, "--tokenizer", str(model), "--endpoint", "embeddings",
                      "--num-prompts", "2", "--input-len", "4", "--progress", "off"]) == 1

@@ -87,8 +87,11 @@ _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Optional[float], Optional[float]]]:
     """(label, value in A, value in B) for the headline numbers and each latency statistic."""
     sa, sb = a["summary"], b["summary"]
-    rows = [(label, sa.get(k), sb.get(k)) for k, label in _THROUGHPUT if sa.get(k) is not None or sb.get(k)]
-    for m in METRICS:
+    embeddings = "embeddings" in (a.get("config", {}).get("endpoint"), b.get("config", {}).get("endpoint"))
+    generated = ("output_throughput", "total_token_throughput", "max_output_tokens_per_s")
+    rows = [(label, sa.get(k), sb.get(k)) for k, label in _THROUGHPUT if (sa.get(k) is not None or sb.get(k))
+            and not (embeddings and k in generated)]
+    for m in ("e2el",) if embeddings else METRICS:  # (an embedding's answer comes whole: no token timings)
         keys = [k for k in sa["stats"][m] if k != "std" and k in sb["stats"][m]]
         rows += [(f"{k} {m.upper()} (ms)", sa["stats"][m][k], sb["stats"][m][k]) for k in keys]
     return rows
