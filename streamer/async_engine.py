@@ -305,10 +305,10 @@ class AsyncEngine:
         return search.results()[0]
 
     # ------------------------------------------------------------------ weights, pausing, the prefix cache
-    async def update_weights(self, weights: WeightsArg) -> None:
-        """New weights (a checkpoint folder of the same model, or all of its tensors by name: `LLM.update_weights`),
-        loaded on the device thread between two steps (steps queued before it run with the old weights, those after
-        with the new). The prefix cache is reset first, here, on the loop: the steps already queued registered
+    async def update_weights(self, weights: WeightsArg, partial: bool = False) -> None:
+        """New weights (a checkpoint folder of the same model, or all of its tensors by name, or with `partial` some
+        of them: `LLM.update_weights`), loaded on the device thread between two steps (steps queued before it run
+        with the old weights, those after with the new). The prefix cache is reset first, here, on the loop: the steps already queued registered
         their blocks before it (so they are dropped), and every step scheduled after it computes after the update
         (the device thread takes work in order), so nothing cached from then on comes from the old weights.
         ValueError (nothing changed) for another model's weights; RuntimeError for a failure part-way (a corrupt
@@ -317,7 +317,7 @@ class AsyncEngine:
         core = self._core
         source = new_weights(weights)
         core.reset_prefix_cache()
-        await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights, source)
+        await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights, source, partial)
 
     async def pause_generation(self, mode: str = "keep") -> int:
         """Stop computing (RL weight syncs: pause, `update_weights`, resume): no step is scheduled until

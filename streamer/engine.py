@@ -255,12 +255,12 @@ class LLMEngine:
     def remove_lora(self, name: str) -> None:
         self.loras.remove(name)
 
-    def update_weights(self, weights: WeightsArg) -> None:
+    def update_weights(self, weights: WeightsArg, partial: bool = False) -> None:
         """New weights for the running model (`ModelRunner.update_weights`): a checkpoint folder of it, or all of
-        its tensors by checkpoint name (`new_weights`); then a reset prefix cache (its KV came from the old
-        weights). Requests already running go on with the new weights over their old KV, as in SGLang and vLLM;
-        abort or finish them first for outputs from the new weights alone."""
-        self.runner.update_weights(new_weights(weights))
+        its tensors by checkpoint name (`new_weights`; `partial`: some of them); then a reset prefix cache (its KV
+        came from the old weights). Requests already running go on with the new weights over their old KV, as in
+        SGLang and vLLM; abort or finish them first for outputs from the new weights alone."""
+        self.runner.update_weights(new_weights(weights), partial)
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> int:

@@ -57,12 +57,14 @@ class LLM:
         """Register a PEFT LoRA adapter folder under `name` (needs enable_lora=True)."""
         self.engine.add_lora(name, path)
 
-    def update_weights(self, weights: WeightsArg) -> None:
+    def update_weights(self, weights: WeightsArg, partial: bool = False) -> None:
         """New weights for the running model, in place: a checkpoint folder of the same model (the same config
         and tensor names: the next step of RL training, say), or every tensor of its checkpoint by name (a
-        trainer's `model.state_dict()`, or (name, tensor) pairs). The prefix cache is reset. ValueError (nothing
-        changed) for another model's weights."""
-        self.engine.update_weights(weights)
+        trainer's `model.state_dict()`, or (name, tensor) pairs). `partial=True`: some of the tensors (a trainer
+        sending its weights in buckets); a weight the engine keeps packed or rounded must come whole (q, k and v
+        together, gate and up together). The prefix cache is reset. ValueError (nothing changed) for another
+        model's weights."""
+        self.engine.update_weights(weights, partial)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (the next prompts are computed whole); returns the blocks forgotten."""

@@ -32,7 +32,7 @@ from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_
 from streamer.models.loader import (_MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model,
                                     reload_weights)
 from streamer.models.quant import fp8_supported
-from streamer.models.moe import SparseMoE
+from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.woq import parse_int_quant
 from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
@@ -871,25 +871,31 @@ class ModelRunner:
             return "not with a checkpoint's FP8 KV-cache scales"
         return None
 
-    def update_weights(self, source: Path | NamedTensors) -> None:
+    def update_weights(self, source: Path | NamedTensors, partial: bool = False) -> None:
         """Load new weights of the same model into the running model's tensors, in place (`load_weights_in_place`),
         on every tensor-parallel rank at once, on the device thread between steps: a checkpoint folder of the model
         (the same config and tensor names; e.g. the next step of RL training), or every one of its tensors by
-        checkpoint name (a trainer's state dict). ValueError (nothing changed) for weights of another shape."""
+        checkpoint name (a trainer's state dict). `partial`: tensors by name may be some of them (a trainer sending
+        its weights in buckets), the others keep their values. ValueError (nothing changed) for weights of another
+        shape."""
         why = self.why_weights_fixed()
         if why is not None:
             raise ValueError(f"update_weights: {why}")
         if isinstance(source, Path):
+            if partial:
+                raise ValueError("update_weights: partial is for tensors by name; a checkpoint folder loads whole")
             self._check_checkpoint(source)
         else:
-            source = self._checked_tensors(source)
+            source = self._checked_tensors(source, partial)
+            if partial:
+                self._check_partial(source)
         if self.tp_workers is not None:  # the workers load their shards while we load ours
             self.tp_workers.command("load_weights_in_place", source if isinstance(source, Path) else
-                                    [(name, _sendable(t)) for name, t in source])
+                                    [(name, _sendable(t)) for name, t in source], partial)
         try:
-            self.load_weights_in_place(source)
+            self.load_weights_in_place(source, partial)
             if self.config.speculative_method == "mtp" and self.drafter is not None:  # (the checkpoint's own layer)
-                self.drafter.runner.load_weights_in_place(source)
+                self.drafter.runner.load_weights_in_place(source, partial)
         finally:
             failed = self.tp_workers.replies() if self.tp_workers is not None else []
         failed = [f"rank {rank}: {why}" for rank, why in enumerate(failed, start=1) if why is not None]
@@ -910,16 +916,21 @@ class ModelRunner:
         if names != ours:
             raise ValueError(f"update_weights: {folder} holds other tensors than the model's ({_some(names ^ ours)})")
 
-    def _checked_tensors(self, tensors: NamedTensors) -> NamedTensors:
-        """New weights by checkpoint name: every tensor of the model's checkpoint, each of its shape, in float (a
-        tied LM head, which transformers' state dicts list beside the embeddings, is dropped)."""
+    def _checked_tensors(self, tensors: NamedTensors, partial: bool = False) -> NamedTensors:
+        """New weights by checkpoint name: every tensor of the model's checkpoint (`partial`: some of them), each of
+        its shape, in float (a tied LM head, which transformers' state dicts list beside the embeddings, is
+        dropped)."""
         shapes = checkpoint_tensor_shapes(self.model_dir)
         if self.model_cfg.tie_word_embeddings and "lm_head.weight" not in shapes:
             tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
         given = {name for name, _ in tensors}
         if len(given) != len(tensors):
             raise ValueError("update_weights: a tensor name is given twice")
-        if given != set(shapes):
+        if partial and not tensors:
+            raise ValueError("update_weights: no tensor given")
+        if partial and not given <= set(shapes):
+            raise ValueError(f"update_weights: not the model's tensors: {_some(given - set(shapes))}")
+        if not partial and given != set(shapes):
             missing, odd = set(shapes) - given, given - set(shapes)
             raise ValueError("update_weights: the weights must be every tensor of the model's checkpoint, by its "
                              "names" + (f"; missing {_some(missing)}" if missing else "")
@@ -932,22 +943,64 @@ class ModelRunner:
                                  f"not {what}")
         return tensors
 
+    def _touched(self, tensors: NamedTensors) -> dict[str, set[Optional[str]]]:
+        """The modules whose weight matrices some of `tensors` (by checkpoint name) write, each with the parts it
+        gets (a fused q/k/v or gate/up projection's shards, a sparse MLP's experts; None: the whole matrix)."""
+        out: dict[str, set[Optional[str]]] = {}
+        for name, t in self.model.rename_weights(iter(tensors)):
+            expert = EXPERT_WEIGHT.match(name.removeprefix("model."))
+            if expert is not None:
+                prefix, e, proj, _ = expert.groups()
+                out.setdefault(f"{prefix}.mlp", set()).add(f"{e}.{EXPERT_PROJ.get(proj, proj)}")
+                continue
+            pname, shard = self.model.param_name(name)
+            module, _, attr = pname.rpartition(".")
+            if attr == "weight":
+                fused = self.model._fused_parts(pname, t) if shard is None else None
+                out.setdefault(module, set()).update({s for s, _ in fused} if fused else {shard})
+        return out
+
+    def _check_partial(self, tensors: NamedTensors) -> None:
+        """Some of the weights: a matrix the model keeps derived (packed for the CPU, rounded to fewer bits) is
+        derived again from its new float values, which must then be given whole (all of a fused projection's parts,
+        all of a sparse MLP's experts). DeepSeek's absorbed kv_b_proj takes every tensor."""
+        if getattr(self.model, "pre_reload", None) is not None:
+            raise ValueError("update_weights: partial updates are not supported for this model (its absorbed "
+                             "weights are derived from several tensors): give every tensor")
+        modules = dict(self.model.named_modules())
+        for name, parts in self._touched(tensors).items():
+            m = modules.get(name)
+            if isinstance(m, PackableLinear) and (m.packed is not None or m.qweight is not None or m.fp8 is not None):
+                need = set(m.shard_names) if len(getattr(m, "shard_names", ())) > 1 else {None}
+            elif isinstance(m, SparseMoE) and m.int4 is not None:
+                need = {p for ps in m.expected_shards().values() for p in ps}
+            else:
+                continue
+            if not need <= parts:
+                raise ValueError(f"update_weights: {name}'s weight is derived (packed or rounded) from all of its "
+                                 f"parts: give them together (missing: {_some({str(s) for s in need - parts})})")
+
     @torch.inference_mode()
-    def load_weights_in_place(self, source: Path | NamedTensors) -> None:
+    def load_weights_in_place(self, source: Path | NamedTensors, partial: bool = False) -> None:
         """This rank's shard of new weights (checked by `update_weights`) copied into the model's tensors:
         compiled graphs and CUDA graphs keep reading them. Weights derived after loading are set aside and derived
         again from the new ones, into the same tensors: CPU-packed linears and head, weights rounded at load
-        (quantization="int4" / "int8" / "fp8"), DeepSeek's absorbed kv_b_proj."""
+        (quantization="int4" / "int8" / "fp8"), DeepSeek's absorbed kv_b_proj. `partial`: only the modules the
+        tensors write are derived again (`_check_partial` made sure they come whole)."""
         pre_reload = getattr(self.model, "pre_reload", None)
         if pre_reload is not None:
             pre_reload()
-        derived = [m for m in self.model.modules()
-                   if isinstance(m, (PackableLinear, SparseMoE)) and m.unpack_for_load()]
-        head = self.model.lm_head if self.model.packed_head is not None else None
+        touched = self._touched(source) if partial and not isinstance(source, Path) else None
+        derived = [m for name, m in self.model.named_modules()
+                   if isinstance(m, (PackableLinear, SparseMoE)) and (touched is None or name in touched)
+                   and m.unpack_for_load()]
+        repack_head = self.model.packed_head is not None and (
+            touched is None or ("lm_head" if self.model.lm_head is not None else "embed_tokens") in touched)
+        head = self.model.lm_head if repack_head else None
         if head is not None:
             head.weight.data = head.weight.data.new_empty(self.model.packed_head.shape)
         try:
-            reload_weights(self.model, source)
+            reload_weights(self.model, source, partial)
         except Exception as e:  # (I/O or a corrupt file, after the checks): some tensors are already the new ones
             raise RuntimeError(f"update_weights failed part-way ({e!r}): the model's weights are now mixed; load a "
                                "complete checkpoint of the model again") from e
@@ -956,7 +1009,7 @@ class ModelRunner:
             post_load()
         for m in derived:
             m.repack()
-        if self.model.packed_head is not None:
+        if repack_head:
             self.model.pack_head_for_cpu()
         if isinstance(source, Path):
             self.model_dir = source

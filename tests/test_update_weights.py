@@ -175,6 +175,10 @@ def test_tensor_parallel_ranks_load_their_shards(old_new, make_ckpt):
         assert tokens(llm) == want_old
         llm.update_weights(state_dict(new))  # (tensors: sent to the workers with the command)
         assert tokens(llm) == want_new
+        sd = state_dict(old)  # back again in two buckets (partial: the workers too load only what is given)
+        llm.update_weights({n: t for n, t in sd.items() if ".layers.0." in n}, partial=True)
+        llm.update_weights({n: t for n, t in sd.items() if ".layers.0." not in n}, partial=True)
+        assert tokens(llm) == want_old
 
 
 def state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -313,3 +317,43 @@ def test_server_pause_and_continue(old_new):
         assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
     with LiveServer(old) as server:
         assert httpx.post(server.url + "/pause_generation").status_code == 404
+
+
+def _mixed_checkpoint(old: Path, new: Path, names: list[str], out: Path) -> Path:
+    """`old` with the tensors `names` taken from `new`: what a partial update of those tensors must give."""
+    shutil.copytree(old, out)
+    (f,) = out.glob("*.safetensors")
+    tensors, fresh = load_file(f), load_file(next(new.glob("*.safetensors")))
+    tensors.update({n: fresh[n] for n in names})
+    save_file(tensors, f, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_partial_update_changes_those_tensors_alone(old_new, tmp_path, quantization):
+    """Some tensors by name (a trainer's bucket), CPU-packed (and with int8, rounded) linears among them: the engine
+    then writes what a fresh engine on the old checkpoint with those tensors swapped writes. A packed or rounded
+    projection given in part (q without k and v) is refused before anything changes."""
+    old, new = old_new
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["model.layers.1.mlp.down_proj.weight",
+                                                                             "lm_head.weight", "model.norm.weight"]
+    mixed = _mixed_checkpoint(old, new, names, tmp_path / "mixed")
+    fresh = load_file(next(new.glob("*.safetensors")))
+    with LLM(str(mixed), dtype="float32", quantization=quantization) as ref:
+        want = tokens(ref)
+    llm = LLM(str(old), dtype="float32", quantization=quantization)
+    before = tokens(llm)
+    assert before != want
+    for bad, match in (([names[0]], "derived .* give them together"), ([("model.nope.weight")], "not the model's"),
+                       ([], "no tensor given")):
+        with pytest.raises(ValueError, match=match):
+            llm.update_weights([(n, fresh[n]) for n in bad] if bad != ["model.nope.weight"]
+                               else [("model.nope.weight", fresh[names[0]])], partial=True)
+    with pytest.raises(ValueError, match="a checkpoint folder loads whole"):
+        llm.update_weights(str(new), partial=True)
+    assert tokens(llm) == before  # (refused: nothing changed)
+    for bucket in (names[:3], names[3:]):  # in two buckets, as a trainer sends them
+        llm.update_weights({n: fresh[n] for n in bucket}, partial=True)
+    assert tokens(llm) == want
+    with pytest.raises(ValueError, match="every tensor of the model's checkpoint"):
+        llm.update_weights({n: fresh[n] for n in names})  # (not partial: all or nothing, as before)

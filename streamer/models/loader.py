@@ -230,7 +230,7 @@ def checkpoint_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors) -> None:
+def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors, partial: bool = False) -> None:
     """A checkpoint's weights (a folder's, or tensors by checkpoint name) copied into a loaded model's tensors, in
     place (compiled graphs and CUDA graphs keep reading the same memory). The caller has checked that they have the
     model's structure and that no weight is derived (packed, quantized, absorbed) at the time."""
@@ -238,8 +238,10 @@ def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors) -> None
     weights = _taking_kv_scales(model.rename_weights(tensors), {})
     head = HeadFromTokens(model) if getattr(model, "head_token_ids", None) is not None else None
     loaded = model.load_weights(weights if head is None else head.taking(weights))
-    if head is not None:
+    if head is not None and (head.rows or not partial):
         loaded.add(head.finish())
+    if partial:  # (some of the tensors: the others keep their values)
+        return
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"new weights are missing {len(missing)} tensor(s): "
