@@ -323,10 +323,11 @@ class AsyncEngine:
         """Stop computing (RL weight syncs: pause, `update_weights`, resume): no step is scheduled until
         `resume_generation`, and this returns once the step in flight, if any, has been processed. "keep": the
         requests stay where they are, their KV cache too, and go on when resumed; "abort": every request in flight
-        ends now with finish_reason "abort". Requests that arrive meanwhile wait. Returns the requests kept or
-        aborted."""
-        if mode not in ("keep", "abort"):
-            raise ValueError(f"mode must be 'keep' or 'abort', got {mode!r}")
+        ends now with finish_reason "abort"; "retract": the running requests give their KV cache back (memory for
+        the update) and wait, to be recomputed when resumed (their outputs go on where they were). Requests that
+        arrive meanwhile wait. Returns the requests kept, aborted or retracted."""
+        if mode not in ("keep", "abort", "retract"):
+            raise ValueError(f"mode must be 'keep', 'abort' or 'retract', got {mode!r}")
         self._check_alive()
         assert self._quiet is not None and self._resumed is not None and self._wakeup is not None
         if not self._paused:
@@ -340,6 +341,8 @@ class AsyncEngine:
         if mode == "abort":
             for rid in list(self._streams):
                 self.abort_now(rid)
+        elif mode == "retract":
+            count = self._core.scheduler.retract_all()
         return count
 
     async def resume_generation(self) -> None:

@@ -179,6 +179,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(req, front=True)
 
+    def retract_all(self) -> int:
+        """Preempt every running request (SGLang's pause mode "retract": their KV blocks go back to the pool, the
+        requests wait at the front of the queue in their order and are recomputed when scheduled again). Only
+        between steps, with no step in flight. Returns how many."""
+        running = list(self.running)
+        for req in reversed(running):  # (each goes to the front: the first ends first in line)
+            self._preempt(req)
+        return len(running)
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -292,8 +292,30 @@ def test_pause_update_resume(old_new):
             assert (await c).outputs[0].finish_reason == "abort"
             await engine.resume_generation()
             assert engine._core.kv.pool.num_free == engine._core.kv.num_blocks
-            with pytest.raises(ValueError, match="mode must be 'keep' or 'abort'"):
+            with pytest.raises(ValueError, match="mode must be 'keep', 'abort' or 'retract'"):
                 await engine.pause_generation("later")
+            # "retract": the running request gives its KV back while paused, is recomputed on resume, and its
+            # output goes on as if nothing happened
+            want_d = hf_greedy(new, PROMPTS[:1], 24)[0]
+            got_d: list[int] = []
+            d_started = asyncio.Event()
+
+            async def run_d() -> list[int]:
+                async for out in engine.stream({"prompt_token_ids": PROMPTS[0]},
+                                               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)):
+                    got_d.extend(out.token_ids)
+                    if len(got_d) >= 4:
+                        d_started.set()
+                return got_d
+
+            d = asyncio.create_task(run_d())
+            await d_started.wait()
+            assert await engine.pause_generation("retract") == 1
+            kv = engine._core.kv
+            assert kv.pool.num_free == kv.num_blocks and not engine._core.scheduler.running
+            assert len(got_d) < 24 and not d.done()
+            await engine.resume_generation()
+            assert await d == want_d
 
     asyncio.run(asyncio.wait_for(main(), 300))
 

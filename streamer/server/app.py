@@ -451,8 +451,8 @@ class OpenAIServer:
         return JSONResponse({"version": __version__})
 
     async def pause_generation(self, request: Request) -> Response:
-        """SGLang's POST /pause_generation {"mode": "keep" | "abort"} (RL weight syncs): no step runs until
-        /continue_generation; answers once the step in flight is done."""
+        """SGLang's POST /pause_generation {"mode": "keep" | "abort" | "retract"} (RL weight syncs): no step runs
+        until /continue_generation; answers once the step in flight is done."""
         body = await self._body(request)
         mode = parse_body(body).get("mode", "keep") if body.strip() else "keep"
         try:
