@@ -585,6 +585,31 @@ def test_strict_tool_tag_holds_calls_to_their_tools(llm):
         [("get_weather", {"city": "Paris"})]
 
 
+@pytest.mark.parametrize("parser,call", [
+    ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"),
+    ("deepseek_v31", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
+])
+def test_strict_tool_tag_deepseek_formats(llm, parser, call):
+    """DeepSeek-V3's and V3.1's call blocks held to their tools the same way; the parser reads back what the tag
+    lets through."""
+    from streamer.server.structured import strict_tool_tag
+    from streamer.server.tool_calls import parse_all
+    grammar = llm.engine.grammars.compile(strict_tool_tag(parser, STRICT_TOOLS))
+
+    def fits(text: str) -> bool:
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        return grammar.matcher().try_consume_tokens(ids) == len(ids)
+
+    good = "Sure. " + call.format(name="get_weather", args='{"city":"Paris"}') + " ok"
+    assert fits(good) and fits("no call at all")
+    assert fits(call.format(name="get_time", args='{"anything":[1,2]}'))  # (not strict: any object)
+    assert not fits(call.format(name="get_weather", args='{"town":"Paris"}'))
+    assert not fits(call.format(name="nope", args="{}"))
+    content, calls = parse_all(good, parser)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+
+
 def test_server_strict_tools(live):
     """With the hermes parser, a strict tool puts the structural tag on an "auto" request: the text stays free (whole
     characters), and a strict tool whose schema cannot compile is a 400 (a non-strict one is never compiled)."""

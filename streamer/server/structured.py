@@ -134,7 +134,10 @@ def _parameters(tool: dict) -> dict:
 
 # The tool-call formats strict tool calling can hold to their tools: (trigger, a call's opening given its name, its
 # closing), the arguments object between them.
-_CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>")}
+_CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
+              "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
+                              "\n```<｜tool▁call▁end｜>"),
+              "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>")}
 
 
 def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False) -> Optional[StructuredOutputsParams]:
