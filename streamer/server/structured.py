@@ -137,7 +137,9 @@ def _parameters(tool: dict) -> dict:
 _CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "arguments": ', "}\n</tool_call>"),
               "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
                               "\n```<｜tool▁call▁end｜>"),
-              "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>")}
+              "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+              # (Llama 3.1+'s JSON calls: the parser reads them at the output's start)
+              "llama3_json": ('{"name": "', '{{"name": "{name}", "parameters": ', "}")}
 
 
 def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False) -> Optional[StructuredOutputsParams]:
