@@ -889,6 +889,8 @@ class ModelRunner:
             source = self._checked_tensors(source, partial)
             if partial:
                 self._check_partial(source)
+                if self.config.speculative_method == "mtp" and self.drafter is not None:  # (its layer's too)
+                    self.drafter.runner._check_partial(source)
         if self.tp_workers is not None:  # the workers load their shards while we load ours
             self.tp_workers.command("load_weights_in_place", source if isinstance(source, Path) else
                                     [(name, _sendable(t)) for name, t in source], partial)
