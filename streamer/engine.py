@@ -186,7 +186,7 @@ class LLMEngine:
         self.long_rope_threshold = long_rope[0] if long_rope else None
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
         # An encoder's prompts attend both ways: a prefix's KV depends on what follows it, so none is reused.
-        self.encoder = self.runner.model.bidirectional
+        self.encoder = self.model_config.bidirectional
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching and not self.encoder,
                                  state_slots=self.runner.num_state_slots,
@@ -370,8 +370,9 @@ class LLMEngine:
             raise ValueError(f"{self.classifier.architecture} is a sequence-classification model: it has no LM head "
                              "and cannot generate; classify prompts (or score pairs, with one label) instead")
         if not pooling and self.encoder:
-            raise ValueError(f"{self.model_config.raw['architectures'][0]} is an encoder (embedding) model: it cannot "
-                             "generate; embed prompts (or score pairs) instead")
+            arch = self.model_config.raw["architectures"][0]
+            raise ValueError(f"{arch} is an encoder (embedding) model: it cannot generate; embed prompts (or score "
+                             "pairs) instead")
         if not token_ids:
             raise ValueError("prompt must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in token_ids):

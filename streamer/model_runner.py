@@ -207,7 +207,7 @@ class ModelRunner:
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device, backend_cls, max_model_len,
                                 config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))
         self._use_eagle()
-        if self.model.bidirectional:  # an encoder reads a pair's token types from its separator (models/bert.py)
+        if hasattr(self.model, "sep_token_id"):  # BERT reads a pair's token types from its separator (models/bert.py)
             self.model.sep_token_id = sep_token_id(model_dir)
             if self.model.sep_token_id is None and model_cfg.raw.get("type_vocab_size", 1) > 1:
                 logger.warning("no separator token found in %s: every token is read as type 0 (a pair's second "

@@ -253,6 +253,24 @@ def test_an_mtp_layer_drafts_with_its_new_weights(make_ckpt, tmp_path):
                                            if norm in load_file(f))}, partial=True)
 
 
+async def _streaming(engine, prompt: list[int], params: SamplingParams,
+                     started: int) -> tuple["asyncio.Task[list[int]]", list[int]]:
+    """A request streaming in the background, once it has `started` tokens: (its task, its tokens so far, growing)."""
+    tokens: list[int] = []
+    ready = asyncio.Event()
+
+    async def run() -> list[int]:
+        async for out in engine.stream({"prompt_token_ids": prompt}, params):
+            tokens.extend(out.token_ids)
+            if len(tokens) >= started:
+                ready.set()
+        return tokens
+
+    task = asyncio.create_task(run())
+    await ready.wait()
+    return task, tokens
+
+
 def test_pause_update_resume(old_new):
     """The RL weight sync: pause (no step runs, running requests keep their place), load new weights, resume. A
     request that arrives while paused waits and then runs wholly on the new weights; "abort" ends the requests in
@@ -267,18 +285,7 @@ def test_pause_update_resume(old_new):
             launches = []
             inner = engine._core.runner.launch
             engine._core.runner.launch = lambda step: (launches.append(1), inner(step))[1]
-            first: list[int] = []
-            a_started = asyncio.Event()
-
-            async def run_a() -> list[int]:
-                async for out in engine.stream({"prompt_token_ids": PROMPTS[0]}, long):
-                    first.extend(out.token_ids)
-                    if len(first) >= 3:
-                        a_started.set()
-                return first
-
-            a = asyncio.create_task(run_a())
-            await a_started.wait()
+            a, first = await _streaming(engine, PROMPTS[0], long, 3)
             assert await engine.pause_generation() == 1 and engine.is_paused
             steps, got = len(launches), len(first)
             b = asyncio.create_task(engine.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY))
@@ -301,19 +308,8 @@ def test_pause_update_resume(old_new):
             # "retract": the running request gives its KV back while paused, is recomputed on resume, and its
             # output goes on as if nothing happened
             want_d = hf_greedy(new, PROMPTS[:1], 24)[0]
-            got_d: list[int] = []
-            d_started = asyncio.Event()
-
-            async def run_d() -> list[int]:
-                async for out in engine.stream({"prompt_token_ids": PROMPTS[0]},
-                                               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)):
-                    got_d.extend(out.token_ids)
-                    if len(got_d) >= 4:
-                        d_started.set()
-                return got_d
-
-            d = asyncio.create_task(run_d())
-            await d_started.wait()
+            d, got_d = await _streaming(engine, PROMPTS[0],
+                                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), 4)
             assert await engine.pause_generation("retract") == 1
             kv = engine._core.kv
             assert kv.pool.num_free == kv.num_blocks and not engine._core.scheduler.running

@@ -104,15 +104,13 @@ class EncoderLayer(nn.Module):
 
 class ClassifierHead(nn.Module):
     """dense + tanh over the first token's final hidden state, then the label projection (BERT's pooler and
-    classifier; RoBERTa's classifier.dense and out_proj): the same computation, named apart by rename_weights."""
+    classifier; RoBERTa's classifier.dense and out_proj): the same computation, named apart by rename_weights. Its
+    weights only: `BertModel.classify` computes it, in fp32."""
 
     def __init__(self, hidden: int, num_labels: int) -> None:
         super().__init__()
         self.dense = nn.Linear(hidden, hidden)
         self.out_proj = nn.Linear(hidden, num_labels)
-
-    def forward(self, first: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(torch.tanh(self.dense(first)))
 
 
 # checkpoint name fragment -> ours, in order (after the family's root became `model.`)
