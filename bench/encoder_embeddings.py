@@ -1,9 +1,11 @@
 """Encoder embedding throughput: streamer's `LLM.embed` on a BERT-base-shaped encoder (random weights: 12 layers,
-hidden 768, vocabulary 30,522) against transformers' `BertModel` on the same checkpoint, batched as
+hidden 768, vocabulary 30,522; or with `--family mpnet` an MPNet-base-shaped one, all-mpnet-base-v2's shape, whose
+attention adds a relative position bias) against transformers' model on the same checkpoint, batched as
 sentence-transformers batches (sorted by length, 32 a batch, padded to the longest), side by side in one process.
 Reports prompt tokens per second and the embeddings' largest disagreement (1 - cosine).
 
-    python bench/encoder_embeddings.py [--requests 256] [--min-len 16] [--max-len 256] [--rounds 3] [--dtype D] [--compile]
+    python bench/encoder_embeddings.py [--family bert|mpnet] [--requests 256] [--min-len 16] [--max-len 256]
+                                       [--rounds 3] [--dtype D] [--compile]
 """
 from __future__ import annotations
 
@@ -21,24 +23,29 @@ import torch  # noqa: E402
 
 from streamer import LLM, PoolingParams  # noqa: E402
 
-MODEL = Path.home() / ".cache/streamer-bench/bert-base-random"
+CACHE = Path.home() / ".cache/streamer-bench"
+PAD = {"bert": 0, "mpnet": 1}  # (MPNet numbers positions from its pad id, 1: transformers must see real padding)
 
 
-def make_model(path: Path) -> None:
-    """A BERT-base-shaped BertModel with random weights and a WordPiece tokenizer of its vocabulary size."""
+def make_model(path: Path, family: str) -> None:
+    """A base-shaped BertModel / MPNetModel with random weights and a WordPiece tokenizer (the bench feeds token
+    ids: the tokenizer only has to load; ids past its small vocabulary are still valid inputs)."""
     import transformers as tf
     if (path / "config.json").exists():
         return
     from tests.encoder_checkpoints import make_wordpiece_tokenizer
-    make_wordpiece_tokenizer(path, "bert")  # (the bench feeds token ids; the tokenizer only has to load)
+    make_wordpiece_tokenizer(path, "bert" if family == "bert" else "roberta")
     torch.manual_seed(0)
-    cfg = tf.BertConfig(vocab_size=30522, max_position_embeddings=512)
-    tf.BertModel(cfg).eval().save_pretrained(path)  # (ids past the small tokenizer's are still valid inputs)
+    if family == "bert":
+        tf.BertModel(tf.BertConfig(vocab_size=30522, max_position_embeddings=512)).eval().save_pretrained(path)
+    else:
+        tf.MPNetModel(tf.MPNetConfig()).eval().save_pretrained(path)  # (all-mpnet-base-v2's shape)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(MODEL))
+    ap.add_argument("--family", choices=sorted(PAD), default="bert")
+    ap.add_argument("--model", default=None, help="default: ~/.cache/streamer-bench/<family>-base-random")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=256)
@@ -48,7 +55,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (LLM's CPU default: eager)")
     args = ap.parse_args()
     import transformers as tf
-    make_model(Path(args.model))
+    args.model = args.model or str(CACHE / f"{args.family}-base-random")
+    make_model(Path(args.model), args.family)
+    pad = PAD[args.family]
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.min_len, args.max_len + 1, (args.requests,), generator=g).tolist()
     # [CLS] random tokens [SEP], as a tokenizer frames a text
@@ -72,7 +81,7 @@ def main() -> None:
                 idx = order[lo:lo + args.hf_batch]
                 batch = [prompts[i] for i in idx]
                 width = max(map(len, batch))
-                ids = torch.tensor([p + [0] * (width - len(p)) for p in batch])
+                ids = torch.tensor([p + [pad] * (width - len(p)) for p in batch])
                 mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in batch])
                 cls = hf(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0].float()
                 for i, v in zip(idx, torch.nn.functional.normalize(cls, dim=-1).numpy()):

@@ -427,6 +427,8 @@ class ModelRunner:
         for q_lens, seq_lens in steps:
             q_lens = [min(n, cap) for n in q_lens]
             seq_lens = [min(max(s, q), cap) for s, q in zip(seq_lens, q_lens)]
+            if self.model.bidirectional:  # an encoder's steps hold whole prompts only: no context before them
+                seq_lens = q_lens
             qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
             lens = np.array(seq_lens, dtype=np.int64)
             n = int(qsl[-1])
@@ -582,7 +584,8 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
             causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit,
             window_limit=None if window is None else to_device(window, dev), window_limit_cpu=window,
-            mamba=self._mamba_step(step) if self.hybrid else None)
+            mamba=self._mamba_step(step) if self.hybrid else None,
+            position_bias=self.model.position_bias_table() if self.model.relative_bias else None)
 
     def _mamba_step(self, step: StepInputs) -> MambaStep:
         """What the Mamba layers need of the step: each request's state slot (the warm-up steps': the scratch

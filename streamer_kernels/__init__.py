@@ -48,7 +48,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None,
+                      position_bias: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -64,6 +65,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     last position each query may see (at least its own, within its request's context), in place of its own: a span
     of queries given its end sees itself both ways (Gemma 3's images); None = plain causal. attention_chunk: C
     (Llama 4's chunked local attention), the query at position p sees keys from (p // C) * C on only; None = off.
+    position_bias: float32 [H, 2R + 1] (MPNet's relative attention bias), entry R + clamp(d, -R, R) of its head's
+    row added to the scaled score of a key d positions after its query; None = off.
     """
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
@@ -71,7 +74,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         impl = reference.unified_attention
     impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
          max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit, attention_chunk=attention_chunk)
+         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit, attention_chunk=attention_chunk,
+         position_bias=position_bias)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

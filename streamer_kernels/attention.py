@@ -22,6 +22,8 @@ that joins the softmax's denominator, with no value) are another constexpr switc
 running max and sum (m = sink, l = 1) instead of (-inf, 0), so the loop itself is untouched. Chunked local
 attention (Llama 4: the query at position p sees keys from (p // C) * C on) is a per-row lower key bound like the
 window's: tiles below the q-block's first chunk are skipped, and only tiles inside its last one run unmasked.
+A relative position bias (MPNet's T5-style buckets) is a table per head indexed by the key's distance from the
+query, clamped to the table's radius; another constexpr switch adds it to every tile's scores (masked or not).
 
 Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
 as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
@@ -87,18 +89,19 @@ def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
     stride_c_block, stride_c_slot,
-    q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+    q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale, bias_rows, bias_radius,
     tile_start, tile_stop,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
     window / chunk / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit
     moves it further; USE_CHUNK: keys from each row's key_lo on); unmasked tiles must be fully visible to every
     row. With USE_SOFTCAP, qk_scale is scale / cap and softcap_scale is cap * log2(e): scores become
-    tanh(q.k * scale / cap) * cap (log2 units)."""
+    tanh(q.k * scale / cap) * cap (log2 units). USE_BIAS: each row's bias table row (`bias_rows`, pointing at
+    distance 0) adds its entry at the key's distance, clamped to +-bias_radius (in natural units: times log2(e))."""
     for j in range(tile_start, tile_stop):
         k_pos = j * TILE_N + offs_n
         in_ctx = k_pos < key_end
@@ -118,6 +121,9 @@ def _attend_tiles(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
         if USE_SOFTCAP:
             s = _tanh(s) * softcap_scale
+        if USE_BIAS:
+            dist = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -bias_radius), bias_radius)
+            s += tl.load(bias_rows[:, None] + dist) * _LOG2E_C
         if MASKED:
             visible = (k_pos[None, :] <= q_last[:, None]) & in_ctx[None, :]
             if USE_WINDOW:
@@ -138,9 +144,9 @@ def _attend_tiles(
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, sinks_ptr, limit_ptr,
+    part_acc_ptr, part_ml_ptr, sinks_ptr, limit_ptr, bias_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    num_seqs, qk_scale, softcap_scale, sliding_window, attention_chunk, v_scale,
+    num_seqs, qk_scale, softcap_scale, sliding_window, attention_chunk, v_scale, bias_radius, stride_bias,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_block, stride_c_slot, stride_c_head,
     stride_bt,
@@ -148,7 +154,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_LIMIT: tl.constexpr,
-    USE_CHUNK: tl.constexpr,
+    USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -234,19 +240,26 @@ def _unified_attention_kernel(
     v_base = value_cache_ptr + kv_head.to(tl.int64) * stride_c_head
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    bias_rows = bias_ptr + head * stride_bias + bias_radius  # (each row's head's table, at distance 0)
 
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  bias_rows, bias_radius,
                                   tile_lo, full_lo, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
+                                  USE_BIAS)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  bias_rows, bias_radius,
                                   full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
+                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
+                                  USE_BIAS)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  bias_rows, bias_radius,
                                   full_hi, tile_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK)
+                                  True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
+                                  USE_BIAS)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
     if KV_FP8:  # sums of v' = v / v_scale (linear: the split partials can carry it too)
@@ -360,14 +373,16 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None,
+                      position_bias: Optional[torch.Tensor] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
     `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
     logit per head in every softmax's denominator. `config` overrides the launch shape (for tuning sweeps).
     An FP8 (float8_e4m3fn) cache holds k / k_scale and v / v_scale. `causal_limit` (int32 [T], None = off): the
     last position each query sees. `attention_chunk` (None or 0 = off): the query at position p sees keys from
-    (p // attention_chunk) * attention_chunk on."""
+    (p // attention_chunk) * attention_chunk on. `position_bias` (float32 [num_heads, 2R + 1], None = off): added
+    to each scaled score, entry R + d for a key d positions after its query (d clamped to [-R, R])."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -385,6 +400,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                              and sinks.is_contiguous()), "sinks: contiguous float32 [num_heads]"
     assert causal_limit is None or (causal_limit.dtype == torch.int32 and causal_limit.is_contiguous()
                                     and causal_limit.shape[0] >= num_tokens), "causal_limit: contiguous int32 [T]"
+    assert position_bias is None or (position_bias.dtype == torch.float32 and position_bias.shape[0] == num_heads
+                                     and position_bias.shape[1] % 2 == 1 and position_bias.stride(1) == 1), \
+        "position_bias: float32 [num_heads, 2R + 1], rows contiguous"
     group = num_heads // num_kv_heads
     use_window = sliding_window is not None and sliding_window > 0
     use_chunk = bool(attention_chunk)
@@ -425,10 +443,12 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](
         q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
-        query_start_loc if causal_limit is None else causal_limit,
+        query_start_loc if causal_limit is None else causal_limit, out if position_bias is None else position_bias,
         query_start_loc, seq_lens, block_table,
         num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
         int(attention_chunk) if use_chunk else 1, float(v_scale),
+        0 if position_bias is None else position_bias.shape[1] // 2,
+        0 if position_bias is None else position_bias.stride(0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_table.stride(0),
@@ -437,6 +457,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
         UPCAST=upcast,
         DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None, USE_CHUNK=use_chunk,
+        USE_BIAS=position_bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

@@ -68,7 +68,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       sliding_window: Optional[int] = None, *, num_kv_splits: Optional[int] = None,
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
-                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None) -> None:
+                      causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None,
+                      position_bias: Optional[torch.Tensor] = None) -> None:
     """Causal paged attention for a varlen batch of prefill chunks and decode tokens; writes `out` [T, H, D].
 
     Request b owns query rows query_start_loc[b] : query_start_loc[b+1]; its q_b queries sit at positions
@@ -79,7 +80,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     An FP8 cache holds k / k_scale and v / v_scale. `causal_limit` [T] (absolute positions, >= each query's own):
     the last key each query sees, in place of its own position (Gemma 3's images see themselves both ways).
     `attention_chunk` C (Llama 4's chunked local attention): the query at position p sees keys from
-    (p // C) * C on only (also within the window, if any).
+    (p // C) * C on only (also within the window, if any). `position_bias` [H, 2R + 1] (MPNet's relative
+    attention bias): the scaled (and capped) score of a key d positions after its query gains entry
+    R + clamp(d, -R, R) of its head's row.
     """
     del max_query_len, max_seq_len, num_kv_splits
     if key_cache.dtype != torch.float8_e4m3fn:
@@ -102,6 +105,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        if position_bias is not None:
+            scores = scores + relative_bias(position_bias, q_pos, k_pos).view(num_kv_heads, group, q_len, seq_len)
         last = q_pos if causal_limit is None else causal_limit[q_start:q_end].to(q_pos)[:, None]
         allowed = k_pos <= last
         if sliding_window is not None:
@@ -115,6 +120,12 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         probs = torch.softmax(scores, dim=-1)[..., :seq_len]
         o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_len, num_heads, head_dim)
         out[q_start:q_end] = o.to(out.dtype)
+
+
+def relative_bias(table: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """A relative position bias table [H, 2R + 1] read at each (query, key) pair's distance: [H, Lq, Lk] fp32."""
+    radius = table.shape[1] // 2
+    return table.float()[:, ((k_pos - q_pos).clamp(-radius, radius) + radius)]
 
 
 # --------------------------------------------------------------------------------------------------------------

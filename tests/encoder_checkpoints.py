@@ -14,6 +14,7 @@ from tests.tokenizer_factory import CORPUS
 _SPECIALS = {"bert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
              "modernbert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
              "roberta": dict(cls="<s>", pad="<pad>", sep="</s>", unk="<unk>", mask="<mask>")}
+_SPECIALS["mpnet"] = _SPECIALS["roberta"]
 
 
 def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) -> int:
@@ -46,11 +47,14 @@ def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) 
 
 
 def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optional[tuple[str, ...]] = None,
-                            pooling: Optional[str] = None, seed: int = 0, **overrides: Any) -> Path:
+                            pooling: Optional[str] = None, seed: int = 0, masked_lm: bool = False,
+                            **overrides: Any) -> Path:
     """family "bert" | "roberta" (saved as XLM-RoBERTa) | "modernbert" (4 layers, the first and last global, the
-    others local with a window of 4 either way); `labels`: a `*ForSequenceClassification` with those
-    labels, else the bare encoder (`*Model`, an embedding model). `pooling` ("mean" | "cls"): a sentence-transformers
-    Pooling module declaring it. Weights drawn wide (std 0.2), so that every part of the model shows in the output."""
+    others local with a window of 4 either way) | "mpnet" (320 positions: distances past its bias's last bucket, 128);
+    `labels`: a `*ForSequenceClassification` with those labels, else the bare encoder (`*Model`, an embedding
+    model), or with `masked_lm` the `*ForMaskedLM` (as some sentence-transformers checkpoints are saved). `pooling`
+    ("mean" | "cls"): a sentence-transformers Pooling module declaring it. Weights drawn wide (std 0.2), so that every
+    part of the model shows in the output."""
     import transformers as tf
     vocab = make_wordpiece_tokenizer(out_dir, family)
     sizes: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -60,12 +64,15 @@ def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optiona
     if family == "modernbert":
         sizes.update(intermediate_size=96, num_hidden_layers=4, max_position_embeddings=128, local_attention=8,
                      pad_token_id=0, cls_token_id=2, bos_token_id=2, sep_token_id=3, eos_token_id=3)
+    if family == "mpnet":
+        sizes.update(max_position_embeddings=322, pad_token_id=1, bos_token_id=0, eos_token_id=2)
     if labels:
         sizes.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     sizes.update(overrides)
-    prefix = {"bert": "Bert", "roberta": "XLMRoberta", "modernbert": "ModernBert"}[family]
+    prefix = {"bert": "Bert", "roberta": "XLMRoberta", "modernbert": "ModernBert", "mpnet": "MPNet"}[family]
     config = getattr(tf, f"{prefix}Config")(**sizes)
-    cls = getattr(tf, f"{prefix}ForSequenceClassification" if labels else f"{prefix}Model")
+    head = "ForSequenceClassification" if labels else "ForMaskedLM" if masked_lm else "Model"
+    cls = getattr(tf, prefix + head)
     torch.manual_seed(seed)
     model = cls(config).eval()
     with torch.no_grad():

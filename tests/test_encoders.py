@@ -1,5 +1,5 @@
-"""Encoders (models/bert.py, models/modernbert.py): embeddings, label probabilities and cross-encoder scores equal
-transformers' (fp32) for BERT, XLM-RoBERTa and ModernBERT checkpoints, batched, compiled, over the server; a pair's
+"""Encoders (models/bert.py, models/modernbert.py, models/mpnet.py): embeddings, label probabilities and
+cross-encoder scores equal transformers' (fp32) for BERT, XLM-RoBERTa, ModernBERT and MPNet checkpoints, batched, compiled, over the server; a pair's
 second text reads as token type 1; ModernBERT's and EmbeddingGemma's local layers see a window both ways;
 EmbeddingGemma's sentence-transformers Dense modules project the pooled vector; prompts are never split; what an
 encoder cannot do is refused."""
@@ -62,6 +62,17 @@ def modernbert_clf_dir(ckpt_root) -> Path:
     return _build(ckpt_root, "modernbert-classifier", family="modernbert", labels=("negative", "neutral", "positive"),
                   classifier_pooling="mean", norm_bias=True, mlp_bias=True, attention_bias=True,
                   classifier_bias=True)
+
+
+@pytest.fixture(scope="module")
+def mpnet_dir(ckpt_root) -> Path:
+    """Saved as all-mpnet-base-v2 is: `MPNetForMaskedLM` (its LM head skipped), mean pooling."""
+    return _build(ckpt_root, "mpnet-embed", family="mpnet", pooling="mean", masked_lm=True)
+
+
+@pytest.fixture(scope="module")
+def mpnet_clf_dir(ckpt_root) -> Path:
+    return _build(ckpt_root, "mpnet-cross-encoder", family="mpnet", labels=("relevance",))
 
 
 def _hf(model_dir: Path, classifier: bool = False):
@@ -330,3 +341,40 @@ def test_dense_projection_reads_sentence_transformers_modules(tmp_path):
         "in_features": 4, "out_features": 3, "activation_function": "torch.nn.modules.activation.GELU"}))
     with pytest.raises(ValueError, match="activation torch.nn.modules.activation.GELU is not supported"):
         DenseProjection.load(tmp_path)
+
+
+# A prompt of ~230 tokens: its keys reach distances past MPNet's last bias bucket (128) both ways.
+LONG = " ".join(["the quick brown fox jumps over the lazy dog; it was asleep."] * 5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mpnet_embeddings_match_transformers(mpnet_dir, compiled):
+    model, tok = _hf(mpnet_dir)
+    texts = TEXTS + [LONG]
+    assert len(tok(LONG)["input_ids"]) > 2 * 128 - 40
+    with LLM(str(mpnet_dir), dtype="float32", enforce_eager=not compiled) as llm:
+        assert llm.engine.default_pooling == "mean" and llm.engine.max_model_len == 320
+        assert llm.engine.runner.model.relative_bias
+        outs = llm.embed(texts)  # one batch: each prompt's distances from its own start
+        for text, out in zip(texts, outs):
+            assert _close(out.embedding, _pooled(_hidden(model, tok, text), "mean", True)), text[:20]
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_mpnet_bias_shows_in_the_output(mpnet_dir):
+    """The checkpoint's bias table matters (the test above can fail): transformers with it zeroed differs."""
+    model, tok = _hf(mpnet_dir)
+    want = _hidden(model, tok, LONG)
+    with torch.no_grad():
+        model.encoder.relative_attention_bias.weight.zero_()
+    assert not _close(_hidden(model, tok, LONG), want, 1e-3)
+
+
+def test_mpnet_cross_encoder_scores_pairs(mpnet_clf_dir):
+    # No token types: the pair <s> q </s></s> d </s> is told apart by its separators alone.
+    model, tok = _hf(mpnet_clf_dir, classifier=True)
+    want = np.array([1 / (1 + np.exp(-_logits(model, tok, QUERY, d)[0])) for d in DOCS])
+    with LLM(str(mpnet_clf_dir), dtype="float32") as llm:
+        assert [encode_pair(llm.engine.tokenizer, QUERY, d) for d in DOCS] == [tok(QUERY, d)["input_ids"]
+                                                                              for d in DOCS]
+        assert _close([s.score for s in llm.score(QUERY, DOCS)], want)

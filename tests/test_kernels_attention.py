@@ -356,3 +356,53 @@ def test_attention_chunk_random(dtype, group, head_dim, block_size, num_kv_heads
     batch = make_paged_batch([q for q, _ in lens], [c for _, c in lens], num_heads, num_kv_heads, head_dim,
                              block_size, dtype, DEVICE, num_pad_tokens=1, generator=g)
     _check_chunked(batch, num_heads, head_dim, dtype, chunk, window, splits)
+
+
+# ------------------------------------------------------------------------------------------ relative position bias
+@settings(SETTINGS, max_examples=max_examples(16, 8))
+@given(dtype=st.sampled_from(DTYPES), group=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([8, 16]),
+       num_kv_heads=st.sampled_from([1, 2]), radius=st.integers(0, 40), whole=st.booleans(),
+       lens=st.lists(st.tuples(st.one_of(st.just(1), st.integers(1, 50)), st.integers(0, 40)), min_size=1,
+                     max_size=3),
+       window=st.one_of(st.none(), st.integers(2, 30)), splits=st.sampled_from([None, 1, 2]),
+       seed=st.integers(0, 2**31 - 1))
+def test_position_bias(dtype, group, block_size, num_kv_heads, radius, whole, lens, window, splits, seed) -> None:
+    """A per-head table indexed by the key's clamped distance from its query (MPNet's relative attention bias) is
+    added to every score: masked tiles and unmasked ones, causal queries and ones that see their whole request
+    (`whole`: an encoder's causal limit at the request's end)."""
+    g = torch.Generator().manual_seed(seed)
+    num_heads = group * num_kv_heads
+    batch = make_paged_batch([q for q, _ in lens], [c for _, c in lens], num_heads, num_kv_heads, 32, block_size,
+                             dtype, DEVICE, num_pad_tokens=1, generator=g)
+    table = (torch.randn(num_heads, 2 * radius + 1, generator=g) * 2).to(DEVICE)
+    limit = None
+    if whole:
+        ends = [s - 1 for s in batch.seq_lens.tolist()]
+        q_lens = [q for q, _ in lens]
+        limit = torch.tensor(sum(([e] * q for e, q in zip(ends, q_lens)), []) + [0], dtype=torch.int32,
+                             device=DEVICE)
+    args = (batch.q, batch.key_cache, batch.value_cache)
+    rest = (batch.query_start_loc, batch.seq_lens, batch.block_table, 32 ** -0.5)
+    out = torch.full_like(batch.q, float("nan"))
+    unified_attention(*args, out, *rest, batch.max_query_len, batch.max_seq_len, window, num_kv_splits=splits,
+                      causal_limit=limit, position_bias=table)
+    expected = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(*args, expected, *rest, 0, 0, window, causal_limit=limit, position_bias=table)
+    n = batch.num_tokens
+    assert rel_err(out[:n], expected[:n]) <= TOLERANCE[dtype]
+    unbiased = torch.full_like(batch.q, float("nan"))
+    reference.unified_attention(*args, unbiased, *rest, 0, 0, window, causal_limit=limit)
+    # the bias matters wherever a query sees keys at different distances (a request's last query does, in any
+    # request longer than one token; with radius 0 every key gets its head's one entry, which the softmax cancels)
+    if radius > 0 and batch.seq_lens.max() > 1:
+        assert not torch.allclose(expected[:n].float(), unbiased[:n].float(), atol=1e-3)
+
+
+def test_position_bias_reference_reads_the_clamped_distance() -> None:
+    """The reference's table lookup, by hand: distance d reads entry R + clamp(d, -R, R)."""
+    table = torch.arange(2 * 11, dtype=torch.float32).view(2, 11)  # R = 5
+    got = reference.relative_bias(table, torch.tensor([[3], [9]]), torch.arange(12)[None, :])
+    for h in range(2):
+        for qi, qp in enumerate((3, 9)):
+            for kp in range(12):
+                assert got[h, qi, kp] == table[h, 5 + max(-5, min(5, kp - qp))]

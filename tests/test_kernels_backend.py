@@ -182,6 +182,40 @@ def test_causal_limit_on_both_backends(dtype) -> None:
     assert not torch.allclose(expected[3:11], plain[3:11]) and torch.equal(expected[11:21], plain[11:21])
 
 
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("whole", [False, True])
+def test_position_bias_on_both_backends(whole, window) -> None:
+    """A relative position bias (AttentionMetadata.position_bias) on prefill chunks, after a cached context or not,
+    causal or seeing the whole request, with a window or not: both backends give the reference's output, and the
+    torch backend refuses decode rows with a context (its decode kernels take no bias)."""
+    q_lens, ctx_lens = [20, 13], [5, 0]
+    batch = make_paged_batch(q_lens, ctx_lens, 4, 2, 64, 16, torch.float32, DEVICE, write_new=True,
+                             generator=torch.Generator().manual_seed(5))
+    spec = AttentionSpec(4, 2, 64, 0.125, window)
+    meta = _meta(batch, 2)
+    meta.position_bias = torch.randn(4, 2 * 6 + 1, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    if whole:
+        limit = np.repeat(meta.seq_lens_cpu - 1, q_lens).astype(np.int32)
+        meta.causal_limit, meta.causal_limit_cpu = torch.from_numpy(limit).to(DEVICE), limit
+    expected = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, spec.scale, 0, 0, window,
+                                causal_limit=meta.causal_limit, position_bias=meta.position_bias)
+    n = batch.num_tokens
+    out = TritonAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v, batch.kv_cache.clone(), meta)
+    assert rel_err(out[:n], expected[:n]) <= TOLERANCE[torch.float32]
+    meta.backend_cache.clear()
+    out_torch = TorchAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v,
+                                                    torch.nan_to_num(batch.kv_cache, nan=0.0), meta)
+    assert rel_err(out_torch[:n], expected[:n]) <= 2 * TOLERANCE[torch.float32]
+    decode = make_paged_batch([1, 4], [7, 0], 4, 2, 64, 16, torch.float32, DEVICE, write_new=True)
+    dmeta = _meta(decode, 2)
+    dmeta.position_bias = meta.position_bias
+    with pytest.raises(NotImplementedError, match="relative position bias"):
+        TorchAttentionBackend(spec).forward(decode.q, decode.new_k, decode.new_v,
+                                            torch.nan_to_num(decode.kv_cache, nan=0.0), dmeta)
+
+
 def test_engine_triton_backend_gemma3_images(request) -> None:
     """Gemma 3's images (attending both ways: the kernel's causal limit) through the engine on the Triton backend
     give the torch backend's tokens and logprobs (which tests/test_multimodal.py holds to transformers')."""
@@ -206,11 +240,12 @@ def test_engine_triton_backend_gemma3_images(request) -> None:
     assert np.allclose(lps[0], lps[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert"])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "mpnet"])
 def test_engine_triton_backend_encoder(request, family) -> None:
-    """Encoders (models/bert.py): every token attends to its whole prompt through the kernel's causal limit, and
-    ModernBERT's local layers to a window either way (the limit cut to the window, the window's lower side); several
-    prompts in one step give the torch backend's embeddings."""
+    """Encoders (models/bert.py): every token attends to its whole prompt through the kernel's causal limit,
+    ModernBERT's local layers to a window either way (the limit cut to the window, the window's lower side), and
+    MPNet's scores take its relative position bias (a prompt past the bias's last bucket, 128 positions away);
+    several prompts in one step give the torch backend's embeddings."""
     pytest.importorskip("transformers")
     from streamer import LLM, PoolingParams
     from tests.encoder_checkpoints import make_encoder_checkpoint
@@ -218,6 +253,8 @@ def test_engine_triton_backend_encoder(request, family) -> None:
     if not (path / "config.json").exists():
         make_encoder_checkpoint(path, family=family)
     texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "a"]
+    if family == "mpnet":
+        texts.append(" ".join(["the quick brown fox jumps over the lazy dog."] * 6))
     got = {}
     for backend in ("torch", "triton"):
         with LLM(str(path), dtype="float32", attention_backend=backend,

@@ -45,6 +45,10 @@ class AttentionMetadata:
     # Two-sided windows (AttentionSpec.two_sided_window): the causal limit cut to each token's window, same layout
     window_limit: Optional[torch.Tensor] = None
     window_limit_cpu: Optional[np.ndarray] = None
+    # A relative position bias shared by every layer (MPNet's), float32 [num_heads, 2R + 1]: entry R + d of a head's
+    # row is added to its scaled score of a key d positions after the query (d clamped to [-R, R]). The model
+    # computes it from its weights each step (`position_bias_table`); None: no bias.
+    position_bias: Optional[torch.Tensor] = None
     # Hybrid attention + Mamba models: what each Mamba layer needs of the step (None for other models)
     mamba: Optional["MambaStep"] = None
 

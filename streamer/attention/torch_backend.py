@@ -13,6 +13,9 @@ Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) and attent
 logit per head that joins the softmax's denominator) are Python branches: the compiled decode kernel gets a tanh
 before its softmax / the sink in its statistics, and where SDPA would run (which can do neither) `_attend_explicit`
 does.
+A relative position bias (MPNet's, `AttentionMetadata.position_bias`) reaches SDPA as a float mask. Only prefill
+chunks take one: the models that have it are encoders, whose prompts run whole, so a decode row there is a one-token
+prompt, whose single key's softmax is 1 whatever its bias.
 """
 from __future__ import annotations
 
@@ -26,22 +29,26 @@ import torch.nn.functional as F
 
 from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
 from streamer.kv_cache import cdiv
-from streamer_kernels.reference import quantize_fp8
+from streamer_kernels.reference import quantize_fp8, relative_bias
 
 logger = logging.getLogger("streamer")
 
 
 def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                     softcap: Optional[float], sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                     softcap: Optional[float], sinks: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SDPA's maths with what SDPA has no option for: soft-capped scores, sinks [H] (one more logit per head in the
     softmax, with no value). q [H, Lq, D], already scaled; k, v [Hkv, L, D]; mask [Lq, L] (True = attend) or None
-    for all. Scores and softmax in fp32, as transformers' eager Gemma 2 path upcasts its softmax."""
+    for all; bias [H, Lq, L] added after the cap. Scores and softmax in fp32, as transformers' eager Gemma 2 path
+    upcasts its softmax."""
     g = q.shape[0] // k.shape[0]
     if g > 1:
         k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
     scores = torch.matmul(q.float(), k.float().transpose(1, 2))
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
@@ -199,6 +206,15 @@ def decode_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int,
     return table
 
 
+def _check_bias_decode(meta: AttentionMetadata) -> None:
+    """The decode kernels add no position bias: exact only for a one-token context (a single key's softmax is 1
+    whatever its bias), which is all an encoder's one-token prompt has."""
+    qsl, n = meta.query_start_loc_cpu, meta.num_reqs
+    if (meta.seq_lens_cpu[:n][(qsl[1:n + 1] - qsl[:n]) == 1] > 1).any():
+        raise NotImplementedError("the torch attention backend applies a relative position bias to prefill chunks "
+                                  "only (an encoder's whole prompts), not to decode tokens")
+
+
 def _store(cache_rows: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """cache_rows[slots] = rows, in place. FP8 through byte views: CPU torch has no index_copy_ for float8."""
     if cache_rows.dtype == FP8_KV_DTYPE:
@@ -277,6 +293,8 @@ class TorchAttentionBackend(KVScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window, self.spec.attention_chunk)
+        if meta.position_bias is not None and plan.num_decode:
+            _check_bias_decode(meta)
         self._write(k, v, kv_cache, plan)
         if plan.decode_direct and q.shape[0] == plan.num_decode:
             return self._decode(q, kv_cache, plan, sinks)
@@ -356,10 +374,10 @@ class TorchAttentionBackend(KVScales):
         see_all = limit is not None and int(limit.min()) >= seq_len - 1 and window is None and not chunk
         if see_all:
             limit = None
-        elif (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
-                or (chunk and chunk < seq_len)):
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        if not see_all and (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
+                            or (chunk and chunk < seq_len)):
             last = q_pos if limit is None else torch.from_numpy(limit).to(q.device, torch.int64).unsqueeze(1)
             mask = k_pos <= last
             if window is not None:
@@ -371,11 +389,32 @@ class TorchAttentionBackend(KVScales):
             if mask is None:
                 mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
                 mask = mask if see_all else mask.tril()
-            o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks)
+            bias = None if meta.position_bias is None else relative_bias(meta.position_bias, q_pos, k_pos)
+            o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks, bias)
+        elif meta.position_bias is not None:
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=self._bias_mask(meta, i, q_pos, k_pos, mask,
+                                                                                   see_all, qi.dtype),
+                                               scale=self.spec.scale, enable_gqa=self.gqa > 1)
         else:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all,
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
+
+    def _bias_mask(self, meta: AttentionMetadata, i: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   mask: Optional[torch.Tensor], see_all: bool, dtype: torch.dtype) -> torch.Tensor:
+        """Request i's relative position bias as SDPA's float mask (-inf where `mask` hides a key, or above the
+        diagonal where no mask is given and the request does not see all of itself): made once a step, for all the
+        layers of one spec (MPNet's encoder has one)."""
+        key = ("bias", i, self.spec.sliding_window, self.spec.attention_chunk, self.spec.two_sided_window, dtype)
+        found = meta.backend_cache.get(key)
+        if found is None:
+            assert meta.position_bias is not None
+            bias = relative_bias(meta.position_bias, q_pos, k_pos)
+            if mask is None and not see_all:
+                mask = k_pos <= q_pos
+            found = (bias if mask is None else bias.masked_fill(~mask, float("-inf"))).to(dtype)
+            meta.backend_cache[key] = found
+        return found
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -52,5 +52,5 @@ class TritonAttentionBackend(KVScales):
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
                           logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
                           causal_limit=meta.window_limit if spec.two_sided_window else meta.causal_limit,
-                          attention_chunk=spec.attention_chunk)
+                          attention_chunk=spec.attention_chunk, position_bias=meta.position_bias)
         return out

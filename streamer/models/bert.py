@@ -44,7 +44,10 @@ _DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "
 def position_offset(raw: dict[str, Any]) -> int:
     """Where position 0's row is: (XLM-)RoBERTa numbers positions from pad_token_id + 1 (create_position_ids_
     from_input_ids), BERT from 0."""
-    return int(raw.get("pad_token_id") or 0) + 1 if raw.get("_encoder_family") == "roberta" else 0
+    family = raw.get("_encoder_family")
+    if family == "mpnet":  # (MPNet's embeddings fix their padding index at 1, whatever the config's pad_token_id)
+        return 2
+    return int(raw.get("pad_token_id") or 0) + 1 if family == "roberta" else 0
 
 
 def common_config(c: dict[str, Any], family: str) -> dict[str, Any]:
@@ -123,6 +126,7 @@ _NAMES = (("embeddings.word_embeddings.", "embed_tokens."), ("embeddings.positio
           (".output.dense.", ".mlp.down_proj."), (".output.LayerNorm.", ".post_attention_layernorm."))
 _HEADS = {"bert": (("model.pooler.dense.", "score.dense."), ("classifier.", "score.out_proj.")),
           "roberta": (("classifier.dense.", "score.dense."), ("classifier.out_proj.", "score.out_proj."))}
+_HEADS["mpnet"] = _HEADS["roberta"]
 _OLD_NORM = re.compile(r"LayerNorm\.(gamma|beta)$")  # (TF-converted checkpoints' spelling)
 
 
@@ -141,15 +145,18 @@ class BertModel(LlamaForCausalLM):
         self.family = raw["_encoder_family"]
         self.offset = position_offset(raw)
         self.embed_positions = VocabEmbedding(raw["encoder_positions"], hidden)
-        self.embed_types = VocabEmbedding(max(int(raw["type_vocab_size"]), 1), hidden)
+        self.embed_types: Optional[VocabEmbedding] = None  # (MPNet has no token types)
+        if int(raw["type_vocab_size"]) > 0:
+            self.embed_types = VocabEmbedding(int(raw["type_vocab_size"]), hidden)
+            self.sep_token_id: Optional[int] = None  # set by the runner from the tokenizer (see token_types)
         self.embed_norm = LayerNorm(hidden, cfg.rms_norm_eps)
         self.norm = AddOnly()  # (post-LN: the last layer's output is already normalised)
         self.score = ClassifierHead(hidden, cfg.num_labels) if cfg.num_labels else None
-        self.sep_token_id: Optional[int] = None  # set by the runner from the tokenizer (see token_types)
 
     def token_types(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """1 after each prompt's first separator, else 0 (see the module's docstring). Prompts are whole in a step,
         so position 0 starts each one: a running count of separators, less the count where the prompt started."""
+        assert self.embed_types is not None
         if self.embed_types.weight.shape[0] < 2 or self.sep_token_id is None:
             return torch.zeros_like(input_ids)
         sep = (input_ids == self.sep_token_id).to(torch.int64)
@@ -161,8 +168,9 @@ class BertModel(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        x = x + self.embed_positions(positions + self.offset) + self.embed_types(self.token_types(input_ids,
-                                                                                                   positions))
+        x = x + self.embed_positions(positions + self.offset)
+        if self.embed_types is not None:
+            x = x + self.embed_types(self.token_types(input_ids, positions))
         return self.run_layers(positions, self.embed_norm(x), kv_caches, decode)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -172,24 +180,30 @@ class BertModel(LlamaForCausalLM):
         h = torch.tanh(nn.functional.linear(pooled.float(), head.dense.weight.float(), head.dense.bias.float()))
         return nn.functional.linear(h, head.out_proj.weight.float(), head.out_proj.bias.float())
 
+    names = _NAMES  # (the family's checkpoint name fragments -> ours, in order; MPNet's add to them)
+
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        """The family's names in Llama's spelling. An embedding model's pooler (which sentence-transformers does
-        not use) and saved position / type id buffers are skipped."""
+        """The family's names in Llama's spelling. A pooler the head does not read (sentence-transformers pools
+        itself), a masked-LM head (`*ForMaskedLM` checkpoints serve as embedding models) and saved position / type
+        id buffers are skipped."""
+        heads = _HEADS[self.family]
+        reads_pooler = self.score is not None and any(theirs.startswith("model.pooler.") for theirs, _ in heads)
         for name, t in weights:
             name = _OLD_NORM.sub(lambda m: "LayerNorm." + {"gamma": "weight", "beta": "bias"}[m.group(1)], name)
-            if name.startswith(("bert.", "roberta.")):
+            if name.startswith(("bert.", "roberta.", "mpnet.")):
                 name = name.split(".", 1)[1]
-            if name.endswith(("embeddings.position_ids", "embeddings.token_type_ids")):
+            if name.endswith(("embeddings.position_ids", "embeddings.token_type_ids")) \
+                    or name.startswith(("lm_head.", "cls.")):
                 continue
             if not name.startswith("classifier."):
                 name = "model." + name
-            if name.startswith("model.pooler.") and self.score is None:
+            if name.startswith("model.pooler.") and not reads_pooler:
                 continue
-            yield _to_ours(name, _HEADS[self.family] + _NAMES), t
+            yield _to_ours(name, heads + self.names), t
 
     def checkpoint_name(self, internal: str) -> str:
         name = super().checkpoint_name(internal)
-        for theirs, ours in reversed(_HEADS[self.family] + _NAMES):
+        for theirs, ours in reversed(_HEADS[self.family] + self.names):
             name = name.replace(ours, theirs)
         return name.removeprefix("model.")
 

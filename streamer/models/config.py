@@ -42,7 +42,8 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
                       "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "BertModel": "not implemented for encoders (small models: one device serves them)",
-                      "ModernBertModel": "not implemented for encoders (small models: one device serves them)"}
+                      "ModernBertModel": "not implemented for encoders (small models: one device serves them)",
+                      "MPNetModel": "not implemented for encoders (small models: one device serves them)"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -57,15 +58,22 @@ SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 # BERT-family encoders (models/bert.py): embedding models and sequence classifiers whose tokens attend both ways.
 # The checkpoint's architecture -> (family, sequence classifier?); the BERT and RoBERTa families are served by one
-# model class, "BertModel"; ModernBERT (models/modernbert.py) by "ModernBertModel".
+# model class, "BertModel"; ModernBERT (models/modernbert.py) by "ModernBertModel", MPNet (models/mpnet.py) by
+# "MPNetModel". A masked-LM checkpoint (`*ForMaskedLM`, as some sentence-transformers models are saved) serves as an
+# embedding model: its LM head is skipped.
 ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
+                         "BertForMaskedLM": ("bert", False),
                          "RobertaModel": ("roberta", False), "RobertaForSequenceClassification": ("roberta", True),
+                         "RobertaForMaskedLM": ("roberta", False),
                          "XLMRobertaModel": ("roberta", False),
                          "XLMRobertaForSequenceClassification": ("roberta", True),
+                         "XLMRobertaForMaskedLM": ("roberta", False),
                          "ModernBertModel": ("modernbert", False),
-                         "ModernBertForSequenceClassification": ("modernbert", True)}
+                         "ModernBertForSequenceClassification": ("modernbert", True),
+                         "MPNetModel": ("mpnet", False), "MPNetForMaskedLM": ("mpnet", False),
+                         "MPNetForSequenceClassification": ("mpnet", True)}
 
-ENCODER_MODELS = ("BertModel", "ModernBertModel")  # (the model classes they load as: ModelConfig.architecture)
+ENCODER_MODELS = ("BertModel", "ModernBertModel", "MPNetModel")  # (the model classes they load as: ModelConfig.architecture)
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
@@ -404,9 +412,13 @@ class ModelConfig:
                              "[\"Qwen3ForSequenceClassification\"], ...})")
         if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
             family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
-            from streamer.models import bert, modernbert  # (common_config; they import torch: this module does not)
-            c, arch = ((modernbert.common_config(c), "ModernBertModel") if family == "modernbert"
-                       else (bert.common_config(c, family), "BertModel"))
+            from streamer.models import bert, modernbert, mpnet  # (common_config; they import torch: this does not)
+            if family == "modernbert":
+                c, arch = modernbert.common_config(c), "ModernBertModel"
+            elif family == "mpnet":
+                c, arch = mpnet.common_config(c), "MPNetModel"
+            else:
+                c, arch = bert.common_config(c, family), "BertModel"
             num_labels = (len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)) if classifier else None
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "

@@ -294,6 +294,11 @@ class LlamaForCausalLM(nn.Module):
     bidirectional = False  # every token attends to its whole prompt (an encoder: models/bert.py)
     two_sided_window = 0  # an encoder's local layers' window, both ways (AttentionSpec.two_sided_window); 0: none
     classifier_pooling = "last"  # the token(s) a sequence classifier's head reads: "last", "cls" or "mean"
+    relative_bias = False  # its attention adds a relative position bias (position_bias_table: MPNet's)
+
+    def position_bias_table(self) -> torch.Tensor:
+        """A model with `relative_bias`: the step's AttentionMetadata.position_bias, computed from its weights."""
+        raise NotImplementedError(f"{type(self).__name__} has no relative position bias")
 
     def use_kernels(self, on: bool) -> None:
         """Norms, rotary and SiLU-and-mul through `streamer_kernels`' Triton kernels (see KernelSwitch)."""

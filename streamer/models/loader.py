@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from streamer.models.bert import BertModel
 from streamer.models.modernbert import ModernBertModel
+from streamer.models.mpnet import MPNetModel
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
@@ -123,6 +124,7 @@ _MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
 _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
 _MODEL_CLASSES["ModernBertModel"] = ModernBertModel
+_MODEL_CLASSES["MPNetModel"] = MPNetModel
 
 
 def safetensors_files(folder: Path) -> list[Path]:

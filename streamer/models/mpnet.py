@@ -1,0 +1,71 @@
+"""MPNet (`MPNetModel`, `MPNetForMaskedLM`, `MPNetForSequenceClassification`: sentence-transformers' all-mpnet-base-v2,
+multi-qa-mpnet-base, paraphrase-mpnet-base): a BERT-shaped encoder (models/bert.py: post-LN layers, learned absolute
+positions from 2 as RoBERTa's, whole prompts) whose attention adds a relative position bias:
+
+- one table for all layers, `encoder.relative_attention_bias` [32 buckets, heads], read at T5's bucket of each key's
+  distance from its query: the sign splits the buckets in halves, distances below 8 get a bucket each, longer ones
+  share log-spaced buckets up to 128, and every distance from 128 on the last. So the bias of any distance is the
+  entry at it clamped to +-128: the model hands the attention backends that as a [heads, 257] table each step
+  (AttentionMetadata.position_bias), from its current weights;
+- no token types (a pair is told apart by its separators alone); the classifier is RoBERTa's (dense + tanh, then
+  out_proj, over the first token); a masked-LM checkpoint's `lm_head` is skipped: it serves as an embedding model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from streamer.attention.base import AttentionBackend, AttentionSpec
+from streamer.models import bert
+from streamer.models.config import ModelConfig
+from streamer.models.layers import VocabEmbedding
+
+NUM_BUCKETS = 32  # (transformers' compute_position_bias passes 32 whatever relative_attention_num_buckets says)
+MAX_DISTANCE = 128  # (relative_position_bucket's default: every distance from here on shares the last bucket)
+_DEFAULTS = {"vocab_size": 30527, "pad_token_id": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5,
+             "relative_attention_num_buckets": 32}  # (MPNetConfig's, where they differ from BertConfig's)
+
+
+def common_config(c: dict[str, Any]) -> dict[str, Any]:
+    """bert.common_config's, with MPNet's defaults and no token types."""
+    c = bert.common_config({**_DEFAULTS, **c}, "mpnet")
+    if int(c["relative_attention_num_buckets"]) < NUM_BUCKETS:
+        raise ValueError(f"relative_attention_num_buckets {c['relative_attention_num_buckets']} is below the "
+                         f"{NUM_BUCKETS} buckets MPNet's attention reads")
+    c["type_vocab_size"] = 0
+    return c
+
+
+def relative_buckets(distance: torch.Tensor) -> torch.Tensor:
+    """T5's bidirectional bucket of each key-minus-query distance (MPNet's relative_position_bucket)."""
+    half = NUM_BUCKETS // 2
+    n = -distance
+    ret = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    log_ratio = torch.log(n.float().clamp(min=1) / exact) / math.log(MAX_DISTANCE / exact)
+    large = (exact + (log_ratio * (half - exact)).long()).clamp(max=half - 1)
+    return ret + torch.where(n < exact, n, large)
+
+
+class MPNetModel(bert.BertModel):
+    """An encoder (models/bert.py) with MPNet's relative attention bias."""
+
+    names = (("encoder.relative_attention_bias.", "relative_attention_bias."),
+             (".attention.attn.q.", ".self_attn.q_proj."), (".attention.attn.k.", ".self_attn.k_proj."),
+             (".attention.attn.v.", ".self_attn.v_proj."), (".attention.attn.o.", ".self_attn.o_proj."),
+             (".attention.LayerNorm.", ".input_layernorm.")) + bert._NAMES
+    relative_bias = True
+
+    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
+                 max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)
+        self.relative_attention_bias = VocabEmbedding(int(cfg.raw["relative_attention_num_buckets"]), cfg.num_heads)
+        distances = torch.arange(-MAX_DISTANCE, MAX_DISTANCE + 1)
+        self.register_buffer("bias_buckets", relative_buckets(distances), persistent=False)
+
+    def position_bias_table(self) -> torch.Tensor:
+        """float32 [heads, 2 * 128 + 1]: the bias at each distance -128..128 (AttentionMetadata.position_bias)."""
+        return self.relative_attention_bias.weight[self.bias_buckets].t().float().contiguous()
