@@ -378,3 +378,14 @@ def test_mpnet_cross_encoder_scores_pairs(mpnet_clf_dir):
         assert [encode_pair(llm.engine.tokenizer, QUERY, d) for d in DOCS] == [tok(QUERY, d)["input_ids"]
                                                                               for d in DOCS]
         assert _close([s.score for s in llm.score(QUERY, DOCS)], want)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_masked_lm_checkpoints_serve_as_embedding_models(ckpt_root, family):
+    # BertForMaskedLM's `cls.predictions.*` and (XLM-)RoBERTa's `lm_head.*` are skipped; the encoder is the same.
+    path = _build(ckpt_root, f"{family}-mlm", family=family, masked_lm=True)
+    assert "ForMaskedLM" in (path / "config.json").read_text()
+    model, tok = _hf(path)
+    with LLM(str(path), dtype="float32") as llm:
+        for text, out in zip(TEXTS, llm.embed(TEXTS, PoolingParams(pooling="cls", normalize=False))):
+            assert _close(out.embedding, _pooled(_hidden(model, tok, text), "cls", False))
