@@ -46,10 +46,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with this draft model (a checkpoint folder or GGUF file with the "
                         "model's tokenizer, or an EAGLE-1 / EAGLE-3 head) "
                         "instead of n-gram lookup; drafts --num-speculative-tokens tokens a step")
-    g.add_argument("--speculative-method", default=None, choices=["mtp"],
+    g.add_argument("--speculative-method", default=None, choices=["mtp", "suffix"],
                    help="mtp: the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5, "
-                        "Qwen3-Next, Nemotron-H); "
-                        "drafts --num-speculative-tokens tokens a step")
+                        "Qwen3-Next, Nemotron-H); suffix: SuffixDecoding, n-gram drafts from earlier requests' "
+                        "outputs too (agents, repeated queries); "
+                        "drafts up to --num-speculative-tokens tokens a step")
+    g.add_argument("--suffix-decoding-max-tree-depth", type=int, default=24,
+                   help="suffix: the longest suffix of a request's tokens matched")
+    g.add_argument("--suffix-decoding-max-cached-requests", type=int, default=1000,
+                   help="suffix: finished requests whose outputs are kept to draft from (0: own tokens only)")
+    g.add_argument("--suffix-decoding-max-spec-factor", type=float, default=1.0,
+                   help="suffix: drafts up to this many times the match length")
+    g.add_argument("--suffix-decoding-min-token-prob", type=float, default=0.1,
+                   help="suffix: drafts stop where their estimated probability falls below this")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="vLLM's form of the above, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' "
+                        "(methods ngram, suffix, mtp, or a draft / EAGLE \"model\"); its keys win")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="draft only while at most this many requests run")
     g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
@@ -121,7 +133,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
-                "speculative_method", "enable_lora", "max_loras", "max_lora_rank",
+                "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
                 "quantization", "generation_config", "override_generation_config", "hf_overrides",
                 "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",

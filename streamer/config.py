@@ -1,6 +1,8 @@
 """Engine configuration: one dataclass the user fills (EngineArgs), validated once at start-up."""
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -79,8 +81,17 @@ class EngineConfig:
     speculative_model: Optional[str] = None
     # "mtp": the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6: the layer
     # past the last, which loading otherwise skips; Qwen3-Next, Nemotron-H: their `mtp.*` modules), applied again
-    # for each of `num_speculative_tokens` (streamer/eagle.py, models/mtp.py). None: `speculative_model` if given, else n-gram lookup.
+    # for each of `num_speculative_tokens` (streamer/eagle.py, models/mtp.py). "suffix": SuffixDecoding, drafts from
+    # earlier requests' outputs as well as the request's own tokens (streamer/speculative.py: SuffixIndex), for agents
+    # and other repetitive traffic. None: `speculative_model` if given, else n-gram lookup.
     speculative_method: Optional[str] = None
+    # "suffix": the longest suffix of a request's tokens matched; the finished requests whose outputs are kept (0: the
+    # request's own tokens only); draft length <= this times the match length; the least estimated probability a
+    # draft keeps (vLLM's suffix_decoding_* options, the same defaults but the cache, 10x smaller here)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
@@ -195,11 +206,12 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if self.speculative_method not in (None, "mtp"):
-            raise ValueError(f"speculative_method must be 'mtp' or None, got {self.speculative_method!r}")
+        if self.speculative_method not in (None, "mtp", "suffix"):
+            raise ValueError(f"speculative_method must be 'mtp', 'suffix' or None, got {self.speculative_method!r}")
         if self.speculative_method is not None and self.speculative_model is not None:
-            raise ValueError("give speculative_method='mtp' (the checkpoint's own layer drafts) or speculative_model, "
-                             "not both")
+            raise ValueError(f"give speculative_method={self.speculative_method!r} or speculative_model, not both")
+        if self.speculative_method == "suffix":
+            self._check_suffix()
         if self.drafts_with_model:
             what = "speculative_model" if self.speculative_model is not None else "speculative_method"
             if self.num_speculative_tokens < 1:
@@ -210,10 +222,27 @@ class EngineConfig:
             from streamer.server.chat_template import load_chat_template
             load_chat_template(self.chat_template)  # a missing file or a broken template fails here, not per request
 
+    def _check_suffix(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("speculative_method='suffix' needs num_speculative_tokens >= 1 (the most tokens it drafts "
+                             "a step)")
+        for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name.endswith("depth") else 0):
+                raise ValueError(f"{name} must be an integer >= {2 if name.endswith('depth') else 0}, got {v!r}")
+        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) \
+                or not self.suffix_decoding_max_spec_factor > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got "
+                             f"{self.suffix_decoding_max_spec_factor!r}")
+        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) \
+                or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob!r}")
+
     @property
     def drafts_with_model(self) -> bool:
-        """Speculative drafts from a model (a draft checkpoint, an EAGLE head or the MTP layer), not n-grams."""
-        return self.speculative_model is not None or self.speculative_method is not None
+        """Speculative drafts from a model (a draft checkpoint, an EAGLE head or the MTP layer), not token history."""
+        return self.speculative_model is not None or self.speculative_method == "mtp"
 
     @classmethod
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":
@@ -225,8 +254,48 @@ class EngineConfig:
         if kwargs.pop("enable_chunked_prefill", True) is not True:
             raise ValueError("enable_chunked_prefill: prefill is always chunked here (max_num_batched_tokens "
                              "bounds a step's tokens)")
+        spec = kwargs.pop("speculative_config", None)
+        if spec is not None:
+            kwargs = {**kwargs, **speculative_kwargs(spec)}
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(model=model, **kwargs)
+
+
+# vLLM's speculative_config keys -> ours (the suffix_decoding_* ones are the same)
+_SPEC_KEYS = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_max": "prompt_lookup_max",
+              "prompt_lookup_min": "prompt_lookup_min", "model": "speculative_model",
+              "suffix_decoding_max_tree_depth": "suffix_decoding_max_tree_depth",
+              "suffix_decoding_max_cached_requests": "suffix_decoding_max_cached_requests",
+              "suffix_decoding_max_spec_factor": "suffix_decoding_max_spec_factor",
+              "suffix_decoding_min_token_prob": "suffix_decoding_min_token_prob"}
+_SPEC_METHODS = {"ngram": None, "suffix": "suffix", "mtp": "mtp", "deepseek_mtp": "mtp", "eagle": None,
+                 "eagle3": None, "draft_model": None}
+
+
+def speculative_kwargs(spec: Any) -> dict[str, Any]:
+    """vLLM's `speculative_config` (a dict, or its JSON as `--speculative-config` gives it) as engine arguments:
+    method "ngram" (prompt lookup), "suffix", "mtp", or a draft model / EAGLE head by its `model` path."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"speculative_config: not JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be an object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS) - {"method"})
+    if unknown:
+        raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} (supported: method, "
+                         f"{', '.join(_SPEC_KEYS)})")
+    method = spec.get("method", "draft_model" if spec.get("model") else "ngram")
+    if method not in _SPEC_METHODS:
+        raise ValueError(f"speculative_config: method must be one of {', '.join(_SPEC_METHODS)}, got {method!r}")
+    if method in ("eagle", "eagle3", "draft_model") and not spec.get("model"):
+        raise ValueError(f"speculative_config: method {method!r} needs a model (the draft checkpoint or head)")
+    out = {_SPEC_KEYS[k]: v for k, v in spec.items() if k != "method"}
+    out["speculative_method"] = _SPEC_METHODS[method]
+    if out.get("num_speculative_tokens") is None:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    return out

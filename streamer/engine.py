@@ -35,7 +35,7 @@ from streamer.request import Request, RequestStatus
 from streamer.sampler import bad_words_token_ids
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
-from streamer.speculative import propose_ngram, propose_predicted
+from streamer.speculative import SuffixIndex, ngram_match, propose_ngram, propose_predicted
 from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.thinking import ThinkTags
 from streamer.tokenizer import Tokenizer
@@ -213,6 +213,9 @@ class LLMEngine:
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were accepted
         self.num_accepted_tokens = 0
+        # speculative_method="suffix": finished requests' outputs to draft from (streamer/speculative.py)
+        self.suffix = SuffixIndex(config.suffix_decoding_max_cached_requests, config.suffix_decoding_max_tree_depth) \
+            if config.speculative_method == "suffix" else None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
         self.loras = LoRARegistry(config.enable_lora, config.max_lora_rank, self.runner.place_lora,
@@ -690,7 +693,20 @@ class LLMEngine:
                 req.drafts_predicted = bool(req.draft_token_ids)
                 if req.drafts_predicted:
                     continue
-            req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if self.suffix is not None:
+                req.draft_token_ids = self._suffix_drafts(tokens, k)
+            else:
+                req.draft_token_ids = propose_ngram(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def _suffix_drafts(self, tokens: np.ndarray, k: int) -> list[int]:
+        """SuffixDecoding: the drafts that follow the longer match, in earlier requests' outputs or in the request's
+        own tokens (which its per-request tree holds there)."""
+        cfg = self.config
+        assert self.suffix is not None
+        cached, n_cached = self.suffix.propose(tokens, k, cfg.suffix_decoding_max_spec_factor,
+                                               cfg.suffix_decoding_min_token_prob)
+        own, n_own = ngram_match(tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return cached if cached and n_cached > n_own else own
 
     def _plan_drafts(self, sched: SchedulerOutput, inputs: StepInputs) -> DraftPlan:
         """The draft model's work before this step (streamer/draft_model.py); afterwards it holds the KV of
@@ -868,6 +884,9 @@ class LLMEngine:
 
     def _finish(self, state: SeqState, status: RequestStatus) -> None:
         req = state.req
+        if self.suffix is not None and req.output_token_ids and status != RequestStatus.FINISHED_ABORTED:
+            tail = req.prompt_token_ids[-self.config.suffix_decoding_max_tree_depth:]
+            self.suffix.add(np.asarray(tail + req.output_token_ids, dtype=np.int64))
         self.scheduler.finish(req, status)
         self.seqs.pop(req.request_id, None)
         group = self.groups.get(req.parent_id or req.request_id)
