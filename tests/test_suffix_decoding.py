@@ -156,3 +156,30 @@ def test_vllm_speculative_config():
                      ["{not json", "not JSON"]):
         with pytest.raises(ValueError, match=msg):
             EngineConfig.from_kwargs(None, speculative_config=bad)
+
+
+def test_server_chat_repeats_draft_from_the_cache(llama_dir):
+    """A live server with suffix decoding: concurrent chat requests, then the same ones again; the texts repeat
+    exactly and the repeats' drafts (from the first round's outputs) are almost all accepted."""
+    import asyncio
+
+    import openai
+
+    from tests.server_utils import LiveServer
+    questions = ["what is two plus two?", "name a colour", "say something long about the sea"]
+    with LiveServer(llama_dir, speculative_method="suffix", num_speculative_tokens=6) as live:
+        async def round_() -> list[str]:
+            async with openai.AsyncOpenAI(base_url=live.base_url, api_key="x", max_retries=0, timeout=120) as c:
+                rs = await asyncio.gather(*[c.chat.completions.create(
+                    model="llama", messages=[{"role": "user", "content": q}], max_tokens=24, temperature=0.0,
+                    extra_body={"ignore_eos": True}) for q in questions])
+                return [r.choices[0].message.content for r in rs]
+
+        first = asyncio.run(asyncio.wait_for(round_(), 300))
+        before = live.engine.stats()
+        again = asyncio.run(asyncio.wait_for(round_(), 300))
+        after = live.engine.stats()
+    assert again == first
+    drafts = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+    assert drafts >= 0.5 * 24 * len(questions) and accepted >= 0.9 * drafts
