@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)

@@ -15,7 +15,9 @@ class EngineConfig:
     tokenizer: Optional[str] = None  # defaults to `model`
     dtype: str = "auto"  # auto = checkpoint's torch_dtype (float32 on CPU if it is float16)
     device: str = "auto"  # auto = cuda if available else cpu
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights at real sizes)
+    # "auto" (safetensors, else pytorch_model*.bin) | "safetensors" | "pt" (.bin only) | "dummy" (random weights at
+    # real sizes)
+    load_format: str = "auto"
     seed: int = 0
     max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
@@ -135,8 +137,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
+            raise ValueError(f"load_format must be 'auto', 'safetensors', 'pt' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:

@@ -62,9 +62,9 @@ def is_eagle_checkpoint(path: Path) -> bool:
     raw = _read_config(path)
     if any(a in EAGLE3_NAMES or a == EAGLE1 for a in raw.get("architectures") or []):
         return True
-    from streamer.models.loader import safetensors_files, _tensor_names
+    from streamer.models.weight_files import tensor_names, weight_files
     try:
-        names = {n for f in safetensors_files(path) for n in _tensor_names(f)}
+        names = {n for f in weight_files(path) for n in tensor_names(f)}
     except (FileNotFoundError, ValueError):
         return False
     return "fc.weight" in names or "model.fc.weight" in names
@@ -95,13 +95,13 @@ def target_aux_layers(path: Path, target_cfg: ModelConfig) -> tuple[int, ...]:
 
 def mtp_config(path: Path, target_cfg: ModelConfig) -> ModelConfig:
     """The MTP head's config: the target's, as its family's head; ValueError if the checkpoint has no MTP layer."""
-    from streamer.models.loader import _tensor_names, safetensors_files
+    from streamer.models.weight_files import tensor_names, weight_files
     arch = target_cfg.architecture
     if arch not in MTP_FAMILIES:
         raise ValueError(f"speculative_method='mtp' drafts with the MTP layer of {', '.join(MTP_FAMILIES)} "
                          f"checkpoints; {arch} has none")
     wanted = MTP_FAMILIES[arch].format(n=target_cfg.num_layers)
-    if not any(wanted in _tensor_names(f) for f in safetensors_files(path)):
+    if not any(wanted in tensor_names(f) for f in weight_files(path)):
         raise ValueError(f"speculative_method='mtp': checkpoint {path} has no multi-token-prediction layer "
                          f"({wanted} not found)")
     return dataclasses.replace(target_cfg, draft_head="mtp")

@@ -1,7 +1,7 @@
 """LoRA adapters on the host: reading PEFT checkpoints, and lending the model's adapter slots to requests.
 
-An adapter is a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`), registered under a
-name (`LLMEngine.add_lora`, `--lora-modules name=path`). The model holds `max_loras` adapters at once, in
+An adapter is a PEFT LoRA folder (`adapter_config.json` + `adapter_model.safetensors`, or older PEFT's .bin),
+registered under a name (`LLMEngine.add_lora`, `--lora-modules name=path`). The model holds `max_loras` adapters at once, in
 slots (streamer/models/lora.py); `LoRASlots` lends them to running requests: a request is admitted only
 once its adapter has a slot (it waits otherwise, while requests behind it go ahead), and a slot no running
 request uses may be given to another adapter, least recently used first. Loading an adapter into its slot
@@ -21,13 +21,31 @@ from typing import Any, Callable, Optional, Union
 
 _uids = itertools.count(1)
 
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # (older PEFT versions write .bin)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class LoRARequest:
-    """An adapter a request runs with: `name` (as clients will call it) and the PEFT folder `path`."""
+    """An adapter a request runs with: `name` (as clients will call it) and the PEFT folder `path`.
+    `LoRARequest(name, path)`, or vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)` (its integer id is not
+    needed here: adapters are told apart by name) and its keyword names."""
 
     name: str
     path: str
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        names = {"lora_name": "name", "lora_path": "path"}
+        kwargs = {names.get(k, k): v for k, v in kwargs.items() if k != "lora_int_id"}
+        if len(args) == 3 and isinstance(args[1], int) and not isinstance(args[1], bool):
+            args = (args[0], args[2])  # (vLLM's order: name, id, path)
+        fields_ = dict(zip(("name", "path"), args))
+        if len(args) > 2 or set(fields_) & set(kwargs) or set(kwargs) - {"name", "path"}:
+            raise TypeError("LoRARequest(name, path) or LoRARequest(lora_name, lora_int_id, lora_path)")
+        fields_.update(kwargs)
+        if set(fields_) != {"name", "path"}:
+            raise TypeError("LoRARequest needs a name and a path")
+        object.__setattr__(self, "name", fields_["name"])
+        object.__setattr__(self, "path", str(fields_["path"]))
 
 
 @dataclass(eq=False)
@@ -79,8 +97,8 @@ def read_config(path: Path) -> dict[str, Any]:
     if cfg.get("modules_to_save"):
         raise ValueError(f"{path}: modules_to_save ({cfg['modules_to_save']}) is not supported: an adapter may "
                          "only add low-rank matrices")
-    if not (path / "adapter_model.safetensors").is_file():
-        raise ValueError(f"{path} holds no adapter_model.safetensors (a .bin adapter must be converted first)")
+    if not any((path / f).is_file() for f in ADAPTER_FILES):
+        raise ValueError(f"{path} holds no adapter weights ({' or '.join(ADAPTER_FILES)})")
     return cfg
 
 
@@ -89,8 +107,8 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weig
 
 def read_matrices(path: Path, cfg: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{checkpoint module name (`model.layers.0.self_attn.q_proj`): (A, B scaled by alpha / r)}."""
-    from safetensors.torch import load_file
-    tensors = load_file(str(path / "adapter_model.safetensors"))
+    from streamer.models.weight_files import first_existing, load_tensors
+    tensors = load_tensors(first_existing(path, *ADAPTER_FILES))
     pairs: dict[str, dict[str, Any]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)

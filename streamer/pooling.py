@@ -132,17 +132,13 @@ class DenseProjection:
 
 def _dense_layer(folder: Path) -> tuple[Any, Any, str]:
     import numpy as np
-    import torch
     cfg = json.loads((folder / "config.json").read_text())
     name = cfg.get("activation_function") or "torch.nn.modules.activation.Tanh"
     if name not in _DENSE_ACTIVATIONS:
         raise ValueError(f"{folder}: the Dense module's activation {name} is not supported "
                          f"({', '.join(_DENSE_ACTIVATIONS)} are)")
-    if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-        tensors = load_file(str(folder / "model.safetensors"))
-    else:
-        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    from streamer.models.weight_files import first_existing, load_tensors
+    tensors = load_tensors(first_existing(folder, "model.safetensors", "pytorch_model.bin"))
     weight = tensors["linear.weight"].double().numpy()
     if tuple(weight.shape) != (cfg["out_features"], cfg["in_features"]):
         raise ValueError(f"{folder}: linear.weight is {list(weight.shape)}, the config says "

@@ -89,14 +89,22 @@ class Tokenizer:
         if not folder.is_dir():
             raise FileNotFoundError(f"tokenizer folder not found: {folder}")
         tok_file = folder / "tokenizer.json"
-        if not tok_file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {folder} (only the fast-tokenizer format is supported)")
-        try:
-            backend = _HFTokenizer.from_file(str(tok_file))
-        except Exception as e:  # the Rust side raises a bare Exception for malformed files
-            raise ValueError(f"cannot load {tok_file}: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        if tok_file.is_file():
+            try:
+                backend = _HFTokenizer.from_file(str(tok_file))
+            except Exception as e:  # the Rust side raises a bare Exception for malformed files
+                raise ValueError(f"cannot load {tok_file}: {e}") from e
+        else:  # an older checkpoint's slow-tokenizer files (streamer/slow_tokenizer.py)
+            from streamer.slow_tokenizer import convert, slow_config
+            config = slow_config(folder, config)
+            converted = convert(folder, config)
+            if converted is None:
+                raise FileNotFoundError(f"no tokenizer.json in {folder}, nor a slow tokenizer's files that can be "
+                                        "converted (vocab.json + merges.txt, or vocab.txt)")
+            backend = converted
         jinja = folder / "chat_template.jinja"  # newer HF checkpoints keep the template in its own file
-        return cls(backend, _read_json(folder / "tokenizer_config.json"),
+        return cls(backend, config,
                    _read_json(folder / "generation_config.json"),
                    jinja.read_text(encoding="utf-8") if jinja.is_file() else None)
 

@@ -52,11 +52,17 @@ def add_images(requests: list[SampleRequest], per_request: int, width: int, heig
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A HF tokenizer from a folder holding tokenizer.json (or that file itself)."""
+    """A HF tokenizer from a folder holding tokenizer.json (or that file itself), or a slow tokenizer's files."""
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {p}")
+        from streamer.slow_tokenizer import convert, slow_config
+        config = p / "tokenizer_config.json"
+        converted = convert(p, slow_config(p, json.loads(config.read_text()) if config.is_file() else {})) \
+            if p.is_dir() else None
+        if converted is None:
+            raise FileNotFoundError(f"no tokenizer.json at {p}")
+        return converted
     return Tokenizer.from_file(str(file))
 
 

@@ -70,7 +70,7 @@ def common_config(c: dict[str, Any], family: str) -> dict[str, Any]:
 
 def sep_token_id(model_dir: Path) -> Optional[int]:
     """The tokenizer's separator token id (tokenizer_config.json's sep_token, looked up in tokenizer.json's added
-    tokens; BERT's "[SEP]" / RoBERTa's "</s>" by default), None if there is none."""
+    tokens, or a slow tokenizer's vocabulary; BERT's "[SEP]" / RoBERTa's "</s>" by default), None if there is none."""
     try:
         cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
@@ -78,10 +78,15 @@ def sep_token_id(model_dir: Path) -> Optional[int]:
     sep = cfg.get("sep_token")
     sep = sep.get("content") if isinstance(sep, dict) else sep
     try:
-        added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens") or []
+        if (model_dir / "tokenizer.json").is_file():
+            added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens") or []
+            ids = {t["content"]: t["id"] for t in added}
+        elif (model_dir / "vocab.txt").is_file():  # (a slow tokenizer's vocabulary: streamer/slow_tokenizer.py)
+            ids = {w: i for i, w in enumerate((model_dir / "vocab.txt").read_text(encoding="utf-8").split("\n"))}
+        else:
+            ids = json.loads((model_dir / "vocab.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    ids = {t["content"]: t["id"] for t in added}
     for name in ([sep] if sep else ["[SEP]", "</s>"]):
         if name in ids:
             return int(ids[name])

@@ -1,19 +1,19 @@
-"""Build a model from a Hugging Face checkpoint folder: sharded safetensors (with an index) or dummy weights."""
+"""Build a model from a Hugging Face checkpoint folder: sharded safetensors (with an index), PyTorch .bin files
+(models/weight_files.py) or dummy weights."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 import re
 from typing import Iterator, Optional
 
 import torch
-from safetensors import safe_open
 
 from streamer.models.bert import BertModel
 from streamer.models.modernbert import ModernBertModel
 from streamer.models.mpnet import MPNetModel
+from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from streamer.models.deepseek import DeepseekForCausalLM
@@ -127,30 +127,6 @@ _MODEL_CLASSES["ModernBertModel"] = ModernBertModel
 _MODEL_CLASSES["MPNetModel"] = MPNetModel
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = [folder / name for name in sorted(set(weight_map.values()))]
-        missing = [str(p) for p in files if not p.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights found in model folder {folder} "
-                                f"(use load_format='dummy' for random weights)")
-    return files
-
-
-def iter_safetensors(files: list[Path], device: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt", device=device) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
-
-
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:
     """Random weights at real sizes, small enough that activations stay finite in bf16/fp16. Filled on the
     parameters' own device (an 8B model filled on the host would take minutes)."""
@@ -173,7 +149,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     dequantized as they load."""
     from_tokens = cfg.num_labels is not None and cfg.raw.get("classifier_from_token") is not None
     if (cfg.tie_word_embeddings and load_format != "dummy" and not from_tokens
-            and _stores_own_head(safetensors_files(folder))):
+            and _stores_own_head(weight_files(folder, load_format))):
         logger.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint stores a different "
                        "lm_head.weight: using that (as transformers does)", folder)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
@@ -193,9 +169,9 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     if load_format == "dummy":
         _dummy_init(model, seed)
     else:
-        files = safetensors_files(folder)
+        files = weight_files(folder, load_format)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = _taking_kv_scales(model.rename_weights(iter_safetensors(files, "cpu")), kv_scales)
+        weights = _taking_kv_scales(model.rename_weights(iter_weights(files)), kv_scales)
         head = HeadFromTokens(model, folder) if from_tokens else None
         if head is not None:
             weights = head.taking(weights)
@@ -226,8 +202,8 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 def checkpoint_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor of a folder's safetensors files, by name, with its shape (from the files' headers only)."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+    for path in weight_files(folder):
+        with open_weights(path) as f:
             shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
     return shapes
 
@@ -236,7 +212,7 @@ def reload_weights(model: LlamaForCausalLM, source: Path | NamedTensors, partial
     """A checkpoint's weights (a folder's, or tensors by checkpoint name) copied into a loaded model's tensors, in
     place (compiled graphs and CUDA graphs keep reading the same memory). The caller has checked that they have the
     model's structure and that no weight is derived (packed, quantized, absorbed) at the time."""
-    tensors = iter_safetensors(safetensors_files(source), "cpu") if isinstance(source, Path) else iter(source)
+    tensors = iter_weights(weight_files(source)) if isinstance(source, Path) else iter(source)
     weights = _taking_kv_scales(model.rename_weights(tensors), {})
     head = HeadFromTokens(model) if getattr(model, "head_token_ids", None) is not None else None
     loaded = model.load_weights(weights if head is None else head.taking(weights))
@@ -295,7 +271,7 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
     in full precision. (Grouped 8-bit weights, and 8-bit experts, are dequantized as they load.)"""
     if iq.bits not in (4, 8) or iq.bits == 8 and iq.group_size != -1:
         return set()
-    where = {name: path for path in files for name in _tensor_names(path)}
+    where = {name: path for path in files for name in tensor_names(path)}
     original = dict(model.rename_weights((n, n) for n in where))  # our spelling -> the checkpoint's
     codes = iq.parts()[0][0]
     by_module: dict[str, list[tuple[str, object]]] = {}
@@ -360,7 +336,7 @@ def _act_order(g_idx: list[Optional[torch.Tensor]], group_size: int, name: str,
 def _read(where: dict[str, Path], original: dict[str, str], name: str) -> Optional[torch.Tensor]:
     if name not in original:
         return None
-    with safe_open(str(where[original[name]]), framework="pt", device="cpu") as f:
+    with open_weights(where[original[name]]) as f:
         return f.get_tensor(original[name])
 
 
@@ -374,21 +350,16 @@ _HEAD_NAMES = ("lm_head.weight", "embed_out.weight")
 def _stores_own_head(files: list[Path]) -> bool:
     """Whether a checkpoint whose config ties the LM head holds a head weight that is not the embedding matrix
     (transformers 5 writes tie_word_embeddings: true into configs of models it does not tie, Mistral 3's)."""
-    where = {name: path for path in files for name in _tensor_names(path)}
+    where = {name: path for path in files for name in tensor_names(path)}
     heads = [n for n in where if n.endswith(_HEAD_NAMES)]
     embeds = [n for n in where if n.endswith(_EMBEDDING_NAMES) and "vision" not in n]
     if len(heads) != 1 or len(embeds) != 1:
         return False
     tensors = []
     for name in (heads[0], embeds[0]):
-        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+        with open_weights(where[name]) as f:
             tensors.append(f.get_tensor(name))
     return tensors[0].shape != tensors[1].shape or not torch.equal(tensors[0], tensors[1])
-
-
-def _tensor_names(path: Path) -> list[str]:
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return list(f.keys())
 
 
 # An FP8 KV cache's calibrated scales, as llm-compressor (self_attn.k_scale / v_scale), older AutoFP8
