@@ -127,6 +127,21 @@ def test_engine_triton_backend_sliding_window(request) -> None:
             == _greedy(path, prompts, attention_backend="torch", **args))
 
 
+def test_engine_triton_backend_bloom_alibi(request) -> None:
+    """BLOOM's ALiBi (models/bloom.py: the relative-bias table) in the kernel's prefill chunks and decode rows, and in
+    its split-KV path (a lone request), gives the torch backend's tokens (which tests/test_bloom.py holds to
+    transformers')."""
+    pytest.importorskip("transformers")
+    import tests.test_bloom  # noqa: F401  (registers the family)
+    path = request.getfixturevalue("make_ckpt")("bloom", family="bloom", tie=False)
+    prompts = _prompts(3, seed=14, max_len=40)
+    args = dict(max_num_batched_tokens=16, block_size=8)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))
+    assert (_greedy(path, prompts[:1], attention_backend="triton", **args)
+            == _greedy(path, prompts[:1], attention_backend="torch", **args))
+
+
 def test_engine_triton_backend_gemma2_softcap(request) -> None:
     """Gemma 2: soft-capped scores through the Triton kernel (local and global layers, chunked prefill, decode)
     give the torch backend's tokens (which tests/test_engine_hf_parity.py holds to transformers')."""
@@ -186,8 +201,7 @@ def test_causal_limit_on_both_backends(dtype) -> None:
 @pytest.mark.parametrize("whole", [False, True])
 def test_position_bias_on_both_backends(whole, window) -> None:
     """A relative position bias (AttentionMetadata.position_bias) on prefill chunks, after a cached context or not,
-    causal or seeing the whole request, with a window or not: both backends give the reference's output, and the
-    torch backend refuses decode rows with a context (its decode kernels take no bias)."""
+    causal or seeing the whole request, with a window or not: both backends give the reference's output."""
     q_lens, ctx_lens = [20, 13], [5, 0]
     batch = make_paged_batch(q_lens, ctx_lens, 4, 2, 64, 16, torch.float32, DEVICE, write_new=True,
                              generator=torch.Generator().manual_seed(5))
@@ -208,12 +222,38 @@ def test_position_bias_on_both_backends(whole, window) -> None:
     out_torch = TorchAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v,
                                                     torch.nan_to_num(batch.kv_cache, nan=0.0), meta)
     assert rel_err(out_torch[:n], expected[:n]) <= 2 * TOLERANCE[torch.float32]
-    decode = make_paged_batch([1, 4], [7, 0], 4, 2, 64, 16, torch.float32, DEVICE, write_new=True)
-    dmeta = _meta(decode, 2)
-    dmeta.position_bias = meta.position_bias
-    with pytest.raises(NotImplementedError, match="relative position bias"):
-        TorchAttentionBackend(spec).forward(decode.q, decode.new_k, decode.new_v,
-                                            torch.nan_to_num(decode.kv_cache, nan=0.0), dmeta)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("q_lens, ctx_lens", [([1, 1, 1], [30, 0, 77]), ([1], [90]), ([1, 9, 1], [12, 7, 40])],
+                         ids=["decode-batch", "lone-decode", "mixed"])
+def test_position_bias_in_decode(q_lens, ctx_lens, compile) -> None:
+    """Decode rows take the bias too (ALiBi's decoders need it): the torch backend's compiled and eager decode
+    kernels, a lone request split across threads, and the Triton kernel, against the reference."""
+    batch = make_paged_batch(q_lens, ctx_lens, 8, 2, 64, 16, torch.float32, DEVICE, write_new=True,
+                             generator=torch.Generator().manual_seed(7))
+    spec = AttentionSpec(8, 2, 64, 0.125, None)
+    meta = _meta(batch, len(q_lens))
+    meta.position_bias = torch.randn(8, 2 * 100 + 1, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    expected = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, spec.scale, 0, 0, None,
+                                position_bias=meta.position_bias)
+    unbiased = torch.empty_like(batch.q)
+    reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, unbiased, batch.query_start_loc,
+                                batch.seq_lens, batch.block_table, spec.scale, 0, 0, None)
+    n = batch.num_tokens
+    assert not torch.allclose(expected[:n], unbiased[:n], atol=1e-3)
+    if not compile:
+        out = TritonAttentionBackend(spec).forward(batch.q, batch.new_k, batch.new_v, batch.kv_cache.clone(), meta)
+        assert rel_err(out[:n], expected[:n]) <= TOLERANCE[torch.float32]
+        meta.backend_cache.clear()
+    out_torch = TorchAttentionBackend(spec, compile=compile).forward(
+        batch.q, batch.new_k, batch.new_v, torch.nan_to_num(batch.kv_cache, nan=0.0), meta)
+    assert rel_err(out_torch[:n], expected[:n]) <= 2 * TOLERANCE[torch.float32]
+    if compile:
+        import streamer.attention.torch_backend as tb
+        assert not tb._compile_failed  # (the compiled kernel ran, not its eager fallback)
 
 
 def test_engine_triton_backend_gemma3_images(request) -> None:

@@ -13,9 +13,8 @@ Attention logit soft-capping (`AttentionSpec.logit_softcap`, Gemma 2) and attent
 logit per head that joins the softmax's denominator) are Python branches: the compiled decode kernel gets a tanh
 before its softmax / the sink in its statistics, and where SDPA would run (which can do neither) `_attend_explicit`
 does.
-A relative position bias (MPNet's, `AttentionMetadata.position_bias`) reaches SDPA as a float mask. Only prefill
-chunks take one: the models that have it are encoders, whose prompts run whole, so a decode row there is a one-token
-prompt, whose single key's softmax is 1 whatever its bias.
+A relative position bias (MPNet's, BLOOM's ALiBi: `AttentionMetadata.position_bias`) reaches SDPA as a float mask
+in prefill, and the decode kernels as one more gathered term.
 """
 from __future__ import annotations
 
@@ -61,7 +60,8 @@ def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, first_pos: torch.Tensor, splits: int,
-                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query token per request over its paged context, optionally split into `splits` parts.
 
     q: [B, Hkv, G, D], already scaled; key/value_cache: [num_blocks, block_size, Hkv, D]; block_table:
@@ -69,7 +69,8 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     s * M * block_size); seq_lens / first_pos: [B], request b attends positions first_pos <= p < seq_len.
     Returns [B, Hkv, G, D]. Every step is elementwise or a reduction with indirect loads, so Inductor fuses the
     gathers into its loops; parts run in parallel and are merged through their softmax statistics. `softcap`
-    (a constant per graph) soft-caps the scores; `sinks` [Hkv, G] joins each head's denominator at the end.
+    (a constant per graph) soft-caps the scores; `sinks` [Hkv, G] joins each head's denominator at the end; `bias`
+    [Hkv, G, 2R + 1] (AttentionMetadata.position_bias's layout) adds its entry at each key's clamped distance.
     """
     bs = key_cache.shape[1]
     r, m = block_table.shape
@@ -84,6 +85,10 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     scores = (q[req].unsqueeze(1).float() * keys.unsqueeze(3).float()).sum(-1)  # [R, L, Hkv, G]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        radius = (bias.shape[-1] - 1) // 2
+        dist = (pos - seq_lens[req][:, None] + 1).clamp(-radius, radius) + radius  # [R, L]
+        scores = scores + bias.float()[:, :, dist].permute(2, 3, 0, 1)
     scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
     peak = scores.amax(1)  # [R, Hkv, G]; -inf for a part with nothing to attend
     safe = torch.where(peak == float("-inf"), 0.0, peak)
@@ -118,7 +123,7 @@ def _add_sinks(num: torch.Tensor, denom: torch.Tensor, top: torch.Tensor, sinks:
 def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        block_table: torch.Tensor, seq_lens: torch.Tensor, first_pos: torch.Tensor,
                        splits: int, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
-                       ) -> torch.Tensor:
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`paged_decode` for eager mode (no compiler, or enforce_eager), same arguments: request by request, gather
     exactly the slots it attends (stale slots are never read) and call SDPA. Unfused, `paged_decode`'s elementwise
     form materialises [B, L, Hkv, G, D] products, and padded gather + mask + SDPA makes four passes over every
@@ -135,10 +140,13 @@ def paged_decode_eager(q: torch.Tensor, key_cache: torch.Tensor, value_cache: to
         k = keys.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D] (an FP8 cache's, widened)
         v = values.index_select(0, slots).transpose(0, 1).to(q.dtype)
         qi = q[i].reshape(hkv * g, 1, d)
+        b = None if bias is None else relative_bias(bias.reshape(hkv * g, -1), pos.new_tensor([[end - 1]]),
+                                                    pos[None, :])  # [H, 1, L]
         if softcap or sinks is not None:
-            o = _attend_explicit(qi, k, v, None, softcap, None if sinks is None else sinks.reshape(-1))
+            o = _attend_explicit(qi, k, v, None, softcap, None if sinks is None else sinks.reshape(-1), b)
         else:
-            o = F.scaled_dot_product_attention(qi, k, v, scale=1.0, enable_gqa=g > 1)
+            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=None if b is None else b.to(qi.dtype), scale=1.0,
+                                               enable_gqa=g > 1)
         out[i] = o.view(hkv, g, d)
     return out
 
@@ -204,15 +212,6 @@ def decode_table(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int,
     table = np.zeros((b * splits, width), dtype=np.int32)
     table.reshape(b, splits * width)[:, :n] = block_table[:, :n]
     return table
-
-
-def _check_bias_decode(meta: AttentionMetadata) -> None:
-    """The decode kernels add no position bias: exact only for a one-token context (a single key's softmax is 1
-    whatever its bias), which is all an encoder's one-token prompt has."""
-    qsl, n = meta.query_start_loc_cpu, meta.num_reqs
-    if (meta.seq_lens_cpu[:n][(qsl[1:n + 1] - qsl[:n]) == 1] > 1).any():
-        raise NotImplementedError("the torch attention backend applies a relative position bias to prefill chunks "
-                                  "only (an encoder's whole prompts), not to decode tokens")
 
 
 def _store(cache_rows: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -293,14 +292,12 @@ class TorchAttentionBackend(KVScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window, self.spec.attention_chunk)
-        if meta.position_bias is not None and plan.num_decode:
-            _check_bias_decode(meta)
         self._write(k, v, kv_cache, plan)
         if plan.decode_direct and q.shape[0] == plan.num_decode:
-            return self._decode(q, kv_cache, plan, sinks)
+            return self._decode(q, kv_cache, plan, sinks, meta.position_bias)
         out = torch.zeros_like(q)
         if plan.num_decode:
-            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kv_cache, plan, sinks)
+            out[plan.decode_tok] = self._decode(q[plan.decode_tok], kv_cache, plan, sinks, meta.position_bias)
         for i in plan.prefill_rows:
             self._prefill(q, k, v, kv_cache, meta, i, out, sinks)
         return out
@@ -345,14 +342,15 @@ class TorchAttentionBackend(KVScales):
         return None if sinks is None else sinks.view(self.spec.num_kv_heads, self.gqa)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
-                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: the decode rows' queries [b, H, D] -> their attention output [b, H, D]."""
         b, spec = plan.num_decode, self.spec
         qb = self._scaled(q, kv_cache).view(b, spec.num_kv_heads, self.gqa, spec.head_dim)
         if plan.splits == 1 and b < 2:
             qb = torch.cat([qb, qb.new_zeros((2 - b, *qb.shape[1:]))])
         o = run_decode_kernel(self.compile, qb, kv_cache[0], kv_cache[1], plan.table, plan.seq_lens, plan.first_pos,
-                              plan.splits, spec.logit_softcap, self._head_sinks(sinks))
+                              plan.splits, spec.logit_softcap, self._head_sinks(sinks),
+                              None if bias is None else bias.view(spec.num_kv_heads, self.gqa, -1))
         return self._unscaled(o[:b], kv_cache).view(b, spec.num_heads, spec.head_dim)
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,

@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 import torch
 
 from streamer.models.bert import BertModel
+from streamer.models.bloom import BloomForCausalLM
 from streamer.models.modernbert import ModernBertModel
 from streamer.models.mpnet import MPNetModel
 from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
@@ -120,6 +121,7 @@ _MODEL_CLASSES["GPT2LMHeadModel"] = GPT2LMHeadModel
 _MODEL_CLASSES["FalconForCausalLM"] = FalconForCausalLM
 _MODEL_CLASSES["GPTJForCausalLM"] = GPTJForCausalLM
 _MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
+_MODEL_CLASSES["BloomForCausalLM"] = BloomForCausalLM
 _MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
 _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)

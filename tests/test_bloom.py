@@ -1,0 +1,91 @@
+"""BLOOM (models/bloom.py): ALiBi attention (a per-head linear bias on the key's distance, through the backends'
+relative-bias table) in prefill chunks and decode, eager and compiled, batched, on the Triton interpreter and under
+tensor parallelism, equal to transformers' greedy tokens; the bias matters (the tokens change without it)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamer import LLM, SamplingParams
+from tests.checkpoints import hf_greedy, register_family
+from tests.parity import random_prompts
+
+pytest.importorskip("transformers")
+
+
+def _bloom_config(**kw):
+    import transformers as tf
+    return tf.BloomConfig(vocab_size=kw["vocab_size"], hidden_size=kw.get("hidden", 64), n_layer=2,
+                          n_head=kw.get("n_head", 4),
+                          layer_norm_epsilon=1e-5, tie_word_embeddings=kw.get("tie", True),
+                          bos_token_id=kw.get("bos_token_id"),
+                          eos_token_id=kw.get("eos_token_id"),
+                          apply_residual_connection_post_layernorm=kw.get("post_ln_residual", False))
+
+
+def _randomise(model) -> None:
+    # LayerNorms and biases start at (1, 0) / 0: random ones show each is loaded. (Tied, the tiny model's greedy
+    # output repeats its input token whatever the attention does: the parity checkpoints have their own LM head.)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "ln_f" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+
+
+register_family("bloom", _bloom_config, _randomise)
+PROMPTS = random_prompts(6, seed=31, max_len=90)
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def bloom(make_ckpt):
+    return make_ckpt("bloom", family="bloom", tie=False)
+
+
+@pytest.fixture(scope="module")
+def want(bloom):
+    return hf_greedy(bloom, PROMPTS, MAX_NEW)
+
+
+def _greedy(path, prompts=PROMPTS, **kw) -> list[list[int]]:
+    with LLM(str(path), dtype="float32", **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
+        assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+        return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16, "block_size": 8}, {"enforce_eager": False}],
+                         ids=["eager", "chunked", "compiled"])
+def test_matches_transformers(bloom, want, kw):
+    assert len({tuple(w) for w in want}) == len(want)  # (a reference that tells prompts apart)
+    assert _greedy(bloom, **kw) == want
+    assert _greedy(bloom, PROMPTS[:1], **kw) == want[:1]  # a lone request (the compiled decode path's)
+
+
+def test_the_bias_matters(bloom, want):
+    with LLM(str(bloom), dtype="float32") as llm:
+        llm.engine.runner.model.alibi.zero_()
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0))
+    assert sum(o.outputs[0].token_ids != w for o, w in zip(outs, want)) >= len(want) // 2
+
+
+def test_non_power_of_two_heads_post_ln_residuals_tied_head(make_ckpt):
+    # 6 heads: 4 slopes from one base, 2 interleaved from the next; residuals taken from each norm's output
+    path = make_ckpt("bloom6", family="bloom", n_head=6, hidden=96, post_ln_residual=True, tie=False)
+    assert len(_greedy(path, PROMPTS[:1])[0]) == MAX_NEW
+    tied = make_ckpt("bloom_tied", family="bloom")
+    prompts = PROMPTS[:3]
+    assert _greedy(path, prompts) == hf_greedy(path, prompts, MAX_NEW)
+    assert _greedy(tied, prompts) == hf_greedy(tied, prompts, MAX_NEW)
+
+
+def test_tensor_parallel(make_ckpt):
+    path = make_ckpt("bloom_tp", family="bloom", seed=2, tie=False)
+    prompts = PROMPTS[:3]
+    assert _greedy(path, prompts, tensor_parallel_size=2) == hf_greedy(path, prompts, MAX_NEW)
