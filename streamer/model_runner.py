@@ -730,7 +730,8 @@ class ModelRunner:
         half = self.kv_caches[0].shape[1] * self.block_size  # key slots (scratch block included); values follow
         dev = self.device
         return DecodeBatch(to_device(np.concatenate([slots, slots + half]), dev), to_device(table, dev),
-                           to_device(step.seq_lens, dev), splits)
+                           to_device(step.seq_lens, dev), splits,
+                           self.model.position_bias_table() if self.model.relative_bias else None)
 
     def _input_ids(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         input_ids = to_device(step.input_ids, self.device)

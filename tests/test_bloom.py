@@ -67,6 +67,23 @@ def test_matches_transformers(bloom, want, kw):
     assert _greedy(bloom, PROMPTS[:1], **kw) == want[:1]  # a lone request (the compiled decode path's)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_decode_logprobs_match_transformers(bloom, compiled):
+    """Each generated token's logprob (decode steps, where the bias reaches back over the whole context; a lone
+    request takes the compiled model's inline decode graph) equals transformers' on the whole sequence."""
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(bloom, dtype=torch.float32).eval()
+    with LLM(str(bloom), dtype="float32", enforce_eager=not compiled) as llm:
+        for prompt in PROMPTS[:2]:
+            out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+                max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0, logprobs=3))[0].outputs[0]
+            with torch.no_grad():
+                want = model(torch.tensor([prompt + out.token_ids])).logits[0].log_softmax(-1)
+            for i, (t, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+                for tok, lp in lps.items():
+                    assert abs(lp.logprob - want[len(prompt) - 1 + i, tok].item()) < 1e-4, (i, tok)
+
+
 def test_the_bias_matters(bloom, want):
     with LLM(str(bloom), dtype="float32") as llm:
         llm.engine.runner.model.alibi.zero_()

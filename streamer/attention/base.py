@@ -95,6 +95,7 @@ class DecodeBatch(NamedTuple):
     block_table: torch.Tensor  # int32 [T * splits, W >= 2]: row t * splits + s = part s of request t's blocks
     seq_lens: torch.Tensor  # int64 [T]
     splits: int  # parts a lone request's context is split into (static: one graph per value)
+    position_bias: Optional[torch.Tensor] = None  # AttentionMetadata.position_bias's (BLOOM's ALiBi table)
 
 
 class AttentionBackend(Protocol):

@@ -333,8 +333,9 @@ class TorchAttentionBackend(KVScales):
         _store(kv_cache.view(-1, spec.num_kv_heads, spec.head_dim), d.write_slots, new)
         first = first_keys(d.seq_lens, spec.sliding_window, spec.attention_chunk)
         qb = self._scaled(q, kv_cache).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
+        bias = None if d.position_bias is None else d.position_bias.view(spec.num_kv_heads, self.gqa, -1)
         out = paged_decode(qb, kv_cache[0], kv_cache[1], d.block_table, d.seq_lens, first, d.splits,
-                           spec.logit_softcap, self._head_sinks(sinks))
+                           spec.logit_softcap, self._head_sinks(sinks), bias)
         return self._unscaled(out, kv_cache).view(n, spec.num_heads, spec.head_dim)
 
     def _head_sinks(self, sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
