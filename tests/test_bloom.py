@@ -1,4 +1,4 @@
-"""BLOOM (models/bloom.py): ALiBi attention (a per-head linear bias on the key's distance, through the backends'
+"""BLOOM (models/bloom.py) and Falcon-RW (models/falcon.py, `alibi: true`): ALiBi attention (a per-head linear bias on the key's distance, through the backends'
 relative-bias table) in prefill chunks and decode, eager and compiled, batched, on the Triton interpreter and under
 tensor parallelism, equal to transformers' greedy tokens; the bias matters (the tokens change without it)."""
 from __future__ import annotations
@@ -36,7 +36,17 @@ def _randomise(model) -> None:
                 p.normal_(0.0, 0.1)
 
 
+def _falcon_rw_config(**kw):
+    """Falcon-RW's shape: ALiBi (no rotary), sequential layers with two norms, per-head q/k/v, biases."""
+    import transformers as tf
+    return tf.FalconConfig(vocab_size=kw["vocab_size"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           alibi=True, parallel_attn=False, multi_query=False, new_decoder_architecture=False,
+                           bias=True, tie_word_embeddings=False, bos_token_id=kw.get("bos_token_id"),
+                           eos_token_id=kw.get("eos_token_id"))
+
+
 register_family("bloom", _bloom_config, _randomise)
+register_family("falcon_rw", _falcon_rw_config, _randomise)
 PROMPTS = random_prompts(6, seed=31, max_len=90)
 MAX_NEW = 16
 
@@ -106,3 +116,15 @@ def test_tensor_parallel(make_ckpt):
     path = make_ckpt("bloom_tp", family="bloom", seed=2, tie=False)
     prompts = PROMPTS[:3]
     assert _greedy(path, prompts, tensor_parallel_size=2) == hf_greedy(path, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16, "block_size": 8}], ids=["whole", "chunked"])
+def test_falcon_rw_matches_transformers(make_ckpt, kw):
+    """Falcon-RW: the same ALiBi, divided by sqrt(head_dim), in a Falcon layer that does not rotate."""
+    path = make_ckpt("falcon_rw", family="falcon_rw")
+    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    assert len({tuple(w) for w in want}) == len(want)
+    assert _greedy(path, **kw) == want
+    with LLM(str(path), dtype="float32") as llm:
+        model = llm.engine.runner.model
+        assert model.relative_bias and not model.layers[0].self_attn.use_rope

@@ -393,6 +393,7 @@ MINITRON_4B = dict(_NEMOTRON, hidden_size=3072, intermediate_size=9216, num_atte
 MINITRON_8B = dict(_NEMOTRON, hidden_size=4096, intermediate_size=16384, num_attention_heads=48)  # (48 x 128 wide)
 
 SHIPPED = {"falcon-7b": FALCON_7B, "falcon-40b": FALCON_40B, "falcon-180B": FALCON_180B, "falcon-11B": FALCON2_11B,
+           "falcon-rw-1b": FALCON_RW_1B,
            "gpt-j-6b": GPTJ_6B, "opt-125m": OPT_125M, "opt-350m": OPT_350M, "galactica-125m": GALACTICA_125M,
            "OLMo-1B-hf": OLMO_1B, "OLMo-7B-0424-hf": OLMO_7B_0424, "Minitron-4B-Base": MINITRON_4B,
            "Minitron-8B-Base": MINITRON_8B}
@@ -438,7 +439,6 @@ def test_shipped_configs(name) -> None:
 
 
 @pytest.mark.parametrize("raw,match", [
-    (FALCON_RW_1B, "alibi"),
     (dict(FALCON_40B, parallel_attn=False), "parallel_attn"),
     (dict(FALCON_7B, num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn"),
     (dict(FALCON_7B, activation="relu"), "activation 'relu'"),

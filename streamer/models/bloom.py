@@ -66,6 +66,14 @@ def alibi_table(slopes: torch.Tensor, radius: int) -> torch.Tensor:
     return slopes[:, None] * torch.arange(-radius, radius + 1, dtype=torch.float32)[None, :]
 
 
+def rank_alibi_table(num_heads: int, radius: int, scale: float = 1.0) -> torch.Tensor:
+    """This tensor-parallel rank's heads' ALiBi table (times `scale`: Falcon-RW divides its bias by sqrt(head_dim)),
+    on the default device (a model's buffer)."""
+    local = num_heads // ParallelContext.size  # (a rank's heads: the next ones in order)
+    slopes = alibi_slopes(num_heads)[ParallelContext.rank * local:(ParallelContext.rank + 1) * local]
+    return (alibi_table(slopes, radius) * scale).to(torch.get_default_device())
+
+
 class BloomLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
@@ -102,10 +110,7 @@ class BloomForCausalLM(LlamaForCausalLM):
         eps = float(cfg.raw["layer_norm_eps"])
         self.embed_norm = LayerNorm(cfg.hidden_size, eps)
         self.norm = LayerNorm(cfg.hidden_size, eps)
-        local = cfg.num_heads // ParallelContext.size  # (a rank's heads: the next ones in order)
-        slopes = alibi_slopes(cfg.num_heads)[ParallelContext.rank * local:(ParallelContext.rank + 1) * local]
-        self.register_buffer("alibi", alibi_table(slopes, max_positions).to(torch.get_default_device()),
-                             persistent=False)
+        self.register_buffer("alibi", rank_alibi_table(cfg.num_heads, max_positions), persistent=False)
 
     def position_bias_table(self) -> torch.Tensor:
         return self.alibi

@@ -16,7 +16,8 @@ Falcon-H1, models/falcon_h1.py). The Llama decoder's attention and weight loadin
   width `ffn_hidden_size`, 4 x hidden by default), no gate;
 - the LM head tied to `word_embeddings` by default; names under `transformer.` (`h.{i}`, `ln_f`).
 
-ALiBi (`alibi: true`, Falcon-RW-1B / 7B) is refused, as are the layer shapes transformers itself cannot run.
+Falcon-RW-1B / 7B (`alibi: true`) do not rotate: their heads take BLOOM's ALiBi biases (models/bloom.py), divided by
+sqrt(head_dim) as transformers' Falcon divides them. The layer shapes transformers itself cannot run are refused.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
+from streamer.models.bloom import rank_alibi_table
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps,
                                       renamed_lora_parts, to_ours, to_theirs)
@@ -41,9 +43,6 @@ def common_config(c: dict[str, Any]) -> dict[str, Any]:
     """A Falcon config in the common names (ModelConfig.from_dict), as FalconConfig reads it: `n_embed` (an older
     spelling, winning over hidden_size), the kv heads of each layout, the MLP width, `bias` on every linear, the
     LayerNorm eps as `layer_norm_eps`."""
-    if c.get("alibi"):
-        raise ValueError("Falcon with alibi: true (Falcon-RW) is not supported: ALiBi attention biases are not "
-                         "implemented (the rotary Falcons are supported)")
     c = {**_DEFAULTS, **c}
     if c.get("n_embed") is not None:
         c["hidden_size"] = c["n_embed"]
@@ -81,7 +80,8 @@ class FalconLayer(ParallelResidualLayer):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, backend_cls, rotary)  # (cfg.attention_bias: the config's `bias`)
+        # (cfg.attention_bias: the config's `bias`; Falcon-RW's ALiBi layers do not rotate)
+        self.self_attn = Attention(cfg, backend_cls, rotary, use_rope=not cfg.raw.get("alibi"))
         self.mlp = GeluMLP(cfg, gelu_approximate(cfg, "gelu", "activation"), bias=cfg.attention_bias)
         self.parallel, two_norms = layer_shape(cfg.raw)
         eps = layer_norm_eps(cfg)
@@ -107,6 +107,13 @@ class FalconForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, backend_cls, max_positions)
         self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
         self.names = _NAMES + (_TWO_NORMS if two_norms else ())
+        if cfg.raw.get("alibi"):  # Falcon-RW: BLOOM's ALiBi (models/bloom.py), divided by sqrt(head_dim) as there
+            self.relative_bias = True
+            self.register_buffer("alibi", rank_alibi_table(cfg.num_heads, max_positions, cfg.head_dim ** -0.5),
+                                 persistent=False)
+
+    def position_bias_table(self) -> torch.Tensor:
+        return self.alibi
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Falcon's names in Llama's spelling; the fused query_key_value split into q/k/v (whole checkpoint tensors:
