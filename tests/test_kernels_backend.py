@@ -129,10 +129,10 @@ def test_engine_triton_backend_sliding_window(request) -> None:
 
 def test_engine_triton_backend_bloom_alibi(request) -> None:
     """BLOOM's ALiBi (models/bloom.py: the relative-bias table) in the kernel's prefill chunks and decode rows, and in
-    its split-KV path (a lone request), gives the torch backend's tokens (which tests/test_bloom.py holds to
+    its split-KV path (a lone request), gives the torch backend's tokens (which tests/test_alibi.py holds to
     transformers')."""
     pytest.importorskip("transformers")
-    import tests.test_bloom  # noqa: F401  (registers the family)
+    import tests.test_alibi  # noqa: F401  (registers the family)
     path = request.getfixturevalue("make_ckpt")("bloom", family="bloom", tie=False)
     prompts = _prompts(3, seed=14, max_len=40)
     args = dict(max_num_batched_tokens=16, block_size=8)

@@ -25,7 +25,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "MambaForCausalLM", "FalconMambaForCausalLM",
                            "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
                            "GPT2LMHeadModel", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-                           "BloomForCausalLM", "OlmoForCausalLM", "NemotronForCausalLM")
+                           "BloomForCausalLM", "MPTForCausalLM", "MptForCausalLM",
+                           "OlmoForCausalLM", "NemotronForCausalLM")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so prefix caching resumes only from checkpoints of that state
 # (kv_cache.StateCheckpoints), and no speculative decoding (no rollback). Under tensor parallelism their recurrent layers split by heads (channels), each rank's state slots
@@ -177,7 +178,7 @@ _KEY_ALIASES: dict[str, dict[str, str]] = {
 # Families whose config.json spells the common keys its own way and leaves others to its config class's defaults:
 # architecture -> the module (streamer.models.*) whose `common_config(c)` rewrites it in the common names.
 _OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt",
-                  "BloomForCausalLM": "bloom"}
+                  "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt"}
 
 
 def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:

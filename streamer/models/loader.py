@@ -12,6 +12,7 @@ import torch
 
 from streamer.models.bert import BertModel
 from streamer.models.bloom import BloomForCausalLM
+from streamer.models.mpt import MptForCausalLM
 from streamer.models.modernbert import ModernBertModel
 from streamer.models.mpnet import MPNetModel
 from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
@@ -122,6 +123,8 @@ _MODEL_CLASSES["FalconForCausalLM"] = FalconForCausalLM
 _MODEL_CLASSES["GPTJForCausalLM"] = GPTJForCausalLM
 _MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
 _MODEL_CLASSES["BloomForCausalLM"] = BloomForCausalLM
+_MODEL_CLASSES["MPTForCausalLM"] = MptForCausalLM  # (MosaicML's own checkpoints' spelling)
+_MODEL_CLASSES["MptForCausalLM"] = MptForCausalLM  # (transformers')
 _MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
 _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)

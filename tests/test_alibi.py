@@ -1,4 +1,4 @@
-"""BLOOM (models/bloom.py) and Falcon-RW (models/falcon.py, `alibi: true`): ALiBi attention (a per-head linear bias on the key's distance, through the backends'
+"""BLOOM (models/bloom.py), Falcon-RW (models/falcon.py, `alibi: true`) and MPT (models/mpt.py): ALiBi attention (a per-head linear bias on the key's distance, through the backends'
 relative-bias table) in prefill chunks and decode, eager and compiled, batched, on the Triton interpreter and under
 tensor parallelism, equal to transformers' greedy tokens; the bias matters (the tokens change without it)."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _randomise(model) -> None:
     # output repeats its input token whatever the attention does: the parity checkpoints have their own LM head.)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "layernorm" in name or "ln_f" in name:
+            if "norm" in name or "ln_f" in name:
                 p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
@@ -128,3 +128,36 @@ def test_falcon_rw_matches_transformers(make_ckpt, kw):
     with LLM(str(path), dtype="float32") as llm:
         model = llm.engine.runner.model
         assert model.relative_bias and not model.layers[0].self_attn.use_rope
+
+
+def _mpt_config(**kw):
+    import transformers as tf
+    heads = kw.get("n_head", 4)
+    return tf.MptConfig(vocab_size=kw["vocab_size"], d_model=16 * heads, n_heads=heads, n_layers=2, max_seq_len=256,
+                        tie_word_embeddings=False, attn_config={"alibi_bias_max": 8, "clip_qkv": kw.get("clip")},
+                        bos_token_id=kw.get("bos_token_id"), eos_token_id=kw.get("eos_token_id"))
+
+
+register_family("mpt", _mpt_config, _randomise)
+
+
+@pytest.mark.parametrize("name, kw", [("mpt", {}), ("mpt6_clip", {"n_head": 6, "clip": 0.3})],
+                         ids=["mpt", "six-heads-clip-qkv"])
+def test_mpt_matches_transformers(make_ckpt, name, kw):
+    """MPT: its own slopes (6 heads: odd ones of the next power of two first), q/k/v clamped by clip_qkv, norms
+    without biases, all in one Wqkv; chunked prefill beside decodes."""
+    path = make_ckpt(name, family="mpt", **kw)
+    want = hf_greedy(path, PROMPTS, MAX_NEW)
+    assert len({tuple(w) for w in want}) == len(want)
+    assert _greedy(path, max_num_batched_tokens=16, block_size=8) == want
+
+
+def test_mpt_configs_transformers_cannot_run_are_refused():
+    from streamer.models.config import ModelConfig
+    base = {"architectures": ["MPTForCausalLM"], "model_type": "mpt", "d_model": 64, "n_heads": 4, "n_layers": 1,
+            "vocab_size": 100, "attn_config": {"alibi": True}}
+    assert ModelConfig.from_dict(base).num_heads == 4
+    for change, field in (({"attn_config": {"alibi": False}}, "alibi"), ({"attn_config": {"qk_ln": True}}, "qk_ln"),
+                          ({"no_bias": False}, "no_bias"), ({"expansion_ratio": 2}, "expansion_ratio")):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_dict({**base, **change})
