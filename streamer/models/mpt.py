@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -21,7 +21,8 @@ from streamer.models.bloom import alibi_table
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, renamed_lora_parts, to_ours, to_theirs
 from streamer.models.layers import LayerNorm, ParallelContext, RotaryEmbedding
-from streamer.models.llama import Attention, LlamaForCausalLM
+from streamer.models.llama import LlamaForCausalLM
+from streamer.models.olmo import ClippedAttention
 
 
 def common_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -52,28 +53,13 @@ def mpt_alibi_slopes(num_heads: int, bias_max: float) -> torch.Tensor:
     return slopes
 
 
-class MptAttention(Attention):
-    """q, k and v clamped to +-clip_qkv after the fused projection, when the config sets it."""
-
-    def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                 rotary: RotaryEmbedding) -> None:
-        attn = cfg.raw["mpt_attn"]
-        super().__init__(cfg, backend_cls, rotary, scale=attn["softmax_scale"], use_rope=False)
-        self.clip: Optional[float] = None if attn["clip_qkv"] is None else float(attn["clip_qkv"])
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project(x)
-        if self.clip is None:
-            return q, k, v
-        c = self.clip
-        return q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-
-
 class MptLayer(ParallelResidualLayer):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = MptAttention(cfg, backend_cls, rotary)
+        attn = cfg.raw["mpt_attn"]
+        self.self_attn = ClippedAttention(cfg, backend_cls, rotary, attn["clip_qkv"], scale=attn["softmax_scale"],
+                                          use_rope=False)
         self.mlp = GeluMLP(cfg, "none", bias=False)
         eps = float(cfg.raw["layer_norm_eps"])
         self.input_layernorm = LayerNorm(cfg.hidden_size, eps, bias=False)

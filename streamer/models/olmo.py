@@ -8,7 +8,7 @@ models/olmo2.py). Llama's decoder (the SiLU-gated MLP, Llama's names and rotary)
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,11 +34,13 @@ class OlmoLayerNorm(LayerNorm):
         return out if residual is None else (out, residual)
 
 
-class OlmoAttention(Attention):
+class ClippedAttention(Attention):
+    """Attention whose q, k and v are clamped to +-clip right after their projection (OLMo's and MPT's `clip_qkv`;
+    None: not clamped). Other keywords go to Attention."""
+
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
-                 rotary: RotaryEmbedding) -> None:
-        super().__init__(cfg, backend_cls, rotary)
-        clip = cfg.raw.get("clip_qkv")
+                 rotary: RotaryEmbedding, clip: Optional[float], **kwargs: Any) -> None:
+        super().__init__(cfg, backend_cls, rotary, **kwargs)
         self.clip: Optional[float] = None if clip is None else float(clip)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,7 +60,7 @@ class OlmoDecoderLayer(DecoderLayer):
 
     def make_attention(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                        rotary: RotaryEmbedding, index: int) -> Attention:
-        return OlmoAttention(cfg, backend_cls, rotary)
+        return ClippedAttention(cfg, backend_cls, rotary, cfg.raw.get("clip_qkv"))
 
 
 class OlmoForCausalLM(LlamaForCausalLM):
