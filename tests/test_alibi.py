@@ -161,3 +161,18 @@ def test_mpt_configs_transformers_cannot_run_are_refused():
                           ({"no_bias": False}, "no_bias"), ({"expansion_ratio": 2}, "expansion_ratio")):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**base, **change})
+
+
+def test_prefix_cache_hits_and_speculative_drafts_keep_the_tokens(bloom, want):
+    """ALiBi's bias reads only distances, so cached K/V of a shared prefix serve as computed, and verify steps (several
+    query tokens after a context) take the bias as prefill chunks do."""
+    chosen = [i for i, p in enumerate(PROMPTS) if len(p) > 16][:3]
+    prompts = [{"prompt_token_ids": PROMPTS[i]} for i in chosen]
+    params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)
+    with LLM(str(bloom), dtype="float32", enable_prefix_caching=True, block_size=8, num_speculative_tokens=3,
+             prompt_lookup_min=1) as llm:
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        again = llm.generate(prompts, params)
+        assert all(o.num_cached_tokens >= 8 for o in again)
+        assert llm.engine.num_draft_tokens > 0
+    assert first == [o.outputs[0].token_ids for o in again] == [want[i] for i in chosen]
