@@ -25,7 +25,7 @@ from streamer.input_batch import InputBatch, StepInputs
 from streamer.kv_cache import KVCacheManager, cdiv
 from streamer.lora import LoRAAdapter, LoRARegistry, LoRARequest
 from streamer.pooling import (Classifier, DenseProjection, PoolingParams, default_pooling, embedding_width,
-                              finish_pooled)
+                              finish_pooled, st_max_seq_length)
 from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
@@ -171,10 +171,15 @@ class LLMEngine:
             from streamer.server.chat_template import load_chat_template
             self.tokenizer.chat_template = load_chat_template(config.chat_template)
         limit = self.model_config.max_position_embeddings
+        st_limit = st_max_seq_length(self.model_dir)
+        if st_limit is not None and st_limit < limit:  # (as vLLM caps it: longer inputs are refused, or truncated)
+            logger.info("max_model_len capped at %d, sentence_bert_config.json's max_seq_length (sentence-"
+                        "transformers truncates there)", st_limit)
+            limit = st_limit
         self.max_model_len = min(config.max_model_len or limit, limit)
         if config.max_model_len and config.max_model_len > limit:
-            logger.warning("max_model_len %d exceeds the model's max_position_embeddings; using %d",
-                           config.max_model_len, limit)
+            logger.warning("max_model_len %d exceeds the model's limit (max_position_embeddings, or a "
+                           "sentence-transformers max_seq_length); using %d", config.max_model_len, limit)
         self._check_multimodal()
         self._fit_budget_to_encoder()
         config = self.config

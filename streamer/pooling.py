@@ -85,6 +85,16 @@ def default_pooling(model_dir: Path, fallback: str = "last") -> str:
     return fallback
 
 
+def st_max_seq_length(model_dir: Path) -> Optional[int]:
+    """sentence-transformers' `max_seq_length` (sentence_bert_config.json): it truncates every input there, so an
+    embedding of a longer text would not be the one it computes. None if the checkpoint sets none."""
+    try:
+        value = json.loads((model_dir / "sentence_bert_config.json").read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def embedding_width(model: Any) -> int:
     """The width of the final hidden states an embedding pools, which `dimensions` may not exceed: the model's
     `output_width` where its family narrows them after the layers (OPT-350m's project_out: 512 of 1024), else its

@@ -59,6 +59,8 @@ class Tokenizer:
                  generation_config: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> None:
         config = config or {}
         self._tok = backend
+        # sentence-transformers' do_lower_case (sentence_bert_config.json): texts are lower-cased before tokenizing
+        self.lowercase = False
         _add_missing_tokens(backend, config)
         names = {name: _token_content(config.get(name)) for name in _SPECIAL_NAMES}
         ids = {name: (backend.token_to_id(t) if t is not None else None) for name, t in names.items()}
@@ -104,9 +106,10 @@ class Tokenizer:
                                         "converted (vocab.json + merges.txt, or vocab.txt)")
             backend = converted
         jinja = folder / "chat_template.jinja"  # newer HF checkpoints keep the template in its own file
-        return cls(backend, config,
-                   _read_json(folder / "generation_config.json"),
-                   jinja.read_text(encoding="utf-8") if jinja.is_file() else None)
+        tok = cls(backend, config, _read_json(folder / "generation_config.json"),
+                  jinja.read_text(encoding="utf-8") if jinja.is_file() else None)
+        tok.lowercase = bool(_read_json(folder / "sentence_bert_config.json").get("do_lower_case"))
+        return tok
 
     def _special_ids(self, config: dict[str, Any], named: dict[str, Optional[int]]) -> frozenset[int]:
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
@@ -142,6 +145,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
+        text = text.lower() if self.lowercase else text
         if add_special_tokens and self._template is not None:
             prefix, suffix = self._template
             return prefix + self._tok.encode(text, add_special_tokens=False).ids + suffix
@@ -151,6 +155,8 @@ class Tokenizer:
         """Two texts as one sequence, as transformers' `tokenizer(text_1, text_2)` makes it (a cross-encoder's
         input): the post-processor's pair template, or, where tokenizer_config's add_bos/eos_token flags rule the
         special tokens, each text between them (the pair template transformers' `update_post_processor` writes)."""
+        if self.lowercase:
+            text_1, text_2 = text_1.lower(), text_2.lower()
         if self._template is None:
             return self._tok.encode(text_1, text_2).ids
         prefix, suffix = self._template
@@ -160,6 +166,7 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("encode_batch() needs a list of str")
+        texts = [t.lower() for t in texts] if self.lowercase else texts
         if add_special_tokens and self._template is not None:
             prefix, suffix = self._template
             return [prefix + e.ids + suffix for e in self._tok.encode_batch(texts, add_special_tokens=False)]

@@ -389,3 +389,35 @@ def test_masked_lm_checkpoints_serve_as_embedding_models(ckpt_root, family):
     with LLM(str(path), dtype="float32") as llm:
         for text, out in zip(TEXTS, llm.embed(TEXTS, PoolingParams(pooling="cls", normalize=False))):
             assert _close(out.embedding, _pooled(_hidden(model, tok, text), "cls", False))
+
+
+def test_sentence_transformers_max_seq_length_and_lower_case(ckpt_root, tmp_path):
+    """sentence_bert_config.json's max_seq_length caps max_model_len (sentence-transformers truncates there: a longer
+    text is refused, or with truncate_prompt_tokens cut as the tokenizer cuts it), and do_lower_case lower-cases
+    texts before they are tokenized."""
+    import json
+    import shutil
+
+    from streamer.tokenizer import Tokenizer
+    from tests.tokenizer_factory import make_bytelevel_tokenizer
+    path = tmp_path / "st"
+    shutil.copytree(_build(ckpt_root, "mpnet-embed", family="mpnet", pooling="mean", masked_lm=True), path)
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 40, "do_lower_case": False}))
+    model, tok = _hf(path)
+    with LLM(str(path), dtype="float32") as llm:
+        assert llm.engine.max_model_len == 40
+        with pytest.raises(ValueError, match="max_model_len is 40"):
+            llm.embed(LONG)
+        cut = llm.embed(LONG, PoolingParams(truncate_prompt_tokens=40))[0]
+        enc = tok(LONG, truncation=True, max_length=40, return_tensors="pt")
+        assert cut.prompt_token_ids == enc["input_ids"][0].tolist()
+        with torch.no_grad():
+            h = model(**enc).last_hidden_state[0].double().numpy()
+        assert _close(cut.embedding, _pooled(h, "mean", True))
+    cased = make_bytelevel_tokenizer(tmp_path / "cased")
+    assert Tokenizer.from_pretrained(cased).encode("Hello World") != Tokenizer.from_pretrained(cased).encode(
+        "hello world")
+    (cased / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": True}))
+    lower = Tokenizer.from_pretrained(cased)
+    assert lower.encode("Hello World") == lower.encode("hello world")
+    assert lower.encode_pair("A B", "C") == lower.encode_pair("a b", "c")
