@@ -14,7 +14,7 @@ from tests.tokenizer_factory import CORPUS
 _SPECIALS = {"bert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
              "modernbert": dict(pad="[PAD]", unk="[UNK]", cls="[CLS]", sep="[SEP]", mask="[MASK]"),
              "roberta": dict(cls="<s>", pad="<pad>", sep="</s>", unk="<unk>", mask="<mask>")}
-_SPECIALS["mpnet"] = _SPECIALS["roberta"]
+_SPECIALS["mpnet"] = _SPECIALS["t5"] = _SPECIALS["roberta"]
 
 
 def make_wordpiece_tokenizer(out_dir: Path, family: str, vocab_size: int = 400) -> int:
@@ -50,7 +50,8 @@ def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optiona
                             pooling: Optional[str] = None, seed: int = 0, masked_lm: bool = False,
                             **overrides: Any) -> Path:
     """family "bert" | "roberta" (saved as XLM-RoBERTa) | "modernbert" (4 layers, the first and last global, the
-    others local with a window of 4 either way) | "mpnet" (320 positions: distances past its bias's last bucket, 128);
+    others local with a window of 4 either way) | "mpnet" (320 positions: distances past its bias's last bucket, 128)
+    | "t5" (a T5EncoderModel, GELU-gated, its head size apart from d_model / heads);
     `labels`: a `*ForSequenceClassification` with those labels, else the bare encoder (`*Model`, an embedding
     model), or with `masked_lm` the `*ForMaskedLM` (as some sentence-transformers checkpoints are saved). `pooling`
     ("mean" | "cls"): a sentence-transformers Pooling module declaring it. Weights drawn wide (std 0.2), so that every
@@ -66,12 +67,17 @@ def make_encoder_checkpoint(out_dir: Path, family: str = "bert", labels: Optiona
                      pad_token_id=0, cls_token_id=2, bos_token_id=2, sep_token_id=3, eos_token_id=3)
     if family == "mpnet":
         sizes.update(max_position_embeddings=322, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    if family == "t5":  # (T5's names; d_kv x heads wider than d_model, as T5 allows)
+        sizes = dict(vocab_size=vocab, d_model=64, d_kv=24, d_ff=128, num_layers=2, num_heads=4, n_positions=320,
+                     feed_forward_proj="gated-gelu", pad_token_id=1, eos_token_id=2, decoder_start_token_id=1)
     if labels:
         sizes.update(id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     sizes.update(overrides)
-    prefix = {"bert": "Bert", "roberta": "XLMRoberta", "modernbert": "ModernBert", "mpnet": "MPNet"}[family]
+    prefix = {"bert": "Bert", "roberta": "XLMRoberta", "modernbert": "ModernBert", "mpnet": "MPNet", "t5": "T5"}[family]
     config = getattr(tf, f"{prefix}Config")(**sizes)
     head = "ForSequenceClassification" if labels else "ForMaskedLM" if masked_lm else "Model"
+    if family == "t5":
+        head = "EncoderModel"
     cls = getattr(tf, prefix + head)
     torch.manual_seed(seed)
     model = cls(config).eval()

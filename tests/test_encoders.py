@@ -421,3 +421,23 @@ def test_sentence_transformers_max_seq_length_and_lower_case(ckpt_root, tmp_path
     lower = Tokenizer.from_pretrained(cased)
     assert lower.encode("Hello World") == lower.encode("hello world")
     assert lower.encode_pair("A B", "C") == lower.encode_pair("a b", "c")
+
+
+@pytest.mark.parametrize("ff", ["gated-gelu", "relu"])
+def test_t5_encoder_embeddings_match_transformers(ckpt_root, ff):
+    """T5's encoder (sentence-t5, GTR): unscaled scores plus the bucketed bias both ways (a prompt past its last
+    bucket, 128 away), RMSNorms, a GELU-gated or ReLU MLP, a head size apart from d_model / heads."""
+    import transformers as tf
+    path = _build(ckpt_root, f"t5-encoder-{ff}", family="t5", pooling="mean", feed_forward_proj=ff)
+    model = tf.T5EncoderModel.from_pretrained(path, dtype=torch.float32).eval()  # (AutoModel: T5's encoder-decoder)
+    tok = tf.AutoTokenizer.from_pretrained(path)
+    texts = TEXTS + [LONG]
+    assert len(tok(LONG)["input_ids"]) > 2 * 128 - 40
+    with LLM(str(path), dtype="float32") as llm:
+        assert llm.engine.default_pooling == "mean" and llm.engine.runner.model.relative_bias
+        outs = llm.embed(texts)
+        for text, out in zip(texts, outs):
+            assert _close(out.embedding, _pooled(_hidden(model, tok, text), "mean", True)), text[:20]
+    with torch.no_grad():  # (the bias matters: without it transformers' vectors differ)
+        model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.zero_()
+    assert not _close(_pooled(_hidden(model, tok, LONG), "mean", True), outs[-1].embedding, 1e-3)

@@ -280,11 +280,11 @@ def test_engine_triton_backend_gemma3_images(request) -> None:
     assert np.allclose(lps[0], lps[1], atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["bert", "modernbert", "mpnet"])
+@pytest.mark.parametrize("family", ["bert", "modernbert", "mpnet", "t5"])
 def test_engine_triton_backend_encoder(request, family) -> None:
     """Encoders (models/bert.py): every token attends to its whole prompt through the kernel's causal limit,
     ModernBERT's local layers to a window either way (the limit cut to the window, the window's lower side), and
-    MPNet's scores take its relative position bias (a prompt past the bias's last bucket, 128 positions away);
+    MPNet's and T5's scores take their relative position bias (a prompt past the bias's last bucket, 128 away);
     several prompts in one step give the torch backend's embeddings."""
     pytest.importorskip("transformers")
     from streamer import LLM, PoolingParams
@@ -293,7 +293,7 @@ def test_engine_triton_backend_encoder(request, family) -> None:
     if not (path / "config.json").exists():
         make_encoder_checkpoint(path, family=family)
     texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "a"]
-    if family == "mpnet":
+    if family in ("mpnet", "t5"):
         texts.append(" ".join(["the quick brown fox jumps over the lazy dog."] * 6))
     got = {}
     for backend in ("torch", "triton"):

@@ -44,7 +44,8 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
                       "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
                       "BertModel": "not implemented for encoders (small models: one device serves them)",
                       "ModernBertModel": "not implemented for encoders (small models: one device serves them)",
-                      "MPNetModel": "not implemented for encoders (small models: one device serves them)"}
+                      "MPNetModel": "not implemented for encoders (small models: one device serves them)",
+                      "T5EncoderModel": "not implemented for encoders (small models: one device serves them)"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -72,9 +73,10 @@ ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassific
                          "ModernBertModel": ("modernbert", False),
                          "ModernBertForSequenceClassification": ("modernbert", True),
                          "MPNetModel": ("mpnet", False), "MPNetForMaskedLM": ("mpnet", False),
-                         "MPNetForSequenceClassification": ("mpnet", True)}
+                         "MPNetForSequenceClassification": ("mpnet", True),
+                         "T5EncoderModel": ("t5", False)}
 
-ENCODER_MODELS = ("BertModel", "ModernBertModel", "MPNetModel")  # (the model classes they load as: ModelConfig.architecture)
+ENCODER_MODELS = ("BertModel", "ModernBertModel", "MPNetModel", "T5EncoderModel")  # (the model classes they load as: ModelConfig.architecture)
 
 # Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
 # architecture -> the text families (by text_config.model_type) it may wrap.
@@ -414,8 +416,10 @@ class ModelConfig:
                              "[\"Qwen3ForSequenceClassification\"], ...})")
         if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
             family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
-            from streamer.models import bert, modernbert, mpnet  # (common_config; they import torch: this does not)
-            if family == "modernbert":
+            from streamer.models import bert, modernbert, mpnet, t5  # (common_config; they import torch)
+            if family == "t5":
+                c, arch = t5.common_config(c), "T5EncoderModel"
+            elif family == "modernbert":
                 c, arch = modernbert.common_config(c), "ModernBertModel"
             elif family == "mpnet":
                 c, arch = mpnet.common_config(c), "MPNetModel"

@@ -15,6 +15,7 @@ from streamer.models.bloom import BloomForCausalLM
 from streamer.models.mpt import MptForCausalLM
 from streamer.models.modernbert import ModernBertModel
 from streamer.models.mpnet import MPNetModel
+from streamer.models.t5 import T5EncoderModel
 from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
@@ -130,6 +131,7 @@ _MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
 _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
 _MODEL_CLASSES["ModernBertModel"] = ModernBertModel
 _MODEL_CLASSES["MPNetModel"] = MPNetModel
+_MODEL_CLASSES["T5EncoderModel"] = T5EncoderModel
 
 
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:
