@@ -1,8 +1,8 @@
 """Encoders (models/bert.py, modernbert.py, mpnet.py, t5.py): embeddings, label probabilities and cross-encoder
 scores equal transformers' (fp32) for BERT, XLM-RoBERTa, ModernBERT, MPNet and T5-encoder checkpoints, batched,
-compiled, over the server; MPNet's and T5's relative position biases matter; a pair's second text reads as token type 1; ModernBERT's and EmbeddingGemma's local layers see a window both ways;
-EmbeddingGemma's sentence-transformers Dense modules project the pooled vector; prompts are never split; what an
-encoder cannot do is refused."""
+compiled, over the server; MPNet's and T5's relative position biases matter; a pair's second text reads as token
+type 1; ModernBERT's and EmbeddingGemma's local layers see a window both ways; EmbeddingGemma's sentence-transformers
+Dense modules project the pooled vector; prompts are never split; what an encoder cannot do is refused."""
 from __future__ import annotations
 
 import asyncio
