@@ -50,6 +50,13 @@ def convert(folder: Path, config: dict[str, Any]) -> Optional[Tokenizer]:
     return tok
 
 
+def _id(vocab: dict[str, int], token: str, folder: Path) -> int:
+    if token not in vocab:
+        raise ValueError(f"{folder}: the special token {token!r} that tokenizer_config.json names is not in its "
+                         "vocabulary")
+    return vocab[token]
+
+
 def _byte_level_bpe(folder: Path, config: dict[str, Any], roberta: bool) -> Tokenizer:
     vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
     merges = []
@@ -65,8 +72,9 @@ def _byte_level_bpe(folder: Path, config: dict[str, Any], roberta: bool) -> Toke
     tok.decoder = decoders.ByteLevel()
     if roberta:
         cls, sep = _content(config.get("cls_token")) or "<s>", _content(config.get("sep_token")) or "</s>"
-        tok.post_processor = processors.RobertaProcessing((sep, vocab[sep]), (cls, vocab[cls]),
-                                                          trim_offsets=True, add_prefix_space=prefix)
+        tok.post_processor = processors.RobertaProcessing((sep, _id(vocab, sep, folder)),
+                                                          (cls, _id(vocab, cls, folder)), trim_offsets=True,
+                                                          add_prefix_space=prefix)
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -89,5 +97,6 @@ def _wordpiece(folder: Path, config: dict[str, Any], mpnet: bool) -> Tokenizer:
     sep = _content(config.get("sep_token")) or ("</s>" if mpnet else "[SEP]")
     pair = f"{cls}:0 $A:0 {sep}:0 {sep}:0 $B:1 {sep}:1" if mpnet else f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1"
     tok.post_processor = processors.TemplateProcessing(single=f"{cls}:0 $A:0 {sep}:0", pair=pair,
-                                                       special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+                                                       special_tokens=[(cls, _id(vocab, cls, folder)),
+                                                                       (sep, _id(vocab, sep, folder))])
     return tok

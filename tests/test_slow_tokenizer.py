@@ -104,6 +104,12 @@ def test_wordpiece(tmp_path, family, config):
     _same_ids(wordpiece_slow(tmp_path, family, config), pairs=True)
 
 
+def test_a_special_token_missing_from_the_vocabulary(tmp_path):
+    folder = wordpiece_slow(tmp_path, "bert", {"tokenizer_class": "BertTokenizer", "cls_token": "[BOS]"})
+    with pytest.raises(ValueError, match="'\\[BOS\\]'.*not in its vocabulary"):
+        Tokenizer.from_pretrained(folder)
+
+
 def test_no_tokenizer_files_at_all(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="vocab.json \\+ merges.txt, or vocab.txt"):

@@ -109,10 +109,13 @@ def open_weights(path: Path) -> Any:
 
 
 def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with open_weights(path) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    try:
+        for path in files:
+            with open_weights(path) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+    finally:
+        _pt_state.cache_clear()  # (the last .bin shards' mappings are not kept once the model has its copies)
 
 
 def tensor_names(path: Path) -> list[str]:
