@@ -373,10 +373,12 @@ class TorchAttentionBackend(KVScales):
         see_all = limit is not None and int(limit.min()) >= seq_len - 1 and window is None and not chunk
         if see_all:
             limit = None
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        if not see_all and (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
-                            or (chunk and chunk < seq_len)):
+        masked = not see_all and (seq_len != q_len or (window is not None and window < seq_len) or limit is not None
+                                  or (chunk and chunk < seq_len))
+        if masked or meta.position_bias is not None:  # (positions only where a mask or a bias reads them)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        if masked:
             last = q_pos if limit is None else torch.from_numpy(limit).to(q.device, torch.int64).unsqueeze(1)
             mask = k_pos <= last
             if window is not None:

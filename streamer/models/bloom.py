@@ -66,12 +66,24 @@ def alibi_table(slopes: torch.Tensor, radius: int) -> torch.Tensor:
     return slopes[:, None] * torch.arange(-radius, radius + 1, dtype=torch.float32)[None, :]
 
 
-def rank_alibi_table(num_heads: int, radius: int, scale: float = 1.0) -> torch.Tensor:
-    """This tensor-parallel rank's heads' ALiBi table (times `scale`: Falcon-RW divides its bias by sqrt(head_dim)),
-    on the default device (a model's buffer)."""
-    local = num_heads // ParallelContext.size  # (a rank's heads: the next ones in order)
-    slopes = alibi_slopes(num_heads)[ParallelContext.rank * local:(ParallelContext.rank + 1) * local]
-    return (alibi_table(slopes, radius) * scale).to(torch.get_default_device())
+class AlibiBias:
+    """A model whose attention adds ALiBi biases: `init_alibi` keeps this tensor-parallel rank's heads' table as a
+    buffer (made once, on the default device: CUDA graphs replay the same memory), which the backends read every
+    step (AttentionMetadata.position_bias)."""
+
+    relative_bias = True
+    alibi: torch.Tensor
+
+    def init_alibi(self, slopes: torch.Tensor, radius: int, scale: float = 1.0) -> None:
+        """`slopes`: every head's [heads] (a rank keeps its own, the next ones in order); `scale` multiplies the
+        table (Falcon-RW divides its bias by sqrt(head_dim))."""
+        local = len(slopes) // ParallelContext.size
+        mine = slopes[ParallelContext.rank * local:(ParallelContext.rank + 1) * local]
+        table = (alibi_table(mine, radius) * scale).to(torch.get_default_device())
+        self.register_buffer("alibi", table, persistent=False)  # type: ignore[attr-defined]
+
+    def position_bias_table(self) -> torch.Tensor:
+        return self.alibi
 
 
 class BloomLayer(nn.Module):
@@ -99,10 +111,9 @@ _NAMES = (("word_embeddings_layernorm.", "embed_norm."), ("word_embeddings.", "e
 _QKV = re.compile(r"^h\.(\d+)\.self_attention\.query_key_value\.(\w+)$")
 
 
-class BloomForCausalLM(LlamaForCausalLM):
+class BloomForCausalLM(AlibiBias, LlamaForCausalLM):
     decoder_layer = BloomLayer
     lora_parts = renamed_lora_parts
-    relative_bias = True
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
@@ -110,10 +121,7 @@ class BloomForCausalLM(LlamaForCausalLM):
         eps = float(cfg.raw["layer_norm_eps"])
         self.embed_norm = LayerNorm(cfg.hidden_size, eps)
         self.norm = LayerNorm(cfg.hidden_size, eps)
-        self.register_buffer("alibi", rank_alibi_table(cfg.num_heads, max_positions), persistent=False)
-
-    def position_bias_table(self) -> torch.Tensor:
-        return self.alibi
+        self.init_alibi(alibi_slopes(cfg.num_heads), max_positions)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_norm(self.embed_tokens(input_ids))

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
-from streamer.models.bloom import rank_alibi_table
+from streamer.models.bloom import AlibiBias, alibi_slopes
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, layer_norm_eps,
                                       renamed_lora_parts, to_ours, to_theirs)
@@ -97,7 +97,7 @@ _TWO_NORMS = ((".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_
 _QKV = re.compile(r"(model\.layers\.\d+)\.self_attention\.query_key_value\.(\w+)$")
 
 
-class FalconForCausalLM(LlamaForCausalLM):
+class FalconForCausalLM(AlibiBias, LlamaForCausalLM):
     decoder_layer = FalconLayer
     lora_parts = renamed_lora_parts
 
@@ -107,13 +107,9 @@ class FalconForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, backend_cls, max_positions)
         self.norm = LayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
         self.names = _NAMES + (_TWO_NORMS if two_norms else ())
-        if cfg.raw.get("alibi"):  # Falcon-RW: BLOOM's ALiBi (models/bloom.py), divided by sqrt(head_dim) as there
-            self.relative_bias = True
-            self.register_buffer("alibi", rank_alibi_table(cfg.num_heads, max_positions, cfg.head_dim ** -0.5),
-                                 persistent=False)
-
-    def position_bias_table(self) -> torch.Tensor:
-        return self.alibi
+        self.relative_bias = bool(cfg.raw.get("alibi"))
+        if self.relative_bias:  # Falcon-RW: BLOOM's ALiBi (models/bloom.py), divided by sqrt(head_dim) as there
+            self.init_alibi(alibi_slopes(cfg.num_heads), max_positions, cfg.head_dim ** -0.5)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """Falcon's names in Llama's spelling; the fused query_key_value split into q/k/v (whole checkpoint tensors:

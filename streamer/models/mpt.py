@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterable
 import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
-from streamer.models.bloom import alibi_table
+from streamer.models.bloom import AlibiBias
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, renamed_lora_parts, to_ours, to_theirs
-from streamer.models.layers import LayerNorm, ParallelContext, RotaryEmbedding
+from streamer.models.layers import LayerNorm, RotaryEmbedding
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.olmo import ClippedAttention
 
@@ -73,23 +73,15 @@ _NAMES = (("model.wte.", "model.embed_tokens."), ("model.norm_f.", "model.norm."
 _QKV = re.compile(r"(model\.layers\.\d+)\.attn\.Wqkv\.(\w+)$")
 
 
-class MptForCausalLM(LlamaForCausalLM):
+class MptForCausalLM(AlibiBias, LlamaForCausalLM):
     decoder_layer = MptLayer
     lora_parts = renamed_lora_parts
-    relative_bias = True
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)
         self.norm = LayerNorm(cfg.hidden_size, float(cfg.raw["layer_norm_eps"]), bias=False)
-        local = cfg.num_heads // ParallelContext.size
-        slopes = mpt_alibi_slopes(cfg.num_heads, float(cfg.raw["mpt_attn"]["alibi_bias_max"]))
-        slopes = slopes[ParallelContext.rank * local:(ParallelContext.rank + 1) * local]
-        self.register_buffer("alibi", alibi_table(slopes, max_positions).to(torch.get_default_device()),
-                             persistent=False)
-
-    def position_bias_table(self) -> torch.Tensor:
-        return self.alibi
+        self.init_alibi(mpt_alibi_slopes(cfg.num_heads, float(cfg.raw["mpt_attn"]["alibi_bias_max"])), max_positions)
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         for name, t in weights:
