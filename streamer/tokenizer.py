@@ -103,7 +103,7 @@ class Tokenizer:
             converted = convert(folder, config)
             if converted is None:
                 raise FileNotFoundError(f"no tokenizer.json in {folder}, nor a slow tokenizer's files that can be "
-                                        "converted (vocab.json + merges.txt, or vocab.txt)")
+                                        "converted (vocab.json + merges.txt, vocab.txt, or a SentencePiece tokenizer.model)")
             backend = converted
         jinja = folder / "chat_template.jinja"  # newer HF checkpoints keep the template in its own file
         tok = cls(backend, config, _read_json(folder / "generation_config.json"),
