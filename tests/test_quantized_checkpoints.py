@@ -118,8 +118,7 @@ def test_unsupported_or_broken_quantization_is_refused(llama_dir, tmp_path):
         save_file(state, str(d / "model.safetensors"))
         return d
     fp8 = {"quant_method": "fp8", "weight_block_size": [32, 32]}
-    cases = [(folder("bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}),
-              "quantization method 'bitsandbytes' is not supported"),
+    cases = [(folder("hqq", {"quant_method": "hqq", "nbits": 4}), "quantization method 'hqq' is not supported"),
              (folder("gptq3", {"quant_method": "gptq", "bits": 3}), "3-bit integer weights are not supported"),
              (folder("marlin", {"quant_method": "compressed-tensors", "format": "marlin-24"}),
               "format 'marlin-24' is not supported"),

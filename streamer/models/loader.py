@@ -66,6 +66,7 @@ from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
 from streamer.models.mtp import mtp_class
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
+from streamer.models.bnb import dequantizing_bnb, is_bnb
 from streamer.models.quant import dequantizing
 from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 
@@ -178,7 +179,10 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     else:
         files = weight_files(folder, load_format)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = _taking_kv_scales(model.rename_weights(iter_weights(files)), kv_scales)
+        weights = iter_weights(files)
+        if is_bnb(cfg.quantization):  # (before renames: a model that splits fused tensors needs them whole)
+            weights = dequantizing_bnb(weights, cfg.quantization)
+        weights = _taking_kv_scales(model.rename_weights(weights), kv_scales)
         head = HeadFromTokens(model, folder) if from_tokens else None
         if head is not None:
             weights = head.taking(weights)
@@ -186,7 +190,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         if iq is not None:
             keep = _prepare_int4(model, iq, files) if keep_int4 else set()
             weights = int_weights(_without_zero_biases(weights, model), iq, dtype, keep.__contains__)
-        elif cfg.quantization is not None:
+        elif cfg.quantization is not None and not is_bnb(cfg.quantization):
             weights = dequantizing(weights, cfg.quantization)
         loaded = model.load_weights(weights)
         if head is not None:

@@ -35,6 +35,9 @@ def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     if parse_int_quant(qc) is not None:  # GPTQ, AWQ, pack-quantized: integer weights (models/woq.py)
         return qc
     method = qc.get("quant_method")
+    if method == "bitsandbytes":  # 4- and 8-bit bitsandbytes (models/bnb.py)
+        from streamer.models.bnb import check_bnb
+        return check_bnb(qc)
     if method == "fp8":
         block = qc.get("weight_block_size")
         if block is not None and (len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -55,8 +58,8 @@ def check_quantization(qc: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     if method == "mxfp4":
         return qc
     raise ValueError(f"quantization method {method!r} is not supported: streamer loads FP8 ('fp8', "
-                     "'compressed-tensors'), MXFP4 ('mxfp4') and 4- or 8-bit integer ('gptq', 'awq', "
-                     "'compressed-tensors' pack-quantized) checkpoints")
+                     "'compressed-tensors'), MXFP4 ('mxfp4'), 4- or 8-bit integer ('gptq', 'awq', "
+                     "'compressed-tensors' pack-quantized) and bitsandbytes ('bitsandbytes') checkpoints")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str, block: Optional[list[int]] = None,
