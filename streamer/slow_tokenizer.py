@@ -146,17 +146,24 @@ def _sentencepiece(path: Path, config: dict[str, Any], cls: str) -> Tokenizer:
         raise ValueError(f"{path.parent}: converting {path.name} for tokenizer_class {cls!r} is not supported (only "
                          f"for {', '.join(_LLAMA_STYLE + _T5_STYLE)}); save the tokenizer with transformers to get a "
                          "tokenizer.json")
+    if cls not in _T5_STYLE:
+        return sentencepiece_llama(path, config)
     tok = build_tokenizer(SentencePieceModel.read(path), legacy=config.get("legacy", True) is not False)
     vocab = tok.get_vocab(with_added_tokens=False)
-    if cls in _T5_STYLE:
-        extra = int(config.get("extra_ids", 100))
-        tok.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True, normalized=False)
-                                for i in reversed(range(extra))])
-        eos = _content(config.get("eos_token")) or "</s>"
-        tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
-                                                           special_tokens=[(eos, _id(vocab, eos, path.parent))])
-        return tok
-    # Llama's framing (LlamaTokenizerFast.update_post_processor), also where no class is named
+    extra = int(config.get("extra_ids", 100))
+    tok.add_special_tokens([AddedToken(f"<extra_id_{i}>", special=True, normalized=False)
+                            for i in reversed(range(extra))])
+    eos = _content(config.get("eos_token")) or "</s>"
+    tok.post_processor = processors.TemplateProcessing(single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1",
+                                                       special_tokens=[(eos, _id(vocab, eos, path.parent))])
+    return tok
+
+
+def sentencepiece_llama(path: Path, config: dict[str, Any]) -> Tokenizer:
+    """A SentencePiece model framed as LlamaTokenizerFast.update_post_processor frames it: a BOS first unless
+    add_bos_token is false, an EOS last where add_eos_token is true (also where no tokenizer class is named)."""
+    tok = build_tokenizer(SentencePieceModel.read(path), legacy=config.get("legacy", True) is not False)
+    vocab = tok.get_vocab(with_added_tokens=False)
     bos = _content(config.get("bos_token")) or "<s>" if config.get("add_bos_token", True) else None
     eos = _content(config.get("eos_token")) or "</s>" if config.get("add_eos_token", False) else None
     ends = [t for t in (bos, eos) if t is not None]

@@ -101,9 +101,16 @@ class Tokenizer:
             from streamer.slow_tokenizer import convert, slow_config
             config = slow_config(folder, config)
             converted = convert(folder, config)
-            if converted is None:
-                raise FileNotFoundError(f"no tokenizer.json in {folder}, nor a slow tokenizer's files that can be "
-                                        "converted (vocab.json + merges.txt, vocab.txt, or a SentencePiece tokenizer.model)")
+            if converted is None:  # Mistral's format: tekken.json or tokenizer.model.v* (streamer/mistral_format.py)
+                from streamer.mistral_format import tokenizer_files
+                mistral = tokenizer_files(folder)
+                if mistral is None:
+                    raise FileNotFoundError(
+                        f"no tokenizer.json in {folder}, nor a slow tokenizer's files that can be converted "
+                        "(vocab.json + merges.txt, vocab.txt, a SentencePiece tokenizer.model, or Mistral's "
+                        "tekken.json / tokenizer.model.v*)")
+                converted, found = mistral
+                config = {**found, **config}
             backend = converted
         jinja = folder / "chat_template.jinja"  # newer HF checkpoints keep the template in its own file
         tok = cls(backend, config, _read_json(folder / "generation_config.json"),

@@ -5,6 +5,7 @@ float model with those weights gives the quantized model's logits; the engine's 
 a weight whose parts are in another shard than its codes loads; a missing part is named."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,16 @@ from streamer.models.bnb import dequantizing_bnb
 from streamer.models.loader import iter_weights, weight_files
 
 tf = pytest.importorskip("transformers")
-bnb = pytest.importorskip("bitsandbytes")
+if importlib.util.find_spec("bitsandbytes") is None:
+    pytest.skip("bitsandbytes is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def bnb():
+    """(imported only when the tests run: it imports triton, which the kernel tests, collected in the same
+    process, must import first, under TRITON_INTERPRET=1)"""
+    import bitsandbytes
+    return bitsandbytes
 
 PROMPTS = [[1, 5, 9, 20, 33, 7], [3, 100, 41, 8]]
 MODES = {"nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -37,7 +47,7 @@ def quantized(source: Path, out: Path, mode: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ckpts(make_ckpt, tmp_path_factory):
+def ckpts(make_ckpt, tmp_path_factory, bnb):
     root = tmp_path_factory.mktemp("bnb")
     llama, phi3 = make_ckpt("llama", family="llama"), make_ckpt("phi3", family="phi3")
     return {"llama-nf4": quantized(llama, root / "llama-nf4", "nf4"),
@@ -52,7 +62,7 @@ def _ours(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ["llama-nf4", "phi3-fp4"])
-def test_4bit_weights_dequantize_as_bitsandbytes_does(ckpts, name):
+def test_4bit_weights_dequantize_as_bitsandbytes_does(ckpts, bnb, name):
     model = tf.AutoModelForCausalLM.from_pretrained(ckpts[name], device_map="cpu", dtype=torch.float32)
     ours = _ours(ckpts[name])
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
@@ -63,7 +73,7 @@ def test_4bit_weights_dequantize_as_bitsandbytes_does(ckpts, name):
     assert all(not k.endswith(("absmax", "quant_map")) and "quant_state" not in k for k in ours)
 
 
-def test_int8_weights_dequantize_as_bitsandbytes_does(ckpts):
+def test_int8_weights_dequantize_as_bitsandbytes_does(ckpts, bnb):
     model = tf.AutoModelForCausalLM.from_pretrained(ckpts["llama-int8"], device_map="cpu")
     ours = _ours(ckpts["llama-int8"])
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)]

@@ -112,7 +112,7 @@ def test_a_special_token_missing_from_the_vocabulary(tmp_path):
 
 def test_no_tokenizer_files_at_all(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(FileNotFoundError, match="vocab.json \\+ merges.txt, vocab.txt, or a SentencePiece"):
+    with pytest.raises(FileNotFoundError, match="vocab.json \\+ merges.txt, vocab.txt, a SentencePiece"):
         Tokenizer.from_pretrained(tmp_path)
 
 

@@ -384,10 +384,14 @@ class ModelConfig:
         if not path.is_dir():
             raise FileNotFoundError(f"model folder not found: {path}")
         cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"config.json not found in model folder {path}")
-        with open(cfg_file) as f:
-            raw = json.load(f)
+        from streamer.mistral_format import hf_config, is_mistral_folder
+        if is_mistral_folder(path):  # Mistral's own format: params.json (streamer/mistral_format.py)
+            raw = hf_config(path)
+        elif not cfg_file.is_file():
+            raise FileNotFoundError(f"config.json not found in model folder {path} (nor Mistral's params.json)")
+        else:
+            with open(cfg_file) as f:
+                raw = json.load(f)
         return cls.from_dict(with_overrides(raw, overrides) if overrides else raw)
 
     @classmethod

@@ -66,6 +66,9 @@ from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
 from streamer.models.mtp import mtp_class
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
+from streamer.mistral_format import hf_weights as mistral_weights
+from streamer.mistral_format import is_mistral_folder
+from streamer.mistral_format import weight_files as mistral_weight_files
 from streamer.models.bnb import dequantizing_bnb, is_bnb
 from streamer.models.quant import dequantizing
 from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
@@ -177,9 +180,12 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
     if load_format == "dummy":
         _dummy_init(model, seed)
     else:
-        files = weight_files(folder, load_format)
+        mistral = is_mistral_folder(folder)
+        files = mistral_weight_files(folder) if mistral else weight_files(folder, load_format)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = iter_weights(files)
+        if mistral:  # Mistral's tensor names and rotary layout -> transformers' (streamer/mistral_format.py)
+            weights = mistral_weights(weights, cfg.num_heads, cfg.num_kv_heads)
         if is_bnb(cfg.quantization):  # (before renames: a model that splits fused tensors needs them whole)
             weights = dequantizing_bnb(weights, cfg.quantization)
         weights = _taking_kv_scales(model.rename_weights(weights), kv_scales)

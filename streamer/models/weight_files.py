@@ -24,12 +24,20 @@ def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
     """The folder's weight files in load order: its safetensors (those its index lists, or all), or with none of
     those (or load_format "pt") its pytorch_model*.bin shards (likewise)."""
     if load_format != "pt":
-        files = _listed(folder, "model.safetensors.index.json") or sorted(folder.glob("*.safetensors"))
+        files = _listed(folder, "model.safetensors.index.json") or _safetensors(folder)
         if files or load_format == "safetensors":
             return _existing(folder, files, "*.safetensors")
     files = _listed(folder, "pytorch_model.bin.index.json") or sorted(folder.glob("pytorch_model*.bin"))
     return _existing(folder, files, "*.safetensors or pytorch_model*.bin" if load_format == "auto"
                      else "pytorch_model*.bin")
+
+
+def _safetensors(folder: Path) -> list[Path]:
+    """The folder's safetensors files, less Mistral-format `consolidated*` copies of the same weights (repos that ship
+    both formats; a Mistral-format folder reads those through streamer/mistral_format.py)."""
+    files = sorted(folder.glob("*.safetensors"))
+    ours = [f for f in files if not f.name.startswith("consolidated")]
+    return ours or files
 
 
 def _listed(folder: Path, index_name: str) -> list[Path]:
