@@ -873,6 +873,9 @@ class ModelRunner:
             return "not with a quantized checkpoint (its codes load as they are stored)"
         if self.model.kv_scales is not None:
             return "not with a checkpoint's FP8 KV-cache scales"
+        from streamer.mistral_format import is_mistral_folder
+        if is_mistral_folder(self.model_dir):
+            return "not with a checkpoint in Mistral's format (its tensors are renamed and permuted at load)"
         return None
 
     def update_weights(self, source: Path | NamedTensors, partial: bool = False) -> None:

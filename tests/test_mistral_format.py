@@ -243,3 +243,11 @@ def test_served_with_the_openai_client(ckpts):
     assert usage is not None and usage.prompt_tokens == len(_theirs(TEKKEN, conversation))
     assert usage.completion_tokens == 5 or chunks[-2].choices[0].finish_reason == "stop"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_weight_updates_are_refused_by_name(ckpts):
+    with LLM(str(ckpts[1]), dtype="float32", max_model_len=512) as llm:
+        with pytest.raises(ValueError, match="Mistral's format"):
+            llm.update_weights(ckpts[1])
+        out = llm.generate({"prompt_token_ids": [1, 500]}, SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 2  # (and it still serves)
