@@ -589,13 +589,20 @@ def test_strict_tool_tag_holds_calls_to_their_tools(llm):
     ("deepseek_v3", "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>"),
     ("deepseek_v31", "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>"),
     ("llama3_json", '{{"name": "{name}", "parameters": {args}}}'),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>{args}"
+                "<|tool_call_end|><|tool_calls_section_end|>"),
+    ("mistral", "[TOOL_CALLS]{name}[ARGS]{args}"),
+    ("mistral_list", '[TOOL_CALLS][{{"name": "{name}", "arguments": {args}}}]'),
 ])
 def test_strict_tool_tag_other_formats(llm, parser, call):
-    """DeepSeek-V3's and V3.1's call blocks, and Llama 3's JSON calls, held to their tools the same way; the parser
-    reads back what the tag lets through."""
+    """DeepSeek-V3's and V3.1's call blocks, Llama 3's JSON calls, Kimi K2's numbered calls and Mistral's (v11+
+    `name[ARGS]{...}`, or the older JSON list) held to their tools the same way; the parser reads back what the tag
+    lets through."""
     from streamer.server.structured import strict_tool_tag
     from streamer.server.tool_calls import parse_all
-    grammar = llm.engine.grammars.compile(strict_tool_tag(parser, STRICT_TOOLS))
+    tag = strict_tool_tag(parser.removesuffix("_list"), STRICT_TOOLS, mistral_args=not parser.endswith("_list"))
+    grammar = llm.engine.grammars.compile(tag)
+    parser = parser.removesuffix("_list")
 
     def fits(text: str) -> bool:
         ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
@@ -611,6 +618,18 @@ def test_strict_tool_tag_other_formats(llm, parser, call):
     content, calls = parse_all(good, parser)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("get_weather", {"city": "Paris"})]
+
+
+def test_kimi_call_indices_go_on_from_the_conversation():
+    """Kimi K2 numbers calls across the conversation: after two earlier calls the next is functions.NAME:2."""
+    from streamer.server.structured import KIMI_INDICES, strict_tool_tag
+    call = {"id": "functions.get_time:0", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    begins = [s["begin"] for s in strict_tool_tag("kimi_k2", STRICT_TOOLS, messages=messages)
+              .structural_tag["structures"]]
+    indices = sorted({int(b.split(":")[1].split("<")[0]) for b in begins})
+    assert indices == list(range(2, 2 + KIMI_INDICES))
 
 
 def test_server_strict_tools(live):

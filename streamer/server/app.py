@@ -212,7 +212,8 @@ class OpenAIServer:
                                        add_special_tokens=False)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
         if parse_tools and req.forced_tool is None and req.params.structured_outputs is None:
-            tag = strict_tool_tag(self.tool_call_parser, req.tools, self.enforce_strict_tool_calling)  # type: ignore
+            tag = strict_tool_tag(self.tool_call_parser, req.tools, self.enforce_strict_tool_calling,  # type: ignore
+                                  req.messages, self.engine.tokenizer.token_to_id("[ARGS]") is not None)
             if tag is not None:
                 req.params = req.params.clone(structured_outputs=tag)
         harmony = HARMONY_REASONING_PARSER == self.reasoning_parser or HARMONY_TOOL_PARSER == self.tool_call_parser

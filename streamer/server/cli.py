@@ -55,7 +55,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(gpt-oss: 'openai', the default for it)")
     g.add_argument("--enforce-strict-tool-calling", action="store_true",
                    help="hold tool calls under tool_choice 'auto' to their tools' schemas as if every tool were "
-                        "`strict: true` (hermes format)")
+                        "`strict: true` (hermes, deepseek_v3 / v31, llama3_json, kimi_k2 and mistral formats)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: --tool-call-parser alone turns parsing on")
     g.add_argument("--disable-log-requests", action="store_true",

@@ -142,17 +142,44 @@ _CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "argum
               "llama3_json": ('{"name": "', '{{"name": "{name}", "parameters": ', "}")}
 
 
-def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False) -> Optional[StructuredOutputsParams]:
+# Kimi K2 numbers its calls across the conversation (`functions.NAME:INDEX`): the tag admits the next few indices
+KIMI_INDICES = 8
+
+
+def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False,
+                    messages: Optional[list[dict]] = None, mistral_args: bool = True,
+                    ) -> Optional[StructuredOutputsParams]:
     """The structural tag that holds the calls of a `tool_choice: "auto"` request to its tools: None unless a tool
     is strict (`function.strict: true`; all are with enforce_all) and the parser's format is one it knows. Every
-    tool's name is held to; the strict ones' arguments to their schema, the others' to any object."""
-    tags = _CALL_TAGS.get(parser)
+    tool's name is held to; the strict ones' arguments to their schema, the others' to any object. `messages`:
+    the conversation (Kimi K2's next call index counts the calls in it); `mistral_args`: Mistral's format is
+    `[TOOL_CALLS]name[ARGS]{...}` (tokenizers v11+, which have [ARGS]), else a JSON list of calls."""
     strict = [enforce_all or t["function"].get("strict") is True for t in tools]
-    if tags is None or not any(strict):
+    if not any(strict):
         return None
-    trigger, begin, end = tags
-    structures = [{"begin": begin.format(name=t["function"]["name"]), "end": end,
-                   "schema": _parameters(t) if s else {"type": "object"}} for t, s in zip(tools, strict)]
+    schemas = [(t["function"]["name"], _parameters(t) if s else {"type": "object"}) for t, s in zip(tools, strict)]
+    if parser in _CALL_TAGS:
+        trigger, begin, end = _CALL_TAGS[parser]
+        structures = [{"begin": begin.format(name=name), "end": end, "schema": schema} for name, schema in schemas]
+    elif parser == "kimi_k2":
+        trigger = "<|tool_call_begin|>"
+        base = sum(len(m.get("tool_calls") or []) for m in messages or []
+                   if isinstance(m, dict) and m.get("role") == "assistant")
+        structures = [{"begin": f"{trigger}functions.{name}:{i}<|tool_call_argument_begin|>",
+                       "end": "<|tool_call_end|>", "schema": schema}
+                      for name, schema in schemas for i in range(base, base + KIMI_INDICES)]
+    elif parser == "mistral" and mistral_args:
+        trigger = "[TOOL_CALLS]"
+        structures = [{"begin": f"{trigger}{name}[ARGS]", "end": "", "schema": schema} for name, schema in schemas]
+    elif parser == "mistral":
+        trigger = "[TOOL_CALLS]"
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                  "required": ["name", "arguments"], "additionalProperties": False} for name, schema in schemas]
+        # (json.dumps' spacing, as these models write the list: whitespace left free)
+        structures = [{"begin": trigger, "end": "", "schema": {"type": "array", "minItems": 1, "items": {"anyOf": calls},
+                                                                "x-guidance": {"whitespace_flexible": True}}}]
+    else:
+        return None
     return StructuredOutputsParams(structural_tag={"structures": structures, "triggers": [trigger]})
 
 
