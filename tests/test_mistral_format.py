@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
-from streamer.mistral_format import hf_name, tekken_tokenizer
+from streamer.mistral_format import tekken_tokenizer
 from streamer.tokenizer import Tokenizer
 
 mistral_common = pytest.importorskip("mistral_common")
