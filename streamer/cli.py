@@ -16,7 +16,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "dummy", "mistral"],
+                   help="mistral: (vLLM's) a Mistral-format folder, which 'auto' also reads")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -119,6 +120,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                    help="(the default)")
     v.add_argument("--enable-chunked-prefill", action="store_true", help="(always on)")
+    v.add_argument("--tokenizer-mode", default="auto", choices=["auto", "hf", "slow", "mistral"],
+                   help="(the folder's files decide: tokenizer.json, a slow tokenizer's, or Mistral's tekken.json)")
+    v.add_argument("--config-format", default="auto", choices=["auto", "hf", "mistral"],
+                   help="(the folder decides: config.json, or Mistral's params.json where it has no config.json)")
     v.add_argument("--trust-remote-code", action="store_true",
                    help="(ignored: streamer never runs code from a checkpoint; its architectures are built in)")
     lo = p.add_argument_group("LoRA adapters")
@@ -135,7 +140,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
-                "quantization", "generation_config", "override_generation_config", "hf_overrides",
+                "quantization", "generation_config", "override_generation_config", "hf_overrides", "tokenizer_mode",
+                "config_format",
                 "limit_images_per_prompt",
                 "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
                 "chat_template", "reasoning_parser", "enable_prompt_embeds")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -250,9 +250,11 @@ class EngineConfig:
     def from_kwargs(cls, model: Optional[str] = None, **kwargs) -> "EngineConfig":
         """The config from engine arguments, as `LLM(...)` / `AsyncEngine(...)` take them. vLLM's arguments that
         change nothing here are accepted so that vLLM code runs as it is: trust_remote_code (no checkpoint code is
-        ever run), disable_log_stats, enable_chunked_prefill=True (prefill is always chunked)."""
+        ever run), disable_log_stats, enable_chunked_prefill=True (prefill is always chunked), tokenizer_mode /
+        config_format / load_format "mistral" (the folder's files decide; see `_mistral_mode`)."""
         kwargs.pop("trust_remote_code", None)
         kwargs.pop("disable_log_stats", None)
+        _mistral_mode(model, kwargs)
         if kwargs.pop("enable_chunked_prefill", True) is not True:
             raise ValueError("enable_chunked_prefill: prefill is always chunked here (max_num_batched_tokens "
                              "bounds a step's tokens)")
@@ -301,3 +303,24 @@ def speculative_kwargs(spec: Any) -> dict[str, Any]:
     if out.get("num_speculative_tokens") is None:
         raise ValueError("speculative_config: num_speculative_tokens is required")
     return out
+
+
+def _mistral_mode(model: Optional[str], kwargs: dict[str, Any]) -> None:
+    """vLLM's switches to Mistral's format (tokenizer_mode, config_format, load_format "mistral"), taken out of
+    kwargs: the folder's files decide here (streamer/mistral_format.py reads a folder with params.json and no
+    config.json; one with both reads transformers' files, the same weights). A switch to "mistral" for a folder
+    without params.json is a ValueError."""
+    named = []
+    for key, allowed in (("tokenizer_mode", ("auto", "hf", "slow", "mistral")),
+                         ("config_format", ("auto", "hf", "mistral"))):
+        value = kwargs.pop(key, "auto")
+        if value not in allowed:
+            raise ValueError(f"{key} must be one of {allowed}, got {value!r}")
+        if value == "mistral":
+            named.append(key)
+    if kwargs.get("load_format") == "mistral":
+        kwargs["load_format"] = "auto"
+        named.append("load_format")
+    if named and model is not None and not (Path(model).expanduser() / "params.json").is_file():
+        raise ValueError(f"{' / '.join(named)} 'mistral' needs a folder in Mistral's format (params.json); "
+                         f"{model} has none")

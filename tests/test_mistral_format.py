@@ -251,3 +251,17 @@ def test_weight_updates_are_refused_by_name(ckpts):
             llm.update_weights(ckpts[1])
         out = llm.generate({"prompt_token_ids": [1, 500]}, SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 2  # (and it still serves)
+
+
+def test_vllms_mistral_switches(ckpts):
+    """vLLM's command line for these models (--tokenizer-mode / --config-format / --load-format mistral) runs as
+    it is; on a folder without params.json the switches are refused by name."""
+    from streamer.config import EngineConfig
+    from streamer.cli import build_parser
+    args = build_parser().parse_args(["serve", str(ckpts[1]), "--tokenizer-mode", "mistral", "--config-format",
+                                      "mistral", "--load-format", "mistral"])
+    from streamer.cli import engine_kwargs
+    cfg = EngineConfig.from_kwargs(str(ckpts[1]), **engine_kwargs(args))
+    assert cfg.load_format == "auto"
+    with pytest.raises(ValueError, match="tokenizer_mode 'mistral' needs a folder in Mistral's format"):
+        EngineConfig.from_kwargs(str(ckpts[0]), tokenizer_mode="mistral")
