@@ -77,6 +77,19 @@ def test_matches_transformers(bloom, want, kw):
     assert _greedy(bloom, PROMPTS[:1], **kw) == want[:1]  # a lone request (the compiled decode path's)
 
 
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16, "block_size": 8}], ids=["whole", "chunked"])
+def test_a_bias_mask_made_by_rows(bloom, want, kw, monkeypatch):
+    """A prefill whose [heads, q, L] mask is over the budget makes it a few query rows at a time (each reading
+    the keys up to its last query): the same tokens."""
+    import streamer.attention.torch_backend as tb
+    monkeypatch.setattr(tb, "BIAS_MASK_ELEMENTS", 200)
+    calls = []
+    real = tb.TorchAttentionBackend._biased_by_rows
+    monkeypatch.setattr(tb.TorchAttentionBackend, "_biased_by_rows",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    assert _greedy(bloom, **kw) == want and calls
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decode_logprobs_match_transformers(bloom, compiled):
     """Each generated token's logprob (decode steps, where the bias reaches back over the whole context; a lone

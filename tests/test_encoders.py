@@ -347,8 +347,13 @@ def test_dense_projection_reads_sentence_transformers_modules(tmp_path):
 LONG = " ".join(["the quick brown fox jumps over the lazy dog; it was asleep."] * 5)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_mpnet_embeddings_match_transformers(mpnet_dir, compiled):
+@pytest.mark.parametrize("compiled, rows", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "mask-by-rows"])
+def test_mpnet_embeddings_match_transformers(mpnet_dir, compiled, rows, monkeypatch):
+    """rows: the bias mask too big to make whole (a budget of 3 keys' rows), so it is made a few rows at a time."""
+    if rows:
+        import streamer.attention.torch_backend as tb
+        monkeypatch.setattr(tb, "BIAS_MASK_ELEMENTS", 3 * 320 * 4)
     model, tok = _hf(mpnet_dir)
     texts = TEXTS + [LONG]
     assert len(tok(LONG)["input_ids"]) > 2 * 128 - 40

@@ -32,6 +32,10 @@ from streamer_kernels.reference import quantize_fp8, relative_bias
 
 logger = logging.getLogger("streamer")
 
+# A prefill's relative-position float mask ([heads, queries, keys]) is made whole, once a step for every layer, up to
+# this many elements (64 MiB in fp32); a longer one is made a block of query rows at a time, in each layer.
+BIAS_MASK_ELEMENTS = 1 << 24
+
 
 def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                      softcap: Optional[float], sinks: Optional[torch.Tensor],
@@ -392,14 +396,37 @@ class TorchAttentionBackend(KVScales):
                 mask = mask if see_all else mask.tril()
             bias = None if meta.position_bias is None else relative_bias(meta.position_bias, q_pos, k_pos)
             o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks, bias)
-        elif meta.position_bias is not None:
+        elif meta.position_bias is not None and qi.shape[0] * q_len * seq_len <= BIAS_MASK_ELEMENTS:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=self._bias_mask(meta, i, q_pos, k_pos, mask,
                                                                                    see_all, qi.dtype),
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
+        elif meta.position_bias is not None:
+            o = self._biased_by_rows(qi, k, v, meta.position_bias, q_pos, k_pos, mask, see_all or limit is not None)
         else:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all,
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
+
+    def _biased_by_rows(self, qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                        q_pos: torch.Tensor, k_pos: torch.Tensor, mask: Optional[torch.Tensor],
+                        all_keys: bool) -> torch.Tensor:
+        """A long prompt's biased attention a block of query rows at a time, each block's float mask made for it
+        and dropped ([H, rows, L] of at most BIAS_MASK_ELEMENTS, where the whole [H, q, L] one could take GBs: a
+        BLOOM prompt of 8k tokens). Causal blocks read only the keys up to their last query (`all_keys`: an
+        encoder's, or a limit's, may look further)."""
+        heads, q_len, seq_len = qi.shape[0], qi.shape[1], k.shape[1]
+        rows = max(1, BIAS_MASK_ELEMENTS // (heads * seq_len))
+        out = qi.new_empty(qi.shape[0], q_len, v.shape[-1])
+        for r in range(0, q_len, rows):
+            e = min(r + rows, q_len)
+            keys = seq_len if all_keys else seq_len - q_len + e
+            qp, kp = q_pos[r:e], k_pos[:, :keys]
+            block = kp <= qp if mask is None and not all_keys else None if mask is None else mask[r:e, :keys]
+            bias = relative_bias(table, qp, kp)
+            bias = (bias if block is None else bias.masked_fill(~block, float("-inf"))).to(qi.dtype)
+            out[:, r:e] = F.scaled_dot_product_attention(qi[:, r:e], k[:, :keys], v[:, :keys], attn_mask=bias,
+                                                         scale=self.spec.scale, enable_gqa=self.gqa > 1)
+        return out
 
     def _bias_mask(self, meta: AttentionMetadata, i: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
                    mask: Optional[torch.Tensor], see_all: bool, dtype: torch.dtype) -> torch.Tensor:
