@@ -258,9 +258,18 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
         asyncio.run(rerank())
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_modernbert_embeddings_match_transformers(modernbert_dir, compiled):
+@pytest.mark.parametrize("compiled, rows", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "window-by-rows"])
+def test_modernbert_embeddings_match_transformers(modernbert_dir, compiled, rows, monkeypatch):
     # Prompts longer than the local layers' window (4 either way): those layers must see a window, both ways.
+    # rows: the window's queries 2 at a time over the keys they reach (a long prompt's path, here on short ones).
+    if rows:
+        import streamer.attention.torch_backend as tb
+        monkeypatch.setattr(tb, "WINDOW_ROWS", 2)
+        calls = []
+        real = tb.TorchAttentionBackend._windowed_by_rows
+        monkeypatch.setattr(tb.TorchAttentionBackend, "_windowed_by_rows",
+                            lambda self, *a: calls.append(1) or real(self, *a))
     model, tok = _hf(modernbert_dir)
     assert all(len(tok(t)["input_ids"]) > 9 for t in TEXTS[:3])
     with LLM(str(modernbert_dir), dtype="float32", enforce_eager=not compiled) as llm:
@@ -269,6 +278,7 @@ def test_modernbert_embeddings_match_transformers(modernbert_dir, compiled):
             outs = llm.embed(TEXTS, PoolingParams(pooling=pooling, normalize=False))
             for text, out in zip(TEXTS, outs):
                 assert _close(out.embedding, _pooled(_hidden(model, tok, text), pooling, False)), (text, pooling)
+    assert not rows or calls
 
 
 def test_modernbert_classifier_reads_the_mean(modernbert_clf_dir):

@@ -35,6 +35,8 @@ logger = logging.getLogger("streamer")
 # A prefill's relative-position float mask ([heads, queries, keys]) is made whole, once a step for every layer, up to
 # this many elements (64 MiB in fp32); a longer one is made a block of query rows at a time, in each layer.
 BIAS_MASK_ELEMENTS = 1 << 24
+# A windowed prefill longer than this many queries runs this many at a time, each over the keys its window reaches.
+WINDOW_ROWS = 256
 
 
 def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
@@ -402,10 +404,33 @@ class TorchAttentionBackend(KVScales):
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         elif meta.position_bias is not None:
             o = self._biased_by_rows(qi, k, v, meta.position_bias, q_pos, k_pos, mask, see_all or limit is not None)
+        elif mask is not None and q_len > WINDOW_ROWS and ((window or seq_len) < seq_len // 2
+                                                          or (chunk or seq_len) < seq_len // 2):
+            o = self._windowed_by_rows(qi, k, v, mask, seq_len - q_len, limit)
         else:
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all,
                                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
+
+    def _windowed_by_rows(self, qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                          first: int, limit: Optional[np.ndarray]) -> torch.Tensor:
+        """Attention under a sliding window (or chunked attention) a block of WINDOW_ROWS queries at a time, over
+        only the keys the block can see: a long prompt's cost grows with its length times the window, not its
+        length squared (SDPA with a mask computes every pair, then hides most). The key range comes from the
+        positions on the host (`first`: the first query's; `limit`: each query's last key, where not causal)."""
+        q_len, seq_len = mask.shape
+        window, chunk = self.spec.sliding_window, self.spec.attention_chunk
+        out = qi.new_empty(qi.shape[0], q_len, v.shape[-1])
+        for r in range(0, q_len, WINDOW_ROWS):
+            e = min(r + WINDOW_ROWS, q_len)
+            lo = max(0, first + r - window + 1) if window else 0
+            if chunk:
+                lo = max(lo, (first + r) // chunk * chunk)
+            hi = min(seq_len, (int(limit[r:e].max()) if limit is not None else first + e - 1) + 1)
+            out[:, r:e] = F.scaled_dot_product_attention(qi[:, r:e], k[:, lo:hi], v[:, lo:hi],
+                                                         attn_mask=mask[r:e, lo:hi], scale=self.spec.scale,
+                                                         enable_gqa=self.gqa > 1)
+        return out
 
     def _biased_by_rows(self, qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                         q_pos: torch.Tensor, k_pos: torch.Tensor, mask: Optional[torch.Tensor],
