@@ -221,4 +221,8 @@ def chat_template(path: Path) -> Optional[str]:
         logger.warning("%s: no chat template (install mistral_common, Mistral's library, to generate the one this "
                        "tokenizer's version uses)", path.parent)
         return None
-    return convert_tokenizer_to_chat_template(str(path))
+    try:
+        return convert_tokenizer_to_chat_template(str(path))
+    except Exception as e:  # (as transformers does: a tokenizer it cannot template still tokenizes)
+        logger.warning("%s: mistral_common could not write a chat template for it (%s): no chat template", path, e)
+        return None

@@ -265,3 +265,53 @@ def test_vllms_mistral_switches(ckpts):
     assert cfg.load_format == "auto"
     with pytest.raises(ValueError, match="tokenizer_mode 'mistral' needs a folder in Mistral's format"):
         EngineConfig.from_kwargs(str(ckpts[0]), tokenizer_mode="mistral")
+
+
+def _tekken_version(version: str, out: Path) -> Path:
+    """The bundled tekken file as a newer version: its special tokens listed (as v7+ files list them)."""
+    from mistral_common.tokens.tokenizers.base import SpecialTokens
+    data = json.loads(TEKKEN.read_text())
+    data["config"] = dict(data["config"], version=version)
+    think = int(version[1:]) >= 13  # ([THINK] tokens: only v13 files have them)
+    names = [t.value for t in SpecialTokens if think or t.value not in ("[THINK]", "[/THINK]")]
+    data["special_tokens"] = [{"rank": i, "token_str": t, "is_control": True} for i, t in enumerate(names)]
+    data.pop("image", None)
+    out.write_text(json.dumps(data))
+    return out
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+WITH_TOOLS = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "abcdefghi", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "abcdefghi", "content": "sunny"},
+    {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Thanks"}]
+
+
+def _theirs_with_tools(path: Path) -> list[int]:
+    from mistral_common.protocol.instruct.messages import ToolMessage
+    from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool, ToolCall
+    call = ToolCall(id="abcdefghi", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+    messages = [SystemMessage(content="Be brief."), UserMessage(content="Weather in Paris?"),
+                AssistantMessage(content=None, tool_calls=[call]),
+                ToolMessage(content="sunny", tool_call_id="abcdefghi"), AssistantMessage(content="Sunny."),
+                UserMessage(content="Thanks")]
+    tools = [Tool(function=Function(**TOOLS[0]["function"]))]
+    request = ChatCompletionRequest(messages=messages, tools=tools)
+    return MistralTokenizer.from_file(str(path)).encode_chat_completion(request).tokens
+
+
+@pytest.mark.parametrize("version", ["v7", "v11", "v13"])
+def test_newer_tekken_versions_chat_with_tools_as_mistral_common(ckpts, version, tmp_path):
+    """System prompt, a tool call (v7's JSON list, v11's name[CALL_ID]id[ARGS], v13's name[ARGS]), its result
+    and the tools' list where each version puts it: the prompt mistral_common encodes, id for id."""
+    folder = tmp_path / version
+    folder.mkdir()
+    for name in ("params.json", "consolidated.safetensors"):
+        (folder / name).symlink_to(ckpts[1] / name)
+    tekken = _tekken_version(version, folder / "tekken.json")
+    with LLM(str(folder), dtype="float32", max_model_len=512) as llm:
+        out = llm.chat(WITH_TOOLS, SamplingParams(max_tokens=1), tools=TOOLS)[0]
+    assert out.prompt_token_ids == _theirs_with_tools(tekken)

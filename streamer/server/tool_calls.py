@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any, Optional
 
@@ -405,12 +407,16 @@ class GraniteToolCalls(ToolCallParser):
 
 class MistralToolCalls(ToolCallParser):
     """Text until `[TOOL_CALLS]` is content. After it: a JSON list of {"name", "arguments"} (all emitted when the
-    list closes), or a name and a JSON object (`name{...}`, `name[ARGS]{...}`, emitted when the object closes); then
-    text again. A list that is not all calls, or anything else after the tag, stays content."""
+    list closes), or a name and a JSON object (`name{...}`, `name[ARGS]{...}`, v11's `name[CALL_ID]ID[ARGS]{...}`,
+    emitted when the object closes); then text again. A list that is not all calls, or anything else after the
+    tag, stays content. Call ids are the model's own (v11's [CALL_ID], a listed call's "id"), else 9 random
+    letters and digits: Mistral's chat templates refuse any other shape when the call comes back."""
 
     TAG = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
+    CALL_ID = "[CALL_ID]"
     _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+    _ID = re.compile(r"[A-Za-z0-9]+")
 
     def __init__(self) -> None:
         super().__init__()
@@ -459,11 +465,24 @@ class MistralToolCalls(ToolCallParser):
             calls = [_call_object(x) for x in items]
             if not calls or any(c is None for c in calls):
                 return found[1], []
+            for call, item in zip(calls, items):
+                if isinstance(item.get("id"), str):
+                    call["id"] = item["id"]  # type: ignore[index]
             return found[1], calls  # type: ignore[return-value]
         m = self._NAME.match(buf, p)
         if m is None:
             return len(self.TAG), []
         q = m.end()
+        call_id = None
+        if buf.startswith(self.CALL_ID, q):
+            found_id = self._ID.match(buf, q + len(self.CALL_ID))
+            if found_id is None or found_id.end() == len(buf):
+                return (len(buf), []) if final else None
+            call_id, q = found_id.group(0), found_id.end()
+            if not buf.startswith(self.ARGS, q) and not (self.ARGS.startswith(buf[q:]) and not final):
+                return len(self.TAG), []
+        elif self.CALL_ID.startswith(buf[q:]) and buf[q:] and not final:
+            return None
         if buf.startswith(self.ARGS, q):
             q += len(self.ARGS)
         elif self.ARGS.startswith(buf[q:]) and not final:  # also "": the name may go on
@@ -478,7 +497,16 @@ class MistralToolCalls(ToolCallParser):
         if found is None:
             return (len(buf), []) if final else None
         call = _call_object({"name": m.group(0), "arguments": found[0]}) if isinstance(found[0], dict) else None
+        if call is not None and call_id is not None:
+            call["id"] = call_id
         return (found[1], [call]) if call is not None else (found[1], [])
+
+    def _numbered(self, call: dict[str, Any]) -> dict[str, Any]:
+        given = call.pop("id", None)
+        numbered = super()._numbered(call)
+        numbered["id"] = given if isinstance(given, str) and given else \
+            "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return numbered
 
 
 _CALL_OPENING = re.compile(r"\s*[A-Za-z_]\w*\s*\(")
