@@ -77,8 +77,14 @@ def test_the_reader_sees_what_sentencepiece_sees(models, name):
 def test_encodes_and_decodes_as_sentencepiece(models, name, text):
     sp = spm.SentencePieceProcessor(model_file=str(models[name]))
     tok = _built(models[name])
-    ids = tok.encode(text, add_special_tokens=False).ids
-    assert ids == sp.encode(text), (text, sp.encode(text, out_type=str), tok.encode(text).tokens)
+    ids, want = tok.encode(text, add_special_tokens=False).ids, sp.encode(text)
+    if ids != want and MODELS[name]["model_type"] == "unigram":
+        # Unigram ties ("ririri": ri + riri or riri + ri score the same): the two Viterbi searches may pick
+        # either best path (transformers' fast T5 tokenizer does as this one does). Both must be best paths.
+        score = lambda pieces: sum(sp.get_score(i) for i in pieces)  # noqa: E731
+        assert score(ids) == pytest.approx(score(want), abs=1e-4) and sp.decode(ids) == sp.decode(want), text
+        return
+    assert ids == want, (text, sp.encode(text, out_type=str), tok.encode(text).tokens)
     if sp.unk_id() not in ids:  # (sentencepiece decodes <unk> as " ⁇ ", transformers as "<unk>")
         assert tok.decode(ids) == sp.decode(ids)
 
