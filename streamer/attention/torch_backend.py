@@ -39,6 +39,13 @@ BIAS_MASK_ELEMENTS = 1 << 24
 WINDOW_ROWS = 256
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """SDPA on [heads, tokens, dim] tensors, given a batch dimension on the way: PyTorch's CPU flash kernel takes
+    only 4-D inputs, and 3-D ones fall to the math path, which materializes [heads, q, L] scores (GBs for a long
+    prompt) and runs 3-4x slower."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
+
+
 def _attend_explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                      softcap: Optional[float], sinks: Optional[torch.Tensor],
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -399,17 +406,16 @@ class TorchAttentionBackend(KVScales):
             bias = None if meta.position_bias is None else relative_bias(meta.position_bias, q_pos, k_pos)
             o = _attend_explicit(qi * self.spec.scale, k, v, mask, self.spec.logit_softcap, sinks, bias)
         elif meta.position_bias is not None and qi.shape[0] * q_len * seq_len <= BIAS_MASK_ELEMENTS:
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=self._bias_mask(meta, i, q_pos, k_pos, mask,
-                                                                                   see_all, qi.dtype),
-                                               scale=self.spec.scale, enable_gqa=self.gqa > 1)
+            o = _sdpa(qi, k, v, attn_mask=self._bias_mask(meta, i, q_pos, k_pos, mask, see_all, qi.dtype),
+                      scale=self.spec.scale, enable_gqa=self.gqa > 1)
         elif meta.position_bias is not None:
             o = self._biased_by_rows(qi, k, v, meta.position_bias, q_pos, k_pos, mask, see_all or limit is not None)
         elif mask is not None and q_len > WINDOW_ROWS and ((window or seq_len) < seq_len // 2
                                                           or (chunk or seq_len) < seq_len // 2):
             o = self._windowed_by_rows(qi, k, v, mask, seq_len - q_len, limit)
         else:
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all,
-                                               scale=self.spec.scale, enable_gqa=self.gqa > 1)
+            o = _sdpa(qi, k, v, attn_mask=mask, is_causal=mask is None and not see_all, scale=self.spec.scale,
+                      enable_gqa=self.gqa > 1)
         out[start:end] = o.transpose(0, 1)
 
     def _windowed_by_rows(self, qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -427,9 +433,8 @@ class TorchAttentionBackend(KVScales):
             if chunk:
                 lo = max(lo, (first + r) // chunk * chunk)
             hi = min(seq_len, (int(limit[r:e].max()) if limit is not None else first + e - 1) + 1)
-            out[:, r:e] = F.scaled_dot_product_attention(qi[:, r:e], k[:, lo:hi], v[:, lo:hi],
-                                                         attn_mask=mask[r:e, lo:hi], scale=self.spec.scale,
-                                                         enable_gqa=self.gqa > 1)
+            out[:, r:e] = _sdpa(qi[:, r:e], k[:, lo:hi], v[:, lo:hi], attn_mask=mask[r:e, lo:hi],
+                                scale=self.spec.scale, enable_gqa=self.gqa > 1)
         return out
 
     def _biased_by_rows(self, qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
@@ -449,8 +454,8 @@ class TorchAttentionBackend(KVScales):
             block = kp <= qp if mask is None and not all_keys else None if mask is None else mask[r:e, :keys]
             bias = relative_bias(table, qp, kp)
             bias = (bias if block is None else bias.masked_fill(~block, float("-inf"))).to(qi.dtype)
-            out[:, r:e] = F.scaled_dot_product_attention(qi[:, r:e], k[:, :keys], v[:, :keys], attn_mask=bias,
-                                                         scale=self.spec.scale, enable_gqa=self.gqa > 1)
+            out[:, r:e] = _sdpa(qi[:, r:e], k[:, :keys], v[:, :keys], attn_mask=bias, scale=self.spec.scale,
+                                enable_gqa=self.gqa > 1)
         return out
 
     def _bias_mask(self, meta: AttentionMetadata, i: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
