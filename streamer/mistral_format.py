@@ -130,7 +130,11 @@ def hf_weights(weights: Iterable[tuple[str, torch.Tensor]], heads: int,
 
 
 def weight_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("consolidated*.safetensors"))
+    files = sorted(folder.glob("consolidated*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has Mistral's params.json but no consolidated*.safetensors weights "
+                                "(consolidated.pth files are not read: only safetensors)")
+    return files
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

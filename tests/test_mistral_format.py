@@ -315,3 +315,12 @@ def test_newer_tekken_versions_chat_with_tools_as_mistral_common(ckpts, version,
     with LLM(str(folder), dtype="float32", max_model_len=512) as llm:
         out = llm.chat(WITH_TOOLS, SamplingParams(max_tokens=1), tools=TOOLS)[0]
     assert out.prompt_token_ids == _theirs_with_tools(tekken)
+
+
+def test_a_params_json_without_weights(tmp_path):
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128,
+                                                      "vocab_size": 1000}))
+    (tmp_path / "consolidated.00.pth").write_bytes(b"")
+    shutil.copy(TEKKEN, tmp_path / "tekken.json")
+    with pytest.raises(FileNotFoundError, match="no consolidated\\*.safetensors weights"):
+        LLM(str(tmp_path), dtype="float32")
