@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -218,7 +219,8 @@ async def _both(c, **kw):
         reasoning += (d.model_extra or {}).get("reasoning_content") or ""
         content += d.content or ""
         for tc in d.tool_calls or []:
-            assert tc.index not in calls and tc.id.startswith("call_")  # each call arrives once, whole
+            # each call arrives once, whole, with an id (mistral's: 9 letters and digits, as its templates want)
+            assert tc.index not in calls and re.fullmatch(r"call_\w+|[A-Za-z0-9]{9}", tc.id)
             calls[tc.index] = (tc.function.name, json.loads(tc.function.arguments))
         finish = chunk.choices[0].finish_reason or finish
     assert usage.completion_tokens == full.usage.completion_tokens
