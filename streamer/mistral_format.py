@@ -25,6 +25,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from streamer.tokenizer import byte_level_chars
+
 logger = logging.getLogger("streamer")
 
 # Special tokens of tekken files that do not list their own (versions up to v7), in id order (mistral_common's)
@@ -147,19 +149,6 @@ def spm_file(folder: Path) -> Optional[Path]:
     return next(iter(sorted(folder.glob("tokenizer.model.v*"))), None)
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table (the byte-level pre-tokenizer's alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def tekken_tokenizer(path: Path) -> tuple[Tokenizer, dict[str, Any]]:
     """tekken.json as a `tokenizers.Tokenizer`, and the tokenizer_config.json settings it implies."""
     data = json.loads(path.read_text(encoding="utf-8"))
@@ -172,7 +161,7 @@ def tekken_tokenizer(path: Path) -> tuple[Tokenizer, dict[str, Any]]:
                          f"default_num_special_tokens = {inner}")
     specials = [t["token_str"] for t in data.get("special_tokens") or []] or list(LEGACY_SPECIALS)
     specials += [f"<SPECIAL_{i}>" for i in range(len(specials), num_special)]
-    table = _byte_chars()
+    table = {b: c for c, b in byte_level_chars().items()}  # byte -> GPT-2's printable stand-in
     ranks: dict[bytes, int] = {}
     for i, entry in enumerate(entries):
         ranks[base64.b64decode(entry["token_bytes"])] = i
@@ -199,11 +188,10 @@ def tekken_tokenizer(path: Path) -> tuple[Tokenizer, dict[str, Any]]:
 
 def tokenizer_files(folder: Path) -> Optional[tuple[Tokenizer, dict[str, Any]]]:
     """The folder's Mistral tokenizer (tekken.json, else tokenizer.model.v*), or None if it has neither."""
-    tekken = _tekken_file(folder)
+    tekken, spm = _tekken_file(folder), spm_file(folder)
     if tekken is not None:
         tok, config = tekken_tokenizer(tekken)
     else:
-        spm = spm_file(folder)
         if spm is None:
             return None
         from streamer.slow_tokenizer import sentencepiece_llama
@@ -211,7 +199,7 @@ def tokenizer_files(folder: Path) -> Optional[tuple[Tokenizer, dict[str, Any]]]:
         config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
                   "add_eos_token": False, "legacy": False}
         tok = sentencepiece_llama(spm, config)
-    template = chat_template(tekken or spm_file(folder))  # type: ignore[arg-type]
+    template = chat_template(tekken or spm)  # type: ignore[arg-type]
     if template is not None:
         config["chat_template"] = template
     return tok, config

@@ -18,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -69,28 +69,25 @@ class SentencePieceModel:
         return model
 
     def _trainer_spec(self, data: bytes) -> None:
-        for number, value in _fields(data):
-            if number == 3:
-                self.model_type = int(value)
-            elif number == 35:
-                self.byte_fallback = bool(value)
-            elif number == 40:
-                self.unk_id = int(value)
-            elif number == 45:
-                self.unk_piece = value.decode("utf-8")
-            elif number == 24:
-                self.treat_whitespace_as_suffix = bool(value)
+        self._read_spec(data, _TRAINER_FIELDS)
 
     def _normalizer_spec(self, data: bytes) -> None:
+        self._read_spec(data, _NORMALIZER_FIELDS)
+
+    def _read_spec(self, data: bytes, known: dict[int, tuple[str, Any]]) -> None:
         for number, value in _fields(data):
-            if number == 2:
-                self.precompiled_charsmap = bytes(value)
-            elif number == 3:
-                self.add_dummy_prefix = bool(value)
-            elif number == 4:
-                self.remove_extra_whitespaces = bool(value)
-            elif number == 5:
-                self.escape_whitespaces = bool(value)
+            if number in known:
+                name, convert = known[number]
+                setattr(self, name, convert(value))
+
+
+# field number -> (SentencePieceModel attribute, how its wire value converts), per sentencepiece_model.proto
+_TRAINER_FIELDS: dict[int, tuple[str, Any]] = {
+    3: ("model_type", int), 24: ("treat_whitespace_as_suffix", bool), 35: ("byte_fallback", bool),
+    40: ("unk_id", int), 45: ("unk_piece", lambda v: bytes(v).decode("utf-8"))}
+_NORMALIZER_FIELDS: dict[int, tuple[str, Any]] = {
+    2: ("precompiled_charsmap", bytes), 3: ("add_dummy_prefix", bool), 4: ("remove_extra_whitespaces", bool),
+    5: ("escape_whitespaces", bool)}
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:

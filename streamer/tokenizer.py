@@ -228,7 +228,7 @@ class Tokenizer:
                 f"eos={sorted(self.eos_token_ids)}, pad={self.pad_token_id})")
 
 
-def _byte_level_chars() -> dict[str, int]:
+def byte_level_chars() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
     chr(256 + k) in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -249,7 +249,7 @@ def _byte_level_table(backend: _HFTokenizer) -> Optional[list[bytes]]:
         return None
     vocab = backend.get_vocab(with_added_tokens=True)
     size = max(vocab.values(), default=-1) + 1
-    chars = _byte_level_chars()
+    chars = byte_level_chars()
     table = [b""] * size  # (ids without a token decode to nothing)
     for token, i in vocab.items():
         try:
