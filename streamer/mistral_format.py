@@ -16,6 +16,7 @@ config.json (as vLLM's `--config-format auto` decides).
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import re
@@ -80,6 +81,8 @@ def hf_config(folder: Path) -> dict[str, Any]:
     if isinstance(c["sliding_window"], list):  # (per-layer windows: not in this format's text models we load)
         raise ValueError(f"{folder}/params.json: per-layer sliding windows are not supported")
     moe = p.get("moe")
+    if moe and not (isinstance(moe, dict) and {"num_experts", "num_experts_per_tok"} <= moe.keys()):
+        raise ValueError(f"{folder}/params.json: moe must give num_experts and num_experts_per_tok, got {moe!r}")
     if moe:
         c.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                  num_local_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"])
@@ -150,8 +153,15 @@ def spm_file(folder: Path) -> Optional[Path]:
 
 
 def tekken_tokenizer(path: Path) -> tuple[Tokenizer, dict[str, Any]]:
-    """tekken.json as a `tokenizers.Tokenizer`, and the tokenizer_config.json settings it implies."""
-    data = json.loads(path.read_text(encoding="utf-8"))
+    """tekken.json as a `tokenizers.Tokenizer`, and the tokenizer_config.json settings it implies (a ValueError
+    naming the file for one that is not a tekken vocabulary)."""
+    try:
+        return _tekken(path, json.loads(path.read_text(encoding="utf-8")))
+    except (KeyError, TypeError, AttributeError, binascii.Error, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a tekken tokenizer file ({type(e).__name__}: {e})") from None
+
+
+def _tekken(path: Path, data: dict[str, Any]) -> tuple[Tokenizer, dict[str, Any]]:
     cfg = data["config"]
     num_special = int(cfg["default_num_special_tokens"])
     inner = int(cfg["default_vocab_size"]) - num_special

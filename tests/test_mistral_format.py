@@ -225,6 +225,10 @@ def test_params_it_cannot_serve_are_named(tmp_path):
                                                       "vocab_size": 1000, "yarn": {"factor": 4}}))
     with pytest.raises(ValueError, match="yarn not supported in Mistral's format"):
         LLM(str(tmp_path))
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128,
+                                                      "vocab_size": 1000, "moe": {"num_experts": 4}}))
+    with pytest.raises(ValueError, match="moe must give num_experts and num_experts_per_tok"):
+        LLM(str(tmp_path))
 
 
 def test_served_with_the_openai_client(ckpts):
@@ -324,3 +328,13 @@ def test_a_params_json_without_weights(tmp_path):
     shutil.copy(TEKKEN, tmp_path / "tekken.json")
     with pytest.raises(FileNotFoundError, match="no consolidated\\*.safetensors weights"):
         LLM(str(tmp_path), dtype="float32")
+
+
+@pytest.mark.parametrize("content", ['{"vocab": []}', '{"config": {"default_num_special_tokens": 2, '
+                                     '"default_vocab_size": 4, "pattern": "."}, "vocab": [{"rank": 0}, {}]}',
+                                     "[1, 2]", "not json"])
+def test_a_broken_tekken_file_is_named(tmp_path, content):
+    (tmp_path / "tekken.json").write_text(content)
+    (tmp_path / "params.json").write_text("{}")
+    with pytest.raises(ValueError, match="tekken"):
+        Tokenizer.from_pretrained(tmp_path)
