@@ -28,8 +28,9 @@ from streamer.pooling import (Classifier, DenseProjection, PoolingParams, defaul
                               finish_pooled, st_max_seq_length)
 from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
-from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from streamer.models.config import ENCODER_DECODER_ARCHITECTURES, HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal import ImageInput, as_media, image_prompts_for
+from streamer.speech import SpeechPrompts
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.request import Request, RequestStatus
 from streamer.sampler import bad_words_token_ids
@@ -190,6 +191,9 @@ class LLMEngine:
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
         hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
+        # An encoder-decoder model (Whisper): each prompt's audio, encoded once (streamer/speech.py)
+        self.encoder_decoder = self.runner.cross
+        self.speech = SpeechPrompts(self.model_dir, self.runner.model) if self.encoder_decoder else None
         # An encoder's prompts attend both ways: a prefix's KV depends on what follows it, so none is reused.
         self.encoder = self.model_config.bidirectional
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
@@ -202,7 +206,8 @@ class LLMEngine:
                                    long_rope_threshold=long_rope[0] if long_rope else None)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
                                 config.block_size, self.model_config.vocab_size,
-                                mrope=self.model_config.mrope_section is not None, state_slots=hybrid)
+                                mrope=self.model_config.mrope_section is not None, state_slots=hybrid,
+                                encoder_decoder=self.encoder_decoder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
@@ -282,6 +287,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ images (streamer/multimodal.py)
     def _check_multimodal(self) -> None:
+        if self.model_config.architecture in ENCODER_DECODER_ARCHITECTURES and self.config.num_speculative_tokens:
+            raise ValueError("speculative decoding does not run with an encoder-decoder model (Whisper)")
         if self.model_config.multimodal is None:
             return
         if self.config.drafts_with_model:
@@ -290,6 +297,8 @@ class LLMEngine:
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;
         None: no images, which a prompt with placeholders must then not have). ValueError for a mismatch."""
+        if self.speech is not None:  # a speech model: the prompt's audio, for its encoder
+            return token_ids, (self.speech.encoder_input(data),)
         mm = self.image_prompts
         if mm is None:
             if data is not None:
@@ -365,8 +374,8 @@ class LLMEngine:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):  # (a speech model's decoder prompt spells its special tokens itself)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=not self.encoder_decoder)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -440,6 +449,9 @@ class LLMEngine:
             text = prompt if isinstance(prompt, str) else None
             if images is None:
                 prompt_token_ids, images = self.place_images(prompt_token_ids, None)
+        encoder_input = None
+        if self.speech is not None:  # (its "images" are its audio: see place_images)
+            encoder_input, images = self.speech.take(images), ()
         text, prompt_token_ids, images = self.truncate(text, prompt_token_ids, images,
                                                        pooling if pooling is not None else params)
         if pooling is not None:
@@ -466,7 +478,7 @@ class LLMEngine:
                           seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
                           long_rope_threshold=self.long_rope_threshold, images=images,
                           whole_images=bool(images) and self.runner.model.bidirectional_images,
-                          whole_prompt=self.encoder)
+                          whole_prompt=self.encoder, encoder_input=encoder_input)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             req.bad_words_ids = bad_words

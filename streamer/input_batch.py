@@ -10,7 +10,7 @@ except the one pass that maps the scheduler's output to rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -120,6 +120,9 @@ class StepInputs:
     # ... and the state copies to run first, batch after batch, each [(from slot, to slot)] (kv_cache.py
     # KVCacheManager.take_state_copies: prefix caching's checkpoints, speculative decoding's snapshots)
     state_copies: Optional[list[list[tuple[int, int]]]] = None
+    # Encoder-decoder models: the encoder inputs (Request.encoder_input) of the requests computing their first token
+    # (start 0), in their order in the step; None when none does
+    encoder_inputs: Optional[list[Any]] = None
 
     def __post_init__(self) -> None:
         if self.sample_tokens is None:
@@ -136,12 +139,15 @@ class StepInputs:
 
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_req: int, block_size: int,
-                 vocab_size: int, mrope: bool = False, state_slots: bool = False) -> None:
+                 vocab_size: int, mrope: bool = False, state_slots: bool = False, encoder_decoder: bool = False,
+                 ) -> None:
         """mrope: the model places tokens by M-RoPE (Qwen2-VL): a prompt's images shift the positions of the tokens
         after them (`StepInputs.rope_positions`). state_slots: a hybrid model's requests hold Mamba state slots
-        (`StepInputs.state_slots`)."""
+        (`StepInputs.state_slots`); so do an encoder-decoder model's, whose first steps carry their encoder inputs
+        (`StepInputs.encoder_inputs`)."""
         self.mrope = mrope
-        self.has_state = state_slots
+        self.has_state = state_slots or encoder_decoder
+        self.encoder_decoder = encoder_decoder
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -366,9 +372,15 @@ class InputBatch:
             lora_slots=lora[req_of_token] if lora.any() else None,
             pool=self._pool_tokens(pooled, sch, rows, qsl, starts) if len(pooled) else None,
             state_slots=self.state_slot[rows] if self.has_state else None,
+            encoder_inputs=self._encoder_inputs(sch, starts) if self.encoder_decoder else None,
             images=image_step([sch[i].req for i in with_images], qsl[with_images], starts[with_images],
                               q_lens[with_images]) if len(with_images) else None, rope_positions=rope,
             prompt_logprobs=self._prompt_logprob_tokens(wants, sch, rows, qsl, starts, q_lens) if len(wants) else None)
+
+    @staticmethod
+    def _encoder_inputs(sch: list, starts: np.ndarray) -> Optional[list[Any]]:
+        fresh = np.flatnonzero(starts == 0)
+        return [sch[i].req.encoder_input for i in fresh] if len(fresh) else None
 
     def _rope_positions(self, sch: list, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
                         with_images: np.ndarray, qsl: np.ndarray, starts: np.ndarray,

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, DecodeBatch, MambaStep, PrefillBatch,
-                                     forward_context)
+from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, CrossStep, DecodeBatch, MambaStep,
+                                     PrefillBatch, forward_context)
 from streamer.attention.torch_backend import decode_table, thread_splits
 from streamer.config import EngineConfig
 from streamer.cpu_malloc import keep_freed_memory
@@ -146,6 +146,18 @@ def _dense_span(slots: np.ndarray) -> Optional[tuple[int, int]]:
     return (lo, hi) if 3 * len(slots) >= 2 * (hi - lo) else None
 
 
+def cross_rows(q_lens: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """Each request's query rows in the step's flat batch, [R, L] padded with its last row (L: the longest), and
+    which are its own ([R, L] bool; None when every request has L rows)."""
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    width = int(q_lens.max())
+    if (q_lens == width).all():
+        return (qsl[:-1, None] + np.arange(width)).astype(np.int64), None
+    valid = np.arange(width) < q_lens[:, None]
+    rows = qsl[:-1, None] + np.minimum(np.arange(width), q_lens[:, None] - 1)
+    return rows.astype(np.int64), valid
+
+
 def attention_layers(model: torch.nn.Module) -> list:
     """The decoder layers' attention modules (a hybrid model's recurrent layers have none)."""
     return [layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None]
@@ -230,6 +242,7 @@ class ModelRunner:
         self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
         # Hybrid attention + Mamba models: KV caches for the attention layers only, Mamba state slots per request
         self.hybrid = bool(getattr(self.model, "is_hybrid", False))
+        self.cross = bool(getattr(self.model, "cross_attention", False))  # an encoder-decoder model (Whisper)
         self.forward = self.model
         self.compiled = self._should_compile()
         # Each batch row's last sampled token, on the device: async scheduling's next step reads its inputs here.
@@ -252,7 +265,7 @@ class ModelRunner:
         if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints', snapshots'
             self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots + self.num_snapshot_slots,
                                       self.dtype, self.device)
-            logger.info("Mamba state: %d slots (and %d checkpoints, %d snapshots) of %.1f MiB", self.num_state_slots,
+            logger.info("%s: %d slots (and %d checkpoints, %d snapshots) of %.1f MiB", self._state_name(), self.num_state_slots,
                         self.num_checkpoint_slots, self.num_snapshot_slots,
                         self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
@@ -395,7 +408,8 @@ class ModelRunner:
     def _should_compile(self) -> bool:
         if self.hybrid:  # its Mamba layers loop over the step's prefill chunks in Python: eager, always
             if self.config.enforce_eager is False:
-                logger.info("hybrid attention + Mamba model: running eagerly (enforce_eager=False ignored)")
+                logger.info("%s: running eagerly (enforce_eager=False ignored)", "encoder-decoder model" if self.cross
+                            else "hybrid attention + Mamba model")
             return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
@@ -502,7 +516,8 @@ class ModelRunner:
         if not self.hybrid:
             return 0, 0
         n, checkpoints = self.config.max_num_seqs, self.config.state_checkpoints
-        caching = self.config.enable_prefix_caching
+        # (an encoder-decoder model's state depends on its audio, not on a token prefix: nothing to checkpoint)
+        caching = self.config.enable_prefix_caching and getattr(self.model, "checkpointable_state", True)
         if not caching:
             checkpoints = 0
         if self.config.num_kv_blocks is not None:  # (tests and benchmarks: exact sizes, no budget)
@@ -514,8 +529,8 @@ class ModelRunner:
         if n + checkpoints > total:
             checkpoints = min(checkpoints, total - 1)
             n = total - checkpoints
-            logger.warning("Mamba state for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
-                           "budget: %d slots, so at most %d sequences run at once", self.config.max_num_seqs,
+            logger.warning("%s for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
+                           "budget: %d slots, so at most %d sequences run at once", self._state_name(), self.config.max_num_seqs,
                            per_slot / 2 ** 20, n, n)
         if self.tp_size > 1:  # every rank must hold the same slots: the smallest budget decides
             counts = torch.tensor([n, checkpoints], dtype=torch.int64, device=self.device)
@@ -524,6 +539,9 @@ class ModelRunner:
         if caching and not checkpoints:
             logger.warning("no memory left for Mamba state checkpoints: prefix caching is off")
         return int(n), int(checkpoints)
+
+    def _state_name(self) -> str:
+        return "cross-attention K/V" if getattr(self.model, "cross_attention", False) else "Mamba state"
 
     def _memory_budget(self) -> int:
         """Bytes for the KV cache (and a hybrid model's Mamba state)."""
@@ -584,7 +602,8 @@ class ModelRunner:
             query_start_loc_cpu=step.query_start_loc, seq_lens_cpu=step.seq_lens,
             causal_limit=None if limit is None else to_device(limit, dev), causal_limit_cpu=limit,
             window_limit=None if window is None else to_device(window, dev), window_limit_cpu=window,
-            mamba=self._mamba_step(step) if self.hybrid else None,
+            mamba=self._mamba_step(step) if self.hybrid and not self.cross else None,
+            cross=self._cross_step(step) if self.cross else None,
             position_bias=self.model.position_bias_table() if self.model.relative_bias else None)
 
     def _mamba_step(self, step: StepInputs) -> MambaStep:
@@ -609,6 +628,32 @@ class ModelRunner:
             decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
             prefills=_chunks(slots, qsl, many), **self._prefill_batch(slots, qsl, many),
             copies=tuple(self._slot_pairs(pairs) for pairs in step.state_copies or () if pairs))
+
+    def _cross_step(self, step: StepInputs) -> CrossStep:
+        """What an encoder-decoder model's cross-attention needs of the step: each request's query rows and state
+        slot, and the encoder inputs of those computing their first token (the warm-up steps': silence)."""
+        qsl, dev = step.query_start_loc, self.device
+        n = step.num_reqs
+        slots = step.state_slots if step.state_slots is not None else np.full(n, self.num_state_slots, np.int64)
+        if (slots < 0).any():
+            raise RuntimeError("a request of an encoder-decoder model has no state slot")
+        rows, valid = cross_rows(np.diff(qsl))
+        fresh = np.flatnonzero(step.positions[qsl[:-1]] == 0)
+        features = None
+        if len(fresh):
+            given = step.encoder_inputs
+            if given is None:  # (warm-up)
+                given = [self.model.silence()] * len(fresh)
+            if len(given) != len(fresh):
+                raise RuntimeError(f"{len(fresh)} requests start this step but {len(given)} encoder inputs came")
+            features = torch.stack(given).to(dev, non_blocking=True)
+        # (a request whose slot is reused while another keeps it would be a pool bug; the span is for speed only)
+        span = _dense_span(slots)
+        return CrossStep(rows=to_device(rows, dev), valid=None if valid is None else to_device(valid, dev),
+                         slots=to_device(slots.astype(np.int64), dev), span=span,
+                         span_pos=to_device(slots - span[0], dev) if span else None,
+                         fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
+                         features=features)
 
     def _prefill_batch(self, slots: np.ndarray, qsl: np.ndarray, many: np.ndarray) -> dict[str, Any]:
         """MambaStep's `prefill_batch` (the chunks of at most _BATCHED_CHUNK tokens, where there are several:

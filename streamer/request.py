@@ -67,6 +67,9 @@ class Request:
     # tokens' keys would be missing).
     whole_images: bool = False
     whole_prompt: bool = False  # an encoder's: the prompt in one chunk, or not this step (see fit_chunk)
+    # An encoder-decoder model's encoder input (Whisper: the audio's log-mel features, float32 on the host), encoded
+    # by the step that computes the first token (again after a preemption)
+    encoder_input: Optional[Any] = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

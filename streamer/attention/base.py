@@ -51,6 +51,8 @@ class AttentionMetadata:
     position_bias: Optional[torch.Tensor] = None
     # Hybrid attention + Mamba models: what each Mamba layer needs of the step (None for other models)
     mamba: Optional["MambaStep"] = None
+    # Encoder-decoder models (Whisper): what the cross-attention layers need of the step (None for other models)
+    cross: Optional["CrossStep"] = None
 
 
 @dataclass
@@ -62,6 +64,22 @@ class PrefillBatch:
     valid: torch.Tensor  # bool [N, L]: within the chunk
     lens: torch.Tensor  # int64 [N]
     slots: torch.Tensor  # int64 [N]: their state slots
+
+
+@dataclass
+class CrossStep:
+    """A step's requests as an encoder-decoder model's cross-attention layers see them (models/whisper.py): each
+    request's encoder output, projected to every layer's K and V, lives in its state slot."""
+
+    rows: torch.Tensor  # int64 [R, L]: each request's query rows in the step, padded with its last row
+    valid: Optional[torch.Tensor]  # bool [R, L]: its own rows (None: every request has L)
+    slots: torch.Tensor  # int64 [R]
+    # The slots' span [lo, hi) where they fill most of it: K / V read through a view, each request at span_pos
+    # (its slot - lo). None: gather the slots.
+    span: Optional[tuple[int, int]]
+    span_pos: Optional[torch.Tensor]
+    fresh_slots: Optional[torch.Tensor]  # int64 [F]: the requests computing their first token, encoded first
+    features: Optional[torch.Tensor]  # [F, mels, frames]: their encoder inputs (Whisper's log-mel features)
 
 
 @dataclass

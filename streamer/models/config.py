@@ -26,7 +26,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
                            "GPT2LMHeadModel", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
                            "BloomForCausalLM", "MPTForCausalLM", "MptForCausalLM",
-                           "OlmoForCausalLM", "NemotronForCausalLM")
+                           "OlmoForCausalLM", "NemotronForCausalLM",
+                           "WhisperForConditionalGeneration")
 # Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
 # recurrent state besides the KV cache, so prefix caching resumes only from checkpoints of that state
 # (kv_cache.StateCheckpoints), and no speculative decoding (no rollback). Under tensor parallelism their recurrent layers split by heads (channels), each rank's state slots
@@ -36,6 +37,10 @@ HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen
                         "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
                         "Lfm2MoeForCausalLM",
                         "MambaForCausalLM", "FalconMambaForCausalLM")
+# Encoder-decoder models (models/whisper.py): the encoder runs once per request, its output held in the request's
+# state slot as the decoder's cross-attention K / V. Slots as the hybrid models' (eager, no speculative decoding, no
+# tensor parallelism); no prefix caching (a prefix's KV depends on the audio).
+ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
 # Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
@@ -45,7 +50,9 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
                       "BertModel": "not implemented for encoders (small models: one device serves them)",
                       "ModernBertModel": "not implemented for encoders (small models: one device serves them)",
                       "MPNetModel": "not implemented for encoders (small models: one device serves them)",
-                      "T5EncoderModel": "not implemented for encoders (small models: one device serves them)"}
+                      "T5EncoderModel": "not implemented for encoders (small models: one device serves them)",
+                      "WhisperForConditionalGeneration": "not implemented for Whisper (its largest model fits one "
+                                                         "device)"}
 # Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
 # without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -180,7 +187,8 @@ _KEY_ALIASES: dict[str, dict[str, str]] = {
 # Families whose config.json spells the common keys its own way and leaves others to its config class's defaults:
 # architecture -> the module (streamer.models.*) whose `common_config(c)` rewrites it in the common names.
 _OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt",
-                  "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt"}
+                  "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt",
+                  "WhisperForConditionalGeneration": "whisper"}
 
 
 def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:

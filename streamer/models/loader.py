@@ -16,6 +16,7 @@ from streamer.models.mpt import MptForCausalLM
 from streamer.models.modernbert import ModernBertModel
 from streamer.models.mpnet import MPNetModel
 from streamer.models.t5 import T5EncoderModel
+from streamer.models.whisper import WhisperForConditionalGeneration
 from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
 from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
@@ -136,6 +137,7 @@ _MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
 _MODEL_CLASSES["ModernBertModel"] = ModernBertModel
 _MODEL_CLASSES["MPNetModel"] = MPNetModel
 _MODEL_CLASSES["T5EncoderModel"] = T5EncoderModel
+_MODEL_CLASSES["WhisperForConditionalGeneration"] = WhisperForConditionalGeneration
 
 
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:

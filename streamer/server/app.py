@@ -38,6 +38,7 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
+from streamer.server.audio_api import AudioAPI
 from streamer.server.structured import strict_tool_tag
 from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
@@ -733,6 +734,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/v2/rerank", s.rerank, methods=["POST"]),  # (Cohere's v2 client)
         *responses.routes(),
         *MessagesAPI(s).routes(),
+        *AudioAPI(s).routes(),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/models/{model:path}", s.model, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),

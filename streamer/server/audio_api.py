@@ -1,0 +1,301 @@
+"""OpenAI's speech-to-text endpoints, /v1/audio/transcriptions and /v1/audio/translations, for a speech model
+(Whisper: models/whisper.py, streamer/speech.py).
+
+A request is a multipart form, as OpenAI's clients send it: `file` (the audio: WAV read by our own code, anything
+else through PyAV), `model`, `language` (ISO-639-1; detected when not given), `prompt` (text before the audio, or
+spellings to follow), `response_format` (json, text, verbose_json, srt, vtt), `temperature`, `stream`.
+
+Audio longer than the model's window (30 s) is cut at its quietest points into pieces (streamer/audio.py
+split_audio), transcribed as concurrent requests, and joined in order. Without a `language`, a multilingual model
+names it first: one decoder step after <|startoftranscript|> over the language tokens alone, on the first piece
+(as Whisper detects it). Streaming sends OpenAI's events, `transcript.text.delta` then `transcript.text.done`;
+verbose_json, srt and vtt give one segment per piece (this engine decodes without timestamp tokens).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+import numpy as np
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from streamer.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, decode_audio, split_audio
+from streamer.sampling_params import SamplingParams
+from streamer.server.generation import engine_error
+from streamer.server.protocol import APIError
+from streamer.server.sse import DONE, event, sse_response
+
+if TYPE_CHECKING:
+    from streamer.server.app import OpenAIServer
+    from streamer.speech import SpeechPrompts
+
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+_FORM_FIELDS = 32
+
+
+@dataclass
+class AudioRequest:
+    audio: np.ndarray
+    model: Optional[str]
+    language: Optional[str]
+    prompt: str
+    response_format: str
+    temperature: float
+    stream: bool
+    task: str  # "transcribe" or "translate"
+
+
+@dataclass
+class Piece:
+    """One piece of the audio and its decoded text."""
+
+    start: float  # seconds into the audio
+    end: float
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprob: float = 0.0  # the sum over its tokens (verbose_json's avg_logprob)
+
+
+class AudioAPI:
+    """The /v1/audio routes of an OpenAIServer."""
+
+    def __init__(self, server: "OpenAIServer") -> None:
+        self.server = server
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/audio/transcriptions", self.transcriptions, methods=["POST"]),
+                Route("/v1/audio/translations", self.translations, methods=["POST"])]
+
+    @property
+    def speech(self) -> "SpeechPrompts":
+        core = self.server.engine.engine
+        speech = getattr(core, "speech", None)
+        if speech is None:
+            raise APIError(f"the model `{self.server.model_name}` does not take audio: /v1/audio serves a speech "
+                           "model (Whisper)", 400, param="model", code="model_not_supported")
+        return speech
+
+    async def transcriptions(self, request: Request) -> Response:
+        return await self._answer(request, "transcribe")
+
+    async def translations(self, request: Request) -> Response:
+        return await self._answer(request, "translate")
+
+    # ------------------------------------------------------------------ parsing
+    async def _form(self, request: Request, task: str) -> AudioRequest:
+        speech = self.speech  # (before reading the upload: a text model refuses at once)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_AUDIO_BYTES + (1 << 20):
+            raise APIError(f"the audio file is larger than {MAX_AUDIO_BYTES >> 20} MiB", 413, param="file")
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError("the request must be multipart/form-data with the audio in `file`", param="file")
+        try:
+            form = await request.form(max_files=1, max_fields=_FORM_FIELDS)
+        except Exception as e:  # (starlette's MultiPartException and the parser's own)
+            raise APIError(f"the request's form could not be read: {e}", param="file") from None
+        try:
+            upload = form.get("file")
+            if not isinstance(upload, UploadFile):
+                raise APIError("`file` (the audio, as a file part) is required", param="file")
+            data = await upload.read()
+        finally:
+            await form.close()
+        if len(data) > MAX_AUDIO_BYTES:
+            raise APIError(f"the audio file is larger than {MAX_AUDIO_BYTES >> 20} MiB", 413, param="file")
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        fmt = fields.get("response_format", "json")
+        if fmt not in FORMATS:
+            raise APIError(f"response_format must be one of {', '.join(FORMATS)}, got {fmt!r}",
+                           param="response_format")
+        temperature = _number(fields.get("temperature", "0"), "temperature")
+        if not 0.0 <= temperature <= 1.0:
+            raise APIError(f"temperature must be in [0, 1], got {temperature}", param="temperature")
+        stream = _boolean(fields.get("stream", "false"), "stream")
+        if stream and fmt not in ("json", "text"):
+            raise APIError(f"stream is supported with response_format json or text, not {fmt}", param="stream")
+        language = fields.get("language") or None
+        if language is not None:
+            language = language.strip().lower()
+            known = speech.language_ids()
+            if speech.multilingual and language not in known:
+                raise APIError(f"language {language!r} is not one this model knows ({', '.join(sorted(known))})",
+                               param="language")
+            if not speech.multilingual and language != "en":
+                raise APIError("this model is English-only (language 'en')", param="language")
+        if task == "translate" and not speech.multilingual:
+            raise APIError("this model is English-only: it does not translate", param="model")
+        try:
+            audio = await asyncio.to_thread(decode_audio, data)
+        except ValueError as e:
+            raise APIError(f"the audio file could not be decoded: {e}", param="file") from None
+        if not len(audio):
+            raise APIError("the audio file holds no samples", param="file")
+        return AudioRequest(audio, fields.get("model"), language, fields.get("prompt", ""), fmt, temperature,
+                            stream, task)
+
+    # ------------------------------------------------------------------ answering
+    async def _answer(self, request: Request, task: str) -> Response:
+        req = await self._form(request, task)
+        self.server._check_model(req.model)  # (404 for a model not served; adapters do not apply here)
+        speech = self.speech
+        tokenizer = self.server.engine.tokenizer
+        cuts = split_audio(req.audio, max_seconds=speech.max_seconds)
+        pieces, at = [], 0
+        for cut in cuts:
+            pieces.append(Piece(at / SAMPLE_RATE, (at + len(cut)) / SAMPLE_RATE))
+            at += len(cut)
+        language = req.language
+        if language is None and speech.multilingual:
+            language = await self._detect_language(cuts[0])
+        try:
+            previous = speech.previous_ids(tokenizer, req.prompt)
+            prompt_ids = speech.prompt_ids(tokenizer, language, req.task, previous)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+        params = SamplingParams(temperature=req.temperature, max_tokens=None, logprobs=0,
+                                skip_special_tokens=True)
+        streams = []
+        try:
+            for cut in cuts:
+                prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"audio": (cut, SAMPLE_RATE)}}
+                streams.append(await self.server.engine.add_request(prompt, params))
+        except Exception as e:
+            for s in streams:
+                s.close()
+            raise engine_error(e) from None
+        duration = len(req.audio) / SAMPLE_RATE
+        if req.stream:
+            return sse_response(self._events(streams, pieces, duration), headers={})
+        try:
+            await asyncio.gather(*(_collect(s, p) for s, p in zip(streams, pieces)))
+        except Exception as e:
+            raise engine_error(e) from None
+        finally:
+            for s in streams:
+                s.close()
+        return self._response(req, pieces, language, duration)
+
+    async def _detect_language(self, audio: np.ndarray) -> str:
+        """The language the model reads in `audio`: its likeliest language token right after
+        <|startoftranscript|>."""
+        speech = self.speech
+        langs = speech.language_ids()
+        tokenizer = self.server.engine.tokenizer
+        prompt = {"prompt_token_ids": [speech.special_id(tokenizer, "<|startoftranscript|>")],
+                  "multi_modal_data": {"audio": (audio, SAMPLE_RATE)}}
+        params = SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=sorted(langs.values()))
+        try:
+            out = await self.server.engine.generate(prompt, params)
+        except Exception as e:
+            raise engine_error(e) from None
+        token = out.outputs[0].token_ids[0]
+        return next(code for code, i in langs.items() if i == token)
+
+    async def _events(self, streams: list, pieces: list[Piece], duration: float) -> AsyncIterator[bytes]:
+        """OpenAI's transcription stream: text deltas, piece after piece, then the whole text."""
+        try:
+            for i, (stream, piece) in enumerate(zip(streams, pieces)):
+                first = True
+                async for out in stream:
+                    text = out.text
+                    if first and i:  # pieces are joined by a space
+                        text = " " + text.lstrip()
+                    if text:
+                        first = False
+                        yield event({"type": "transcript.text.delta", "delta": text, "logprobs": None})
+                    piece.text += out.text
+                    piece.token_ids += tuple(out.token_ids)
+            yield event({"type": "transcript.text.done", "text": _joined(pieces), "logprobs": None,
+                         "usage": _usage(duration)})
+        except Exception as e:
+            yield event(engine_error(e).body())
+        finally:
+            for s in streams:
+                s.close()
+        yield DONE
+
+    def _response(self, req: AudioRequest, pieces: list[Piece], language: Optional[str],
+                  duration: float) -> Response:
+        text = _joined(pieces)
+        fmt = req.response_format
+        if fmt == "text":
+            return PlainTextResponse(text)
+        if fmt == "srt" or fmt == "vtt":
+            return PlainTextResponse(_subtitles(pieces, fmt), media_type="text/vtt" if fmt == "vtt" else None)
+        from streamer.server.app import JSONResponse
+        if fmt == "json":
+            return JSONResponse({"text": text, "usage": _usage(duration)})
+        segments = [{"id": i, "seek": int(p.start * 100), "start": p.start, "end": p.end, "text": p.text,
+                     "tokens": list(p.token_ids), "temperature": req.temperature,
+                     "avg_logprob": p.logprob / max(len(p.token_ids), 1),
+                     "compression_ratio": _compression_ratio(p.text), "no_speech_prob": None}
+                    for i, p in enumerate(pieces)]
+        return JSONResponse({"task": "translate" if req.task == "translate" else "transcribe",
+                             "language": language or "en", "duration": duration, "text": text,
+                             "segments": segments, "usage": _usage(duration)})
+
+
+async def _collect(stream: Any, piece: Piece) -> None:
+    texts = []
+    async for out in stream:
+        texts.append(out.text)
+        piece.token_ids += tuple(out.token_ids)
+        piece.logprob += sum(next(iter(lp.values())).logprob for lp in out.logprobs or () if lp)
+    piece.text = "".join(texts)
+
+
+def _joined(pieces: list[Piece]) -> str:
+    return " ".join(t for t in (p.text.strip() for p in pieces) if t)
+
+
+def _usage(duration: float) -> dict[str, Any]:
+    return {"type": "duration", "seconds": math.ceil(duration)}
+
+
+def _compression_ratio(text: str) -> float:
+    """Whisper's repetition check: the text's bytes over its zlib-compressed bytes."""
+    raw = text.encode()
+    return len(raw) / len(zlib.compress(raw)) if raw else 0.0
+
+
+def _timestamp(seconds: float, sep: str) -> str:
+    ms = int(round(seconds * 1000))
+    h, ms = divmod(ms, 3_600_000)
+    m, ms = divmod(ms, 60_000)
+    s, ms = divmod(ms, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def _subtitles(pieces: list[Piece], fmt: str) -> str:
+    sep = "," if fmt == "srt" else "."
+    cues = []
+    for i, p in enumerate(pieces):
+        when = f"{_timestamp(p.start, sep)} --> {_timestamp(p.end, sep)}"
+        cues.append(f"{i + 1}\n{when}\n{p.text.strip()}\n" if fmt == "srt" else f"{when}\n{p.text.strip()}\n")
+    return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
+
+
+def _number(value: str, name: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise APIError(f"{name} must be a number, got {value!r}", param=name) from None
+    if not math.isfinite(x):
+        raise APIError(f"{name} must be finite, got {value!r}", param=name)
+    return x
+
+
+def _boolean(value: str, name: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1"):
+        return True
+    if v in ("false", "0", ""):
+        return False
+    raise APIError(f"{name} must be true or false, got {value!r}", param=name)
+

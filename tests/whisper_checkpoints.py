@@ -1,0 +1,100 @@
+"""Tiny Whisper checkpoints for tests, as transformers writes them (random weights, no downloads): config.json and
+model.safetensors from WhisperForConditionalGeneration, preprocessor_config.json from WhisperFeatureExtractor, and a
+byte-level BPE tokenizer trained here with Whisper's special tokens after its vocabulary, plus the
+generation_config.json fields Whisper checkpoints ship (lang_to_id, task_to_id, ...)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tests.tokenizer_factory import _corpus_lines, _special
+
+LANGUAGES = ("en", "de", "fr")
+SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{lang}|>" for lang in LANGUAGES), "<|translate|>",
+            "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+
+
+def _tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    tok.add_special_tokens([_special(s) for s in SPECIALS])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in SPECIALS}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "model_max_length": 1024,
+        "added_tokens_decoder": {str(i): {"content": s, "special": True, "lstrip": False, "rstrip": False,
+                                          "normalized": False, "single_word": False} for s, i in ids.items()}}))
+    return ids
+
+
+# Weight multipliers by name fragment (else 4): sharper cross-attention makes the tokens depend on the audio
+SCALES = {"encoder_attn.q_proj": 12.0, "encoder_attn.k_proj": 12.0}
+
+
+def make_whisper(out: Path, seed: int = 0, d_model: int = 64, layers: int = 2, heads: int = 4,
+                 multilingual: bool = True, source_positions: int = 1500) -> Path:
+    import torch
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    ids = _tokenizer(out, 320)
+    vocab = max(ids.values()) + 1
+    sot, eot = ids["<|startoftranscript|>"], ids["<|endoftext|>"]
+    cfg = WhisperConfig(vocab_size=vocab, num_mel_bins=80, d_model=d_model, encoder_layers=layers,
+                        decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+                        encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model, max_source_positions=source_positions,
+                        max_target_positions=64, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
+                        decoder_start_token_id=sot, suppress_tokens=[], begin_suppress_tokens=[])
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # larger than the 0.02 init, so that the outputs depend on the audio and the prompt
+        for name, p in model.named_parameters():
+            if p.dim() > 1:  # (the cross-attention's output most: it carries the audio into the decoder)
+                p.mul_(next((v for k, v in SCALES.items() if k in name), 4.0))
+    model.save_pretrained(out, safe_serialization=True)
+    WhisperFeatureExtractor(feature_size=80).save_pretrained(out)
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen.update(decoder_start_token_id=sot, eos_token_id=eot, is_multilingual=multilingual,
+               no_timestamps_token_id=ids["<|notimestamps|>"],
+               task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]})
+    if multilingual:
+        gen["lang_to_id"] = {f"<|{lang}|>": ids[f"<|{lang}|>"] for lang in LANGUAGES}
+    gen_path.write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def tone(seconds: float, freq: float = 440.0, rate: int = 16000, seed: int = 0) -> np.ndarray:
+    """A test signal: a tone with a little noise (float32 mono)."""
+    t = np.arange(int(seconds * rate)) / rate
+    rng = np.random.default_rng(seed)
+    return (0.5 * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
+
+
+def hf_greedy(folder: Path, audio: np.ndarray, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' tokens for the prompt, greedily, one full forward a token (the oracle)."""
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    model = WhisperForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    fe = WhisperFeatureExtractor.from_pretrained(folder)
+    feats = torch.from_numpy(fe(audio, sampling_rate=16000, return_tensors="np").input_features)
+    eos = model.config.eos_token_id
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        enc = model.model.encoder(feats).last_hidden_state
+        for _ in range(max_tokens):
+            logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
+            t = int(logits.argmax())
+            out.append(t)
+            ids.append(t)
+            if t == eos:
+                break
+    return out
