@@ -39,6 +39,8 @@ class SpeechPrompts:
             raise ValueError(f"{folder}: preprocessor_config.json's feature_size is {cfg.feature_size}, but the "
                              f"model's encoder takes {mels} mel bins (num_mel_bins)")
         self.config = cfg
+        # (a `prompt` keeps at most half the decoder's context, as transformers and OpenAI's whisper keep it)
+        self.max_previous_tokens = model.cfg.max_position_embeddings // 2 - 1
         self.features = WhisperFeatures(cfg)
         gen = folder / "generation_config.json"
         self.generation: dict[str, Any] = json.loads(gen.read_text()) if gen.is_file() else {}
@@ -113,8 +115,10 @@ class SpeechPrompts:
     def previous_ids(self, tokenizer: Any, text: str) -> list[int]:
         """A request's `prompt` (text that came before the audio, or spellings to follow) as Whisper reads it
         after <|startofprev|>: " " + the text, at most half the decoder's context (its last tokens), as
-        transformers and OpenAI's whisper keep it."""
+        transformers and OpenAI's whisper keep it. ValueError for one that spells special tokens (it would steer
+        the task or the language)."""
         ids = tokenizer.encode(" " + text.strip(), add_special_tokens=False) if text.strip() else []
-        return ids[-(self.max_previous_tokens):] if ids else []
-
-    max_previous_tokens = 223  # (Whisper's max_target_positions // 2 - 1)
+        special = [i for i in ids if i in tokenizer.all_special_ids]
+        if special:
+            raise ValueError(f"prompt must not contain special tokens, found {tokenizer.decode(special[:1], False)!r}")
+        return ids[-self.max_previous_tokens:] if ids else []

@@ -198,19 +198,29 @@ class AudioAPI:
         return next(code for code, i in langs.items() if i == token)
 
     async def _events(self, streams: list, pieces: list[Piece], duration: float) -> AsyncIterator[bytes]:
-        """OpenAI's transcription stream: text deltas, piece after piece, then the whole text."""
+        """OpenAI's transcription stream: text deltas, piece after piece, then the whole text. The deltas add up
+        to that text: each piece's edge whitespace is dropped (trailing whitespace is held until more text follows)
+        and pieces are joined by one space, as `_joined` joins them."""
         try:
-            for i, (stream, piece) in enumerate(zip(streams, pieces)):
-                first = True
+            sent = False
+            for stream, piece in zip(streams, pieces):
+                started, held = False, ""
                 async for out in stream:
-                    text = out.text
-                    if first and i:  # pieces are joined by a space
-                        text = " " + text.lstrip()
-                    if text:
-                        first = False
-                        yield event({"type": "transcript.text.delta", "delta": text, "logprobs": None})
                     piece.text += out.text
                     piece.token_ids += tuple(out.token_ids)
+                    text = out.text
+                    if not started:
+                        text = text.lstrip()
+                        if not text:
+                            continue
+                        started = True
+                        text = " " + text if sent else text
+                    text = held + text
+                    body = text.rstrip()
+                    held = text[len(body):]
+                    if body:
+                        sent = True
+                        yield event({"type": "transcript.text.delta", "delta": body, "logprobs": None})
             yield event({"type": "transcript.text.done", "text": _joined(pieces), "logprobs": None,
                          "usage": _usage(duration)})
         except Exception as e:
