@@ -2,7 +2,8 @@
 
 A Whisper model at a real size (whisper-tiny's or whisper-base's shapes, random weights, float32) is written once
 by transformers. Both transcribe the same N clips of audio (10 s each) with the same English transcription prompt,
-greedily, every clip decoding exactly `--tokens` tokens (eos ignored / min_new_tokens), so both do the same work.
+greedily, every clip decoding exactly `--tokens` tokens (eos ignored / min_new_tokens), so both do the same work;
+best of two runs each.
 transformers runs them in batches of `--hf-batch` (padded, as its pipeline would); streamer takes them all at once
 and batches them itself. Prints one table: seconds, clips a second and output tokens a second, and how many clips'
 tokens agree between the two.
@@ -23,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {"tiny": dict(d_model=384, layers=4, heads=6), "base": dict(d_model=512, layers=6, heads=8)}
+REPEAT = 2
 PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
@@ -53,10 +55,12 @@ def run_streamer(folder: Path, audio: list[np.ndarray], tokens: int) -> tuple[fl
     llm = LLM(str(folder), dtype="float32", max_num_seqs=len(audio), kv_cache_memory=8 << 30)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"audio": (a, 16000)}} for a in audio]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # (warm-up)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+    best = float("inf")
+    for _ in range(REPEAT):  # (the first run also makes oneDNN's kernels for these shapes: best of REPEAT)
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t)
+    return best, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run_transformers(folder: Path, audio: list[np.ndarray], tokens: int, batch: int,
@@ -64,7 +68,6 @@ def run_transformers(folder: Path, audio: list[np.ndarray], tokens: int, batch: 
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
     model = WhisperForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
     fe = WhisperFeatureExtractor.from_pretrained(folder)
-    out: list[list[int]] = []
 
     def go(part: list[np.ndarray], n: int) -> list[list[int]]:
         feats = torch.from_numpy(fe(part, sampling_rate=16000, return_tensors="np").input_features)
@@ -73,11 +76,12 @@ def run_transformers(folder: Path, audio: list[np.ndarray], tokens: int, batch: 
             seq = model.generate(input_features=feats, decoder_input_ids=start, max_new_tokens=n,
                                  min_new_tokens=n, do_sample=False)
         return [row[len(prompt_ids):].tolist() for row in seq]
-    go(audio[:2], 4)  # (warm-up)
-    t = time.perf_counter()
-    for i in range(0, len(audio), batch):
-        out += go(audio[i:i + batch], tokens)
-    return time.perf_counter() - t, out
+    best = float("inf")
+    for _ in range(REPEAT):
+        t = time.perf_counter()
+        out = [row for i in range(0, len(audio), batch) for row in go(audio[i:i + batch], tokens)]
+        best = min(best, time.perf_counter() - t)
+    return best, out
 
 
 def main() -> None:

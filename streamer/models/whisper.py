@@ -34,7 +34,7 @@ from streamer.attention.base import AttentionBackend, AttentionSpec, CrossStep, 
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP
 from streamer.models.layers import gelu_approximate
-from streamer.models.layers import LayerNorm, VocabEmbedding
+from streamer.models.layers import ColumnParallelLinear, LayerNorm, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 
 _EPS = 1e-5  # (transformers' Whisper layers are nn.LayerNorm with its default eps)
@@ -56,25 +56,32 @@ def common_config(c: dict[str, Any]) -> dict[str, Any]:
 
 
 class EncoderAttention(nn.Module):
-    """Plain multi-head attention of queries over keys and values from `kv` (self-attention: kv = x): the encoder's,
-    over its 1500 positions both ways, with no cache."""
+    """The encoder's self-attention, over its 1500 positions both ways, with no cache: one q/k/v matmul (the
+    checkpoint's k projection has no bias: a zero one is loaded, `rename_weights`)."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, width // heads
-        self.q_proj = nn.Linear(width, width)
-        self.k_proj = nn.Linear(width, width, bias=False)
-        self.v_proj = nn.Linear(width, width)
-        self.out_proj = nn.Linear(width, width)
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., L, width] -> [..., heads, L, head_dim]"""
-        return x.unflatten(-1, (self.heads, self.head_dim)).transpose(-3, -2)
+        self.qkv_proj = ColumnParallelLinear(width, [width] * 3, bias=True, shard_names=["q", "k", "v"])
+        self.out_proj = ColumnParallelLinear(width, [width], bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, L, width]
-        q, k, v = self.split(self.q_proj(x)), self.split(self.k_proj(x)), self.split(self.v_proj(x))
+        # [B, L, 3, H, D] -> three [B, H, L, D]
+        q, k, v = self.qkv_proj(x).unflatten(-1, (3, self.heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.out_proj(out.transpose(1, 2).flatten(2))
+
+
+class EncoderMLP(GeluMLP):
+    """fc2(gelu(fc1(x))), on CPU with the GELU fused into oneDNN's fc1 matmul where its weight is prepacked (the
+    encoder's widest activation, [clips, 1500, 4 x width], is then written once)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1 = self.fc1
+        if fc1.packed is not None and fc1.op_id is None and fc1.lora is None:
+            h = torch.ops.mkldnn._linear_pointwise(x, fc1.packed, fc1.bias, "gelu", [], self.approximate)
+            return self.fc2(h)
+        return super().forward(x)
 
 
 class EncoderLayer(nn.Module):
@@ -82,7 +89,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = EncoderAttention(width, heads)
         self.self_attn_layer_norm = LayerNorm(width, _EPS)
-        self.mlp = GeluMLP(dataclasses.replace(cfg, hidden_size=width, intermediate_size=ffn), act)
+        self.mlp = EncoderMLP(dataclasses.replace(cfg, hidden_size=width, intermediate_size=ffn), act)
         self.final_layer_norm = LayerNorm(width, _EPS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,14 +139,15 @@ class CrossAttention(nn.Module):
         self.k_proj = nn.Linear(width, width, bias=False)
         self.v_proj = nn.Linear(width, width)
         self.out_proj = nn.Linear(width, width)
-        self.k_state = torch.zeros(0)  # [slots, positions, heads, head_dim]
+        # [slots, heads, positions, head_dim]: heads first, so that a span of slots is SDPA's [B, H, L, D] as it is
+        self.k_state = torch.zeros(0)
         self.v_state = torch.zeros(0)
 
     def fill(self, slots: torch.Tensor, encoded: torch.Tensor) -> None:
         """Project the encoder's output [F, positions, width] of the requests in `slots` [F] into their K / V."""
         shape = (*encoded.shape[:2], self.heads, self.head_dim)
-        self.k_state[slots] = self.k_proj(encoded).view(shape)
-        self.v_state[slots] = self.v_proj(encoded).view(shape)
+        self.k_state[slots] = self.k_proj(encoded).view(shape).transpose(1, 2)
+        self.v_state[slots] = self.v_proj(encoded).view(shape).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, step: CrossStep) -> torch.Tensor:
         """x [T, width]: each request's queries (step.rows, padded to the longest) over its slot's K / V."""
@@ -152,9 +160,8 @@ class CrossAttention(nn.Module):
         else:
             k, v = self.k_state[step.slots], self.v_state[step.slots]
             queries = q[step.rows]
-        # [R, L, H, D] over [R, positions, H, D]: heads before rows for SDPA; padded query rows are discarded
-        out = F.scaled_dot_product_attention(queries.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        out = out.transpose(1, 2)
+        # [R, L, H, D] queries over [R, H, positions, D]; padded query rows are discarded
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), k, v).transpose(1, 2)
         if step.span is not None:
             out = out[step.span_pos]
         flat = torch.empty_like(q)
@@ -191,7 +198,7 @@ _RENAMES = ((re.compile(r"^model\.decoder\.layer_norm\."), "model.norm."),
             (re.compile(r"^model\.decoder\."), "model."),
             (re.compile(r"^model\.(layers\.\d+)\.self_attn\.out_proj\."), r"model.\1.self_attn.o_proj."),
             (re.compile(r"(layers\.\d+)\.(fc1|fc2)\."), r"\1.mlp.\2."))
-_SELF_QKV = re.compile(r"^layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+_SELF_QKV = re.compile(r"^((?:encoder\.)?layers\.\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 
 
 class WhisperForConditionalGeneration(LlamaForCausalLM):
@@ -226,7 +233,7 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
         for layer in self.layers:
             attn = layer.encoder_attn
-            shape = (num_slots, self.encoder.positions, attn.heads, attn.head_dim)
+            shape = (num_slots, attn.heads, self.encoder.positions, attn.head_dim)
             attn.k_state = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_state = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -272,14 +279,14 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
                 name = pattern.sub(repl, name)
             yield name, t
             m = _SELF_QKV.match(name.removeprefix("model."))
-            if m is not None and m.group(2) == "k" and m.group(3) == "weight":
+            if m is not None and m.group(2) == "k" and m.group(3) == "weight":  # (encoder's and decoder's)
                 yield name.replace(".weight", ".bias"), t.new_zeros(t.shape[0])
 
     def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
         name = ckpt_name.removeprefix("model.")
         m = _SELF_QKV.match(name)
         if m is not None:
-            return f"layers.{m.group(1)}.self_attn.qkv_proj.{m.group(3)}", m.group(2)
+            return f"{m.group(1)}.self_attn.qkv_proj.{m.group(3)}", m.group(2)
         return name, None
 
     def checkpoint_name(self, internal: str) -> str:
