@@ -85,6 +85,12 @@ class SpeechPrompts:
     def multilingual(self) -> bool:
         return bool(self.generation.get("is_multilingual", bool(self.language_ids())))
 
+    def suppressed(self, vocab_size: int) -> dict[int, float]:
+        """generation_config.json's `suppress_tokens` (symbols Whisper writes for non-speech: music notes,
+        brackets, ...) as a logit bias that bans them, as transformers' and OpenAI's whisper decode by default."""
+        ids = self.generation.get("suppress_tokens") or []
+        return {int(i): -100.0 for i in ids if isinstance(i, int) and 0 <= i < vocab_size}
+
     def special_id(self, tokenizer: Any, token: str) -> int:
         i = tokenizer.token_to_id(token)
         if i is None:

@@ -500,3 +500,30 @@ def test_stream_deltas_add_up_with_whisper_spacing():
         deltas = "".join(e["delta"] for e in evs if e["type"] == "transcript.text.delta")
         assert done["text"] == " ".join(t for t in ("".join(p).strip() for p in texts) if t)
         assert deltas == done["text"], (texts, deltas, done["text"])
+
+
+def test_suppress_tokens_from_generation_config(ml_dir, english, tmp_path):
+    """generation_config.json's suppress_tokens are banned in transcriptions, as transformers and OpenAI's whisper
+    decode: a copy of the checkpoint that suppresses the first token transformers picks never writes it."""
+    import json
+    import shutil
+
+    from streamer.async_engine import AsyncEngine
+    from streamer.server.app import build_app
+    banned = english.tokens[0]
+    folder = tmp_path / "suppressing"
+    shutil.copytree(ml_dir, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "suppress_tokens": [banned]}))
+
+    async def main() -> httpx.Response:
+        async with AsyncEngine(str(folder), dtype="float32", num_kv_blocks=32, max_num_seqs=2) as engine:
+            transport = httpx.ASGITransport(app=build_app(engine))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as h:
+                return await h.post("/v1/audio/transcriptions", files={"file": _file(AUDIO)},
+                                    data={"language": "en", "response_format": "verbose_json"})
+
+    r = asyncio.run(asyncio.wait_for(main(), 180))
+    assert r.status_code == 200, r.text
+    tokens = [t for s in r.json()["segments"] for t in s["tokens"]]
+    assert tokens and banned not in tokens

@@ -37,6 +37,9 @@ from streamer.models.layers import gelu_approximate
 from streamer.models.layers import ColumnParallelLinear, LayerNorm, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 
+# Clips encoded at once: large-v3's MLP activation is 1500 x 5120 per clip, so a step that admits many requests
+# encodes them in batches of this many
+ENCODER_BATCH = 16
 _EPS = 1e-5  # (transformers' Whisper layers are nn.LayerNorm with its default eps)
 
 
@@ -246,9 +249,10 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
         """Run the encoder over fresh requests' features [F, mels, frames] and keep its output, projected, as every
         layer's cross-attention K / V in their `slots` [F]."""
         dtype = self.embed_tokens.weight.dtype
-        encoded = self.encoder(features.to(dtype))
-        for layer in self.layers:
-            layer.encoder_attn.fill(slots, encoded)
+        for i in range(0, len(slots), ENCODER_BATCH):  # (bounds the encoder's activations, whatever the step)
+            encoded = self.encoder(features[i:i + ENCODER_BATCH].to(dtype))
+            for layer in self.layers:
+                layer.encoder_attn.fill(slots[i:i + ENCODER_BATCH], encoded)
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

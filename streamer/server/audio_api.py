@@ -159,7 +159,8 @@ class AudioAPI:
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         params = SamplingParams(temperature=req.temperature, max_tokens=None, logprobs=0,
-                                skip_special_tokens=True)
+                                skip_special_tokens=True,
+                                logit_bias=speech.suppressed(self.server.engine.engine.vocab_size) or None)
         streams = []
         try:
             for cut in cuts:
