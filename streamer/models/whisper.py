@@ -138,10 +138,10 @@ class CrossAttention(nn.Module):
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, width // heads
-        self.q_proj = nn.Linear(width, width)
-        self.k_proj = nn.Linear(width, width, bias=False)
-        self.v_proj = nn.Linear(width, width)
-        self.out_proj = nn.Linear(width, width)
+        self.q_proj = ColumnParallelLinear(width, [width], bias=True)
+        self.k_proj = ColumnParallelLinear(width, [width])
+        self.v_proj = ColumnParallelLinear(width, [width], bias=True)
+        self.out_proj = ColumnParallelLinear(width, [width], bias=True)
         # [slots, heads, positions, head_dim]: heads first, so that a span of slots is SDPA's [B, H, L, D] as it is
         self.k_state = torch.zeros(0)
         self.v_state = torch.zeros(0)
