@@ -14,13 +14,16 @@ from urllib.parse import urlsplit
 from tokenizers import Tokenizer
 
 from streamer.bench import report
-from streamer.bench.datasets import SampleRequest, add_images, file_requests, load_tokenizer, synthetic_requests
+from streamer.bench.datasets import (AUDIO_RATE, SampleRequest, add_images, audio_requests, file_requests,
+                                     load_tokenizer, synthetic_requests)
 from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
 from streamer.bench.runner import BenchError, RunConfig, RunOutput, ServedModel, list_models, run
 
 T = TypeVar("T")
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 1024, 128
+DEFAULT_AUDIO_SECONDS, DEFAULT_LANGUAGE = 10.0, "en"
+MAX_UPLOAD_BYTES = 25 * 2**20  # OpenAI's limit on a transcription upload (streamer's server keeps it too)
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -94,9 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "serves as --tokenizer")
     a("--served-model-name", help="name sent in requests when it differs from --model")
     a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
-    a("--endpoint", choices=("completions", "chat", "messages", "embeddings"), default="completions",
-      help="/v1/completions, /v1/chat/completions, Anthropic's /v1/messages, or /v1/embeddings (an embedding "
-           "model: one prompt a request; throughput in input tokens, latency end to end)")
+    a("--endpoint", choices=("completions", "chat", "messages", "embeddings", "transcriptions"),
+      default="completions",
+      help="/v1/completions, /v1/chat/completions, Anthropic's /v1/messages, /v1/embeddings (an embedding "
+           "model: one prompt a request; throughput in input tokens, latency end to end), or "
+           "/v1/audio/transcriptions (a speech model: each request uploads its own synthetic WAV clip)")
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=("random", "file", "prefix"),
                    help="random prompts, a JSON/JSONL/ShareGPT file, or prefix-sharing groups "
@@ -119,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs --endpoint chat or messages); each request gets its own")
     g.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
                    help="the images' size in pixels (default 512x512)")
+    g.add_argument("--audio-seconds", type=_positive_float, default=None,
+                   help=f"--endpoint transcriptions: length of each request's clip, 16 kHz mono 16-bit WAV "
+                        f"(default {DEFAULT_AUDIO_SECONDS:g}); every request gets its own synthetic sound")
+    g.add_argument("--language", default=None,
+                   help=f"--endpoint transcriptions: the `language` form field (default {DEFAULT_LANGUAGE}; \"\" "
+                        "sends none, so that the server detects it)")
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=_positive_float, default=math.inf,
@@ -166,6 +177,20 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                             ("--goodput ttft / tpot", any(k != "e2el" for k, _ in args.goodput or ()))):
             if given:
                 p.error(f"{flag} does not apply to --endpoint embeddings (nothing is generated)")
+    if args.endpoint == "transcriptions":
+        for flag, given in (("--dataset-path", args.dataset_path), ("--dataset", args.dataset != "random"),
+                            ("--input-len", args.input_len is not None), ("--output-len", args.output_len is not None),
+                            ("--prefix-len", args.prefix_len), ("--images-per-request", args.images_per_request),
+                            ("--ignore-eos", args.ignore_eos)):
+            if given:
+                p.error(f"{flag} does not apply to --endpoint transcriptions (each request sends a synthetic "
+                        "audio clip; its transcript is as long as the model makes it)")
+        args.audio_seconds = args.audio_seconds or DEFAULT_AUDIO_SECONDS
+        args.language = DEFAULT_LANGUAGE if args.language is None else args.language.strip() or None
+    else:
+        for flag, given in (("--audio-seconds", args.audio_seconds), ("--language", args.language)):
+            if given is not None:
+                p.error(f"{flag} needs --endpoint transcriptions")
     if args.images_per_request and args.endpoint == "completions":
         p.error("--images-per-request needs --endpoint chat or messages (images travel as content parts)")
     if args.plot and not report.plot_available():
@@ -178,7 +203,7 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace,
                served: Optional[ServedModel]) -> Optional[Tokenizer]:
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
-    if path is None and args.dataset in ("random", "prefix"):
+    if path is None and args.dataset in ("random", "prefix") and args.endpoint != "transcriptions":
         path = _demo_tokenizer_if_served(served)
         if path is None:
             p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
@@ -220,7 +245,7 @@ def _demo_tokenizer_if_served(served: Optional[ServedModel]) -> Optional[str]:
 def _fit_input_len(args: argparse.Namespace, served: Optional[ServedModel]) -> None:
     """The default prompt length, shortened where the server's context would not hold it: at most half of what
     max_model_len leaves after the output and any shared prefix (room for a chat template and --range-ratio)."""
-    if args.input_len is not None:
+    if args.input_len is not None or args.endpoint == "transcriptions":
         return
     args.input_len = DEFAULT_INPUT_LEN
     limit = served.max_model_len if served is not None else None
@@ -234,8 +259,9 @@ def _fit_input_len(args: argparse.Namespace, served: Optional[ServedModel]) -> N
 
 
 def _output_len(args: argparse.Namespace) -> int:
-    """Tokens each request asks to generate: --output-len, its default, or none for embeddings."""
-    return 0 if args.endpoint == "embeddings" else args.output_len or DEFAULT_OUTPUT_LEN
+    """Tokens each request asks to generate: --output-len, its default, or none for embeddings (and for
+    transcriptions, which ask for no length)."""
+    return 0 if args.endpoint in ("embeddings", "transcriptions") else args.output_len or DEFAULT_OUTPUT_LEN
 
 
 def _warn_if_too_long(requests: Sequence[SampleRequest], served: Optional[ServedModel]) -> None:
@@ -250,6 +276,14 @@ def _warn_if_too_long(requests: Sequence[SampleRequest], served: Optional[Served
 
 
 def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
+    if args.endpoint == "transcriptions":
+        size = 44 + 2 * round(args.audio_seconds * AUDIO_RATE)
+        if size > MAX_UPLOAD_BYTES:
+            print(f"streamer bench: warning: each clip is {size / 2**20:.1f} MiB, more than the "
+                  f"{MAX_UPLOAD_BYTES >> 20} MiB upload limit of OpenAI's API (and streamer's server): such a server "
+                  "will refuse them",
+                  file=sys.stderr)
+        return audio_requests(args.num_prompts, args.audio_seconds, seed=args.seed)
     if args.dataset == "file":
         requests = file_requests(args.dataset_path, args.num_prompts, tok=tok, output_len=args.output_len,
                                  seed=args.seed, shuffle=not args.no_shuffle)
@@ -326,6 +360,7 @@ def bench_main(argv: Sequence[str]) -> int:
                     reset_prefix_cache=args.reset_prefix_cache,
                     temperature=args.temperature, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                     timeout=args.timeout, seed=args.seed, extra_body=args.extra_body,
+                    language=args.language if args.endpoint == "transcriptions" else None,
                     progress=args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty()))
     _raise_fd_limit()
     try:
@@ -335,7 +370,8 @@ def bench_main(argv: Sequence[str]) -> int:
         return 1
     summary = summarize(out.results, out.duration, args.percentiles, dict(args.goodput) if args.goodput else None)
     print(report.format_summary(summary, max_concurrency=args.max_concurrency, client_cpu=out.client_cpu,
-                                embeddings=args.endpoint == "embeddings"))
+                                embeddings=args.endpoint == "embeddings",
+                                transcriptions=args.endpoint == "transcriptions"))
     if args.save_result:
         report.save_result(args.save_result, _config_record(args, out), summary, out.results, out.client_cpu)
     if args.plot:

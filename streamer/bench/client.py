@@ -231,9 +231,11 @@ class HttpClient:
         """`root`: a path beside /v1, not under it (vLLM's /reset_prefix_cache)."""
         return f"{self.prefix.removesuffix('/v1') if root else self.prefix}{path}"
 
-    async def post(self, path: str, body: bytes, root: bool = False) -> RawResponse:
+    async def post(self, path: str, body: bytes, root: bool = False,
+                   content_type: str = "application/json") -> RawResponse:
+        """`content_type`: the body's (e.g. "multipart/form-data; boundary=..." for an upload); JSON by default."""
         head = (f"POST {self.url(path, root)} HTTP/1.1\r\n").encode() + self._common
-        head += b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        head += b"Content-Type: %s\r\nContent-Length: %d\r\n\r\n" % (content_type.encode("latin-1"), len(body))
         return await self._send(head + body)
 
     async def get(self, path: str) -> RawResponse:
@@ -401,6 +403,75 @@ def interpret_messages(resp: RawResponse) -> StreamOutcome:
             parts.append(delta.get("text") or delta.get("thinking") or delta.get("partial_json") or "")
     out.text = "".join(parts)
     return out
+
+
+def interpret_transcription(resp: RawResponse) -> StreamOutcome:
+    """A transcription's answer. Streamed (OpenAI's events): every `transcript.text.delta` with text is a token
+    chunk, `transcript.text.done` (or `data: [DONE]`) ends it; vLLM's chat-style chunks (`choices[0].delta.content`,
+    usage with token counts) are read too. A JSON answer (a server that does not stream) is one chunk: its text,
+    at the read that completed it."""
+    out = StreamOutcome()
+    body = bytes(resp.body)
+    if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            out.error = f"neither an event stream nor JSON: {body[:120]!r}"
+            return out
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            out.error = "no text in the response" if not isinstance(obj, dict) or "error" not in obj else \
+                "error in response: " + _error_text(obj)
+            return out
+        out.end_time = resp.read_times[-1] if resp.read_times else 0.0
+        out.text, out.done = obj["text"], True
+        if out.text:
+            out.token_times.append(out.end_time)
+        _transcription_usage(out, obj.get("usage"))
+        return out
+    parts: list[str] = []
+    final: Optional[str] = None
+    for end, data in sse_events(body):
+        out.end_time = resp.time_at(end)
+        if data == b"[DONE]":
+            out.done = True
+            continue
+        try:
+            obj = _loads(data)
+        except ValueError:
+            out.error = f"invalid JSON in stream: {data[:120]!r}"
+            return out
+        if not isinstance(obj, dict):
+            continue
+        kind = obj.get("type")
+        if "error" in obj or obj.get("object") == "error" or kind == "error":
+            out.error = "error in stream: " + _error_text(obj)
+            return out
+        _transcription_usage(out, obj.get("usage"))
+        text = ""
+        if kind == "transcript.text.delta":
+            text = obj.get("delta") or ""
+        elif kind == "transcript.text.done":
+            out.done = True
+            final = obj.get("text") if isinstance(obj.get("text"), str) else None
+            if final and not parts:  # the whole text at once (a server that sends no deltas)
+                text = final
+        elif obj.get("choices"):  # vLLM's transcription chunks
+            delta = obj["choices"][0].get("delta")
+            text = (delta.get("content") if isinstance(delta, dict) else None) or ""
+        if text:
+            out.token_times.append(out.end_time)
+            parts.append(text)
+    out.text = "".join(parts) if parts or final is None else final
+    return out
+
+
+def _transcription_usage(out: StreamOutcome, usage: Any) -> None:
+    """Token counts where the usage has them (vLLM's); OpenAI's `{"type": "duration", "seconds": N}` has none."""
+    if isinstance(usage, dict):
+        if isinstance(usage.get("prompt_tokens", usage.get("input_tokens")), int):
+            out.prompt_tokens = usage.get("prompt_tokens", usage.get("input_tokens"))
+        if isinstance(usage.get("completion_tokens", usage.get("output_tokens")), int):
+            out.completion_tokens = usage.get("completion_tokens", usage.get("output_tokens"))
 
 
 def _error_text(obj: dict[str, Any]) -> str:

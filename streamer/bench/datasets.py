@@ -27,6 +27,8 @@ class SampleRequest:
     prompt_len: int  # tokens without special tokens; 0 = unknown (no tokenizer)
     output_len: int  # max_tokens asked of the server
     images: list[str] = field(default_factory=list)  # data: URLs sent as image_url parts (chat endpoint)
+    audio: bytes = b""  # a WAV file uploaded as the `file` part (transcriptions endpoint)
+    audio_seconds: float = 0.0  # the clip's length
 
 
 def random_image_urls(num: int, width: int, height: int, seed: int) -> list[str]:
@@ -49,6 +51,41 @@ def add_images(requests: list[SampleRequest], per_request: int, width: int, heig
     urls = random_image_urls(len(requests) * per_request, width, height, seed + 7919)
     for i, req in enumerate(requests):
         req.images = urls[i * per_request:(i + 1) * per_request]
+
+
+AUDIO_RATE = 16000  # Whisper's sample rate: the server need not resample
+
+
+def synthetic_wav(seconds: float, rng: np.random.Generator, rate: int = AUDIO_RATE) -> bytes:
+    """A WAV file (mono, 16-bit PCM) of `seconds` of synthetic sound: a tone of random pitch with its second
+    harmonic, a syllable-rate loudness envelope and a little noise, all drawn from `rng` (so every clip differs)."""
+    import io
+    import wave
+
+    n = max(1, int(round(seconds * rate)))
+    t = np.arange(n) / rate
+    f0, syllables = rng.uniform(100.0, 1000.0), rng.uniform(2.0, 6.0)
+    phase = rng.uniform(0, 2 * np.pi, size=3)
+    envelope = 0.6 + 0.4 * np.sin(2 * np.pi * syllables * t + phase[0])
+    x = envelope * (0.35 * np.sin(2 * np.pi * f0 * t + phase[1]) + 0.12 * np.sin(4 * np.pi * f0 * t + phase[2]))
+    x += 0.03 * rng.standard_normal(n)
+    pcm = (np.clip(x, -1.0, 1.0) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def audio_requests(num: int, seconds: float, seed: int = 0) -> list[SampleRequest]:
+    """`num` transcription requests, each its own synthetic clip of `seconds` (distinct, so no cache serves one);
+    no text prompt and no output length (the transcript's length is the model's)."""
+    rng = np.random.default_rng(seed + 104729)
+    n = max(1, int(round(seconds * AUDIO_RATE)))
+    return [SampleRequest("", 0, 0, audio=synthetic_wav(seconds, rng), audio_seconds=n / AUDIO_RATE)
+            for _ in range(num)]
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -1,16 +1,24 @@
 """A scripted OpenAI-compatible streaming server on raw asyncio, for tests and the load generator's self-benchmark.
 
 Each request gets a Plan (status, text pieces, delay before each piece, usage, mid-stream disconnect or error)
-from a script function; by default it streams max_tokens one-token pieces instantly. Responses use chunked
-transfer encoding and keep-alive, as uvicorn does. `python -m streamer.bench.fake_server --port P` serves the
-instant script (optionally with --ttft-ms/--itl-ms delays) until interrupted.
+from a script function; by default it streams max_tokens one-token pieces instantly. /v1/audio/transcriptions
+takes OpenAI's multipart form (a WAV `file`) and streams `transcript.text.delta` events (by default one word per
+second of audio), then `transcript.text.done` with a duration usage, then [DONE]; with stream=false, one JSON
+answer. Its script sees the form as a dict: the text fields plus `file` (name, content type, WAV parameters,
+seconds and a SHA-1 of the bytes). Responses use chunked transfer encoding and keep-alive, as uvicorn does.
+`python -m streamer.bench.fake_server --port P` serves the instant script (optionally with --ttft-ms/--itl-ms
+delays) until interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import io
 import json
+import math
 import threading
+import wave
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -48,6 +56,57 @@ def _event(obj: Any) -> bytes:
 
 
 _DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+_WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog")
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+
+
+def transcript_pieces(form: dict[str, Any]) -> list[str]:
+    """The default transcript of an upload: one word per (started) second of audio, the first without a space."""
+    n = max(1, math.ceil((form.get("file") or {}).get("seconds", 1.0)))
+    return [("" if i == 0 else " ") + _WORDS[i % len(_WORDS)] for i in range(n)]
+
+
+def parse_form(content_type: str, raw: bytes) -> dict[str, Any]:
+    """A multipart/form-data body as {field: text} plus, for a file part, {field: {"filename", "content_type",
+    "bytes", "sha1", and for a WAV "rate", "channels", "sampwidth", "seconds"}}. ValueError for a malformed body."""
+    ctype, _, params = content_type.partition(";")
+    if ctype.strip().lower() != "multipart/form-data":
+        raise ValueError("the request must be multipart/form-data")
+    boundary = next((v.strip().strip('"') for k, _, v in (x.partition("=") for x in params.split(";"))
+                     if k.strip().lower() == "boundary"), "")
+    if not boundary:
+        raise ValueError("multipart/form-data without a boundary")
+    sep = b"--" + boundary.encode()
+    chunks = raw.split(sep)
+    if len(chunks) < 3 or not chunks[-1].startswith(b"--"):
+        raise ValueError("the multipart body does not end with its closing boundary")
+    form: dict[str, Any] = {}
+    for part in chunks[1:-1]:
+        if not part.startswith(b"\r\n") or not part.endswith(b"\r\n"):
+            raise ValueError("a multipart part is not framed by CRLFs")
+        head, sep2, data = part[2:-2].partition(b"\r\n\r\n")
+        if not sep2:
+            raise ValueError("a multipart part has no header end")
+        headers = {k.strip().lower(): v.strip() for k, _, v in
+                   (ln.partition(":") for ln in head.decode("utf-8").split("\r\n"))}
+        disp = dict((k.strip().lower(), v.strip().strip('"')) for k, _, v in
+                    (x.partition("=") for x in headers.get("content-disposition", "").split(";")[1:]))
+        name = disp.get("name")
+        if not name:
+            raise ValueError("a multipart part has no name")
+        if "filename" not in disp:
+            form[name] = data.decode("utf-8")
+            continue
+        info: dict[str, Any] = {"filename": disp["filename"], "content_type": headers.get("content-type", ""),
+                                "bytes": len(data), "sha1": hashlib.sha1(data).hexdigest()}
+        try:
+            with wave.open(io.BytesIO(data), "rb") as w:
+                info.update(rate=w.getframerate(), channels=w.getnchannels(), sampwidth=w.getsampwidth(),
+                            seconds=w.getnframes() / w.getframerate())
+        except (wave.Error, EOFError) as e:
+            info["wav_error"] = str(e)
+        form[name] = info
+    return form
 
 
 class _Stream:
@@ -85,6 +144,28 @@ class _Stream:
             out += _event({**self.head, "choices": [], "usage": {
                 "prompt_tokens": self.prompt_tokens, "completion_tokens": c, "total_tokens": self.prompt_tokens + c}})
         return out + _DONE
+
+
+class _TranscriptStream:
+    """Renders one plan as OpenAI's transcription events (same interface as _Stream, for the pacing loop)."""
+
+    def __init__(self, plan: Plan, form: dict[str, Any]) -> None:
+        self.plan = plan
+        self.pieces = list(plan.pieces) if plan.pieces is not None else transcript_pieces(form)
+        self.seconds = math.ceil(form["file"].get("seconds", 0.0))
+
+    def piece(self, i: int) -> bytes:
+        return _event({"type": "transcript.text.delta", "delta": self.pieces[i], "logprobs": None})
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def usage(self) -> dict[str, Any]:
+        return {"type": "duration", "seconds": self.seconds}
+
+    def tail(self) -> bytes:
+        return _event({"type": "transcript.text.done", "text": self.text(), "logprobs": None,
+                       "usage": self.usage()}) + _DONE
 
 
 class _Proto(asyncio.Protocol):
@@ -167,12 +248,18 @@ class FakeServer:
             if self.max_model_len is not None:
                 card["max_model_len"] = self.max_model_len
             return proto.send(200, json.dumps({"object": "list", "data": [card]}).encode())
-        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions"):
+        if method != "POST" or path not in ("/v1/completions", "/v1/chat/completions", TRANSCRIPTIONS):
             return proto.send(404, b'{"error": {"message": "not found"}}')
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return proto.send(400, b'{"error": {"message": "invalid JSON"}}')
+            if path == TRANSCRIPTIONS:
+                body = parse_form(headers.get("content-type", ""), raw)
+                if not isinstance(body.get("file"), dict) or "seconds" not in body["file"]:
+                    raise ValueError("`file` (a WAV file part) is required")
+            else:
+                body = json.loads(raw)
+        except ValueError as e:
+            msg = str(e) if path == TRANSCRIPTIONS else "invalid JSON"
+            return proto.send(400, json.dumps({"error": {"message": msg}}).encode())
         index = self.count
         self.count += 1
         if self.record:
@@ -180,7 +267,16 @@ class FakeServer:
         plan = self.script(index, body)
         if plan.status != 200:
             return proto.send(plan.status, plan.error_body.encode())
-        stream = _Stream(plan, body, path.endswith("chat/completions"), self.model)
+        stream: Any
+        if path == TRANSCRIPTIONS:
+            stream = _TranscriptStream(plan, body)
+            if body.get("stream", "false").lower() not in ("true", "1"):  # one JSON answer, after the delays
+                task = asyncio.get_running_loop().create_task(self._whole(proto, stream))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return None
+        else:
+            stream = _Stream(plan, body, path.endswith("chat/completions"), self.model)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         if not plan.delays and not plan.done_delay and plan.disconnect_after is None and plan.error_after is None:
@@ -193,13 +289,19 @@ class FakeServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _paced(self, proto: _Proto, s: _Stream) -> None:
+    async def _whole(self, proto: _Proto, s: _TranscriptStream) -> None:
+        delay = sum(s.plan.delays) + s.plan.done_delay
+        if delay:
+            await asyncio.sleep(delay)
+        proto.send(200, json.dumps({"text": s.text(), "usage": s.usage()}).encode())
+
+    async def _paced(self, proto: _Proto, s: Any) -> None:
         try:
             await self._paced_inner(proto, s)
         finally:
             self.in_flight -= 1
 
-    async def _paced_inner(self, proto: _Proto, s: _Stream) -> None:
+    async def _paced_inner(self, proto: _Proto, s: Any) -> None:
         plan, tr = s.plan, proto.transport
         assert tr is not None
         proto.start_stream()
@@ -274,7 +376,8 @@ def _cli(argv: Optional[Sequence[str]] = None) -> None:
     def script(_i: int, body: dict[str, Any]) -> Plan:
         if not (args.ttft_ms or args.itl_ms):
             return Plan()
-        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        n = len(transcript_pieces(body)) if "file" in body else \
+            int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         return Plan(delays=[args.ttft_ms / 1e3] + [args.itl_ms / 1e3] * (n - 1))
 
     async def serve() -> None:

@@ -4,7 +4,8 @@ TTFT: request sent -> first token chunk. ITL: every gap between consecutive toke
 TPOT: (E2E latency - TTFT) / (output tokens - 1), only for requests with more than one output token (for goodput
 such requests count as TPOT 0). E2E latency: request sent -> end of the stream (`data: [DONE]`).
 Throughputs divide by the run's duration (first request sent -> last one finished); only successful requests
-count. Peak output throughput and peak concurrency use 1 s buckets from the first successful request's start;
+count (audio throughput too: the seconds of audio transcribed per second of the run, the real-time factor's
+inverse). Peak output throughput and peak concurrency use 1 s buckets from the first successful request's start;
 a chunk carries output_tokens / chunks tokens (1 each when the server streams one token per chunk, as vLLM
 assumes), and a request is concurrent in every bucket it overlaps.
 """
@@ -36,6 +37,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     output_len_source: str = ""  # "usage" | "tokenizer" | "chunks"
+    audio_seconds: float = 0.0  # length of the audio clip the request sent (transcriptions)
 
     @property
     def tpot(self) -> float:
@@ -66,6 +68,8 @@ class Summary:
     request_goodput: Optional[float]
     stats: dict[str, dict[str, float]]  # metric -> {mean, median, std, p50, ...} in milliseconds
     errors: list[tuple[str, int]]  # distinct errors, most frequent first, with counts
+    total_audio_seconds: float = 0.0  # clip seconds of the successful requests (transcriptions)
+    audio_throughput: Optional[float] = None  # audio seconds transcribed per second; None: no request sent audio
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,6 +145,7 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_len for r in ok)
+    total_audio = float(sum(r.audio_seconds for r in ok))
     dur = duration if duration > 0 else float("nan")
     values = {"ttft": [r.ttft for r in ok], "tpot": [r.tpot for r in ok if r.output_len > 1],
               "itl": [g for r in ok for g in r.itl], "e2el": [r.latency for r in ok]}
@@ -156,4 +161,6 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
                    max_in_flight=max_in_flight(ok),
                    request_goodput=goodput,
                    stats={k: describe(v, percentiles) for k, v in values.items()},
-                   errors=[(e, c) for e, c in errors])
+                   errors=[(e, c) for e, c in errors],
+                   total_audio_seconds=total_audio,
+                   audio_throughput=total_audio / dur if any(r.audio_seconds for r in results) else None)

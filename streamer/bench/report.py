@@ -22,17 +22,24 @@ def _row(label: str, value: Any) -> str:
 
 
 def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_cpu: Optional[float] = None,
-                   max_errors: int = 5, embeddings: bool = False) -> str:
-    """vLLM's table. `embeddings`: nothing is generated, so the input side and end-to-end latency only."""
+                   max_errors: int = 5, embeddings: bool = False, transcriptions: bool = False) -> str:
+    """vLLM's table. `embeddings`: nothing is generated, so the input side and end-to-end latency only.
+    `transcriptions`: the input is audio, so its seconds and audio throughput (audio s/s) instead of input tokens."""
     lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=_W, c="="),
              _row("Successful requests:", s.completed), _row("Failed requests:", s.failed),
              _row("Maximum request concurrency:", max_concurrency if max_concurrency else "unlimited"),
-             _row("Benchmark duration (s):", s.duration), _row("Total input tokens:", s.total_input_tokens)]
+             _row("Benchmark duration (s):", s.duration)]
+    if transcriptions:
+        lines.append(_row("Total audio (s):", s.total_audio_seconds))
+    else:
+        lines.append(_row("Total input tokens:", s.total_input_tokens))
     if not embeddings:
         lines.append(_row("Total generated tokens:", s.total_output_tokens))
     lines.append(_row("Request throughput (req/s):", s.request_throughput))
     if s.request_goodput is not None:
         lines.append(_row("Request goodput (req/s):", s.request_goodput))
+    if transcriptions:
+        lines.append(_row("Audio throughput (audio s/s):", s.audio_throughput or 0.0))
     if embeddings:
         lines += [_row("Input token throughput (tok/s):", s.input_throughput),
                   _row("Peak in-flight requests (instant):", s.max_in_flight)]
@@ -40,8 +47,9 @@ def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_
         lines += [_row("Output token throughput (tok/s):", s.output_throughput),
                   _row("Peak output token throughput (tok/s):", s.max_output_tokens_per_s),
                   _row("Peak concurrent requests (1 s buckets):", s.max_concurrent_requests),
-                  _row("Peak in-flight requests (instant):", s.max_in_flight),
-                  _row("Total token throughput (tok/s):", s.total_token_throughput)]
+                  _row("Peak in-flight requests (instant):", s.max_in_flight)]
+        if not transcriptions:
+            lines.append(_row("Total token throughput (tok/s):", s.total_token_throughput))
     if client_cpu is not None and s.duration > 0:  # near 100% would mean the generator limits the numbers
         lines.append(_row("Load generator CPU (% of one core):", 100.0 * client_cpu / s.duration))
     for m in ("e2el",) if embeddings else METRICS:
@@ -76,6 +84,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
 _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests"),
                ("duration", "Duration (s)"), ("request_throughput", "Request throughput (req/s)"),
                ("request_goodput", "Request goodput (req/s)"),
+               ("audio_throughput", "Audio throughput (audio s/s)"),
                ("input_throughput", "Input throughput (tok/s)"),
                ("output_throughput", "Output throughput (tok/s)"),
                ("total_token_throughput", "Total token throughput (tok/s)"),
@@ -87,10 +96,13 @@ _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Optional[float], Optional[float]]]:
     """(label, value in A, value in B) for the headline numbers and each latency statistic."""
     sa, sb = a["summary"], b["summary"]
-    embeddings = "embeddings" in (a.get("config", {}).get("endpoint"), b.get("config", {}).get("endpoint"))
-    generated = ("output_throughput", "total_token_throughput", "max_output_tokens_per_s")
+    endpoints = (a.get("config", {}).get("endpoint"), b.get("config", {}).get("endpoint"))
+    embeddings = "embeddings" in endpoints
+    skip = {"output_throughput", "total_token_throughput", "max_output_tokens_per_s"} if embeddings else set()
+    if endpoints == ("transcriptions", "transcriptions"):  # (audio in: no input tokens)
+        skip |= {"input_throughput", "total_token_throughput"}
     rows = [(label, sa.get(k), sb.get(k)) for k, label in _THROUGHPUT if (sa.get(k) is not None or sb.get(k))
-            and not (embeddings and k in generated)]
+            and k not in skip]
     for m in ("e2el",) if embeddings else METRICS:  # (an embedding's answer comes whole: no token timings)
         keys = [k for k in sa["stats"][m] if k != "std" and k in sb["stats"][m]]
         rows += [(f"{k} {m.upper()} (ms)", sa["stats"][m][k], sb["stats"][m][k]) for k in keys]

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from streamer.bench.client import HttpClient, RawResponse, error_of, interpret
+from streamer.bench.client import HttpClient, RawResponse, error_of, interpret, interpret_transcription
 from streamer.bench.datasets import SampleRequest
 from streamer.bench.metrics import RequestResult
 
@@ -21,7 +21,7 @@ from streamer.bench.metrics import RequestResult
 class RunConfig:
     base_url: str
     model: Optional[str] = None  # None: the first id of GET /v1/models
-    endpoint: str = "completions"  # "completions" | "chat" | "messages" (Anthropic's) | "embeddings"
+    endpoint: str = "completions"  # "completions" | "chat" | "messages" (Anthropic's) | "embeddings" | "transcriptions"
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: Optional[int] = None
@@ -34,6 +34,7 @@ class RunConfig:
     seed: int = 0
     extra_body: dict[str, Any] = field(default_factory=dict)
     progress: bool = False
+    language: Optional[str] = "en"  # transcriptions: the `language` form field (None: not sent, the server detects)
 
 
 @dataclass
@@ -57,7 +58,52 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> np.ndarr
     return np.concatenate(([0.0], np.cumsum(gaps[:-1]))) if n else np.zeros(0)
 
 
+# One boundary for every upload (the Content-Type is the run's); multipart_body checks that no part holds it.
+BOUNDARY = "streamer-bench-a61f3c0e9d2b47b5b8e4"
+
+
+def content_type(endpoint: str) -> str:
+    return f"multipart/form-data; boundary={BOUNDARY}" if endpoint == "transcriptions" else "application/json"
+
+
+def multipart_body(fields: dict[str, str], files: Sequence[tuple[str, str, str, bytes]],
+                   boundary: str = BOUNDARY) -> bytes:
+    """A multipart/form-data body (RFC 7578): text `fields`, then `files` as (field name, file name, content type,
+    bytes) parts."""
+    sep = b"--" + boundary.encode()
+    parts: list[bytes] = []
+    for name, value in fields.items():
+        parts += [sep, b'\r\nContent-Disposition: form-data; name="%s"\r\n\r\n' % _quoted(name),
+                  value.encode(), b"\r\n"]
+    for name, filename, ctype, data in files:
+        head = b'\r\nContent-Disposition: form-data; name="%s"; filename="%s"\r\nContent-Type: %s\r\n\r\n' % (
+            _quoted(name), _quoted(filename), ctype.encode())
+        parts += [sep, head, data, b"\r\n"]
+    parts += [sep, b"--\r\n"]
+    body = b"".join(parts)
+    if body.count(sep) != len(fields) + len(files) + 1:
+        raise ValueError("a multipart field holds the boundary")  # (random audio: practically never)
+    return body
+
+
+def _quoted(name: str) -> bytes:
+    """A name inside a quoted Content-Disposition parameter, escaped as browsers do (WHATWG's form encoding)."""
+    return name.replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A").encode()
+
+
+def transcription_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
+    """OpenAI's transcription form: the clip as `file`, streamed json; --extra-body entries as more fields."""
+    fields = {"model": model, "response_format": "json", "stream": "true", "temperature": f"{cfg.temperature:g}"}
+    if cfg.language:
+        fields["language"] = cfg.language
+    for k, v in cfg.extra_body.items():
+        fields[k] = v if isinstance(v, str) else json.dumps(v)
+    return multipart_body(fields, [("file", "audio.wav", "audio/wav", req.audio)])
+
+
 def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
+    if cfg.endpoint == "transcriptions":
+        return transcription_body(cfg, model, req)
     if cfg.endpoint == "embeddings":  # one input a request, answered whole (nothing streams)
         return json.dumps({"model": model, "input": req.prompt, **cfg.extra_body}, ensure_ascii=False).encode()
     body: dict[str, Any] = {"model": model, "stream": True, "temperature": cfg.temperature}
@@ -93,32 +139,37 @@ def _anthropic_image(url: str) -> dict[str, Any]:
 
 
 def endpoint_path(endpoint: str) -> str:
-    return {"chat": "/chat/completions", "messages": "/messages", "embeddings": "/embeddings"}.get(endpoint,
-                                                                                                 "/completions")
+    return {"chat": "/chat/completions", "messages": "/messages", "embeddings": "/embeddings",
+            "transcriptions": "/audio/transcriptions"}.get(endpoint, "/completions")
 
 
 def to_result(resp: RawResponse, req: SampleRequest, sent: float,
               endpoint: str = "completions") -> tuple[RequestResult, Optional[str]]:
     """RequestResult (absolute `start`) plus the generated text when its tokens must still be counted."""
-    res = RequestResult(prompt_len=req.prompt_len, asked_output_len=req.output_len, start=sent)
+    res = RequestResult(prompt_len=req.prompt_len, asked_output_len=req.output_len, start=sent,
+                        audio_seconds=req.audio_seconds)
     if resp.status != 200:
         res.error = error_of(resp)
         return res, None
     if endpoint == "embeddings":
         return embedding_result(resp, res, sent), None
-    out = interpret(resp, messages=endpoint == "messages")  # (after a broken connection too: an error event says more)
+    transcription = endpoint == "transcriptions"
+    # (after a broken connection too: an error event says more)
+    out = interpret_transcription(resp) if transcription else interpret(resp, messages=endpoint == "messages")
     if out.error:
         res.error = out.error
     elif resp.error:
         res.error = resp.error
     elif not out.done:
-        res.error = "stream ended without message_stop" if endpoint == "messages" else \
-            "stream ended without data: [DONE]"
-    elif not out.token_times:
+        res.error = {"messages": "stream ended without message_stop",
+                     "transcriptions": "stream ended without transcript.text.done or data: [DONE]"}.get(
+                         endpoint, "stream ended without data: [DONE]")
+    elif not out.token_times and not transcription:
         res.error = "no token chunks in the stream"
     if res.error:
         return res, None
-    times = out.token_times
+    # An empty transcript (silence, or sound without speech) is an answer: its "first token" is the end.
+    times = out.token_times or [out.end_time]
     res.ttft = times[0] - sent
     res.itl = [b - a for a, b in zip(times, times[1:])]
     res.latency = out.end_time - sent
@@ -128,7 +179,7 @@ def to_result(resp: RawResponse, req: SampleRequest, sent: float,
     if out.completion_tokens is not None:
         res.output_len, res.output_len_source = int(out.completion_tokens), "usage"
         return res, None
-    res.output_len, res.output_len_source = len(times), "chunks"
+    res.output_len, res.output_len_source = len(out.token_times), "chunks"
     return res, out.text
 
 
@@ -261,7 +312,7 @@ async def _warmup(cfg: RunConfig, client: HttpClient, path: str, bodies: list[by
 
     async def one(body: bytes) -> None:
         async with sem:
-            await client.post(path, body)
+            await client.post(path, body, content_type=content_type(cfg.endpoint))
 
     await asyncio.gather(*(one(bodies[i % len(bodies)]) for i in range(cfg.num_warmups)))
 
@@ -275,13 +326,14 @@ async def _timed(cfg: RunConfig, client: HttpClient, path: str, model: str, requ
     results: list[Optional[RequestResult]] = [None] * n
     pending: list[tuple[RequestResult, str]] = []
     progress = Progress(n, cfg.progress)
+    ctype = content_type(cfg.endpoint)
 
     async def one(i: int) -> None:
         if sem is not None:
             await sem.acquire()
         sent = perf_counter()
         try:
-            resp = await client.post(path, bodies[i])
+            resp = await client.post(path, bodies[i], content_type=ctype)
         except Exception as e:  # a bug or odd server must cost one request, not the run
             resp = RawResponse(error=f"{type(e).__name__}: {e}")
         finally:
