@@ -265,8 +265,8 @@ class ModelRunner:
         if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints', snapshots'
             self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots + self.num_snapshot_slots,
                                       self.dtype, self.device)
-            logger.info("%s: %d slots (and %d checkpoints, %d snapshots) of %.1f MiB", self._state_name(), self.num_state_slots,
-                        self.num_checkpoint_slots, self.num_snapshot_slots,
+            logger.info("%s: %d slots (and %d checkpoints, %d snapshots) of %.1f MiB", self._state_name(),
+                        self.num_state_slots, self.num_checkpoint_slots, self.num_snapshot_slots,
                         self.model.state_bytes_per_slot(self.dtype) / 2 ** 20)
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
@@ -530,8 +530,8 @@ class ModelRunner:
             checkpoints = min(checkpoints, total - 1)
             n = total - checkpoints
             logger.warning("%s for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
-                           "budget: %d slots, so at most %d sequences run at once", self._state_name(), self.config.max_num_seqs,
-                           per_slot / 2 ** 20, n, n)
+                           "budget: %d slots, so at most %d sequences run at once", self._state_name(),
+                           self.config.max_num_seqs, per_slot / 2 ** 20, n, n)
         if self.tp_size > 1:  # every rank must hold the same slots: the smallest budget decides
             counts = torch.tensor([n, checkpoints], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN)
