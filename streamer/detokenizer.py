@@ -130,14 +130,31 @@ class IncrementalDetokenizer:
         tail = [t for t in prompt_token_ids[-8 * PROMPT_CONTEXT_TOKENS:] if t not in self._dropped]
         return tail[-PROMPT_CONTEXT_TOKENS:]
 
+    def _tail(self, context: list[int]) -> tuple[list[int], str]:
+        """The last PROMPT_CONTEXT_TOKENS ids of `context` and their text, reaching back further where the cut
+        splits a character: the text must end the context's own (a tail starting inside a character's bytes reads
+        as extra U+FFFD, and the next deltas would be measured against it)."""
+        tail = context[-PROMPT_CONTEXT_TOKENS:]
+        text = self._decode(tail)
+        if len(tail) == len(context) or not text.startswith(_REPLACEMENT):
+            return tail, text
+        whole = self._decode(context)
+        for start in range(len(context) - PROMPT_CONTEXT_TOKENS, max(len(context) - 4 * PROMPT_CONTEXT_TOKENS, 0) - 1,
+                           -1):
+            tail = context[start:]
+            text = self._decode(tail)
+            if whole.endswith(text):
+                break
+        return tail, text
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _restart(self, context: list[int]) -> None:
         """Continue after the emitted ids `context`: through a DecodeStream, unless their text ends mid-character
         (a DecodeStream would then re-emit it), in which case the Python path runs until the next emission."""
-        self._context, self._unread = context[-PROMPT_CONTEXT_TOKENS:], []
-        self._context_text = self._decode(self._context)
+        self._context, self._context_text = self._tail(context)
+        self._unread = []
         self._stream = (None if self._context_text.endswith(_REPLACEMENT) else
                         DecodeStream(ids=list(self._context), skip_special_tokens=self._skip_special))
 

@@ -387,3 +387,15 @@ def test_byte_table_only_where_decoding_is_per_token(tmp_path) -> None:
     backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
     backend.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Strip(" ", 1, 0)])
     assert Tokenizer(backend).token_bytes is None
+
+
+@pytest.mark.parametrize("text", ["\ufffd\ufffd\u00ed", "\ufffd\ufffd\ufffd\u00ed\u00ed", "a\ufffd\ufffd\u00e9\u4e2d"])
+def test_literal_replacement_characters_then_more(toks: dict[str, Tokenizer], text: str) -> None:
+    """Text that itself holds U+FFFD (hypothesis found it): the held tokens pass MAX_UNREAD_TOKENS, and the context
+    kept after the emission must not start inside a character's byte-fallback tokens (its text would read as
+    extra U+FFFD, and the next character came out as two of them)."""
+    tok = toks["sentencepiece"]
+    gen = tok.encode(text, add_special_tokens=False)
+    deltas, stop, d = run(tok, gen)
+    assert stop is None
+    assert "".join(deltas) == d.text == relative_decode(tok, [], gen) == text
