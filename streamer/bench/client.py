@@ -13,7 +13,7 @@ import ssl
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 try:  # faster JSON when present; never required
@@ -342,19 +342,7 @@ def interpret(resp: RawResponse, messages: bool = False) -> StreamOutcome:
         return interpret_messages(resp)
     out = StreamOutcome()
     parts: list[str] = []
-    body = bytes(resp.body)
-    for end, data in sse_events(body):
-        out.end_time = resp.time_at(end)
-        if data == b"[DONE]":
-            out.done = True
-            continue
-        try:
-            obj = _loads(data)
-        except ValueError:
-            out.error = f"invalid JSON in stream: {data[:120]!r}"
-            return out
-        if not isinstance(obj, dict):
-            continue
+    for obj in _json_events(resp, out):
         if "error" in obj or obj.get("object") == "error":
             out.error = "error in stream: " + _error_text(obj)
             return out
@@ -370,8 +358,26 @@ def interpret(resp: RawResponse, messages: bool = False) -> StreamOutcome:
             if text or not (ch.get("finish_reason") or (isinstance(delta, dict) and "role" in delta)):
                 out.token_times.append(out.end_time)
                 parts.append(text)
-    out.text = "".join(parts)
+    if not out.error:
+        out.text = "".join(parts)
     return out
+
+
+def _json_events(resp: RawResponse, out: StreamOutcome) -> Iterator[dict[str, Any]]:
+    """An OpenAI-style stream's JSON objects in order, each with `out.end_time` at its arrival; `data: [DONE]`
+    sets `out.done`. Data that is not JSON sets `out.error` and ends the stream."""
+    for end, data in sse_events(bytes(resp.body)):
+        out.end_time = resp.time_at(end)
+        if data == b"[DONE]":
+            out.done = True
+            continue
+        try:
+            obj = _loads(data)
+        except ValueError:
+            out.error = f"invalid JSON in stream: {data[:120]!r}"
+            return
+        if isinstance(obj, dict):
+            yield obj
 
 
 def interpret_messages(resp: RawResponse) -> StreamOutcome:
@@ -430,18 +436,7 @@ def interpret_transcription(resp: RawResponse) -> StreamOutcome:
         return out
     parts: list[str] = []
     final: Optional[str] = None
-    for end, data in sse_events(body):
-        out.end_time = resp.time_at(end)
-        if data == b"[DONE]":
-            out.done = True
-            continue
-        try:
-            obj = _loads(data)
-        except ValueError:
-            out.error = f"invalid JSON in stream: {data[:120]!r}"
-            return out
-        if not isinstance(obj, dict):
-            continue
+    for obj in _json_events(resp, out):
         kind = obj.get("type")
         if "error" in obj or obj.get("object") == "error" or kind == "error":
             out.error = "error in stream: " + _error_text(obj)
@@ -461,7 +456,8 @@ def interpret_transcription(resp: RawResponse) -> StreamOutcome:
         if text:
             out.token_times.append(out.end_time)
             parts.append(text)
-    out.text = "".join(parts) if parts or final is None else final
+    if not out.error:
+        out.text = "".join(parts) if parts or final is None else final
     return out
 
 
