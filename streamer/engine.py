@@ -210,6 +210,8 @@ class LLMEngine:
                                 encoder_decoder=self.encoder_decoder)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
+        if self.speech is not None:  # (its timestamps are no text: dropped from outputs like special tokens)
+            self.tokenizer.mark_special(self.speech.timestamp_ids(self.tokenizer, self.vocab_size))
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self.think_tags = ThinkTags.of(config.reasoning_parser, self._encode_text) \
             if config.reasoning_parser is not None else None
@@ -465,6 +467,7 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else None
+        speech_rules = self.speech.rules(self.tokenizer, prompt_token_ids) if self.speech is not None else None
         think = self._think_tags(params)
         predicted = self._prediction(params)
         states = []
@@ -482,6 +485,7 @@ class LLMEngine:
             if grammar is not None:
                 req.matcher = grammar.matcher()
             req.bad_words_ids = bad_words
+            req.speech_rules = speech_rules
             if think is not None:
                 req.think = think.budget(prompt_token_ids, params.thinking_token_budget)  # type: ignore[arg-type]
             req.prediction = predicted
@@ -585,10 +589,10 @@ class LLMEngine:
 
     def can_overlap(self, running: StepInputs) -> bool:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties,
-        bad_words, follows a grammar or may have to close its reasoning: the next step's penalties, bans, token
-        mask or forced token need the token it samples, on the host."""
+        bad_words or Whisper's rules, follows a grammar or may have to close its reasoning: the next step's
+        penalties, bans, token mask or forced token need the token it samples, on the host."""
         return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
-                and not running.sampling.worded and not any(r.think.pins_next  # type: ignore[union-attr]
+                and not running.sampling.worded and not running.sampling.speech and not any(r.think.pins_next  # type: ignore[union-attr]
                                                             for _, r in running.sampling.thinking)
                 and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known
 

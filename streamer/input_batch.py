@@ -53,6 +53,8 @@ class SamplingRows:
     banned: list[tuple[int, Request]]
     adjusted: list[tuple[int, Request]] = field(default_factory=list)
     worded: list[tuple[int, Request]] = field(default_factory=list)  # bad_words: bans that follow the output
+    # Whisper's decoding rules (timestamps, begin_suppress_tokens): bans that follow the output
+    speech: list[tuple[int, Request]] = field(default_factory=list)
     # thinking_token_budget rows still before or inside their reasoning: the closing tag may be forced next
     thinking: list[tuple[int, Request]] = field(default_factory=list)
     # Structured outputs: (indices among the sampling rows, their allowed-token bitmasks int32 [R, ceil(V/32)]),
@@ -171,6 +173,7 @@ class InputBatch:
         self.penalized = np.zeros(0, dtype=bool)
         self.adjusted = np.zeros(0, dtype=bool)
         self.worded = np.zeros(0, dtype=bool)  # has bad_words
+        self.speech_ruled = np.zeros(0, dtype=bool)  # has Whisper's decoding rules
         self.budgeted = np.zeros(0, dtype=bool)  # has a thinking_token_budget
         self.constrained = np.zeros(0, dtype=bool)  # follows a structured-output grammar
         self.prompt_logprobs = np.zeros(0, dtype=np.int64)  # -1 = none
@@ -188,7 +191,7 @@ class InputBatch:
     # ------------------------------------------------------------------ capacity
     _ROW_ARRAYS = ("block_table", "num_blocks", "tokens", "num_tokens", "num_prompt", "temperature", "top_k",
                    "top_p", "min_p", "logprobs", "min_tokens", "seeded", "penalized", "adjusted", "worded",
-                   "budgeted", "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "rope_delta",
+                   "speech_ruled", "budgeted", "constrained", "prompt_logprobs", "lora_slot", "pool_mode", "images_end", "rope_delta",
                    "epoch", "state_slot")
 
     def _grow_rows(self, n: int) -> None:
@@ -242,6 +245,7 @@ class InputBatch:
         self.penalized[row] = p.needs_penalties
         self.adjusted[row] = p.adjusts_logits
         self.worded[row] = req.bad_words_ids is not None
+        self.speech_ruled[row] = req.speech_rules is not None
         self.budgeted[row] = req.think is not None
         self.constrained[row] = req.matcher is not None
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
@@ -439,6 +443,7 @@ class InputBatch:
         penalized = np.flatnonzero(self.penalized[rows])
         adjusted = np.flatnonzero(self.adjusted[rows])
         worded = np.flatnonzero(self.worded[rows])
+        speech = np.flatnonzero(self.speech_ruled[rows])
         budgeted = np.flatnonzero(self.budgeted[rows])
         banned = np.flatnonzero(seq_lens - self.num_prompt[rows] < self.min_tokens[rows])
         constrained = np.flatnonzero(self.constrained[rows])
@@ -454,6 +459,7 @@ class InputBatch:
             banned=[(int(i), reqs[rows[i]]) for i in banned],  # type: ignore[misc]
             adjusted=[(int(i), reqs[rows[i]]) for i in adjusted],  # type: ignore[misc]
             worded=[(int(i), reqs[rows[i]]) for i in worded],  # type: ignore[misc]
+            speech=[(int(i), reqs[rows[i]]) for i in speech],  # type: ignore[misc]
             thinking=[(int(i), r) for i in budgeted for r in [reqs[rows[i]]] if r.think.active],  # type: ignore
             grammar=grammar)
 

@@ -38,7 +38,8 @@ from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
-from streamer.sampler import Sampler, SamplerOutput, SamplingBatch, bad_word_bans, build_penalties, score_tokens
+from streamer.sampler import (Sampler, SamplerOutput, SamplingBatch, SpeechMasks, bad_word_bans, build_penalties,
+                              score_tokens)
 
 if TYPE_CHECKING:
     from streamer.draft_model import DraftModel
@@ -706,7 +707,7 @@ class ModelRunner:
             temperature=to_device(temps, dev), top_k=top_k, top_p=top_p, min_p=min_p, generators=gens,
             all_greedy=not temps.any(), any_seeded=bool(rows.seeded), banned=self._banned(rows.banned, rows.worded),
             penalties=penalties, max_logprobs=rows.max_logprobs, adjust=adjust,
-            grammar=grammar, forced=self._forced(rows.thinking))
+            grammar=grammar, forced=self._forced(rows.thinking), speech=self._speech_masks(rows.speech))
 
     def _logit_adjust(self, req: Request) -> torch.Tensor:
         """The request's logit_bias / allowed_token_ids as one row added to its logits (built once)."""
@@ -742,6 +743,24 @@ class ModelRunner:
             return None
         return (to_device(np.array(rows, dtype=np.int64), self.device),
                 to_device(np.array(ids, dtype=np.int64), self.device))
+
+    def _speech_masks(self, speech: list[tuple[int, Request]]) -> Optional[SpeechMasks]:
+        """Whisper's decoding rules for its rows (the engine does not schedule ahead of such rows, so their output
+        so far is known)."""
+        if not speech:
+            return None
+        vocab = self.model_cfg.vocab_size
+        owners, lo, hi = [], [], []
+        for j, (_, r) in enumerate(speech):
+            for a, b in r.speech_rules.bans(r.output_token_ids, vocab):  # type: ignore[union-attr]
+                owners.append(j)
+                lo.append(a)
+                hi.append(b)
+        dev = self.device
+        ids = lambda xs: to_device(np.array(xs, dtype=np.int64), dev)  # noqa: E731
+        stamped = np.array([r.speech_rules.timestamps for _, r in speech], dtype=bool)  # type: ignore[union-attr]
+        return SpeechMasks(ids([i for i, _ in speech]), ids(owners), ids(lo), ids(hi), to_device(stamped, dev),
+                           speech[0][1].speech_rules.timestamp_begin)  # type: ignore[union-attr]
 
     def _forced(self, thinking: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """Rows whose thinking_token_budget is spent: the closing tag's next token (the engine does not schedule

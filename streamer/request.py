@@ -92,6 +92,8 @@ class Request:
         # bad_words as token-id sequences (the engine encodes them): the last token of each is banned where the
         # output ends with the others.
         self.bad_words_ids: Optional[list[list[int]]] = None
+        # A Whisper request's decoding rules (streamer/speech.py DecodeRules: timestamps, begin_suppress_tokens)
+        self.speech_rules: Optional[Any] = None
         # thinking_token_budget: where the sequence is in its reasoning and what is left of the budget.
         self.think: Optional[ThinkingBudget] = None
         # Structured outputs: this sequence's llguidance matcher (parser state), fed each token it samples.

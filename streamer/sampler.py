@@ -35,6 +35,36 @@ class SamplingBatch:
     adjust: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, [rows, V] added: logit_bias, allowed ids)
     grammar: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, int32 [rows, V/32] allowed-token bits)
     forced: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (rows, token ids) written whatever the logits
+    speech: Optional["SpeechMasks"] = None  # Whisper's decoding rules
+
+
+@dataclass
+class SpeechMasks:
+    """Whisper's decoding rules for some rows (streamer/speech.py DecodeRules): token ranges the host banned from
+    each row's output so far, and, for the rows that write timestamps, the rule that needs the logits."""
+
+    rows: torch.Tensor  # int64 [R]: the rows
+    range_rows: torch.Tensor  # int64 [K]: which of the R rows each banned range is for
+    lo: torch.Tensor  # int64 [K]: the range's first id
+    hi: torch.Tensor  # int64 [K]: one past its last
+    stamped: torch.Tensor  # bool [R]: the row writes timestamps
+    timestamp_begin: int  # the first timestamp token's id
+
+
+def apply_speech_masks(logits: torch.Tensor, m: SpeechMasks) -> torch.Tensor:
+    """Ban each row's ranges; then, where a timestamped row's timestamps together are likelier than its likeliest
+    text token (any id below them), ban the text: a timestamp comes next (transformers' WhisperTimeStamp logits
+    processor, all rows at once, no host sync)."""
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    hits = ((cols >= m.lo.unsqueeze(1)) & (cols < m.hi.unsqueeze(1))).float()  # [K, V]
+    banned = torch.zeros(len(m.rows), logits.shape[1], device=logits.device).index_add_(0, m.range_rows, hits) > 0
+    sub = logits[m.rows].masked_fill(banned, float("-inf"))
+    logprobs = sub.float().log_softmax(dim=-1)
+    begin = m.timestamp_begin
+    stamps = logprobs[:, begin:].logsumexp(dim=-1)
+    text = logprobs[:, :begin].amax(dim=-1)
+    sub = sub.masked_fill((m.stamped & (stamps > text)).unsqueeze(1) & (cols < begin), float("-inf"))
+    return logits.index_put((m.rows,), sub)
 
 
 @dataclass
@@ -352,6 +382,8 @@ class Sampler:
             logits = logits.index_add(0, *batch.adjust)
         if batch.banned is not None:
             logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
+        if batch.speech is not None:
+            logits = apply_speech_masks(logits, batch.speech)
         dead = None
         if batch.grammar is not None:
             # In place: the runner's logits are fresh each step, and copying [256, 128k] would cost more than masking.

@@ -28,6 +28,87 @@ class SpeechInput:
     seconds: float  # the audio's length
 
 
+@dataclass(frozen=True)
+class DecodeRules:
+    """What Whisper's decoding bans, beyond logit_bias, from the tokens a request has written so far (transformers'
+    SuppressTokensAtBegin and WhisperTimeStamp logits processors; OpenAI's whisper applies the same).
+
+    The first token never is one of `begin_suppress` (a blank, end of text). A request whose prompt leaves out
+    <|notimestamps|> writes timestamps: <|0.00|> .. <|30.00|>, the ids from `timestamp_begin` on, one every 20 ms.
+    Its text comes in segments, each opened and closed by a timestamp: it starts with a timestamp (at most
+    `max_initial`, 1 s by default), a timestamp follows a closing one only right before the end, timestamps never go
+    back, and <|notimestamps|> never comes. The sampler adds the rule that needs the logits: where the timestamps
+    together are likelier than any one text token, a timestamp comes next (`Sampler`, `SpeechMasks`)."""
+
+    eos: int
+    no_timestamps: int
+    begin_suppress: tuple[int, ...]
+    timestamps: bool  # the request writes timestamps
+    max_initial: Optional[int]  # the first timestamp's highest index
+
+    @property
+    def timestamp_begin(self) -> int:
+        return self.no_timestamps + 1
+
+    def bans(self, output: Sequence[int], vocab_size: int) -> list[tuple[int, int]]:
+        """The token ranges [lo, hi) banned after `output` (the request's generated tokens)."""
+        bans = [(t, t + 1) for t in self.begin_suppress] if not output else []
+        if not self.timestamps:
+            return bans
+        begin = self.timestamp_begin
+        bans.append((self.no_timestamps, self.no_timestamps + 1))
+        if not output:  # a timestamp first, and an early one
+            bans.append((0, begin))
+            if self.max_initial is not None:
+                bans.append((begin + self.max_initial + 1, vocab_size))
+            return bans
+        last = output[-1] >= begin
+        if last:
+            closed = len(output) < 2 or output[-2] >= begin  # (a segment's opening timestamp is never last)
+            bans.append((begin, vocab_size) if closed else (0, self.eos))
+        stamp = next((t for t in reversed(output) if t >= begin), None)
+        if stamp is not None:  # no going back; a closed segment's end does not open the next one
+            bans.append((begin, stamp if last and not closed else stamp + 1))
+        return bans
+
+
+@dataclass
+class Segment:
+    """A stretch of text between two timestamps (seconds from the audio's start)."""
+
+    start: float
+    end: float
+    token_ids: list[int]
+
+
+def timestamp_segments(token_ids: Sequence[int], rules: DecodeRules, precision: float, offset: float = 0.0,
+                       end: Optional[float] = None) -> list[Segment]:
+    """A timestamped output's segments: `<|t0|> text <|t1|>` pairs (a segment closed by the next one's opening
+    timestamp too). Text with no closing timestamp (the output was cut off) ends at `end`; a segment without text
+    is dropped, and so are special tokens (end of text). Times are `offset` + index x `precision`, capped at
+    `end`."""
+    begin = rules.timestamp_begin
+    segments: list[Segment] = []
+    start: Optional[float] = None
+    text: list[int] = []
+    for t in token_ids:
+        if t < rules.eos:
+            text.append(t)
+            continue
+        if t < begin:
+            continue
+        at = offset + (t - begin) * precision
+        if end is not None:
+            at = min(at, end)
+        if start is not None and text:
+            segments.append(Segment(start, at, text))
+        start, text = at, []
+    if text:
+        last = end if end is not None else segments[-1].end if segments else offset
+        segments.append(Segment(offset if start is None else start, max(last, start or offset), text))
+    return segments
+
+
 class SpeechPrompts:
     """How a speech model takes its prompts' audio: the checkpoint's feature extractor settings
     (preprocessor_config.json) and its special tokens (generation_config.json, as Whisper checkpoints ship)."""
@@ -41,9 +122,18 @@ class SpeechPrompts:
         self.config = cfg
         # (a `prompt` keeps at most half the decoder's context, as transformers and OpenAI's whisper keep it)
         self.max_previous_tokens = model.cfg.max_position_embeddings // 2 - 1
+        self.vocab_size = model.cfg.vocab_size
         self.features = WhisperFeatures(cfg)
         gen = folder / "generation_config.json"
         self.generation: dict[str, Any] = json.loads(gen.read_text()) if gen.is_file() else {}
+        # A timestamp token's step in seconds: one encoder frame, two feature frames (20 ms)
+        self.time_precision = 2 * cfg.hop_length / cfg.sampling_rate
+
+    def timestamp_ids(self, tokenizer: Any, vocab_size: int) -> range:
+        """The timestamp tokens' ids: from the one after <|notimestamps|> to the end of the model's vocabulary
+        (<|0.00|> .. <|30.00|>); empty without <|notimestamps|>."""
+        no_ts = self.generation.get("no_timestamps_token_id", tokenizer.token_to_id("<|notimestamps|>"))
+        return range(0) if no_ts is None else range(int(no_ts) + 1, vocab_size)
 
     @property
     def max_seconds(self) -> float:
@@ -91,6 +181,33 @@ class SpeechPrompts:
         ids = self.generation.get("suppress_tokens") or []
         return {int(i): -100.0 for i in ids if isinstance(i, int) and 0 <= i < vocab_size}
 
+    def rules(self, tokenizer: Any, prompt_ids: Sequence[int]) -> Optional[DecodeRules]:
+        """How a request with this decoder prompt decodes (`DecodeRules`): with timestamps unless the prompt says
+        <|notimestamps|> (or the vocabulary has none), when it asks for a transcription (a multilingual model's
+        prompt names the language and the task after <|startoftranscript|>; one that stops before, as language
+        detection's does, gets no rules). None for a prompt without <|startoftranscript|>."""
+        sot = tokenizer.token_to_id("<|startoftranscript|>")
+        no_ts = self.generation.get("no_timestamps_token_id", tokenizer.token_to_id("<|notimestamps|>"))
+        eos = tokenizer.token_to_id("<|endoftext|>")
+        if sot is None or no_ts is None or eos is None or sot not in prompt_ids:
+            return None
+        after = list(prompt_ids)[len(prompt_ids) - list(reversed(prompt_ids)).index(sot):]
+        tasks = {tokenizer.token_to_id(f"<|{t}|>") for t in ("transcribe", "translate")}
+        if self.multilingual and not (len(after) >= 2 and after[0] in self.language_ids().values()
+                                      and after[1] in tasks):
+            return None
+        begin_suppress = self.generation.get("begin_suppress_tokens") or []
+        max_initial = self.generation.get("max_initial_timestamp_index", 50)
+        return DecodeRules(eos=int(eos), no_timestamps=int(no_ts),
+                           begin_suppress=tuple(int(t) for t in begin_suppress if isinstance(t, int)),
+                           timestamps=no_ts not in after and no_ts + 1 < self.vocab_size,
+                           max_initial=None if max_initial is None else int(max_initial))
+
+    def segments(self, token_ids: Sequence[int], rules: DecodeRules, offset: float = 0.0,
+                 end: Optional[float] = None) -> list[Segment]:
+        """A timestamped output's segments (see `timestamp_segments`)."""
+        return timestamp_segments(token_ids, rules, self.time_precision, offset, end)
+
     def special_id(self, tokenizer: Any, token: str) -> int:
         i = tokenizer.token_to_id(token)
         if i is None:
@@ -98,10 +215,10 @@ class SpeechPrompts:
         return int(i)
 
     def prompt_ids(self, tokenizer: Any, language: Optional[str], task: str = "transcribe",
-                   previous: Sequence[int] = ()) -> list[int]:
+                   previous: Sequence[int] = (), timestamps: bool = False) -> list[int]:
         """The decoder prompt Whisper was trained on: [<|startofprev|> previous text's ids] <|startoftranscript|>
-        <|lang|> <|task|> <|notimestamps|> (an English-only model's: no language nor task). ValueError for a
-        language the model does not know, or a task it does not do."""
+        <|lang|> <|task|> [<|notimestamps|> unless `timestamps`] (an English-only model's: no language nor task).
+        ValueError for a language the model does not know, or a task it does not do."""
         if task not in ("transcribe", "translate"):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {task!r}")
         ids = [self.special_id(tokenizer, "<|startofprev|>"), *previous] if previous else []
@@ -115,7 +232,8 @@ class SpeechPrompts:
         elif language not in (None, "en") or task != "transcribe":
             raise ValueError("this model is English-only: it transcribes English (language 'en'), and does not "
                              "translate")
-        ids.append(self.special_id(tokenizer, "<|notimestamps|>"))
+        if not timestamps:
+            ids.append(self.special_id(tokenizer, "<|notimestamps|>"))
         return ids
 
     def previous_ids(self, tokenizer: Any, text: str) -> list[int]:

@@ -118,6 +118,11 @@ class Tokenizer:
         tok.lowercase = bool(_read_json(folder / "sentence_bert_config.json").get("do_lower_case"))
         return tok
 
+    def mark_special(self, ids: range) -> None:
+        """Treat `ids` as special too (Whisper's timestamp tokens, which its tokenizer.json adds as plain tokens or
+        leaves out): decoding with skip_special_tokens drops them. Call before detokenizing anything."""
+        self.all_special_ids = self.all_special_ids | frozenset(ids)
+
     def _special_ids(self, config: dict[str, Any], named: dict[str, Optional[int]]) -> frozenset[int]:
         special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         special.update(i for i in named.values() if i is not None)

@@ -8,16 +8,17 @@ import json
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tests.tokenizer_factory import _corpus_lines, _special
 
 LANGUAGES = ("en", "de", "fr")
+TIMESTAMPS = 1501
 SPECIALS = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{lang}|>" for lang in LANGUAGES), "<|translate|>",
             "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
 
 
-def _tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
+def _tokenizer(out: Path, vocab_size: int, timestamps: bool) -> dict[str, int]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -25,6 +26,9 @@ def _tokenizer(out: Path, vocab_size: int) -> dict[str, int]:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus_lines(), trainer=trainer)
     tok.add_special_tokens([_special(s) for s in SPECIALS])
+    if timestamps:  # <|0.00|> .. <|30.00|> right after <|notimestamps|>, as plain added tokens (the Hub's files)
+        tok.add_tokens([AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False)
+                        for i in range(TIMESTAMPS)])
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
@@ -41,11 +45,13 @@ SCALES = {"encoder_attn.q_proj": 12.0, "encoder_attn.k_proj": 12.0}
 
 
 def make_whisper(out: Path, seed: int = 0, d_model: int = 64, layers: int = 2, heads: int = 4,
-                 multilingual: bool = True, source_positions: int = 1500) -> Path:
+                 multilingual: bool = True, source_positions: int = 1500, timestamps: bool = False) -> Path:
+    """A tiny Whisper in `out`. With `timestamps`, its vocabulary ends in Whisper's 1,501 timestamp tokens (else it
+    ends at <|notimestamps|>, as some converted checkpoints' tokenizers do)."""
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
-    ids = _tokenizer(out, 320)
-    vocab = max(ids.values()) + 1
+    ids = _tokenizer(out, 320, timestamps)
+    vocab = max(ids.values()) + 1 + (TIMESTAMPS if timestamps else 0)
     sot, eot = ids["<|startoftranscript|>"], ids["<|endoftext|>"]
     cfg = WhisperConfig(vocab_size=vocab, num_mel_bins=80, d_model=d_model, encoder_layers=layers,
                         decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
@@ -58,12 +64,15 @@ def make_whisper(out: Path, seed: int = 0, d_model: int = 64, layers: int = 2, h
         for name, p in model.named_parameters():
             if p.dim() > 1:  # (the cross-attention's output most: it carries the audio into the decoder)
                 p.mul_(next((v for k, v in SCALES.items() if k in name), 4.0))
+        if timestamps:  # smaller timestamp embeddings (tied to the output): a random model then writes several
+            model.model.decoder.embed_tokens.weight[-TIMESTAMPS:] *= 0.5  # text tokens between timestamps, not one
     model.save_pretrained(out, safe_serialization=True)
     WhisperFeatureExtractor(feature_size=80).save_pretrained(out)
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    gen.pop("_from_model_config", None)  # (transformers would drop the Whisper fields below; real files lack it)
     gen.update(decoder_start_token_id=sot, eos_token_id=eot, is_multilingual=multilingual,
-               no_timestamps_token_id=ids["<|notimestamps|>"],
+               no_timestamps_token_id=ids["<|notimestamps|>"], max_initial_timestamp_index=50,
                task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]})
     if multilingual:
         gen["lang_to_id"] = {f"<|{lang}|>": ids[f"<|{lang}|>"] for lang in LANGUAGES}
@@ -78,21 +87,35 @@ def tone(seconds: float, freq: float = 440.0, rate: int = 16000, seed: int = 0) 
     return (0.5 * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal(len(t))).astype(np.float32)
 
 
-def hf_greedy(folder: Path, audio: np.ndarray, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """transformers' tokens for the prompt, greedily, one full forward a token (the oracle)."""
+def hf_greedy(folder: Path, audio: np.ndarray, prompt_ids: list[int], max_tokens: int,
+              rules: bool = False) -> list[int]:
+    """transformers' tokens for the prompt, greedily, one full forward a token (the oracle). With `rules`, through
+    the logits processors transformers' Whisper generate applies (begin_suppress_tokens, and timestamps' unless
+    the prompt says <|notimestamps|>), on the checkpoint's generation config."""
     import torch
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import GenerationConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
+                                                        WhisperTimeStampLogitsProcessor)
     model = WhisperForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
     fe = WhisperFeatureExtractor.from_pretrained(folder)
     feats = torch.from_numpy(fe(audio, sampling_rate=16000, return_tensors="np").input_features)
     eos = model.config.eos_token_id
+    processors = []
+    if rules:
+        gen = GenerationConfig.from_pretrained(folder)
+        if gen.begin_suppress_tokens:
+            processors.append(SuppressTokensAtBeginLogitsProcessor(gen.begin_suppress_tokens, len(prompt_ids)))
+        if gen.no_timestamps_token_id not in prompt_ids:
+            processors.append(WhisperTimeStampLogitsProcessor(gen, begin_index=len(prompt_ids)))
     ids = list(prompt_ids)
     out: list[int] = []
     with torch.no_grad():
         enc = model.model.encoder(feats).last_hidden_state
         for _ in range(max_tokens):
-            logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits[0, -1]
-            t = int(logits.argmax())
+            logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits[:, -1]
+            for p in processors:
+                logits = p(torch.tensor([ids]), logits)
+            t = int(logits[0].argmax())
             out.append(t)
             ids.append(t)
             if t == eos:
