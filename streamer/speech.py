@@ -78,7 +78,8 @@ class Segment:
 
     start: float
     end: float
-    token_ids: list[int]
+    token_ids: list[int]  # its text's
+    positions: list[int]  # where they are in the output
 
 
 def timestamp_segments(token_ids: Sequence[int], rules: DecodeRules, precision: float, offset: float = 0.0,
@@ -91,9 +92,11 @@ def timestamp_segments(token_ids: Sequence[int], rules: DecodeRules, precision: 
     segments: list[Segment] = []
     start: Optional[float] = None
     text: list[int] = []
-    for t in token_ids:
+    positions: list[int] = []
+    for i, t in enumerate(token_ids):
         if t < rules.eos:
             text.append(t)
+            positions.append(i)
             continue
         if t < begin:
             continue
@@ -101,11 +104,11 @@ def timestamp_segments(token_ids: Sequence[int], rules: DecodeRules, precision: 
         if end is not None:
             at = min(at, end)
         if start is not None and text:
-            segments.append(Segment(start, at, text))
-        start, text = at, []
+            segments.append(Segment(start, at, text, positions))
+        start, text, positions = at, [], []
     if text:
         last = end if end is not None else segments[-1].end if segments else offset
-        segments.append(Segment(offset if start is None else start, max(last, start or offset), text))
+        segments.append(Segment(offset if start is None else start, max(last, start or offset), text, positions))
     return segments
 
 

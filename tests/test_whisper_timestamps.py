@@ -152,7 +152,7 @@ def test_segments():
     # <|0.00|> 1 2 <|1.00|><|1.00|> 3 <|2.00|> <|2.50|> 4 [end of text]
     tokens = [b, 1, 2, b + 50, b + 50, 3, b + 100, b + 125, 4, 10]
     assert timestamp_segments(tokens, r, 0.02, offset=30.0, end=33.0) == [
-        Segment(30.0, 31.0, [1, 2]), Segment(31.0, 32.0, [3]), Segment(32.5, 33.0, [4])]
+        Segment(30.0, 31.0, [1, 2], [1, 2]), Segment(31.0, 32.0, [3], [5]), Segment(32.5, 33.0, [4], [8])]
     # A timestamp past the piece's end is capped; a segment without text is dropped; no timestamps at all: one
-    assert timestamp_segments([b, b, b + 10, 5, b + 400], r, 0.02, end=4.0) == [Segment(0.2, 4.0, [5])]
-    assert timestamp_segments([5, 6], r, 0.02, offset=1.0, end=2.0) == [Segment(1.0, 2.0, [5, 6])]
+    assert timestamp_segments([b, b, b + 10, 5, b + 400], r, 0.02, end=4.0) == [Segment(0.2, 4.0, [5], [3])]
+    assert timestamp_segments([5, 6], r, 0.02, offset=1.0, end=2.0) == [Segment(1.0, 2.0, [5, 6], [0, 1])]

@@ -3,13 +3,16 @@
 
 A request is a multipart form, as OpenAI's clients send it: `file` (the audio: WAV read by our own code, anything
 else through PyAV), `model`, `language` (ISO-639-1; detected when not given), `prompt` (text before the audio, or
-spellings to follow), `response_format` (json, text, verbose_json, srt, vtt), `temperature`, `stream`.
+spellings to follow), `response_format` (json, text, verbose_json, srt, vtt), `temperature`, `stream`,
+`timestamp_granularities[]` (segment; verbose_json only).
 
 Audio longer than the model's window (30 s) is cut at its quietest points into pieces (streamer/audio.py
 split_audio), transcribed as concurrent requests, and joined in order. Without a `language`, a multilingual model
 names it first: one decoder step after <|startoftranscript|> over the language tokens alone, on the first piece
-(as Whisper detects it). Streaming sends OpenAI's events, `transcript.text.delta` then `transcript.text.done`;
-verbose_json, srt and vtt give one segment per piece (this engine decodes without timestamp tokens).
+(as Whisper detects it). Streaming sends OpenAI's events, `transcript.text.delta` then `transcript.text.done`.
+verbose_json, srt and vtt decode with timestamp tokens (streamer/speech.py DecodeRules) and give the segments they
+mark, offset by their piece's start; json and text decode without them (a shorter output). A checkpoint whose
+vocabulary has no timestamp tokens gives one segment per piece.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from streamer.server.generation import engine_error
 from streamer.server.protocol import APIError
 from streamer.server.sse import DONE, event, sse_response
 
+from streamer.speech import Segment
+
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
     from streamer.speech import SpeechPrompts
@@ -50,6 +55,11 @@ class AudioRequest:
     stream: bool
     task: str  # "transcribe" or "translate"
 
+    @property
+    def timestamps(self) -> bool:
+        """Whether the answer is made of timed segments."""
+        return self.response_format in ("verbose_json", "srt", "vtt")
+
 
 @dataclass
 class Piece:
@@ -59,7 +69,7 @@ class Piece:
     end: float
     text: str = ""
     token_ids: tuple[int, ...] = ()
-    logprob: float = 0.0  # the sum over its tokens (verbose_json's avg_logprob)
+    logprobs: tuple[float, ...] = ()  # each token's (verbose_json's avg_logprob)
 
 
 class AudioAPI:
@@ -119,6 +129,8 @@ class AudioAPI:
         stream = _boolean(fields.get("stream", "false"), "stream")
         if stream and fmt not in ("json", "text"):
             raise APIError(f"stream is supported with response_format json or text, not {fmt}", param="stream")
+        _granularities([v for v in form.getlist("timestamp_granularities[]") if isinstance(v, str)]
+                       + [v for v in form.getlist("timestamp_granularities") if isinstance(v, str)], fmt)
         language = fields.get("language") or None
         if language is not None:
             language = language.strip().lower()
@@ -155,7 +167,8 @@ class AudioAPI:
             language = await self._detect_language(cuts[0])
         try:
             previous = speech.previous_ids(tokenizer, req.prompt)
-            prompt_ids = speech.prompt_ids(tokenizer, language, req.task, previous)
+            timestamps = req.timestamps and bool(speech.timestamp_ids(tokenizer, speech.vocab_size))
+            prompt_ids = speech.prompt_ids(tokenizer, language, req.task, previous, timestamps)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
         params = SamplingParams(temperature=req.temperature, max_tokens=None, logprobs=0,
@@ -180,7 +193,7 @@ class AudioAPI:
         finally:
             for s in streams:
                 s.close()
-        return self._response(req, pieces, language, duration)
+        return self._response(req, pieces, language, duration, prompt_ids)
 
     async def _detect_language(self, audio: np.ndarray) -> str:
         """The language the model reads in `audio`: its likeliest language token right after
@@ -232,24 +245,46 @@ class AudioAPI:
         yield DONE
 
     def _response(self, req: AudioRequest, pieces: list[Piece], language: Optional[str],
-                  duration: float) -> Response:
+                  duration: float, prompt_ids: list[int]) -> Response:
         text = _joined(pieces)
         fmt = req.response_format
         if fmt == "text":
             return PlainTextResponse(text)
-        if fmt == "srt" or fmt == "vtt":
-            return PlainTextResponse(_subtitles(pieces, fmt), media_type="text/vtt" if fmt == "vtt" else None)
-        from streamer.server.app import JSONResponse
         if fmt == "json":
+            from streamer.server.app import JSONResponse
             return JSONResponse({"text": text, "usage": _usage(duration)})
-        segments = [{"id": i, "seek": int(p.start * 100), "start": p.start, "end": p.end, "text": p.text,
-                     "tokens": list(p.token_ids), "temperature": req.temperature,
-                     "avg_logprob": p.logprob / max(len(p.token_ids), 1),
-                     "compression_ratio": _compression_ratio(p.text), "no_speech_prob": None}
-                    for i, p in enumerate(pieces)]
+        segments = self._segments(pieces, prompt_ids, req.temperature)
+        if fmt == "srt" or fmt == "vtt":
+            return PlainTextResponse(_subtitles(segments, fmt), media_type="text/vtt" if fmt == "vtt" else None)
+        from streamer.server.app import JSONResponse
         return JSONResponse({"task": "translate" if req.task == "translate" else "transcribe",
                              "language": language or "en", "duration": duration, "text": text,
                              "segments": segments, "usage": _usage(duration)})
+
+    def _segments(self, pieces: list[Piece], prompt_ids: list[int], temperature: float) -> list[dict[str, Any]]:
+        """verbose_json's segments: those the timestamps mark in each piece (the piece whole when it wrote none,
+        or the model has no timestamp tokens), each with its tokens' mean log-probability."""
+        speech = self.speech
+        rules = speech.rules(self.server.engine.tokenizer, prompt_ids)
+        stamped = rules is not None and rules.timestamps
+        out: list[dict[str, Any]] = []
+        for p in pieces:
+            spans = speech.segments(p.token_ids, rules, p.start, p.end) if stamped else []  # type: ignore[arg-type]
+            if not spans:  # (one segment: the piece)
+                positions = [i for i, t in enumerate(p.token_ids) if not stamped or t < rules.eos]  # type: ignore
+                spans = [Segment(p.start, p.end, [p.token_ids[i] for i in positions], positions)] if positions \
+                    or not stamped else []
+            for seg in spans:
+                text = self._decode(seg.token_ids) if stamped else p.text
+                lps = [p.logprobs[i] for i in seg.positions if i < len(p.logprobs)]
+                out.append({"id": len(out), "seek": int(round(p.start * 100)), "start": round(seg.start, 3),
+                            "end": round(seg.end, 3), "text": text, "tokens": seg.token_ids,
+                            "temperature": temperature, "avg_logprob": sum(lps) / max(len(lps), 1),
+                            "compression_ratio": _compression_ratio(text), "no_speech_prob": None})
+        return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.server.engine.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 async def _collect(stream: Any, piece: Piece) -> None:
@@ -257,8 +292,22 @@ async def _collect(stream: Any, piece: Piece) -> None:
     async for out in stream:
         texts.append(out.text)
         piece.token_ids += tuple(out.token_ids)
-        piece.logprob += sum(next(iter(lp.values())).logprob for lp in out.logprobs or () if lp)
+        piece.logprobs += tuple(next(iter(lp.values())).logprob for lp in out.logprobs or () if lp)
     piece.text = "".join(texts)
+
+
+def _granularities(values: list[str], fmt: str) -> None:
+    """timestamp_granularities[]: segment (what verbose_json gives). Word timestamps are not made here."""
+    for v in values:
+        if v not in ("segment", "word"):
+            raise APIError(f"timestamp_granularities must be 'segment' or 'word', got {v!r}",
+                           param="timestamp_granularities")
+        if v == "word":
+            raise APIError("word timestamps are not supported; timestamp_granularities 'segment' is",
+                           param="timestamp_granularities")
+    if values and fmt != "verbose_json":
+        raise APIError(f"timestamp_granularities needs response_format verbose_json, not {fmt}",
+                       param="timestamp_granularities")
 
 
 def _joined(pieces: list[Piece]) -> str:
@@ -283,12 +332,13 @@ def _timestamp(seconds: float, sep: str) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
 
 
-def _subtitles(pieces: list[Piece], fmt: str) -> str:
+def _subtitles(segments: list[dict[str, Any]], fmt: str) -> str:
     sep = "," if fmt == "srt" else "."
     cues = []
-    for i, p in enumerate(pieces):
-        when = f"{_timestamp(p.start, sep)} --> {_timestamp(p.end, sep)}"
-        cues.append(f"{i + 1}\n{when}\n{p.text.strip()}\n" if fmt == "srt" else f"{when}\n{p.text.strip()}\n")
+    for i, seg in enumerate(segments):
+        when = f"{_timestamp(seg['start'], sep)} --> {_timestamp(seg['end'], sep)}"
+        text = seg["text"].strip()
+        cues.append(f"{i + 1}\n{when}\n{text}\n" if fmt == "srt" else f"{when}\n{text}\n")
     return ("WEBVTT\n\n" if fmt == "vtt" else "") + "\n".join(cues)
 
 
