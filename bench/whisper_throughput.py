@@ -6,9 +6,10 @@ greedily, every clip decoding exactly `--tokens` tokens (eos ignored / min_new_t
 best of two runs each.
 transformers runs them in batches of `--hf-batch` (padded, as its pipeline would); streamer takes them all at once
 and batches them itself. Prints one table: seconds, clips a second and output tokens a second, and how many clips'
-tokens agree between the two.
+tokens agree between the two. With `--timestamps`, streamer also runs the clips with timestamps (the prompt without
+<|notimestamps|>: Whisper's timestamp rules on every step), for the cost of those rules.
 
-    python bench/whisper_throughput.py --size tiny --clips 32 --tokens 64
+    python bench/whisper_throughput.py --size tiny --clips 32 --tokens 64 [--timestamps]
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def make_model(folder: Path, size: str) -> None:
 
     from tests.whisper_checkpoints import _tokenizer
     s = SIZES[size]
-    ids = _tokenizer(folder, 320)
+    ids = _tokenizer(folder, 320, timestamps=False)
     eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
     cfg = WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=s["d_model"], encoder_layers=s["layers"],
                         decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
@@ -50,11 +51,12 @@ def clips(n: int) -> list[np.ndarray]:
     return [tone(10.0, 150.0 + 37.0 * i, seed=i) for i in range(n)]
 
 
-def run_streamer(folder: Path, audio: list[np.ndarray], tokens: int) -> tuple[float, list[list[int]]]:
+def run_streamer(folder: Path, audio: list[np.ndarray], tokens: int, prompt: str = PROMPT,
+                 ) -> tuple[float, list[list[int]]]:
     from streamer import LLM, SamplingParams
     llm = LLM(str(folder), dtype="float32", max_num_seqs=len(audio), kv_cache_memory=8 << 30)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    prompts = [{"prompt": PROMPT, "multi_modal_data": {"audio": (a, 16000)}} for a in audio]
+    prompts = [{"prompt": prompt, "multi_modal_data": {"audio": (a, 16000)}} for a in audio]
     best = float("inf")
     for _ in range(REPEAT):  # (the first run also makes oneDNN's kernels for these shapes: best of REPEAT)
         t = time.perf_counter()
@@ -90,6 +92,7 @@ def main() -> None:
     ap.add_argument("--clips", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--timestamps", action="store_true", help="also run streamer with timestamps")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -101,6 +104,8 @@ def main() -> None:
         audio = clips(args.clips)
         hf_s, hf_out = run_transformers(folder, audio, args.tokens, args.hf_batch, prompt_ids)
         st_s, st_out = run_streamer(folder, audio, args.tokens)
+        ts_s = run_streamer(folder, audio, args.tokens, PROMPT.replace("<|notimestamps|>", ""))[0] \
+            if args.timestamps else None
         # transformers' generate bans eos until min_new_tokens (ignore_eos does not): the tokens to agree with are
         # its model's plain greedy ones, one forward a token, up to its eos
         from tests.whisper_checkpoints import hf_greedy
@@ -111,7 +116,8 @@ def main() -> None:
     n_tok = args.clips * args.tokens
     print(f"whisper-{args.size} shapes, random weights, fp32; {args.clips} clips of 10 s, {args.tokens} tokens each")
     print(f"{'engine':<28}{'seconds':>9}{'clips/s':>9}{'tok/s':>9}{'vs hf':>8}")
-    for name, s in ((f"transformers (batch {args.hf_batch})", hf_s), ("streamer", st_s)):
+    rows = [(f"transformers (batch {args.hf_batch})", hf_s), ("streamer", st_s)]
+    for name, s in rows + ([("streamer, timestamps", ts_s)] if ts_s is not None else []):
         print(f"{name:<28}{s:>9.2f}{args.clips / s:>9.2f}{n_tok / s:>9.1f}{hf_s / s:>7.2f}x")
     print(f"streamer's tokens = transformers' greedy forward's (up to its eos): {agree}/{checked} clips checked")
 

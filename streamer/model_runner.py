@@ -751,15 +751,15 @@ class ModelRunner:
             return None
         vocab = self.model_cfg.vocab_size
         owners, lo, hi = [], [], []
-        for j, (_, r) in enumerate(speech):
+        for i, r in speech:
             for a, b in r.speech_rules.bans(r.output_token_ids, vocab):  # type: ignore[union-attr]
-                owners.append(j)
+                owners.append(i)
                 lo.append(a)
                 hi.append(b)
+        stamped = [i for i, r in speech if r.speech_rules.timestamps]  # type: ignore[union-attr]
         dev = self.device
         ids = lambda xs: to_device(np.array(xs, dtype=np.int64), dev)  # noqa: E731
-        stamped = np.array([r.speech_rules.timestamps for _, r in speech], dtype=bool)  # type: ignore[union-attr]
-        return SpeechMasks(ids([i for i, _ in speech]), ids(owners), ids(lo), ids(hi), to_device(stamped, dev),
+        return SpeechMasks(ids(stamped), ids(owners), ids(lo), ids(hi),
                            speech[0][1].speech_rules.timestamp_begin)  # type: ignore[union-attr]
 
     def _forced(self, thinking: list[tuple[int, Request]]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

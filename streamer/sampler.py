@@ -43,28 +43,42 @@ class SpeechMasks:
     """Whisper's decoding rules for some rows (streamer/speech.py DecodeRules): token ranges the host banned from
     each row's output so far, and, for the rows that write timestamps, the rule that needs the logits."""
 
-    rows: torch.Tensor  # int64 [R]: the rows
-    range_rows: torch.Tensor  # int64 [K]: which of the R rows each banned range is for
+    rows: torch.Tensor  # int64 [R]: the rows that write timestamps
+    range_rows: torch.Tensor  # int64 [K]: the row each banned range is for
     lo: torch.Tensor  # int64 [K]: the range's first id
     hi: torch.Tensor  # int64 [K]: one past its last
-    stamped: torch.Tensor  # bool [R]: the row writes timestamps
     timestamp_begin: int  # the first timestamp token's id
 
 
-def apply_speech_masks(logits: torch.Tensor, m: SpeechMasks) -> torch.Tensor:
+def apply_speech_masks(logits: torch.Tensor, m: SpeechMasks, slices: Optional[bool] = None) -> torch.Tensor:
     """Ban each row's ranges; then, where a timestamped row's timestamps together are likelier than its likeliest
     text token (any id below them), ban the text: a timestamp comes next (transformers' WhisperTimeStamp logits
-    processor, all rows at once, no host sync)."""
-    cols = torch.arange(logits.shape[1], device=logits.device)
-    hits = ((cols >= m.lo.unsqueeze(1)) & (cols < m.hi.unsqueeze(1))).float()  # [K, V]
-    banned = torch.zeros(len(m.rows), logits.shape[1], device=logits.device).index_add_(0, m.range_rows, hits) > 0
-    sub = logits[m.rows].masked_fill(banned, float("-inf"))
-    logprobs = sub.float().log_softmax(dim=-1)
-    begin = m.timestamp_begin
-    stamps = logprobs[:, begin:].logsumexp(dim=-1)
-    text = logprobs[:, :begin].amax(dim=-1)
-    sub = sub.masked_fill((m.stamped & (stamps > text)).unsqueeze(1) & (cols < begin), float("-inf"))
-    return logits.index_put((m.rows,), sub)
+    processor, for all rows at once). In place: the logits are this step's own. On CPU (`slices`) a slice a range
+    or a row is cheaper than a [rows, vocab] mask, and the host syncs are free; elsewhere masks, no sync."""
+    neg = float("-inf")
+    batch, vocab = logits.shape
+    cpu = logits.device.type == "cpu" if slices is None else slices
+    if cpu:
+        for row, lo, hi in zip(m.range_rows.tolist(), m.lo.tolist(), m.hi.tolist()):
+            logits[row, lo:hi] = neg
+    elif len(m.lo):  # (a range is +1 at its start, -1 past its end: banned where the running sum is positive)
+        edges = torch.zeros(batch, vocab + 1, dtype=torch.int32, device=logits.device)
+        ones = torch.ones_like(m.lo, dtype=torch.int32)
+        edges.index_put_((m.range_rows, m.lo), ones, accumulate=True)
+        edges.index_put_((m.range_rows, m.hi), -ones, accumulate=True)
+        logits.masked_fill_(edges.cumsum(dim=1)[:, :vocab] > 0, neg)
+    if len(m.rows):  # (log-probabilities compare as logits do: the normaliser is the same on both sides)
+        begin = m.timestamp_begin
+        stamps = logits[m.rows, begin:].float().logsumexp(dim=-1)
+        text = logits[:, :begin].amax(dim=-1)[m.rows].float()
+        if cpu:
+            for row in m.rows[stamps > text].tolist():
+                logits[row, :begin] = neg
+        else:
+            yields = torch.zeros(batch, dtype=torch.bool, device=logits.device)
+            yields.index_put_((m.rows,), stamps > text)
+            logits[:, :begin].masked_fill_(yields.unsqueeze(1), neg)
+    return logits
 
 
 @dataclass

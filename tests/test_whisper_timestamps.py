@@ -156,3 +156,46 @@ def test_segments():
     # A timestamp past the piece's end is capped; a segment without text is dropped; no timestamps at all: one
     assert timestamp_segments([b, b, b + 10, 5, b + 400], r, 0.02, end=4.0) == [Segment(0.2, 4.0, [5], [3])]
     assert timestamp_segments([5, 6], r, 0.02, offset=1.0, end=2.0) == [Segment(1.0, 2.0, [5, 6], [0, 1])]
+
+
+@pytest.mark.parametrize("slices", [True, False])
+def test_masks_equal_transformers_processor(slices):
+    """The host's bans plus the sampler's rule mask exactly what transformers' WhisperTimeStamp and
+    SuppressTokensAtBegin processors mask, for random outputs so far and random logits; both the sliced (CPU)
+    and the masked (GPU) way."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
+                                                        WhisperTimeStampLogitsProcessor)
+
+    from streamer.sampler import SpeechMasks, apply_speech_masks
+    eos, no_ts, vocab, prompt = 40, 49, 50 + 60, [41, 42, 43]
+    begin = no_ts + 1
+    rules = DecodeRules(eos=eos, no_timestamps=no_ts, begin_suppress=(7, eos), timestamps=True, max_initial=5)
+    gen = GenerationConfig(eos_token_id=eos, no_timestamps_token_id=no_ts, max_initial_timestamp_index=5)
+    rng = torch.Generator().manual_seed(0)
+    outputs = []
+    for _ in range(24):  # random outputs that keep the rules: each token drawn from what the rules allow
+        out = []
+        for _ in range(int(torch.randint(0, 12, (1,), generator=rng))):
+            allowed = torch.ones(vocab, dtype=torch.bool)
+            for lo, hi in rules.bans(out, vocab):
+                allowed[lo:hi] = False
+            choices = allowed.nonzero().flatten()
+            out.append(int(choices[torch.randint(len(choices), (1,), generator=rng)]))
+        outputs.append(out)
+    outputs.sort(key=len)
+    for length in sorted({len(o) for o in outputs}):
+        group = [o for o in outputs if len(o) == length]
+        logits = torch.randn(len(group), vocab, generator=rng) * 3
+        logits[:, begin:] -= torch.rand(len(group), 1, generator=rng) * 6  # (timestamps likelier in some rows)
+        ids = torch.tensor([prompt + o for o in group])
+        want = SuppressTokensAtBeginLogitsProcessor([7, eos], len(prompt))(ids, logits.clone())
+        want = WhisperTimeStampLogitsProcessor(gen, begin_index=len(prompt))(ids, want)
+        bans = [(i, lo, hi) for i, o in enumerate(group) for lo, hi in rules.bans(o, vocab)]
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+        m = SpeechMasks(t(list(range(len(group)))), t([b[0] for b in bans]), t([b[1] for b in bans]),
+                        t([b[2] for b in bans]), begin)
+        got = apply_speech_masks(logits.clone(), m, slices=slices)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), length
+        assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
