@@ -19,12 +19,14 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 class LiveServer:
     def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Any = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: Optional[dict[str, str]] = None,
-                 allow_lora_updates: bool = False, allow_weight_updates: bool = False,
+                 allow_lora_updates: bool = False, allow_weight_updates: bool = False, transcription: Any = None,
                  **engine_kwargs: Any) -> None:
-        """loras: {name: PEFT folder} registered before serving (as `--lora-modules`)."""
+        """loras: {name: PEFT folder} registered before serving (as `--lora-modules`). transcription: build_app's
+        TranscriptionConfig."""
         self.model_dir = model_dir
         self.app_kwargs = dict(api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes,
-                               allow_lora_updates=allow_lora_updates, allow_weight_updates=allow_weight_updates)
+                               allow_lora_updates=allow_lora_updates, allow_weight_updates=allow_weight_updates,
+                               transcription=transcription)
         self.loras = loras or {}
         self.engine_kwargs = {**ENGINE_KWARGS, **engine_kwargs}
         self.engine: Optional[AsyncEngine] = None

@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from streamer.server.audio_api import TranscriptionConfig
 from tests.server_utils import LiveServer, metric
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
 
@@ -30,6 +31,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")
 RATE = 16_000
 MAX_POSITIONS = 64  # the tiny checkpoint's max_target_positions: prompt + generated tokens
 AUDIO = tone(1.5, 440.0, seed=1)  # 1.5 s: usage reports ceil(duration) = 2 s
+# Greedy answers to compare with transformers': no temperature fallback (a random model's text always fails its
+# thresholds; tests/test_server_audio_timestamps.py checks the fallback)
+NO_FALLBACK = TranscriptionConfig(fallback_temperatures=())
 
 
 def wav_bytes(audio: np.ndarray) -> bytes:
@@ -121,14 +125,14 @@ def oracle(ml_dir) -> Oracle:
 
 @pytest.fixture(scope="module")
 def live(ml_dir):
-    with LiveServer(ml_dir, dtype="float32", enforce_eager=True) as server:
+    with LiveServer(ml_dir, dtype="float32", enforce_eager=True, transcription=NO_FALLBACK) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def en_live(tmp_path_factory):
     folder = make_whisper(tmp_path_factory.mktemp("whisper-english"), seed=1, multilingual=False)
-    with LiveServer(folder, dtype="float32", enforce_eager=True) as server:
+    with LiveServer(folder, dtype="float32", enforce_eager=True, transcription=NO_FALLBACK) as server:
         server.oracle = Oracle(folder)
         yield server
 
@@ -388,7 +392,7 @@ def test_text_model_refuses_audio(llama_dir):
 
     async def main() -> list[httpx.Response]:
         async with AsyncEngine(str(llama_dir), dtype="float32", num_kv_blocks=16, max_num_seqs=2) as engine:
-            transport = httpx.ASGITransport(app=build_app(engine))
+            transport = httpx.ASGITransport(app=build_app(engine, transcription=NO_FALLBACK))
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as h:
                 return [await h.post(path, data={"model": "llama"}, files={"file": _file(AUDIO)})
                         for path in ("/v1/audio/transcriptions", "/v1/audio/translations")]
@@ -518,7 +522,7 @@ def test_suppress_tokens_from_generation_config(ml_dir, english, tmp_path):
 
     async def main() -> httpx.Response:
         async with AsyncEngine(str(folder), dtype="float32", num_kv_blocks=32, max_num_seqs=2) as engine:
-            transport = httpx.ASGITransport(app=build_app(engine))
+            transport = httpx.ASGITransport(app=build_app(engine, transcription=NO_FALLBACK))
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as h:
                 return await h.post("/v1/audio/transcriptions", files={"file": _file(AUDIO)},
                                     data={"language": "en", "response_format": "verbose_json"})

@@ -1,7 +1,8 @@
 """Timed segments from /v1/audio/transcriptions (server/audio_api.py) on a tiny Whisper whose vocabulary ends in the
 timestamp tokens: verbose_json's segments are those transformers' greedy decoding marks with its own timestamp rules
 (times, tokens, text, mean log-probability), srt and vtt cues are those segments, json and text decode without
-timestamps, long audio's segments are offset by their piece's start, and timestamp_granularities is checked."""
+timestamps, long audio's segments are offset by their piece's start, and timestamp_granularities is checked. At
+temperature 0 a piece that fails the fallback thresholds is decoded again at each fallback temperature in turn."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from tests.server_utils import LiveServer
-from tests.test_server_audio import MAX_POSITIONS, RATE, Oracle, _assert_error, _clock, _file, _post, client
+from streamer.server.audio_api import TranscriptionConfig
+from tests.test_server_audio import (MAX_POSITIONS, NO_FALLBACK, RATE, Oracle, _assert_error, _clock, _file, _post,
+                                     client)
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
 
 AUDIO = tone(2.5, 300.0, seed=4)
@@ -25,7 +28,7 @@ def ts_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(ts_dir):
-    with LiveServer(ts_dir, dtype="float32", enforce_eager=True) as server:
+    with LiveServer(ts_dir, dtype="float32", enforce_eager=True, transcription=NO_FALLBACK) as server:
         yield server
 
 
@@ -133,3 +136,78 @@ def test_timestamp_granularities_are_checked(live):
                         **{"timestamp_granularities[]": "sentence"}), 400, "timestamp_granularities")
     ok = _post(live, language="en", response_format="verbose_json", **{"timestamp_granularities[]": "segment"})
     assert ok.status_code == 200 and ok.json()["segments"]
+
+
+def test_temperature_fallback(ts_dir, oracle):
+    """One engine, apps with different fallback settings. Thresholds every text passes: the greedy answer, at 0.
+    Thresholds none passes: each piece tried at every fallback temperature, the last try standing; not when
+    streaming (its text is sent as it comes), nor for a temperature asked for. OpenAI's defaults fail a random model's
+    text (repetitive, unlikely tokens)."""
+    import asyncio
+
+    import httpx
+
+    from streamer.async_engine import AsyncEngine
+    from streamer.server.app import build_app
+    from tests.test_server_audio import wav_bytes
+    never = TranscriptionConfig((0.5, 1.0), compression_ratio_threshold=1e9, logprob_threshold=-1e9)
+    always = TranscriptionConfig((0.5, 1.0), compression_ratio_threshold=1e9, logprob_threshold=1e9)
+    audio = np.concatenate([tone(35.0, 330.0, seed=7), tone(5.0, 520.0, seed=8)])  # (two pieces)
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with AsyncEngine(str(ts_dir), dtype="float32", num_kv_blocks=96, max_num_seqs=4) as engine:
+            added = []
+            add = engine.add_request
+            engine.add_request = lambda prompt, params, **kw: (added.append(params.temperature), add(prompt, params,
+                                                                                                     **kw))[1]
+            for name, config in (("never", never), ("always", always), ("default", None)):
+                transport = httpx.ASGITransport(app=build_app(engine, transcription=config))
+                async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as h:
+                    async def post(**fields: str) -> httpx.Response:
+                        return await h.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav_bytes(audio))},
+                                            data={"language": "en", "response_format": "verbose_json", **fields})
+                    added.clear()
+                    out[name] = ((await post()).json(), list(added))
+                    if name == "always":
+                        added.clear()
+                        stream = await post(response_format="json", stream="true")
+                        out["stream"] = (stream.text, list(added))
+                        added.clear()
+                        out["hot"] = ((await post(temperature="0.3")).json(), list(added))
+            assert engine.engine.kv.pool.num_free == engine.engine.kv.pool.num_blocks
+        return out
+
+    out = asyncio.run(asyncio.wait_for(main(), 600))
+    body, temps = out["never"]
+    assert temps == [0.0, 0.0] and {s["temperature"] for s in body["segments"]} == {0.0}
+    from streamer.audio import split_audio
+    first = len(split_audio(audio, max_seconds=30.0)[0])  # (the first piece: greedy, transformers' tokens)
+    want = _expected(oracle, audio[:first], 0.0, first / RATE)
+    assert [s["tokens"] for s in body["segments"] if s["seek"] == 0] == [w["tokens"] for w in want]
+    body, temps = out["always"]
+    assert sorted(temps) == [0.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    assert {s["temperature"] for s in body["segments"]} == {1.0}
+    text, temps = out["stream"]
+    assert temps == [0.0, 0.0] and "transcript.text.done" in text
+    body, temps = out["hot"]
+    assert temps == [0.3, 0.3] and {s["temperature"] for s in body["segments"]} == {0.3}
+    body, temps = out["default"]  # (OpenAI's defaults: 0.2 .. 1.0)
+    assert sorted(temps) == [0.0] * 2 + [0.2] * 2 + [0.4] * 2 + [0.6] * 2 + [0.8] * 2 + [1.0] * 2
+    assert {s["temperature"] for s in body["segments"]} == {1.0}
+
+
+def test_fallback_flags():
+    import argparse
+
+    from streamer.server.cli import transcription_config
+
+    def parse(fallback: str) -> TranscriptionConfig:
+        return transcription_config(argparse.Namespace(transcription_fallback=fallback,
+                                                       transcription_compression_ratio_threshold=2.0,
+                                                       transcription_logprob_threshold=-0.5))
+    assert parse("0.2, 0.6,1") == TranscriptionConfig((0.2, 0.6, 1.0), 2.0, -0.5)
+    assert parse("").fallback_temperatures == ()
+    for bad in ("hot", "0,0.5", "3"):
+        with pytest.raises(ValueError, match="--transcription-fallback"):
+            parse(bad)

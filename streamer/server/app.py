@@ -38,7 +38,7 @@ from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, 
                                       message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
-from streamer.server.audio_api import AudioAPI
+from streamer.server.audio_api import AudioAPI, TranscriptionConfig
 from streamer.server.structured import strict_tool_tag
 from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
@@ -707,7 +707,8 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
               cors: Optional[CORSConfig] = None, return_tokens_as_token_ids: bool = False,
               log_requests: bool = False, max_log_len: Optional[int] = None,
-              enforce_strict_tool_calling: bool = False) -> Starlette:
+              enforce_strict_tool_calling: bool = False,
+              transcription: Optional[TranscriptionConfig] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
     `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
     /v1/unload_lora_adapter. allow_weight_updates: serve SGLang's /update_weights_from_disk, /pause_generation and /continue_generation. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
@@ -715,7 +716,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
     "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first
     max_log_len characters or token ids; None: all) and sampling parameters. enforce_strict_tool_calling: every
     tool is held to its schema under tool_choice "auto", as `"strict": true` holds one (where the tool-call parser's
-    format allows)."""
+    format allows). transcription: /v1/audio's temperature fallback (None: OpenAI's whisper's defaults)."""
     s = OpenAIServer(engine, served_model_name, max_body_bytes, tool_call_parser, reasoning_parser)
     s.return_tokens_as_token_ids = return_tokens_as_token_ids
     s.log_requests, s.max_log_len = log_requests, max_log_len
@@ -734,7 +735,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
         Route("/v2/rerank", s.rerank, methods=["POST"]),  # (Cohere's v2 client)
         *responses.routes(),
         *MessagesAPI(s).routes(),
-        *AudioAPI(s).routes(),
+        *AudioAPI(s, transcription).routes(),
         Route("/v1/models", s.models, methods=["GET"]),
         Route("/v1/models/{model:path}", s.model, methods=["GET"]),
         Route("/health", s.health, methods=["GET"]),

@@ -10,6 +10,8 @@ Audio longer than the model's window (30 s) is cut at its quietest points into p
 split_audio), transcribed as concurrent requests, and joined in order. Without a `language`, a multilingual model
 names it first: one decoder step after <|startoftranscript|> over the language tokens alone, on the first piece
 (as Whisper detects it). Streaming sends OpenAI's events, `transcript.text.delta` then `transcript.text.done`.
+At temperature 0 a piece whose text repeats itself or whose tokens are unlikely is decoded again, hotter
+(`TranscriptionConfig`: OpenAI's whisper's fallback; not when streaming, whose text is already sent).
 verbose_json, srt and vtt decode with timestamp tokens (streamer/speech.py DecodeRules) and give the segments they
 mark, offset by their piece's start; json and text decode without them (a shorter output). A checkpoint whose
 vocabulary has no timestamp tokens gives one segment per piece.
@@ -44,6 +46,26 @@ FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 _FORM_FIELDS = 32
 
 
+@dataclass(frozen=True)
+class TranscriptionConfig:
+    """OpenAI's whisper fallback, as its API documents temperature 0: a piece whose text compresses too well (it
+    repeats itself: zlib ratio above `compression_ratio_threshold`) or whose tokens are unlikely (mean log-probability,
+    end of text counted, below `logprob_threshold`) is decoded again at the next of `fallback_temperatures`; the
+    last try stands. No temperatures: off."""
+
+    fallback_temperatures: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
+    compression_ratio_threshold: float = 2.4
+    logprob_threshold: float = -1.0
+
+    def __post_init__(self) -> None:
+        if any(not 0.0 < t <= 2.0 for t in self.fallback_temperatures):
+            raise ValueError(f"fallback temperatures must be in (0, 2], got {self.fallback_temperatures}")
+
+    def fails(self, piece: "Piece") -> bool:
+        mean = sum(piece.logprobs) / (len(piece.token_ids) + 1)
+        return _compression_ratio(piece.text) > self.compression_ratio_threshold or mean < self.logprob_threshold
+
+
 @dataclass
 class AudioRequest:
     audio: np.ndarray
@@ -70,13 +92,15 @@ class Piece:
     text: str = ""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()  # each token's (verbose_json's avg_logprob)
+    temperature: float = 0.0  # the one it was decoded at
 
 
 class AudioAPI:
     """The /v1/audio routes of an OpenAIServer."""
 
-    def __init__(self, server: "OpenAIServer") -> None:
+    def __init__(self, server: "OpenAIServer", config: Optional[TranscriptionConfig] = None) -> None:
         self.server = server
+        self.config = config if config is not None else TranscriptionConfig()
 
     def routes(self) -> list[Route]:
         return [Route("/v1/audio/transcriptions", self.transcriptions, methods=["POST"]),
@@ -160,7 +184,7 @@ class AudioAPI:
         cuts = split_audio(req.audio, max_seconds=speech.max_seconds)
         pieces, at = [], 0
         for cut in cuts:
-            pieces.append(Piece(at / SAMPLE_RATE, (at + len(cut)) / SAMPLE_RATE))
+            pieces.append(Piece(at / SAMPLE_RATE, (at + len(cut)) / SAMPLE_RATE, temperature=req.temperature))
             at += len(cut)
         language = req.language
         if language is None and speech.multilingual:
@@ -174,10 +198,11 @@ class AudioAPI:
         params = SamplingParams(temperature=req.temperature, max_tokens=None, logprobs=0,
                                 skip_special_tokens=True,
                                 logit_bias=speech.suppressed(self.server.engine.engine.vocab_size) or None)
+        prompts = [{"prompt_token_ids": prompt_ids, "multi_modal_data": {"audio": (cut, SAMPLE_RATE)}}
+                   for cut in cuts]
         streams = []
         try:
-            for cut in cuts:
-                prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"audio": (cut, SAMPLE_RATE)}}
+            for prompt in prompts:
                 streams.append(await self.server.engine.add_request(prompt, params))
         except Exception as e:
             for s in streams:
@@ -188,12 +213,29 @@ class AudioAPI:
             return sse_response(self._events(streams, pieces, duration), headers={})
         try:
             await asyncio.gather(*(_collect(s, p) for s, p in zip(streams, pieces)))
+            if req.temperature == 0.0:
+                await asyncio.gather(*(self._fall_back(pr, i, pieces, params) for i, pr in enumerate(prompts)))
         except Exception as e:
             raise engine_error(e) from None
         finally:
             for s in streams:
                 s.close()
         return self._response(req, pieces, language, duration, prompt_ids)
+
+    async def _fall_back(self, prompt: dict[str, Any], index: int, pieces: list[Piece],
+                         params: SamplingParams) -> None:
+        """Decode pieces[index] again at each fallback temperature in turn while it fails the thresholds."""
+        for temperature in self.config.fallback_temperatures:
+            piece = pieces[index]
+            if not self.config.fails(piece):
+                return
+            again = Piece(piece.start, piece.end, temperature=temperature)
+            stream = await self.server.engine.add_request(prompt, params.clone(temperature=temperature))
+            try:
+                await _collect(stream, again)
+            finally:
+                stream.close()
+            pieces[index] = again
 
     async def _detect_language(self, audio: np.ndarray) -> str:
         """The language the model reads in `audio`: its likeliest language token right after
@@ -253,7 +295,7 @@ class AudioAPI:
         if fmt == "json":
             from streamer.server.app import JSONResponse
             return JSONResponse({"text": text, "usage": _usage(duration)})
-        segments = self._segments(pieces, prompt_ids, req.temperature)
+        segments = self._segments(pieces, prompt_ids)
         if fmt == "srt" or fmt == "vtt":
             return PlainTextResponse(_subtitles(segments, fmt), media_type="text/vtt" if fmt == "vtt" else None)
         from streamer.server.app import JSONResponse
@@ -261,7 +303,7 @@ class AudioAPI:
                              "language": language or "en", "duration": duration, "text": text,
                              "segments": segments, "usage": _usage(duration)})
 
-    def _segments(self, pieces: list[Piece], prompt_ids: list[int], temperature: float) -> list[dict[str, Any]]:
+    def _segments(self, pieces: list[Piece], prompt_ids: list[int]) -> list[dict[str, Any]]:
         """verbose_json's segments: those the timestamps mark in each piece (the piece whole when it wrote none,
         or the model has no timestamp tokens), each with its tokens' mean log-probability."""
         speech = self.speech
@@ -279,7 +321,7 @@ class AudioAPI:
                 lps = [p.logprobs[i] for i in seg.positions if i < len(p.logprobs)]
                 out.append({"id": len(out), "seek": int(round(p.start * 100)), "start": round(seg.start, 3),
                             "end": round(seg.end, 3), "text": text, "tokens": seg.token_ids,
-                            "temperature": temperature, "avg_logprob": sum(lps) / max(len(lps), 1),
+                            "temperature": p.temperature, "avg_logprob": sum(lps) / max(len(lps), 1),
                             "compression_ratio": _compression_ratio(text), "no_speech_prob": None})
         return out
 

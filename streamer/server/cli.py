@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Callable, Iterator, Optional
 import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, CORSConfig, build_app
+from streamer.server.audio_api import TranscriptionConfig
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -88,6 +89,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--responses-store-size", type=int, default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
                    help="how many /v1/responses responses to keep in memory for retrieval, previous_response_id and "
                         "background mode (least recently used out first; 0: store none)")
+    g.add_argument("--transcription-fallback", default="0.2,0.4,0.6,0.8,1.0", metavar="T,T,...",
+                   help="/v1/audio at temperature 0: a piece whose text repeats itself or whose tokens are unlikely "
+                        "is decoded again at each of these temperatures in turn (OpenAI's whisper's fallback; "
+                        "'' turns it off)")
+    g.add_argument("--transcription-compression-ratio-threshold", type=float, default=2.4, metavar="R",
+                   help="... a text whose zlib compression ratio is above R repeats itself")
+    g.add_argument("--transcription-logprob-threshold", type=float, default=-1.0, metavar="L",
+                   help="... tokens whose mean log-probability is below L are unlikely")
     g.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
@@ -200,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         _check_tls(args)
         args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
+        args.transcription = transcription_config(args)
     except ValueError as e:
         print(f"streamer serve: error: {e}", file=sys.stderr)
         return 2
@@ -212,6 +222,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
+
+
+def transcription_config(args: argparse.Namespace) -> TranscriptionConfig:
+    """--transcription-fallback and its thresholds (ValueError naming the flag)."""
+    text = args.transcription_fallback.strip()
+    try:
+        temperatures = tuple(float(t) for t in text.split(",")) if text else ()
+        return TranscriptionConfig(temperatures, args.transcription_compression_ratio_threshold,
+                                   args.transcription_logprob_threshold)
+    except ValueError as e:
+        raise ValueError(f"--transcription-fallback: {e}") from None
 
 
 def _check_tls(args: argparse.Namespace) -> None:
@@ -275,7 +296,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
                         responses_store_size=args.responses_store_size, cors=cors,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                        enforce_strict_tool_calling=args.enforce_strict_tool_calling)
+                        enforce_strict_tool_calling=args.enforce_strict_tool_calling,
+                        transcription=args.transcription)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
         config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
                                 lifespan="off", log_level=args.log_level, access_log=args.access_log,
