@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
@@ -26,6 +26,7 @@ from streamer.pooling import Classifier, PoolingParams, encode_pair
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
 
+T = TypeVar("T")
 logger = logging.getLogger("streamer")
 
 _TOKENIZE_OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread
@@ -318,6 +319,12 @@ class AsyncEngine:
         source = new_weights(weights)
         core.reset_prefix_cache()
         await asyncio.get_running_loop().run_in_executor(self._device, core.runner.update_weights, source, partial)
+
+    async def on_device(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the device thread, between two steps (work on the model outside the step loop: Whisper's
+        word alignment)."""
+        self._check_alive()
+        return await asyncio.get_running_loop().run_in_executor(self._device, fn, *args)
 
     async def pause_generation(self, mode: str = "keep") -> int:
         """Stop computing (RL weight syncs: pause, `update_weights`, resume): no step is scheduled until

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from streamer.audio import SAMPLE_RATE, WhisperFeatureConfig, WhisperFeatures, as_audio
+from streamer.word_timestamps import alignment_heads
 
 
 @dataclass(eq=False)
@@ -131,6 +132,12 @@ class SpeechPrompts:
         self.generation: dict[str, Any] = json.loads(gen.read_text()) if gen.is_file() else {}
         # A timestamp token's step in seconds: one encoder frame, two feature frames (20 ms)
         self.time_precision = 2 * cfg.hop_length / cfg.sampling_rate
+        layers, heads = len(model.layers), model.layers[0].encoder_attn.heads
+        self.alignment_heads = alignment_heads(self.generation, layers, heads)  # (word timestamps)
+        bad = [(layer, head) for layer, head in self.alignment_heads if not (0 <= layer < layers and 0 <= head < heads)]
+        if bad:
+            raise ValueError(f"{folder}: generation_config.json's alignment_heads names {bad}, but the decoder has "
+                             f"{layers} layers of {heads} heads")
 
     def timestamp_ids(self, tokenizer: Any, vocab_size: int) -> range:
         """The timestamp tokens' ids: from the one after <|notimestamps|> to the end of the model's vocabulary

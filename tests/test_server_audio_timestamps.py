@@ -5,6 +5,7 @@ timestamps, long audio's segments are offset by their piece's start, and timesta
 temperature 0 a piece that fails the fallback thresholds is decoded again at each fallback temperature in turn."""
 from __future__ import annotations
 
+import string
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +129,6 @@ def test_long_audio_segments_are_offset(live, oracle):
 
 
 def test_timestamp_granularities_are_checked(live):
-    _assert_error(_post(live, language="en", response_format="verbose_json",
-                        **{"timestamp_granularities[]": "word"}), 400, "timestamp_granularities")
     _assert_error(_post(live, language="en", response_format="json",
                         **{"timestamp_granularities[]": "segment"}), 400, "timestamp_granularities")
     _assert_error(_post(live, language="en", response_format="verbose_json",
@@ -211,3 +210,56 @@ def test_fallback_flags():
     for bad in ("hot", "0,0.5", "3"):
         with pytest.raises(ValueError, match="--transcription-fallback"):
             parse(bad)
+
+
+def _expected_words(oracle: Oracle, audio: np.ndarray, text: list[int], heads: list[tuple[int, int]],
+                    offset: float) -> list[tuple[str, float, float]]:
+    """Word times as transformers' parts give them: its model's cross-attention probabilities (eager attention)
+    over [<|startoftranscript|><|en|><|transcribe|><|notimestamps|>, text, <|endoftext|>], softmax cropped to the
+    audio's frames, standardised over tokens, its median filter, averaged over the alignment heads, its dynamic
+    time warping; a word starts at a space or a punctuation mark (none of the marks that join a neighbour is in
+    this model's text)."""
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
+    model = WhisperForConditionalGeneration.from_pretrained(oracle.folder, attn_implementation="eager").eval()
+    fe = WhisperFeatureExtractor.from_pretrained(oracle.folder)
+    feats = torch.from_numpy(fe(audio, sampling_rate=RATE, return_tensors="np").input_features)
+    prefix = oracle.prompt("en")
+    tokens = prefix + text + [oracle.eos]
+    with torch.no_grad():
+        attn = model(input_features=feats, decoder_input_ids=torch.tensor([tokens]), output_attentions=True)
+    probs = torch.stack([attn.cross_attentions[layer][0, head] for layer, head in heads])
+    frames = round(len(audio) / 160) // 2
+    w = probs[:, len(prefix) - 1:-1, :frames]
+    w = w / w.sum(dim=-1, keepdim=True)  # (the softmax over the audio's frames alone)
+    std, mean = torch.std_mean(w, dim=-2, keepdim=True, unbiased=False)
+    matrix = _median_filter((w - mean) / std, 7).mean(dim=0)
+    rows, cols = _dynamic_time_warping(-matrix.double().numpy())
+    starts = cols[np.diff(rows, prepend=-1).astype(bool)] * PRECISION
+    words, first = [], 0
+    decoded = [oracle.text([t]) for t in text]  # (the test's tokens are whole characters)
+    for i in range(1, len(text) + 1):
+        if i == len(text) or decoded[i].startswith(" ") or decoded[i].strip() in string.punctuation:
+            words.append((oracle.text(text[first:i]).strip(), offset + starts[first], offset + starts[i]))
+            first = i
+    return words
+
+
+def test_word_timestamps_match_transformers(live, oracle):
+    """Words and their times for a clip's greedy transcript, against transformers' model and alignment parts. The
+    checkpoint names no alignment heads: every head of the decoder's second half (OpenAI's default)."""
+    r = client(live).audio.transcriptions.create(file=_file(AUDIO), model=live.model_name, language="en",
+                                                 response_format="verbose_json",
+                                                 timestamp_granularities=["word", "segment"])
+    assert r.segments and r.words
+    text = [t for s in r.segments for t in s.tokens]
+    heads = [(1, h) for h in range(4)]  # (2 layers of 4 heads: the second layer's)
+    want = _expected_words(oracle, AUDIO, text, heads, 0.0)
+    got = [(w.word, w.start, w.end) for w in r.words]
+    assert [g[0] for g in got] == [w[0] for w in want] and len(got) >= 3
+    assert [t for g in got for t in g[1:]] == pytest.approx([float(t) for w in want for t in w[1:]], abs=1e-6)
+    assert all(0.0 <= w.start <= w.end <= len(AUDIO) / RATE for w in r.words)
+    only = _post(live, language="en", response_format="verbose_json", audio=AUDIO,
+                 **{"timestamp_granularities[]": "word"}).json()
+    assert "segments" not in only and [w["word"] for w in only["words"]] == [g[0] for g in got]

@@ -254,6 +254,37 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
             for layer in self.layers:
                 layer.encoder_attn.fill(slots[i:i + ENCODER_BATCH], encoded)
 
+    @torch.inference_mode()
+    def cross_attention_scores(self, features: torch.Tensor, token_ids: torch.Tensor,
+                               heads: list[tuple[int, int]]) -> torch.Tensor:
+        """Teacher-forced, for word timestamps (streamer/word_timestamps.py): the decoder over `token_ids` [L]
+        (positions from 0) for one clip's features [mels, frames], without a cache or a state slot, returning the
+        (layer, head) `heads`' cross-attention scores, q.k / sqrt(head_dim) before the softmax: float32
+        [len(heads), L, positions]. Runs the layers up to the last one named."""
+        weight = self.embed_tokens.weight
+        encoded = self.encoder(features[None].to(weight.device, weight.dtype))[0]
+        token_ids = token_ids.to(weight.device)
+        length = len(token_ids)
+        x = self.embed(token_ids) + self.embed_positions.weight[:length]
+        wanted: dict[tuple[int, int], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers[:max(layer for layer, _ in heads) + 1]):
+            a = layer.self_attn
+            q, k, v = a.qkv_proj(layer.self_attn_layer_norm(x)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            q, k, v = (t.view(length, -1, a.head_dim).transpose(0, 1) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + a.o_proj(out.transpose(0, 1).reshape(length, -1))
+            c = layer.encoder_attn
+            q = c.q_proj(layer.encoder_attn_layer_norm(x)).view(length, c.heads, c.head_dim).transpose(0, 1)
+            k = c.k_proj(encoded).view(-1, c.heads, c.head_dim).transpose(0, 1)
+            v = c.v_proj(encoded).view(-1, c.heads, c.head_dim).transpose(0, 1)
+            scores = (q @ k.transpose(1, 2)).float() * c.head_dim ** -0.5  # [heads, L, positions]
+            for head in (h for layer_id, h in heads if layer_id == i):
+                wanted[(i, head)] = scores[head]
+            out = scores.softmax(dim=-1).to(v.dtype) @ v
+            x = x + c.out_proj(out.transpose(0, 1).reshape(length, -1))
+            x = x + layer.mlp(layer.final_layer_norm(x))
+        return torch.stack([wanted[h] for h in heads])
+
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 decode: Optional[DecodeBatch] = None, inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -4,7 +4,7 @@
 A request is a multipart form, as OpenAI's clients send it: `file` (the audio: WAV read by our own code, anything
 else through PyAV), `model`, `language` (ISO-639-1; detected when not given), `prompt` (text before the audio, or
 spellings to follow), `response_format` (json, text, verbose_json, srt, vtt), `temperature`, `stream`,
-`timestamp_granularities[]` (segment; verbose_json only).
+`timestamp_granularities[]` (segment, word; verbose_json only).
 
 Audio longer than the model's window (30 s) is cut at its quietest points into pieces (streamer/audio.py
 split_audio), transcribed as concurrent requests, and joined in order. Without a `language`, a multilingual model
@@ -14,14 +14,15 @@ At temperature 0 a piece whose text repeats itself or whose tokens are unlikely 
 (`TranscriptionConfig`: OpenAI's whisper's fallback; not when streaming, whose text is already sent).
 verbose_json, srt and vtt decode with timestamp tokens (streamer/speech.py DecodeRules) and give the segments they
 mark, offset by their piece's start; json and text decode without them (a shorter output). A checkpoint whose
-vocabulary has no timestamp tokens gives one segment per piece.
+vocabulary has no timestamp tokens gives one segment per piece. Word timestamps come from the decoder's
+cross-attention (streamer/word_timestamps.py): a teacher-forced pass over each piece's text on the device thread.
 """
 from __future__ import annotations
 
 import asyncio
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 import numpy as np
@@ -37,6 +38,7 @@ from streamer.server.protocol import APIError
 from streamer.server.sse import DONE, event, sse_response
 
 from streamer.speech import Segment
+from streamer.word_timestamps import Word, token_start_times, word_timestamps
 
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
@@ -76,6 +78,7 @@ class AudioRequest:
     temperature: float
     stream: bool
     task: str  # "transcribe" or "translate"
+    granularities: frozenset[str] = frozenset()  # timestamp_granularities[]: segment, word
 
     @property
     def timestamps(self) -> bool:
@@ -93,6 +96,7 @@ class Piece:
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()  # each token's (verbose_json's avg_logprob)
     temperature: float = 0.0  # the one it was decoded at
+    words: list[Word] = field(default_factory=list)  # (word timestamps, when asked for)
 
 
 class AudioAPI:
@@ -153,8 +157,9 @@ class AudioAPI:
         stream = _boolean(fields.get("stream", "false"), "stream")
         if stream and fmt not in ("json", "text"):
             raise APIError(f"stream is supported with response_format json or text, not {fmt}", param="stream")
-        _granularities([v for v in form.getlist("timestamp_granularities[]") if isinstance(v, str)]
-                       + [v for v in form.getlist("timestamp_granularities") if isinstance(v, str)], fmt)
+        granularities = _granularities([v for v in form.getlist("timestamp_granularities[]") if isinstance(v, str)]
+                                       + [v for v in form.getlist("timestamp_granularities") if isinstance(v, str)],
+                                       fmt)
         language = fields.get("language") or None
         if language is not None:
             language = language.strip().lower()
@@ -173,7 +178,7 @@ class AudioAPI:
         if not len(audio):
             raise APIError("the audio file holds no samples", param="file")
         return AudioRequest(audio, fields.get("model"), language, fields.get("prompt", ""), fmt, temperature,
-                            stream, task)
+                            stream, task, granularities)
 
     # ------------------------------------------------------------------ answering
     async def _answer(self, request: Request, task: str) -> Response:
@@ -215,6 +220,9 @@ class AudioAPI:
             await asyncio.gather(*(_collect(s, p) for s, p in zip(streams, pieces)))
             if req.temperature == 0.0:
                 await asyncio.gather(*(self._fall_back(pr, i, pieces, params) for i, pr in enumerate(prompts)))
+            if "word" in req.granularities:
+                align = speech.prompt_ids(tokenizer, language, req.task)  # (no previous text, no timestamps)
+                await asyncio.gather(*(self._words(p, cut, align, language) for p, cut in zip(pieces, cuts)))
         except Exception as e:
             raise engine_error(e) from None
         finally:
@@ -236,6 +244,25 @@ class AudioAPI:
             finally:
                 stream.close()
             pieces[index] = again
+
+    async def _words(self, piece: Piece, audio: np.ndarray, prefix: list[int], language: Optional[str]) -> None:
+        """The piece's words and when they are spoken (streamer/word_timestamps.py): the alignment heads' scores
+        for its text after `prefix` (the decoder prompt, without timestamps), on the device thread."""
+        import torch
+        speech = self.speech
+        engine = self.server.engine
+        eos = engine.tokenizer.token_to_id("<|endoftext|>")
+        text = [t for t in piece.token_ids if t < eos]
+        if not text:
+            return
+        features = await asyncio.to_thread(speech.features, audio)
+        tokens = torch.tensor(prefix + text + [eos])
+        model = engine.engine.runner.model
+        scores = await engine.on_device(model.cross_attention_scores, features, tokens, speech.alignment_heads)
+        frames = round(len(audio) / speech.config.hop_length) // 2  # (the audio's encoder frames: no padding)
+        starts = await asyncio.to_thread(token_start_times, scores[:, len(prefix) - 1:-1].cpu(), max(frames, 1),
+                                         speech.time_precision)
+        piece.words = word_timestamps(text, starts, self._decode, language, piece.start, piece.end)
 
     async def _detect_language(self, audio: np.ndarray) -> str:
         """The language the model reads in `audio`: its likeliest language token right after
@@ -299,9 +326,14 @@ class AudioAPI:
         if fmt == "srt" or fmt == "vtt":
             return PlainTextResponse(_subtitles(segments, fmt), media_type="text/vtt" if fmt == "vtt" else None)
         from streamer.server.app import JSONResponse
-        return JSONResponse({"task": "translate" if req.task == "translate" else "transcribe",
-                             "language": language or "en", "duration": duration, "text": text,
-                             "segments": segments, "usage": _usage(duration)})
+        body: dict[str, Any] = {"task": "translate" if req.task == "translate" else "transcribe",
+                                "language": language or "en", "duration": duration, "text": text}
+        if "word" in req.granularities:
+            body["words"] = [{"word": w.word.strip(), "start": round(w.start, 3), "end": round(w.end, 3)}
+                             for p in pieces for w in p.words]
+        if "segment" in req.granularities or not req.granularities:
+            body["segments"] = segments
+        return JSONResponse({**body, "usage": _usage(duration)})
 
     def _segments(self, pieces: list[Piece], prompt_ids: list[int]) -> list[dict[str, Any]]:
         """verbose_json's segments: those the timestamps mark in each piece (the piece whole when it wrote none,
@@ -338,18 +370,16 @@ async def _collect(stream: Any, piece: Piece) -> None:
     piece.text = "".join(texts)
 
 
-def _granularities(values: list[str], fmt: str) -> None:
-    """timestamp_granularities[]: segment (what verbose_json gives). Word timestamps are not made here."""
+def _granularities(values: list[str], fmt: str) -> frozenset[str]:
+    """timestamp_granularities[]: segment and / or word, with verbose_json."""
     for v in values:
         if v not in ("segment", "word"):
             raise APIError(f"timestamp_granularities must be 'segment' or 'word', got {v!r}",
                            param="timestamp_granularities")
-        if v == "word":
-            raise APIError("word timestamps are not supported; timestamp_granularities 'segment' is",
-                           param="timestamp_granularities")
     if values and fmt != "verbose_json":
         raise APIError(f"timestamp_granularities needs response_format verbose_json, not {fmt}",
                        param="timestamp_granularities")
+    return frozenset(values)
 
 
 def _joined(pieces: list[Piece]) -> str:
