@@ -30,11 +30,15 @@ PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
 def make_model(folder: Path, size: str) -> None:
+    """Whisper at `size`'s shapes with random weights, and a tokenizer with a real multilingual Whisper's ids
+    (tests/whisper_checkpoints.py whisper_layout_tokenizer: every id decodes to text)."""
+    import json
+
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from tests.whisper_checkpoints import _tokenizer
+    from tests.whisper_checkpoints import whisper_layout_tokenizer
     s = SIZES[size]
-    ids = _tokenizer(folder, 320, timestamps=False)
+    ids = whisper_layout_tokenizer(folder)
     eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
     cfg = WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=s["d_model"], encoder_layers=s["layers"],
                         decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
@@ -44,6 +48,14 @@ def make_model(folder: Path, size: str) -> None:
     torch.manual_seed(0)
     WhisperForConditionalGeneration(cfg).save_pretrained(folder, safe_serialization=True)
     WhisperFeatureExtractor(feature_size=80).save_pretrained(folder)
+    gen = {"decoder_start_token_id": sot, "eos_token_id": eot, "pad_token_id": eot, "bos_token_id": eot,
+           "is_multilingual": True, "no_timestamps_token_id": ids["<|notimestamps|>"],
+           "max_initial_timestamp_index": 50, "max_length": 448, "begin_suppress_tokens": [], "suppress_tokens": [],
+           "task_to_id": {t: ids[f"<|{t}|>"] for t in ("transcribe", "translate")},
+           "lang_to_id": {k: v for k, v in ids.items() if k not in ("<|endoftext|>", "<|startoftranscript|>")
+                          and not k.strip("<|>").startswith(("translate", "transcribe", "startof", "nospeech",
+                                                             "notimestamps"))}}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
 def clips(n: int) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOu
 from streamer.pooling import Classifier, PoolingParams, encode_pair
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import SchedulerOutput
+from streamer.threads import to_own_thread
 
 T = TypeVar("T")
 logger = logging.getLogger("streamer")
@@ -377,7 +378,7 @@ class AsyncEngine:
         core = self._core
         if name in core.loras:  # (checked again on registering: another call may have raced this one)
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        core.register_lora(await asyncio.to_thread(core.load_lora, name, path))
+        core.register_lora(await to_own_thread(core.load_lora, name, path))
 
     def remove_lora(self, name: str) -> None:
         self._core.remove_lora(name)
@@ -419,7 +420,7 @@ class AsyncEngine:
             ids, images = core.place_images(await self.encode(prompt), None)
         elif isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or "prompt_embeds" in prompt):
             # (decoding and resizing images, or checking and hashing embeddings, takes a while: off the loop)
-            text, ids, images = await asyncio.to_thread(core.process_prompt, prompt)
+            text, ids, images = await to_own_thread(core.process_prompt, prompt)
         else:
             text, ids, images = core.process_prompt(prompt)
         text, ids, images = core.truncate(text, ids, images, pooling if pooling is not None else params)
@@ -432,7 +433,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(lora_request, LoRARequest) and lora_request.name not in core.loras:
             core.validate(ids, params, pooling=pooling is not None)
-            adapter = await asyncio.to_thread(core.load_lora, lora_request.name, lora_request.path)
+            adapter = await to_own_thread(core.load_lora, lora_request.name, lora_request.path)
             self._check_alive()
             if lora_request.name not in core.loras:  # (another request may have registered it meanwhile)
                 core.register_lora(adapter)

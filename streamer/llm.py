@@ -256,6 +256,8 @@ class LLM:
                 if progress is not None:
                     progress.update(updates)
             return
+        if engine.runner.device.type == "cpu":
+            return self._run_cpu_pipeline(progress)
         with ThreadPoolExecutor(1, thread_name_prefix="streamer-device") as device:
             inflight = None
             while True:
@@ -270,6 +272,28 @@ class LLM:
                         raise RuntimeError("requests are left that can never be scheduled")
                     return
                 inflight = nxt
+
+    def _run_cpu_pipeline(self, progress: Optional[GenerateProgress]) -> None:
+        """Async scheduling on CPU: the model runs here, on the thread that loaded it, while a worker processes the
+        step before (a step is done when `launch` returns on CPU). Not the other way round: the model's OpenMP
+        team lives on this thread, and a second team on another thread would make libgomp stop letting idle
+        workers spin (more OpenMP threads than cores), which made every step ~3x slower (streamer/threads.py)."""
+        engine = self.engine
+        with ThreadPoolExecutor(1, thread_name_prefix="streamer-host") as host:
+            done = None  # (scheduler output, step inputs, pending result) of the step last run, not yet processed
+            while True:
+                step = engine.schedule_next(done[1] if done is not None else None)
+                processing = host.submit(engine.process, done[0], done[2].result()) if done is not None else None
+                ran = None if step is None else (*step, engine.runner.launch(step[1]))
+                if processing is not None:
+                    updates = processing.result()
+                    if progress is not None:
+                        progress.update(updates)
+                elif ran is None:
+                    if engine.has_unfinished():
+                        raise RuntimeError("requests are left that can never be scheduled")
+                    return
+                done = ran
 
     def _output(self, rid: str, states: list[SeqState]) -> RequestOutput:
         first = states[0].req

@@ -137,11 +137,12 @@ def _chunks(slots: np.ndarray, qsl: np.ndarray, reqs: np.ndarray) -> list[tuple[
     return [(int(slots[i]), int(qsl[i]), int(qsl[i + 1])) for i in reqs]
 
 
-def _dense_span(slots: np.ndarray) -> Optional[tuple[int, int]]:
+def _dense_span(slots: np.ndarray, fewest: int = 2) -> Optional[tuple[int, int]]:
     """[lo, hi) of the decode requests' state slots where they fill at least two thirds of it (the slot pool hands
     out its lowest free slot, so running requests' slots stay packed): updating the span's states in place through a
-    view reads and writes each once, where gathering them and scattering them back costs about twice that."""
-    if len(slots) < 2:
+    view reads and writes each once, where gathering them and scattering them back costs about twice that. None for
+    fewer than `fewest` slots."""
+    if len(slots) < fewest:
         return None
     lo, hi = int(slots.min()), int(slots.max()) + 1
     return (lo, hi) if 3 * len(slots) >= 2 * (hi - lo) else None
@@ -649,7 +650,7 @@ class ModelRunner:
                 raise RuntimeError(f"{len(fresh)} requests start this step but {len(given)} encoder inputs came")
             features = torch.stack(given).to(dev, non_blocking=True)
         # (a request whose slot is reused while another keeps it would be a pool bug; the span is for speed only)
-        span = _dense_span(slots)
+        span = _dense_span(slots, fewest=1)  # (a lone request's slot too: a view, not a 1500-position gather)
         return CrossStep(rows=to_device(rows, dev), valid=None if valid is None else to_device(valid, dev),
                          slots=to_device(slots.astype(np.int64), dev), span=span,
                          span_pos=to_device(slots - span[0], dev) if span else None,

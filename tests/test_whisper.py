@@ -70,7 +70,7 @@ def test_chunked_prefill_preemption_and_gathered_slots(whisper_dir, monkeypatch)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.runner.model.layers[0].encoder_attn.k_state.shape[0] == 4  # 3 slots + the warm-up's
     _check_clean(llm)
-    monkeypatch.setattr(model_runner, "_dense_span", lambda slots: None)
+    monkeypatch.setattr(model_runner, "_dense_span", lambda slots, fewest=2: None)
     outs = llm.generate([_prompt(a, previous + PROMPT) for a in audios], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     _check_clean(llm)

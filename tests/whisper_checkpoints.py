@@ -121,3 +121,48 @@ def hf_greedy(folder: Path, audio: np.ndarray, prompt_ids: list[int], max_tokens
             if t == eos:
                 break
     return out
+
+
+def whisper_layout_tokenizer(out: Path, languages: int = 99) -> dict[str, int]:
+    """A tokenizer with a real multilingual Whisper's ids (51,865 of them), for models at real sizes: 50,257 text
+    tokens (the 256 byte-level characters, then made-up words that decode but no merge reaches), <|endoftext|> =
+    50257, <|startoftranscript|>, `languages` language tokens (en first), the task tokens .. <|notimestamps|> =
+    50363, then the 1,501 timestamps. Writes tokenizer.json and tokenizer_config.json; returns the specials' ids."""
+    import string
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet, key=lambda c: bytes_of(c)))}
+    letters = string.ascii_lowercase
+    n = 0
+    while len(vocab) < 50257:
+        word, k = "", n
+        while True:
+            word, k = letters[k % 26] + word, k // 26 - 1
+            if k < 0:
+                break
+        n += 1
+        if len(word) > 1:
+            vocab["\u0120" + word] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    codes = ["en", "zh", "de", "es", "ru", "ko", "fr", "ja", "pt", "tr"]
+    codes += [f"x{i:02d}" for i in range(languages - len(codes))]
+    specials = ["<|endoftext|>", "<|startoftranscript|>", *(f"<|{c}|>" for c in codes[:languages]), "<|translate|>",
+                "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+    tok.add_special_tokens([_special(s) for s in specials])
+    tok.add_tokens([AddedToken(f"<|{i * 0.02:.2f}|>", special=False, normalized=False) for i in range(TIMESTAMPS)])
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in specials}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>", "model_max_length": 1024}))
+    return ids
+
+
+def bytes_of(c: str) -> int:
+    """The byte a byte-level BPE character stands for (GPT-2's table: printable bytes map to themselves)."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    return table[c]

@@ -47,6 +47,7 @@ from streamer.server.harmony import REASONING_PARSER as HARMONY_REASONING_PARSER
 from streamer.server.harmony import TOOL_PARSER as HARMONY_TOOL_PARSER
 from streamer.server.harmony import is_harmony_model
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
+from streamer.threads import to_own_thread
 
 logger = logging.getLogger("streamer.server")
 
@@ -267,7 +268,7 @@ class OpenAIServer:
             raise APIError(f"at most {limit} images per request, got {len(sources)}", param="messages")
 
         async def one(src: Any) -> Any:
-            return src if not isinstance(src, str) else await asyncio.to_thread(load_image, src, allow)
+            return src if not isinstance(src, str) else await to_own_thread(load_image, src, allow)
         try:
             return list(await asyncio.gather(*(one(s) for s in sources)))
         except ValueError as e:
@@ -288,7 +289,7 @@ class OpenAIServer:
         mm = self.engine.image_prompts
         fps = (mm.video_processor.fps if mm is not None and mm.takes_video else None) or DEFAULT_VIDEO_FPS
         try:
-            data["video"] = list(await asyncio.gather(*(asyncio.to_thread(load_video, url, allow, fps)
+            data["video"] = list(await asyncio.gather(*(to_own_thread(load_video, url, allow, fps)
                                                         for url in videos)))
         except VideoBackendMissing as e:
             raise APIError(str(e), param="messages", code="video_backend_missing") from None
@@ -500,7 +501,7 @@ class OpenAIServer:
         if sources or videos:  # the tokens the model reads: each image's placeholder expanded (its size decides)
             loaded = await self._load_media(sources, videos)
             try:
-                tokens, _ = await asyncio.to_thread(self.engine.place_images, tokens, loaded)
+                tokens, _ = await to_own_thread(self.engine.place_images, tokens, loaded)
             except ValueError as e:
                 raise APIError(str(e), param="messages") from None
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
@@ -556,7 +557,7 @@ class OpenAIServer:
                            param="prompt_embeds")
         many = len(items) > 1
         try:
-            tensors = await asyncio.to_thread(
+            tensors = await to_own_thread(
                 lambda: [prompt_embeds.decode_base64(x, i if many else None) for i, x in enumerate(items)])
         except ValueError as e:
             raise APIError(str(e), param="prompt_embeds") from None

@@ -39,6 +39,7 @@ from streamer.server.sse import DONE, event, sse_response
 
 from streamer.speech import Segment
 from streamer.word_timestamps import Word, token_start_times, word_timestamps
+from streamer.threads import to_own_thread
 
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
@@ -172,7 +173,7 @@ class AudioAPI:
         if task == "translate" and not speech.multilingual:
             raise APIError("this model is English-only: it does not translate", param="model")
         try:
-            audio = await asyncio.to_thread(decode_audio, data)
+            audio = await to_own_thread(decode_audio, data)
         except ValueError as e:
             raise APIError(f"the audio file could not be decoded: {e}", param="file") from None
         if not len(audio):
@@ -255,12 +256,12 @@ class AudioAPI:
         text = [t for t in piece.token_ids if t < eos]
         if not text:
             return
-        features = await asyncio.to_thread(speech.features, audio)
+        features = await to_own_thread(speech.features, audio)
         tokens = torch.tensor(prefix + text + [eos])
         model = engine.engine.runner.model
         scores = await engine.on_device(model.cross_attention_scores, features, tokens, speech.alignment_heads)
         frames = round(len(audio) / speech.config.hop_length) // 2  # (the audio's encoder frames: no padding)
-        starts = await asyncio.to_thread(token_start_times, scores[:, len(prefix) - 1:-1].cpu(), max(frames, 1),
+        starts = await to_own_thread(token_start_times, scores[:, len(prefix) - 1:-1].cpu(), max(frames, 1),
                                          speech.time_precision)
         piece.words = word_timestamps(text, starts, self._decode, language, piece.start, piece.end)
 
