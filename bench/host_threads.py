@@ -118,7 +118,7 @@ def main() -> None:
                        check=True, capture_output=True)
         rows = whisper(Path(tmp), args.rounds)
     base = statistics.median(rows["LLM.generate (main thread)"])
-    print(f"Whisper-tiny shapes, 8 requests, decode step (median of each round, ms); ratio to LLM.generate")
+    print("Whisper-tiny shapes, 8 requests, decode step (median of each round, ms); ratio to LLM.generate")
     for label, ms in rows.items():
         print(f"  {label:<46}{statistics.median(ms):>8.1f}{statistics.median(ms) / base:>7.2f}x   "
               f"{', '.join(f'{m:.1f}' for m in ms)}")
