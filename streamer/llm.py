@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
+from streamer.input_batch import StepInputs
 from streamer.multimodal import load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.pooling import PoolingParams, encode_pair, pair_up
@@ -247,8 +248,12 @@ class LLM:
         return loras
 
     def _run(self, progress: Optional[GenerateProgress] = None) -> None:
-        """Step until every request has finished. With async scheduling the model runs on a worker thread, and
-        step N+1 is scheduled and queued while step N runs (as in `AsyncEngine`); otherwise step by step."""
+        """Step until every request has finished. With async scheduling, step N+1 is scheduled before step N's
+        results are processed, and the model computes while the host processes (as in `AsyncEngine`): on CUDA the
+        model runs on a worker thread (`launch` queues the step and returns); on CPU it runs here, on the thread
+        that loaded it, while the worker processes the step before. (Not the other way round: a second thread
+        running the model would hold a second OpenMP team, and with more OpenMP threads than cores libgomp stops
+        letting idle workers spin: every step ~3x slower, streamer/threads.py.) Otherwise step by step."""
         engine = self.engine
         if not engine.async_scheduling:
             while engine.has_unfinished():
@@ -256,15 +261,23 @@ class LLM:
                 if progress is not None:
                     progress.update(updates)
             return
-        if engine.runner.device.type == "cpu":
-            return self._run_cpu_pipeline(progress)
-        with ThreadPoolExecutor(1, thread_name_prefix="streamer-device") as device:
-            inflight = None
+        here = engine.runner.device.type == "cpu"
+        with ThreadPoolExecutor(1, thread_name_prefix="streamer-worker") as worker:
+            def launch(step: StepInputs) -> Future:
+                if not here:
+                    return worker.submit(engine.runner.launch, step)
+                done: Future = Future()
+                done.set_result(engine.runner.launch(step))
+                return done
+            inflight = None  # (scheduler output, step inputs, future of its pending result)
             while True:
                 step = engine.schedule_next(inflight[1] if inflight is not None else None)
-                nxt = None if step is None else (*step, device.submit(engine.runner.launch, step[1]))
-                if inflight is not None:  # (the device thread may already be queuing the next step)
-                    updates = engine.process(inflight[0], inflight[2].result().result())
+                processing = (worker.submit(engine.process, inflight[0], inflight[2].result().result())
+                              if here and inflight is not None else None)
+                nxt = None if step is None else (*step, launch(step[1]))
+                if inflight is not None:  # (the model may already be computing the next step)
+                    updates = (processing.result() if processing is not None
+                               else engine.process(inflight[0], inflight[2].result().result()))
                     if progress is not None:
                         progress.update(updates)
                 elif nxt is None:
@@ -272,28 +285,6 @@ class LLM:
                         raise RuntimeError("requests are left that can never be scheduled")
                     return
                 inflight = nxt
-
-    def _run_cpu_pipeline(self, progress: Optional[GenerateProgress]) -> None:
-        """Async scheduling on CPU: the model runs here, on the thread that loaded it, while a worker processes the
-        step before (a step is done when `launch` returns on CPU). Not the other way round: the model's OpenMP
-        team lives on this thread, and a second team on another thread would make libgomp stop letting idle
-        workers spin (more OpenMP threads than cores), which made every step ~3x slower (streamer/threads.py)."""
-        engine = self.engine
-        with ThreadPoolExecutor(1, thread_name_prefix="streamer-host") as host:
-            done = None  # (scheduler output, step inputs, pending result) of the step last run, not yet processed
-            while True:
-                step = engine.schedule_next(done[1] if done is not None else None)
-                processing = host.submit(engine.process, done[0], done[2].result()) if done is not None else None
-                ran = None if step is None else (*step, engine.runner.launch(step[1]))
-                if processing is not None:
-                    updates = processing.result()
-                    if progress is not None:
-                        progress.update(updates)
-                elif ran is None:
-                    if engine.has_unfinished():
-                        raise RuntimeError("requests are left that can never be scheduled")
-                    return
-                done = ran
 
     def _output(self, rid: str, states: list[SeqState]) -> RequestOutput:
         first = states[0].req
