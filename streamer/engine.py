@@ -211,7 +211,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_id)
         self.vocab_size = self.model_config.vocab_size
         if self.speech is not None:  # (its timestamps are no text: dropped from outputs like special tokens)
-            self.tokenizer.mark_special(self.speech.timestamp_ids(self.tokenizer, self.vocab_size))
+            self.tokenizer.mark_special(self.speech.timestamp_ids(self.tokenizer))
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.vocab_size, sorted(self.eos_token_ids))
         self.think_tags = ThinkTags.of(config.reasoning_parser, self._encode_text) \
             if config.reasoning_parser is not None else None

@@ -139,11 +139,15 @@ class SpeechPrompts:
             raise ValueError(f"{folder}: generation_config.json's alignment_heads names {bad}, but the decoder has "
                              f"{layers} layers of {heads} heads")
 
-    def timestamp_ids(self, tokenizer: Any, vocab_size: int) -> range:
-        """The timestamp tokens' ids: from the one after <|notimestamps|> to the end of the model's vocabulary
-        (<|0.00|> .. <|30.00|>); empty without <|notimestamps|>."""
+    def no_timestamps_id(self, tokenizer: Any) -> Optional[int]:
         no_ts = self.generation.get("no_timestamps_token_id", tokenizer.token_to_id("<|notimestamps|>"))
-        return range(0) if no_ts is None else range(int(no_ts) + 1, vocab_size)
+        return None if no_ts is None else int(no_ts)
+
+    def timestamp_ids(self, tokenizer: Any, vocab_size: Optional[int] = None) -> range:
+        """The timestamp tokens' ids: from the one after <|notimestamps|> to the end of the model's vocabulary
+        (<|0.00|> .. <|30.00|>); empty without <|notimestamps|> (or room after it)."""
+        no_ts = self.no_timestamps_id(tokenizer)
+        return range(0) if no_ts is None else range(no_ts + 1, vocab_size or self.vocab_size)
 
     @property
     def max_seconds(self) -> float:
@@ -197,7 +201,7 @@ class SpeechPrompts:
         prompt names the language and the task after <|startoftranscript|>; one that stops before, as language
         detection's does, gets no rules). None for a prompt without <|startoftranscript|>."""
         sot = tokenizer.token_to_id("<|startoftranscript|>")
-        no_ts = self.generation.get("no_timestamps_token_id", tokenizer.token_to_id("<|notimestamps|>"))
+        no_ts = self.no_timestamps_id(tokenizer)
         eos = tokenizer.token_to_id("<|endoftext|>")
         if sot is None or no_ts is None or eos is None or sot not in prompt_ids:
             return None
@@ -208,9 +212,9 @@ class SpeechPrompts:
             return None
         begin_suppress = self.generation.get("begin_suppress_tokens") or []
         max_initial = self.generation.get("max_initial_timestamp_index", 50)
-        return DecodeRules(eos=int(eos), no_timestamps=int(no_ts),
+        return DecodeRules(eos=int(eos), no_timestamps=no_ts,
                            begin_suppress=tuple(int(t) for t in begin_suppress if isinstance(t, int)),
-                           timestamps=no_ts not in after and no_ts + 1 < self.vocab_size,
+                           timestamps=no_ts not in after and bool(self.timestamp_ids(tokenizer)),
                            max_initial=None if max_initial is None else int(max_initial))
 
     def segments(self, token_ids: Sequence[int], rules: DecodeRules, offset: float = 0.0,

@@ -160,9 +160,12 @@ def whisper_layout_tokenizer(out: Path, languages: int = 99) -> dict[str, int]:
     return ids
 
 
+_PRINTABLE = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+# GPT-2's byte-level table: printable bytes stand for themselves, the others for chr(256 + i)
+_BYTE_OF = {chr(b): b for b in _PRINTABLE} | {chr(256 + i): b for i, b in
+                                              enumerate(b for b in range(256) if b not in _PRINTABLE)}
+
+
 def bytes_of(c: str) -> int:
-    """The byte a byte-level BPE character stands for (GPT-2's table: printable bytes map to themselves)."""
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    others = [b for b in range(256) if b not in printable]
-    table = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-    return table[c]
+    """The byte a byte-level BPE character stands for."""
+    return _BYTE_OF[c]

@@ -197,7 +197,7 @@ class AudioAPI:
             language = await self._detect_language(cuts[0])
         try:
             previous = speech.previous_ids(tokenizer, req.prompt)
-            timestamps = req.timestamps and bool(speech.timestamp_ids(tokenizer, speech.vocab_size))
+            timestamps = req.timestamps and bool(speech.timestamp_ids(tokenizer))
             prompt_ids = speech.prompt_ids(tokenizer, language, req.task, previous, timestamps)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
