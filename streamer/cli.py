@@ -107,12 +107,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='config.json keys that win over the checkpoint\'s, e.g. \'{"max_position_embeddings": 65536, '
                         '"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": '
                         '32768}}\' (nested configs such as text_config are amended key by key)')
-    im = p.add_argument_group("images (vision-language models)")
-    im.add_argument("--limit-images-per-prompt", type=int, default=16, help="most images one prompt may hold")
+    im = p.add_argument_group("images, videos and audio clips (vision- and audio-language models)")
+    im.add_argument("--limit-images-per-prompt", type=int, default=16,
+                    help="most images (videos, audio clips) one prompt may hold")
     im.add_argument("--encoder-cache-bytes", type=int, default=512 << 20,
-                    help="bytes of image features kept for prompts still being computed (and repeated images)")
+                    help="bytes of image (audio) features kept for prompts still being computed (and repeats)")
     im.add_argument("--no-image-urls", dest="allow_image_urls", action="store_false",
-                    help="the server reads images only from data: URLs, never fetching http(s) ones")
+                    help="the server reads images, videos and audio only from data: URLs, never fetching http(s) ones")
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="let requests give their prompt as embeddings (completions' prompt_embeds: base64 of "
                         "torch.save(tensor [length, hidden]))")

@@ -124,11 +124,12 @@ class EngineConfig:
     # A Jinja chat template, or the path of a file holding one, used in place of the checkpoint's (for checkpoints
     # without one, or to fix one); checked to compile at start-up.
     chat_template: Optional[str] = None
-    # Vision-language models (streamer/multimodal.py): at most this many images in one prompt; the encoder's
-    # output kept for images whose prompts are still being computed (and for repeats), up to this many bytes.
+    # Vision- and audio-language models (streamer/multimodal.py, streamer/audio_prompts.py): at most this many
+    # images (videos, audio clips) in one prompt; the encoder's output kept for images whose prompts are still being
+    # computed (and for repeats), up to this many bytes.
     limit_images_per_prompt: int = 16
     encoder_cache_bytes: int = 512 << 20
-    # Whether the server fetches http(s) image URLs in chat messages (data: URLs are always read).
+    # Whether the server fetches http(s) image (video, audio) URLs in chat messages (data: URLs are always read).
     allow_image_urls: bool = True
     # AsyncEngine: seconds between vLLM-style throughput log lines while there is work (0: none; `streamer serve`
     # logs every 10 s unless --disable-log-stats).

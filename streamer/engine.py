@@ -29,6 +29,7 @@ from streamer.pooling import (Classifier, DenseProjection, PoolingParams, defaul
 from streamer import prompt_embeds
 from streamer.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ENCODER_DECODER_ARCHITECTURES, HYBRID_ARCHITECTURES, ModelConfig
+from streamer.audio_prompts import AudioPrompts, as_clips
 from streamer.multimodal import ImageInput, as_media, image_prompts_for
 from streamer.speech import SpeechPrompts
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
@@ -305,11 +306,16 @@ class LLMEngine:
         if mm is None:
             if data is not None:
                 of = self.model_config.text_only_of
-                what = "video" if isinstance(data, dict) and data.get("video") is not None and \
-                    data.get("image") is None else "images"
+                given = [k for k in ("image", "video", "audio") if isinstance(data, dict) and data.get(k) is not None]
+                what = {"image": "images", "video": "video", "audio": "audio"}[given[0]] if len(given) == 1 \
+                    else "images"
                 raise ValueError(f"multi_modal_data: this model takes no {what}" + (
                     f" ({of} is served as its text model alone: its vision encoder is not supported)" if of else ""))
             return token_ids, ()
+        if isinstance(mm, AudioPrompts):
+            return self._place_audio(mm, token_ids, data)
+        if isinstance(data, dict) and data.get("audio") is not None:
+            raise ValueError("multi_modal_data['audio']: this model takes no audio")
         if isinstance(data, dict) and "video" in data and not mm.takes_video:
             raise ValueError(f"multi_modal_data must be {{'image': image or list of images}} for this model: "
                              f"multi_modal_data['video']: {mm.no_video}")
@@ -317,6 +323,18 @@ class LLMEngine:
         if not images and not videos and not mm.has_placeholders(token_ids):
             return token_ids, ()
         ids, inputs = mm.expand(token_ids, images, videos)
+        return ids, tuple(inputs)
+
+    @staticmethod
+    def _place_audio(mm: AudioPrompts, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """An audio-language model's prompt with its clips' placeholders expanded (streamer/audio_prompts.py)."""
+        if data is not None and (not isinstance(data, dict) or set(data) - {"audio"}):
+            raise ValueError("multi_modal_data must be {'audio': clip or list of clips} for this model (it takes no "
+                             f"images or video), got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        clips = as_clips(data["audio"]) if data is not None and data.get("audio") is not None else []
+        if not clips and not mm.has_placeholders(token_ids):
+            return token_ids, ()
+        ids, inputs = mm.expand(token_ids, clips)
         return ids, tuple(inputs)
 
     def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:

@@ -144,7 +144,8 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
         with the model's chat template as the server renders them (and as transformers' apply_chat_template does).
         chat_template: a Jinja template (or a file holding one) for this call in place of the model's."""
-        from streamer.server.protocol import APIError, message_images, message_videos, parse_messages
+        from streamer.audio_prompts import load_audio
+        from streamer.server.protocol import APIError, message_audios, message_images, message_videos, parse_messages
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         template = self._template(chat_template)
         prompts: list[PromptType] = []
@@ -167,6 +168,9 @@ class LLM:
             if videos:  # video_url parts, decoded with PyAV at the video processor's fps
                 fps = (images.video_processor.fps if images is not None and images.takes_video else None) or 2.0
                 prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, allow, fps) for v in videos]
+            audios = message_audios(parsed)
+            if audios:  # input_audio parts (as data: URLs) or audio_url parts
+                prompt.setdefault("multi_modal_data", {})["audio"] = [load_audio(a, allow) for a in audios]
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
@@ -175,10 +179,12 @@ class LLM:
         from streamer.server.chat_template import ChatTemplate, load_chat_template
         images = self.engine.image_prompts
         placeholders = ((images.placeholder, images.video_placeholder) if images is not None else (None, None))
+        audio = images.audio_placeholder if images is not None else None
         if source is not None:
-            return ChatTemplate.from_tokenizer(self.tokenizer, *placeholders, source=load_chat_template(source))
+            return ChatTemplate.from_tokenizer(self.tokenizer, *placeholders, source=load_chat_template(source),
+                                               audio_placeholder=audio)
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer, *placeholders)
+            self._chat_template = ChatTemplate.from_tokenizer(self.tokenizer, *placeholders, audio_placeholder=audio)
         return self._chat_template
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,

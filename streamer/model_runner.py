@@ -578,9 +578,10 @@ class ModelRunner:
         return max(int(n), 1)
 
     def _encoder_bytes(self) -> int:
-        """Vision-language models: the encoder cache's budget, plus the encoder's activations for the most images
-        one step can touch (its token budget's worth, and one more cut by a chunk boundary)."""
-        if getattr(self.model, "vision_tower", None) is None:
+        """Vision- and audio-language models: the encoder cache's budget, plus the encoder's activations for the most
+        images one step can touch (its token budget's worth, and one more cut by a chunk boundary)."""
+        from streamer.models.vlm import VisionLanguageMixin
+        if not isinstance(self.model, VisionLanguageMixin):
             return 0
         return self.config.encoder_cache_bytes + self.model.encoder_bytes(self.config.max_num_batched_tokens)
 

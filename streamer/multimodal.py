@@ -41,6 +41,8 @@ import torch
 if TYPE_CHECKING:
     from PIL.Image import Image
 
+    from streamer.audio_prompts import AudioPrompts
+
     from streamer.config import EngineConfig
     from streamer.models.config import ModelConfig
     from streamer.request import Request
@@ -79,6 +81,9 @@ class ImageInput:
     # The features themselves, given (a prompt of embeddings, streamer/prompt_embeds.py: [length, width] in the
     # model's dtype, on the host): no encoder runs, and pixel_values is empty
     features: Optional[torch.Tensor] = None
+    # An audio clip (streamer/audio_prompts.py): how many of its log-mel features' frames hold it (pixel_values are
+    # the features, padded to 30 s)
+    frames: Optional[int] = None
 
     @property
     def end(self) -> int:
@@ -225,6 +230,8 @@ class ImagePrompts:
     grid step as "<{time:.1f} seconds>", start, its tokens and end, as Qwen3VLProcessor does, each step an
     `ImageInput` of one step.
     `no_video`: why a model takes no video (the error a prompt with one gets)."""
+
+    audio_placeholder: Optional[str] = None  # (no audio: streamer/audio_prompts.py AudioPrompts takes it)
 
     def __init__(self, folder: Path, image_token_id: int, tokens_per_image: Optional[int], placeholder: str,
                  max_images: int, placeholder_id: Optional[int] = None, full_text: Optional[str] = None,
@@ -486,8 +493,9 @@ class ImagePrompts:
 
 
 def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir: Path,
-                      config: "EngineConfig") -> Optional[ImagePrompts]:
-    """How a model takes images (None: a text model): its placeholder tokens, as its processor expands them."""
+                      config: "EngineConfig") -> Optional["ImagePrompts | AudioPrompts"]:
+    """How a model takes images (None: a text model): its placeholder tokens, as its processor expands them; for
+    an audio-language model, how it takes audio clips."""
     if cfg.multimodal is None:
         return None
     mm, arch, image = cfg.multimodal, cfg.multimodal_architecture, cfg.image_token_id
@@ -506,6 +514,12 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
     if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         folder = Path(config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
     limit = config.limit_images_per_prompt
+    if arch == "Qwen2AudioForConditionalGeneration":  # (clips, not images: streamer/audio_prompts.py)
+        from streamer.audio_prompts import AudioPrompts
+        around = [tokenizer.token_to_id(t) for t in ("<|audio_bos|>", "<|audio_eos|>")]
+        placeholder = text_of(image) if None in around else \
+            f"{text_of(around[0])}{text_of(image)}{text_of(around[1])}"  # type: ignore[arg-type]
+        return AudioPrompts(folder, image, placeholder, limit)
     if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                 "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
@@ -729,10 +743,10 @@ class EncoderCache:
 def load_image(url: str, allow_remote: bool = True) -> "Image":
     """An image from a chat message's `image_url`: a data: URL (base64) or, if allowed, an http(s) URL.
     ValueError for anything else or anything that is not an image."""
-    return decode_image(_read_url(url, allow_remote, "image", MAX_IMAGE_BYTES, "image/png"))
+    return decode_image(read_url(url, allow_remote, "image", MAX_IMAGE_BYTES, "image/png"))
 
 
-def _read_url(url: str, allow_remote: bool, what: str, limit: int, mime: str) -> bytes:
+def read_url(url: str, allow_remote: bool, what: str, limit: int, mime: str) -> bytes:
     """The bytes of a data: URL (base64) or, if allowed, an http(s) URL, at most `limit` of them; `what` ("image",
     "video") and an example `mime` type name them in errors."""
     if url.startswith("data:"):
@@ -772,7 +786,7 @@ def load_video(url: str, allow_remote: bool = True, fps: float = 2.0,
                max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
     """A video from a chat message's `video_url`: a data: URL (base64) or, if allowed, an http(s) URL, decoded
     with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""
-    return decode_video(_read_url(url, allow_remote, "video", MAX_VIDEO_BYTES, "video/mp4"), fps, max_frames)
+    return decode_video(read_url(url, allow_remote, "video", MAX_VIDEO_BYTES, "video/mp4"), fps, max_frames)
 
 
 def decode_video(data: bytes, fps: float = 2.0, max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:

@@ -615,3 +615,57 @@ def hf_qwen_vl_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], ma
         return {"pixel_values": px["pixel_values"], "image_grid_thw": px["image_grid_thw"],
                 "mm_token_type_ids": (t == model.config.image_token_id).int()}
     return _hf_greedy_with_logprobs(model, prompts, max_new_tokens, inputs)
+
+
+# Qwen2-Audio-7B-Instruct's chat template (its tokenizer_config.json's): a clip is "Audio N: " and its tokens
+QWEN2_AUDIO_CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% for message in messages %}{% if loop.first and message['role'] != "
+    "'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>"
+    "{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}Audio {{ audio_count.value }}: "
+    "<|audio_bos|><|AUDIO|><|audio_eos|>\n{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_qwen2_audio_checkpoint(out_dir: Path, seed: int = 0, **audio_overrides: Any) -> Path:
+    """A tiny Qwen2AudioForConditionalGeneration: Whisper's encoder shape over 128 mel bins at 32 wide (two layers,
+    an average pool), one linear projection, a two-layer Qwen2 text model; <|AUDIO|>, <|audio_bos|>,
+    <|audio_eos|> and the chat tokens added as specials, Qwen2-Audio-Instruct's chat template and a
+    WhisperFeatureExtractor of 128 mel bins (Qwen2-Audio's preprocessor_config.json)."""
+    import transformers as tf
+    out_dir = Path(out_dir)
+    ids = _vlm_tokenizer(out_dir, ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"],
+                         QWEN2_AUDIO_CHAT_TEMPLATE)
+    text = dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=ids["vocab_size"],
+                max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=ids["<|begin_of_text|>"],
+                eos_token_id=ids["<|end_of_text|>"], tie_word_embeddings=False)
+    audio = dict(model_type="qwen2_audio_encoder", d_model=32, encoder_layers=2, encoder_attention_heads=4,
+                 encoder_ffn_dim=64, num_mel_bins=128, max_source_positions=1500, **audio_overrides)
+    cfg = tf.Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=ids["<|AUDIO|>"])
+    torch.manual_seed(seed)
+    model = tf.Qwen2AudioForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+        model.model.multi_modal_projector.linear.weight.mul_(8.0)  # (the clips then steer the output)
+    model.save_pretrained(out_dir)
+    tf.WhisperFeatureExtractor(feature_size=128).save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_qwen2_audio_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int,
+                          ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy continuation (and each token's logprob) of each (expanded prompt ids, clips: float32
+    16 kHz arrays), its features made as Qwen2AudioProcessor makes them."""
+    import transformers as tf
+    model = tf.Qwen2AudioForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    fe = tf.WhisperFeatureExtractor.from_pretrained(model_dir)
+
+    def inputs(t: torch.Tensor, clips: list) -> dict:
+        f = fe(clips, sampling_rate=16000, return_attention_mask=True, padding="max_length", return_tensors="pt")
+        return {"input_features": f["input_features"], "feature_attention_mask": f["attention_mask"]}
+    return _hf_greedy_with_logprobs(model, prompts, max_new_tokens, inputs)

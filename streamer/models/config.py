@@ -91,7 +91,8 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Gemma3ForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration")
+                            "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration",
+                            "Qwen2AudioForConditionalGeneration")  # (audio, not images: models/vlm.py)
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
@@ -109,7 +110,8 @@ _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_
                  "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_vision"),
                  "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_vl",
                                                         "qwen3_vl_vision"),
-                 "InternVLForConditionalGeneration": ("internvl_vision",)}
+                 "InternVLForConditionalGeneration": ("internvl_vision",),
+                 "Qwen2AudioForConditionalGeneration": ("qwen2_audio_encoder",)}  # (its audio_config's)
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -132,7 +134,8 @@ _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "LlavaNextForConditional
                 "Gemma3ForConditionalGeneration": 262144,
                 "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
                 "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
-                "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667}
+                "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667,
+                "Qwen2AudioForConditionalGeneration": 151646}  # (its <|AUDIO|>: audio_token_index)
 # The text config an architecture's config class builds when config.json has none (a given one takes its
 # model_type's class defaults: _TEXT_DEFAULTS).
 _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
@@ -141,6 +144,7 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8, rms_norm_eps=1e-05,
         rope_theta=1000000000.0, sliding_window=None, vocab_size=131072),
     "InternVLForConditionalGeneration": dict(model_type="qwen2"),  # (Qwen2Config's defaults)
+    "Qwen2AudioForConditionalGeneration": dict(model_type="qwen2"),
 }
 
 # Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
@@ -370,7 +374,10 @@ class ModelConfig:
         mm, arch = self.multimodal, self.multimodal_architecture
         if mm is None or arch is None:
             return None
-        return int(mm.get("image_token_index", mm.get("image_token_id", _IMAGE_TOKEN[arch])))
+        for key in ("image_token_index", "image_token_id", "audio_token_index", "audio_token_id"):
+            if mm.get(key) is not None:
+                return int(mm[key])
+        return _IMAGE_TOKEN[arch]
 
     @property
     def rotary_dim(self) -> int:
@@ -541,7 +548,8 @@ class ModelConfig:
         arch = next(a for a in c["architectures"] if a in MULTIMODAL_ARCHITECTURES)
         # (older Qwen2-VL configs keep the text model's fields at the top level)
         text = dict(c.get("text_config") or ({k: v for k, v in c.items() if k != "vision_config"}
-                                             if arch.startswith("Qwen2") else _DEFAULT_TEXT_CONFIG.get(arch, {})))
+                                             if arch.startswith(("Qwen2VL", "Qwen2_5")) else
+                                             _DEFAULT_TEXT_CONFIG.get(arch, {})))
         model_type = text.get("model_type", "llama")
         if model_type not in _TEXT_ARCHS:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
@@ -556,7 +564,7 @@ class ModelConfig:
             if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
         kinds = _VISION_TYPES[arch]
-        vision = (c.get("vision_config") or {}).get("model_type", kinds[0])
+        vision = (c.get("vision_config") or c.get("audio_config") or {}).get("model_type", kinds[0])
         if vision not in kinds:
             raise ValueError(f"unsupported vision encoder {vision!r} for {arch}; supported: {', '.join(kinds)}")
         cfg = cls.from_dict(text)

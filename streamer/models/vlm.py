@@ -4,7 +4,8 @@ families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP 
 (Gemma3ForConditionalGeneration: SigLIP, pooled to 256 tokens, RMSNorm, one projection), Qwen2-VL / Qwen2.5-VL /
 Qwen3-VL, Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP) and
 InternVL 3 / 3.5 (InternVLForConditionalGeneration: InternViT on 448-pixel tiles, a pixel shuffle, LayerNorm, a
-two-layer MLP).
+two-layer MLP); and one audio-language model, Qwen2-Audio (Qwen2AudioForConditionalGeneration: Whisper's encoder
+with an average pool, one linear projection), whose clips ride the images' path (streamer/audio_prompts.py).
 
 The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
 encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
@@ -77,6 +78,7 @@ class VisionLanguageMixin(nn.Module):
     vision_tower: VisionTower
     multi_modal_projector: nn.Module
     bidirectional_images = False  # image tokens attend to each other both ways (Gemma 3)
+    tower_name = "vision_tower"  # the encoder's attribute, and its checkpoint names' prefix
 
     @property
     def tokens_per_image(self) -> Optional[int]:
@@ -112,7 +114,8 @@ class VisionLanguageMixin(nn.Module):
         as the text model's, the encoder's under `vision_tower.` (without the vision model's `vision_model.`)."""
         for name, t in weights:
             name = name.removeprefix("model.") if name.startswith("model.language_model.") or \
-                name.startswith(("model.vision_tower.", "model.multi_modal_projector.")) else name
+                name.startswith(("model.vision_tower.", "model.audio_tower.", "model.multi_modal_projector.")) \
+                else name
             if name.startswith("language_model."):
                 name = name.removeprefix("language_model.")
                 if not name.startswith(("model.", "lm_head.")):  # (transformers 5 in memory: language_model.layers)
@@ -122,20 +125,21 @@ class VisionLanguageMixin(nn.Module):
             yield name, t
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        vision: list[tuple[str, torch.Tensor]] = []
+        tower: list[tuple[str, torch.Tensor]] = []
         projector: list[tuple[str, torch.Tensor]] = []
+        prefix = f"{self.tower_name}."
 
         def text() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in weights:
-                if name.startswith("vision_tower."):
-                    vision.append((name.removeprefix("vision_tower."), t))
+                if name.startswith(prefix):
+                    tower.append((name.removeprefix(prefix), t))
                 elif name.startswith("multi_modal_projector."):
                     projector.append((name, t))
                 else:
                     yield name, t
 
         loaded = super().load_weights(text())  # type: ignore[misc]  # the text model's
-        loaded |= {f"vision_tower.{n}" for n in self.vision_tower.load_weights(vision)}
+        loaded |= {prefix + n for n in getattr(self, self.tower_name).load_weights(tower)}
         params = dict(self.named_parameters())
         for name, t in projector:
             param = params.get(name)
@@ -478,11 +482,50 @@ class InternVLMixin(VisionLanguageMixin):
         return list(feats.flatten(0, 1).split([im.pixel_values.shape[0] * self.tile_tokens for im in images]))
 
 
+
+class Qwen2AudioMixin(VisionLanguageMixin):
+    """Qwen2-Audio (Qwen2AudioForConditionalGeneration): Whisper's encoder with an average pool of 2 (streamer/
+    models/audio_tower.py) and one linear projection in front of Qwen2. Its "images" are audio clips
+    (streamer/audio_prompts.py): an `ImageInput` whose pixel_values are the clip's log-mel features, padded to 30 s,
+    and whose `frames` says how many of them hold the clip; it takes one <|AUDIO|> token per feature row."""
+
+    tower_name = "audio_tower"
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        from streamer.models.audio_tower import AudioTower
+        self.audio_tower = AudioTower(dict(cfg.multimodal.get("audio_config") or {}))
+        self.multi_modal_projector = nn.Module()  # (holds `linear`, as the checkpoint names it)
+        self.multi_modal_projector.linear = nn.Linear(self.audio_tower.width, cfg.hidden_size, bias=True)
+        self.multi_modal_projector.requires_grad_(False)
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        """Clips are encoded one at a time: one clip's activations (its 1,500 positions, a few width- and
+        ffn-sized buffers each, and the attention scores), plus the step's feature rows."""
+        t = self.audio_tower
+        per_clip = t.positions * (t.width * 16 + t.ffn * 6) + t.heads * t.positions ** 2 * 4
+        return per_clip + (max_tokens + t.positions) * (t.width + self.cfg.hidden_size) * 4
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each clip's features [its tokens, hidden], a clip at a time (their lengths differ)."""
+        out = []
+        for clip in images:
+            assert clip.frames is not None
+            feats = self.audio_tower(clip.pixel_values.to(device, non_blocking=True), clip.frames)
+            out.append(self.multi_modal_projector.linear(feats))
+        return out
+
+
 _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "LlavaNextForConditionalGeneration": LlavaNextMixin,
            "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
            "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
            "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
-           "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin}
+           "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin,
+           "Qwen2AudioForConditionalGeneration": Qwen2AudioMixin}
 
 
 @functools.cache

@@ -23,6 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer import prompt_embeds
 from streamer.async_engine import AsyncEngine
+from streamer.audio import AudioBackendMissing
+from streamer.audio_prompts import load_audio
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
 from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
@@ -34,8 +36,8 @@ from streamer.server.messages_api import MessagesAPI
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_images,
-                                      message_videos)
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_audios,
+                                      message_images, message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
 from streamer.server.audio_api import AudioAPI, TranscriptionConfig
@@ -112,9 +114,10 @@ class OpenAIServer:
         self.reasoning_parser = reasoning_parser
         self._think_tags: dict[str, Optional[ThinkTags]] = {}
         images = engine.image_prompts
-        self.chat_template = ChatTemplate.from_tokenizer(engine.tokenizer,
-                                                         images.placeholder if images is not None else None,
-                                                         images.video_placeholder if images is not None else None)
+        self.chat_template = ChatTemplate.from_tokenizer(
+            engine.tokenizer, images.placeholder if images is not None else None,
+            images.video_placeholder if images is not None else None,
+            audio_placeholder=images.audio_placeholder if images is not None else None)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ generation endpoints
@@ -233,9 +236,9 @@ class OpenAIServer:
                                        constrained=so is not None and so.structural_tag is None,
                                        forced_tool=req.forced_tool is not None, include=req.include_reasoning)
         prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
-        videos = message_videos(req.messages)
-        if sources or videos:
-            prompt["multi_modal_data"] = await self._load_media(sources, videos)
+        videos, audios = message_videos(req.messages), message_audios(req.messages)
+        if sources or videos or audios:
+            prompt["multi_modal_data"] = await self._load_media(sources, videos, audios)
         fmt = ChatFormat(req.params.n, req.top_logprobs, req.return_token_ids, req.prompt_logprobs,
                          self.tool_call_parser if parse_tools else False, req.forced_tool, reasoning,
                          tools=req.tools, harmony=harmony)
@@ -274,12 +277,28 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(str(e), param="messages", code="invalid_image") from None
 
-    async def _load_media(self, sources: list[Any], videos: list[str]) -> dict[str, Any]:
-        """multi_modal_data for the chat's images and videos (video_url parts, decoded with PyAV on worker
-        threads, sampled at the video processor's fps)."""
+    async def _load_audio(self, urls: list[str]) -> list[Any]:
+        """The chat's audio clips, decoded (and fetched, for http(s) URLs the server may fetch) on threads of their
+        own (PyAV's decoders and the resampler are host work)."""
+        allow = self.engine.config.allow_image_urls
+        limit = self.engine.config.limit_images_per_prompt
+        if len(urls) > limit:
+            raise APIError(f"at most {limit} audio clips per request, got {len(urls)}", param="messages")
+        try:
+            return list(await asyncio.gather(*(to_own_thread(load_audio, url, allow) for url in urls)))
+        except AudioBackendMissing as e:
+            raise APIError(str(e), param="messages", code="audio_backend_missing") from None
+        except ValueError as e:
+            raise APIError(str(e), param="messages", code="invalid_audio") from None
+
+    async def _load_media(self, sources: list[Any], videos: list[str], audios: list[str] = ()) -> dict[str, Any]:
+        """multi_modal_data for the chat's images, videos (video_url parts, decoded with PyAV on worker threads,
+        sampled at the video processor's fps) and audio clips (`_load_audio`)."""
         data: dict[str, Any] = {}
         if sources:
             data["image"] = await self._load_images(sources)
+        if audios:
+            data["audio"] = await self._load_audio(audios)
         if not videos:
             return data
         allow = self.engine.config.allow_image_urls
@@ -488,18 +507,19 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> Response:
         req = parse_tokenize(await self._json(request))
         self._check_model(req.model)
-        sources, videos = [], []
+        sources, videos, audios = [], [], []
         if req.messages is not None:
             text = self.chat_template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                              req.tools, req.template_kwargs)
             sources, videos = message_images(req.messages), message_videos(req.messages)
+            audios = message_audios(req.messages)
         else:
             text = req.prompt or ""
         images = self.engine.image_prompts
         tokens = await self.engine.encode(images.expand_text(text) if sources and images else text,
                                           add_special_tokens=req.add_special_tokens)
-        if sources or videos:  # the tokens the model reads: each image's placeholder expanded (its size decides)
-            loaded = await self._load_media(sources, videos)
+        if sources or videos or audios:  # the tokens the model reads: placeholders expanded (sizes decide)
+            loaded = await self._load_media(sources, videos, audios)
             try:
                 tokens, _ = await to_own_thread(self.engine.place_images, tokens, loaded)
             except ValueError as e:

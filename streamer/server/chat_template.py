@@ -81,13 +81,15 @@ class ChatTemplate:
     """A model's chat template, compiled once. `render` raises APIError (400) for anything that goes wrong."""
 
     def __init__(self, source: Optional[str], special_tokens: dict[str, Optional[str]],
-                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None) -> None:
+                 image_placeholder: Optional[str] = None, video_placeholder: Optional[str] = None,
+                 audio_placeholder: Optional[str] = None) -> None:
         """image_placeholder: the text of the model's image token (vision-language models), written in place of
-        each image for templates that take string contents; video_placeholder: the same for videos (None: the
-        model takes no video)."""
+        each image for templates that take string contents; video_placeholder, audio_placeholder: the same for
+        videos and audio clips (None: the model takes none)."""
         self.source = source
         self.image_placeholder = image_placeholder
         self.video_placeholder = video_placeholder
+        self.audio_placeholder = audio_placeholder
         self.content_format = content_format(source)
         self.special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
         self._template: Optional[jinja2.Template] = None
@@ -104,14 +106,15 @@ class ChatTemplate:
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, image_placeholder: Optional[str] = None,
-                       video_placeholder: Optional[str] = None, source: Optional[str] = None) -> "ChatTemplate":
+                       video_placeholder: Optional[str] = None, source: Optional[str] = None,
+                       audio_placeholder: Optional[str] = None) -> "ChatTemplate":
         """The tokenizer's template (or `source`, in its place) with the tokenizer's special tokens."""
         def name(token_id: Optional[int]) -> Optional[str]:
             return tokenizer.id_to_token(token_id) if token_id is not None else None
         return cls(source if source is not None else tokenizer.chat_template, {
             "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
             "pad_token": name(tokenizer.pad_token_id), "unk_token": name(tokenizer.unk_token_id)},
-            image_placeholder, video_placeholder)
+            image_placeholder, video_placeholder, audio_placeholder)
 
     @property
     def available(self) -> bool:
@@ -157,12 +160,20 @@ class ChatTemplate:
         if videos and self.video_placeholder is None:
             raise APIError("this model takes no video (video_url content parts): only Qwen2-VL and Qwen2.5-VL "
                            "models do", param="messages", code="videos_not_supported")
+        audios = sum(p["type"] == "audio" for p in content)
+        if audios and self.audio_placeholder is None:
+            raise APIError("this model takes no audio (input_audio / audio_url content parts): only audio-language "
+                           "models (Qwen2-Audio) do", param="messages", code="audio_not_supported")
         if self.content_format != "string":
-            parts = [{"type": p["type"]} if p["type"] in ("image", "video") else p for p in content]
+            # (an audio part keeps an "audio" key: Qwen2-Audio's templates test `'audio' in content`)
+            parts = [{"type": p["type"]} if p["type"] in ("image", "video") else
+                     {"type": "audio", "audio": self.audio_placeholder} if p["type"] == "audio" else p
+                     for p in content]
             return {**message, "content": parts}
         texts = [p["text"] for p in content if p["type"] == "text"]
         return {**message, "content": "\n".join([self.image_placeholder] * images +  # type: ignore[operator]
-                                                [self.video_placeholder] * videos + texts)}
+                                                [self.video_placeholder] * videos +  # type: ignore[operator]
+                                                [self.audio_placeholder] * audios + texts)}  # type: ignore[list-item]
 
 
 # A loop over a message's content (as a list of parts), in templates that take OpenAI-style content.

@@ -614,7 +614,8 @@ def _content(c: Any, role: str, m: dict, param: str) -> Union[str, list[dict[str
     """A string, or an array of parts: text parts alone are joined with newlines (as vLLM does for string
     templates); with images, the parts stay a list of {"type": "text", "text"} and {"type": "image", "image":
     source} (an image_url's URL, or a PIL image from `LLM.chat`), which `ChatTemplate.render` shapes for the
-    model's template and `message_images` collects (videos: {"type": "video", "video": URL}, `message_videos`)."""
+    model's template and `message_images` collects (videos: {"type": "video", "video": URL}, `message_videos`;
+    audio: {"type": "audio", "audio": URL}, `message_audios`)."""
     if isinstance(c, str):
         return c
     if c is None:
@@ -649,10 +650,29 @@ def content_part(part: Any, param: str) -> dict[str, Any]:
             raise APIError(f"{param}.video_url must be {{\"url\": string}} or a string, got {_show(part)}",
                            param=param)
         return {"type": "video", "video": url}
+    if kind == "input_audio":  # OpenAI's {"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}
+        audio = part.get("input_audio")
+        data = audio.get("data") if isinstance(audio, dict) else None
+        fmt = audio.get("format", "wav") if isinstance(audio, dict) else None
+        if not isinstance(data, str) or not data or not isinstance(fmt, str) or not _AUDIO_FORMAT.fullmatch(fmt):
+            raise APIError(f"{param}.input_audio must be {{\"data\": base64 string, \"format\": \"wav\" | \"mp3\" | "
+                           f"...}}, got {_show(part)}", param=param)
+        return {"type": "audio", "audio": f"data:audio/{fmt};base64,{data}"}
+    if kind == "audio_url":  # vLLM's {"type": "audio_url", "audio_url": {"url"}} (or a bare string)
+        url = part.get("audio_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise APIError(f"{param}.audio_url must be {{\"url\": string}} or a string, got {_show(part)}",
+                           param=param)
+        return {"type": "audio", "audio": url}
     raise APIError(f"{param} must be a text part {{\"type\": \"text\", \"text\": string}}, an image part "
-                   f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}} or a video part "
-                   f"{{\"type\": \"video_url\", \"video_url\": {{\"url\": string}}}}, got {_show(part)}",
-                   param=param)
+                   f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}}, a video part "
+                   f"{{\"type\": \"video_url\", \"video_url\": {{\"url\": string}}}} or an audio part "
+                   f"{{\"type\": \"input_audio\", \"input_audio\": {{\"data\": base64, \"format\": string}}}}, "
+                   f"got {_show(part)}", param=param)
+
+
+_AUDIO_FORMAT = re.compile(r"[a-z0-9]{1,10}")  # (a media subtype: wav, mp3, flac, ...; the bytes decide the codec)
 
 
 def message_images(messages: list[dict[str, Any]]) -> list[Any]:
@@ -665,6 +685,12 @@ def message_videos(messages: list[dict[str, Any]]) -> list[Any]:
     """The videos of a conversation's messages, in order (video_url URLs)."""
     return [p["video"] for m in messages if isinstance(m["content"], list)
             for p in m["content"] if p["type"] == "video"]
+
+
+def message_audios(messages: list[dict[str, Any]]) -> list[str]:
+    """The audio clips of a conversation's messages, in order (audio_url URLs; input_audio parts as data: URLs)."""
+    return [p["audio"] for m in messages if isinstance(m["content"], list)
+            for p in m["content"] if p["type"] == "audio"]
 
 
 @dataclass
