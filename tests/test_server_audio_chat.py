@@ -97,3 +97,21 @@ def test_text_model_refuses_audio(tmp_path: Path) -> None:
         ok = client.chat.completions.create(model=server.model_name, max_tokens=2,
                                             messages=[{"role": "user", "content": "hi"}])
         assert ok.choices[0].message.content is not None
+
+
+def test_bench_sends_audio(server: LiveServer, ckpt: Path, tmp_path: Path) -> None:
+    """`streamer bench --audio-per-request` against the live server: every request carries clips of its own as
+    input_audio parts, and the server's usage counts their tokens."""
+    import json
+
+    from streamer.bench import main
+    before = server.engine._core.runner.encoder_cache.num_encoded  # type: ignore[union-attr]
+    out = tmp_path / "bench.json"
+    code = main(["--base-url", server.url, "--endpoint", "chat", "--tokenizer", str(ckpt), "--input-len", "8",
+                 "--output-len", "3", "--num-prompts", "3", "--audio-per-request", "2", "--audio-seconds", "1.5",
+                 "--save-result", str(out), "--progress", "off"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert [r["success"] for r in doc["requests"]] == [True] * 3
+    assert all(r["prompt_len"] > 8 + 2 * audio_tokens(150) for r in doc["requests"])  # text, template, the clips'
+    assert server.engine._core.runner.encoder_cache.num_encoded - before == 6  # type: ignore[union-attr]

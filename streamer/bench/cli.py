@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from tokenizers import Tokenizer
 
 from streamer.bench import report
-from streamer.bench.datasets import (AUDIO_RATE, SampleRequest, add_images, audio_requests, file_requests,
+from streamer.bench.datasets import (AUDIO_RATE, SampleRequest, add_audio, add_images, audio_requests, file_requests,
                                      load_tokenizer, synthetic_requests)
 from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
@@ -124,9 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "needs --endpoint chat or messages); each request gets its own")
     g.add_argument("--image-size", type=_image_size, default=(512, 512), metavar="WxH",
                    help="the images' size in pixels (default 512x512)")
+    g.add_argument("--audio-per-request", type=_int_at_least(0), default=0,
+                   help="synthetic audio clips sent with each chat request as input_audio parts (audio-language "
+                        "models; needs --endpoint chat); each request gets its own")
     g.add_argument("--audio-seconds", type=_positive_float, default=None,
-                   help=f"--endpoint transcriptions: length of each request's clip, 16 kHz mono 16-bit WAV "
-                        f"(default {DEFAULT_AUDIO_SECONDS:g}); every request gets its own synthetic sound")
+                   help=f"--endpoint transcriptions (or --audio-per-request): length of each clip, 16 kHz mono "
+                        f"16-bit WAV (default {DEFAULT_AUDIO_SECONDS:g}); every request gets its own synthetic sound")
     g.add_argument("--language", default=None,
                    help=f"--endpoint transcriptions: the `language` form field (default {DEFAULT_LANGUAGE}; \"\" "
                         "sends none, so that the server detects it)")
@@ -181,16 +184,22 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         for flag, given in (("--dataset-path", args.dataset_path), ("--dataset", args.dataset != "random"),
                             ("--input-len", args.input_len is not None), ("--output-len", args.output_len is not None),
                             ("--prefix-len", args.prefix_len), ("--images-per-request", args.images_per_request),
-                            ("--ignore-eos", args.ignore_eos)):
+                            ("--audio-per-request", args.audio_per_request), ("--ignore-eos", args.ignore_eos)):
             if given:
                 p.error(f"{flag} does not apply to --endpoint transcriptions (each request sends a synthetic "
                         "audio clip; its transcript is as long as the model makes it)")
         args.audio_seconds = args.audio_seconds or DEFAULT_AUDIO_SECONDS
         args.language = DEFAULT_LANGUAGE if args.language is None else args.language.strip() or None
     else:
-        for flag, given in (("--audio-seconds", args.audio_seconds), ("--language", args.language)):
+        for flag, given in (("--audio-seconds", None if args.audio_per_request else args.audio_seconds),
+                            ("--language", args.language)):
             if given is not None:
-                p.error(f"{flag} needs --endpoint transcriptions")
+                p.error(f"{flag} needs --endpoint transcriptions" + (" or --audio-per-request" if "audio" in flag
+                                                                      else ""))
+        if args.audio_per_request:
+            if args.endpoint != "chat":
+                p.error("--audio-per-request needs --endpoint chat (clips travel as input_audio content parts)")
+            args.audio_seconds = args.audio_seconds or DEFAULT_AUDIO_SECONDS
     if args.images_per_request and args.endpoint == "completions":
         p.error("--images-per-request needs --endpoint chat or messages (images travel as content parts)")
     if args.plot and not report.plot_available():
@@ -296,6 +305,8 @@ def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[Sa
                                       seed=args.seed, shuffle=grouped)
     if args.images_per_request:
         add_images(requests, args.images_per_request, *args.image_size, seed=args.seed)
+    if args.audio_per_request:
+        add_audio(requests, args.audio_per_request, args.audio_seconds, seed=args.seed)
     return requests
 
 

@@ -7,6 +7,7 @@ vLLM's bench counts them). A shared prefix is kept token-identical in every prom
 """
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,12 +29,12 @@ class SampleRequest:
     output_len: int  # max_tokens asked of the server
     images: list[str] = field(default_factory=list)  # data: URLs sent as image_url parts (chat endpoint)
     audio: bytes = b""  # a WAV file uploaded as the `file` part (transcriptions endpoint)
+    audios: list[str] = field(default_factory=list)  # base64 WAV files sent as input_audio parts (chat endpoint)
     audio_seconds: float = 0.0  # the clip's length
 
 
 def random_image_urls(num: int, width: int, height: int, seed: int) -> list[str]:
     """`num` distinct random-pixel PNG images as data: URLs (distinct, so no server cache can skip one)."""
-    import base64
     import io
 
     from PIL import Image
@@ -86,6 +87,14 @@ def audio_requests(num: int, seconds: float, seed: int = 0) -> list[SampleReques
     n = max(1, int(round(seconds * AUDIO_RATE)))
     return [SampleRequest("", 0, 0, audio=synthetic_wav(seconds, rng), audio_seconds=n / AUDIO_RATE)
             for _ in range(num)]
+
+
+def add_audio(requests: list[SampleRequest], per_request: int, seconds: float, seed: int) -> None:
+    """Give every request `per_request` synthetic clips of `seconds` of its own (audio-language models' chat)."""
+    rng = np.random.default_rng(seed + 15485863)
+    for req in requests:
+        req.audios = [base64.b64encode(synthetic_wav(seconds, rng)).decode() for _ in range(per_request)]
+        req.audio_seconds = per_request * seconds
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -116,8 +116,9 @@ def request_body(cfg: RunConfig, model: str, req: SampleRequest) -> bytes:
     elif cfg.endpoint == "chat":
         body["stream_options"] = {"include_usage": True}
         content = req.prompt
-        if req.images:  # OpenAI's content parts: the images, then the text
+        if req.images or req.audios:  # OpenAI's content parts: the images, the audio clips, then the text
             content = [{"type": "image_url", "image_url": {"url": u}} for u in req.images]
+            content += [{"type": "input_audio", "input_audio": {"data": a, "format": "wav"}} for a in req.audios]
             content.append({"type": "text", "text": req.prompt})
         body["messages"] = [{"role": "user", "content": content}]
         body["max_completion_tokens"] = req.output_len
