@@ -101,13 +101,73 @@ def make(out: Path, force: bool = False) -> Path:
     return out
 
 
+# --qwen2-audio: a Qwen2-Audio of the same text size (Qwen2 layers) behind a whisper-base-sized audio encoder over
+# 128 mel bins (the real model's is large-v3's: too slow for these CPUs), with Qwen2-Audio-Instruct's chat
+# template and a saved Qwen2AudioProcessor, so that vLLM serves it too.
+AUDIO_DIR = Path.home() / ".cache" / "streamer-bench" / "qwen2-audio-random"
+AUDIO_ENCODER = dict(d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048, num_mel_bins=128,
+                     max_source_positions=1500)
+AUDIO_SPECIALS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_qwen2_audio(out: Path, force: bool = False) -> Path:
+    if not force and all((out / n).is_file() for n in REQUIRED):
+        return out
+    import torch
+    from offline_throughput import LLAMA_90M
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (AutoTokenizer, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
+                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+
+    from tests.checkpoints import QWEN2_AUDIO_CHAT_TEMPLATE
+    tmp = Path(tempfile.mkdtemp(prefix=".qwen2-audio-", dir=out.parent if out.parent.exists() else None))
+    try:
+        source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
+        tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in AUDIO_SPECIALS])
+        tok.save(str(tmp / "tokenizer.json"))
+        config = json.loads((tmp / "tokenizer_config.json").read_text())
+        for t in AUDIO_SPECIALS:
+            config.setdefault("added_tokens_decoder", {})[str(tok.token_to_id(t))] = {
+                "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                "special": True}
+        config["chat_template"] = QWEN2_AUDIO_CHAT_TEMPLATE
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        hf_tok = AutoTokenizer.from_pretrained(tmp)
+        text = {k: v for k, v in LLAMA_90M.items() if k not in ("architectures", "model_type")}
+        text.update(model_type="qwen2", vocab_size=len(hf_tok), tie_word_embeddings=False,
+                    bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"))
+        cfg = Qwen2AudioConfig(audio_config=dict(model_type="qwen2_audio_encoder", **AUDIO_ENCODER),
+                               text_config=text, audio_token_index=tok.token_to_id("<|AUDIO|>"))
+        torch.manual_seed(0)
+        model = Qwen2AudioForConditionalGeneration(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128), tokenizer=hf_tok,
+                            chat_template=QWEN2_AUDIO_CHAT_TEMPLATE).save_pretrained(tmp)
+        n_params = sum(p.numel() for p in model.parameters())
+        (tmp / "BENCH_MODEL.json").write_text(json.dumps(
+            {"made_by": "bench/make_bench_model.py --qwen2-audio", "seed": 0, "parameters": n_params,
+             "tokenizer": source + f" + {len(AUDIO_SPECIALS)} specials", "audio_encoder": AUDIO_ENCODER}, indent=1)
+            + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_DIR} ({AUDIO_DIR} with --qwen2-audio)")
     ap.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    ap.add_argument("--qwen2-audio", action="store_true",
+                    help="the audio-language bench model instead (Qwen2-Audio-shaped; see AUDIO_ENCODER)")
     args = ap.parse_args()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    print(make(args.out.resolve(), args.force))
+    out = (args.out or (AUDIO_DIR if args.qwen2_audio else DEFAULT_DIR)).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print((make_qwen2_audio if args.qwen2_audio else make)(out, args.force))
 
 
 if __name__ == "__main__":

@@ -145,16 +145,23 @@ def test_tp_bad_arguments(llama_dir) -> None:
         LLM(str(llama_dir), dtype="float32", tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen2_5_vl", "qwen2_audio"])
 def test_tp2_vision_language_matches_one_process(ckpt_root, kind) -> None:
-    """Images under tensor parallelism: every rank encodes the step's images with its replicated encoder and
-    places the features itself (Gemma 3: attending both ways, chunked; Qwen2.5-VL: M-RoPE positions); tokens and
-    logprobs equal the single-process engine's."""
+    """Images (and audio clips) under tensor parallelism: every rank encodes the step's images with its replicated
+    encoder and places the features itself (Gemma 3: attending both ways, chunked; Qwen2.5-VL: M-RoPE positions;
+    Qwen2-Audio: clips cut by the chunks); tokens and logprobs equal the single-process engine's."""
     import numpy as np
     from PIL import Image
 
-    from tests.checkpoints import make_gemma3_vlm_checkpoint, make_qwen_vl_checkpoint
-    if kind == "gemma3":
+    from tests.checkpoints import make_gemma3_vlm_checkpoint, make_qwen2_audio_checkpoint, make_qwen_vl_checkpoint
+    rng = np.random.default_rng(21)
+    if kind == "qwen2_audio":
+        path = ckpt_root / kind
+        build = make_qwen2_audio_checkpoint
+        prompt = ("<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is it?<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+        media = [{"audio": (rng.standard_normal(n) * 0.1).astype(np.float32)} for n in (8_000, 20_000)]
+    elif kind == "gemma3":
         path = ckpt_root / "gemma3_vlm"
         build = make_gemma3_vlm_checkpoint
         prompt = "<start_of_turn>user\n<start_of_image>What is it?<end_of_turn>\n<start_of_turn>model\n"
@@ -165,9 +172,10 @@ def test_tp2_vision_language_matches_one_process(ckpt_root, kind) -> None:
                   "<|im_start|>assistant\n")
     if not (path / "config.json").exists():
         build(path)
-    rng = np.random.default_rng(21)
-    prompts = [{"prompt": prompt, "multi_modal_data": {"image": Image.fromarray(
-        rng.integers(0, 256, (h, w, 3), dtype=np.uint8))}} for h, w in ((30, 48), (40, 40))]
+    if kind != "qwen2_audio":
+        media = [{"image": Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))}
+                 for h, w in ((30, 48), (40, 40))]
+    prompts = [{"prompt": prompt, "multi_modal_data": m} for m in media]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
 
     def run(**kw) -> list[tuple[list[int], list[float]]]:
