@@ -230,10 +230,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         prompt: Any = args.prompt
+        data: dict[str, Any] = {}
         if args.image:  # a vision-language model: the prompt holds one image placeholder per --image
             from streamer.multimodal import decode_image
-            prompt = {"prompt": args.prompt, "multi_modal_data": {"image": [
-                decode_image(Path(path).read_bytes()) for path in args.image]}}
+            data["image"] = [decode_image(Path(path).read_bytes()) for path in args.image]
+        if args.audio:  # an audio-language model: one audio placeholder per --audio
+            from streamer.audio import decode_audio
+            data["audio"] = [decode_audio(Path(path).read_bytes()) for path in args.audio]
+        if data:
+            prompt = {"prompt": args.prompt, "multi_modal_data": data}
         async with AsyncEngine(args.model, **kwargs) as engine:
             echoed = False  # the prompt is echoed once the engine took it (a bad one is only an error)
             async for out in engine.stream(prompt, params, lora_request=lora):
@@ -358,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--image", action="append", default=None, metavar="FILE",
                      help="an image for a vision-language model (repeatable), in the order of the prompt's image "
                           "placeholders (e.g. LLaVA's <image>)")
+    gen.add_argument("--audio", action="append", default=None, metavar="FILE",
+                     help="an audio file for an audio-language model (repeatable), in the order of the prompt's "
+                          "audio placeholders (Qwen2-Audio's <|AUDIO|>); WAV, or mp3 / flac / ... with PyAV")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

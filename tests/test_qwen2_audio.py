@@ -250,3 +250,21 @@ def test_chat_with_input_audio_and_audio_url(llm: LLM) -> None:
     assert list(out.prompt_token_ids).count(AUDIO_ID) == audio_tokens(200) + audio_tokens(150)
     with pytest.raises(ValueError, match="input_audio"):
         llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": 5}}]}])
+
+
+def test_cli_generate_with_audio(ckpt, llm: LLM, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`streamer generate --audio FILE`: the same text as LLM.generate with the clip; a file that is not audio is
+    an error, not a crash."""
+    from streamer.cli import main
+    clip = noise(1.5, seed=41)
+    wav = tmp_path / "a.wav"
+    wav.write_bytes(wav_bytes(clip))
+    common = ["generate", "--model", str(ckpt), "--dtype", "float32", "--prompt", PROMPT, "--max-tokens", "6",
+              "--ignore-eos"]
+    assert main([*common, "--audio", str(wav)]) == 0
+    out = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"audio": clip}}],
+                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+    assert capsys.readouterr().out == PROMPT + out + "\n"
+    (tmp_path / "b.wav").write_bytes(b"not audio at all")
+    assert main([*common, "--audio", str(tmp_path / "b.wav")]) == 1
+    assert "streamer generate: error:" in capsys.readouterr().err
