@@ -200,6 +200,20 @@ def test_chunked_prefill_through_a_clip_and_prefix_caching(ckpt) -> None:
     check_freed(small)
 
 
+def test_clips_split_over_chunks_evicted_features_and_preemption(ckpt) -> None:
+    """Prefill chunks of 16 tokens cut each clip's 50 tokens over steps; an encoder cache too small to keep
+    anything makes every chunk encode its clip again; few KV blocks preempt requests (recomputed from scratch)."""
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=2048, max_num_batched_tokens=16, encoder_cache_bytes=0,
+              num_kv_blocks=40, block_size=4)
+    clips = [noise(2.0, seed=50 + i) for i in range(4)]
+    ours = _greedy(llm, [{"prompt": PROMPT, "multi_modal_data": {"audio": c}} for c in clips], 12)
+    ref = hf_qwen2_audio_greedy(ckpt, [(p, [c]) for (p, _, _), c in zip(ours, clips)], 12)
+    assert [t for _, t, _ in ours] == [r for r, _ in ref]
+    assert llm.engine.runner.encoder_cache.num_encoded > len(clips)  # chunks re-encoded their clips
+    assert llm.engine.scheduler.num_preemptions > 0
+    check_freed(llm)
+
+
 def test_bad_prompts_get_clear_errors(llm: LLM) -> None:
     from PIL import Image
     clip = noise(1.0, seed=1)
