@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.models.vision import ACTIVATIONS, EncoderLayer, LayerNorm, VisionSpec, _copy, _holder, _param
+from streamer.models.vision import ACTIVATIONS, EncoderLayer, LayerNorm, VisionSpec, _holder, _param, load_fused
 
 # Qwen2AudioEncoderConfig's defaults (Qwen2-Audio-7B's encoder: Whisper large-v3's shape).
 AUDIO_DEFAULTS: dict[str, Any] = dict(num_mel_bins=128, encoder_layers=32, encoder_attention_heads=20,
@@ -79,27 +79,12 @@ class AudioTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (transformers' names, relative to the tower) into the parameters; the k
         projection, which has no bias, gets a zero one. Returns the names of the parameters filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        qkv_parts: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            target, part = _target(name)
-            if target not in params:
-                raise ValueError(f"unexpected audio tower tensor {name!r}")
-            param = params[target]
-            if part is None:
-                _copy(name, param.data, tensor)
-                loaded.add(target)
-                continue
-            rows = param.shape[0] // 3
-            _copy(name, param.data[part * rows:(part + 1) * rows], tensor)
-            qkv_parts.setdefault(target, set()).add(part)
-            if part == 1 and target.endswith(".weight"):  # (k: no bias in the checkpoint)
-                bias = target.removesuffix(".weight") + ".bias"
-                params[bias].data[rows:2 * rows].zero_()
-                qkv_parts.setdefault(bias, set()).add(1)
-        loaded |= {t for t, parts in qkv_parts.items() if len(parts) == 3}
-        return loaded
+        def with_k_bias() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                yield name, t
+                if name.endswith("self_attn.k_proj.weight"):
+                    yield name.removesuffix("weight") + "bias", t.new_zeros(t.shape[0])
+        return load_fused(dict(self.named_parameters()), with_k_bias(), _target, "audio tower")
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}

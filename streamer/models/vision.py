@@ -274,27 +274,8 @@ class VisionTower(nn.Module):
         """Copy checkpoint tensors (names relative to the tower, transformers' spelling; a leading "vision_model."
         is dropped) into the parameters, cast to their dtype. Tensors of parts not built are skipped. Returns the
         names of the parameters filled (the fused qkv only once all of q, k and v came)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        qkv_parts: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            name = name.removeprefix("vision_model.")
-            target, part = self._target(name)
-            if target is None:
-                continue
-            if target not in params:
-                raise ValueError(f"unexpected vision tower tensor {name!r}")
-            param = params[target]
-            if part is None:
-                _copy(name, param.data, tensor)
-                loaded.add(target)
-                continue
-            rows = param.shape[0] // 3
-            _copy(name, param.data[part * rows:(part + 1) * rows], tensor)
-            qkv_parts.setdefault(target, set()).add(part)
-            if len(qkv_parts[target]) == 3:
-                loaded.add(target)
-        return loaded
+        return load_fused(dict(self.named_parameters()), ((n.removeprefix("vision_model."), t) for n, t in weights),
+                          self._target, "vision tower")
 
     def _target(self, name: str) -> tuple[str | None, int | None]:
         """(our parameter name, q/k/v block) for a checkpoint name; (None, None) for one to skip."""
@@ -307,6 +288,32 @@ class VisionTower(nn.Module):
             if len(parts) == 6 and parts[3] == "self_attn" and parts[4] in _QKV:
                 return ".".join(parts[:4] + ["qkv_proj", parts[5]]), _QKV[parts[4]]
         return name, None
+
+
+def load_fused(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
+               target: Callable[[str], tuple[str | None, int | None]], what: str) -> set[str]:
+    """Copy checkpoint tensors into `params`: `target` names each one's parameter and, for a fused q/k/v linear,
+    its row block (0, 1, 2), or None to skip it. Returns the names of the parameters filled (a fused one once all
+    three blocks came)."""
+    loaded: set[str] = set()
+    qkv_parts: dict[str, set[int]] = {}
+    for name, tensor in weights:
+        dest, part = target(name)
+        if dest is None:
+            continue
+        if dest not in params:
+            raise ValueError(f"unexpected {what} tensor {name!r}")
+        param = params[dest]
+        if part is None:
+            _copy(name, param.data, tensor)
+            loaded.add(dest)
+            continue
+        rows = param.shape[0] // 3
+        _copy(name, param.data[part * rows:(part + 1) * rows], tensor)
+        qkv_parts.setdefault(dest, set()).add(part)
+        if len(qkv_parts[dest]) == 3:
+            loaded.add(dest)
+    return loaded
 
 
 def _copy(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:

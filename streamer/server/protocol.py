@@ -635,21 +635,11 @@ def content_part(part: Any, param: str) -> dict[str, Any]:
     if kind in ("text", "input_text") and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
     if kind in ("image_url", "input_image"):  # chat's {"image_url": {"url"}} (or a bare string), Responses' string
-        url = part.get("image_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise APIError(f"{param}.image_url must be {{\"url\": string}} or a string, got {_show(part)}",
-                           param=param)
-        return {"type": "image", "image": url}
+        return {"type": "image", "image": _part_url(part, "image_url", param)}
     if kind == "image_pil" and type(part.get("image_pil")).__module__.startswith("PIL."):
         return {"type": "image", "image": part["image_pil"]}
     if kind == "video_url":  # vLLM's {"type": "video_url", "video_url": {"url"}} (or a bare string)
-        url = part.get("video_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise APIError(f"{param}.video_url must be {{\"url\": string}} or a string, got {_show(part)}",
-                           param=param)
-        return {"type": "video", "video": url}
+        return {"type": "video", "video": _part_url(part, "video_url", param)}
     if kind == "input_audio":  # OpenAI's {"type": "input_audio", "input_audio": {"data": base64, "format": "wav"}}
         audio = part.get("input_audio")
         data = audio.get("data") if isinstance(audio, dict) else None
@@ -659,17 +649,21 @@ def content_part(part: Any, param: str) -> dict[str, Any]:
                            f"...}}, got {_show(part)}", param=param)
         return {"type": "audio", "audio": f"data:audio/{fmt};base64,{data}"}
     if kind == "audio_url":  # vLLM's {"type": "audio_url", "audio_url": {"url"}} (or a bare string)
-        url = part.get("audio_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str) or not url:
-            raise APIError(f"{param}.audio_url must be {{\"url\": string}} or a string, got {_show(part)}",
-                           param=param)
-        return {"type": "audio", "audio": url}
+        return {"type": "audio", "audio": _part_url(part, "audio_url", param)}
     raise APIError(f"{param} must be a text part {{\"type\": \"text\", \"text\": string}}, an image part "
                    f"{{\"type\": \"image_url\", \"image_url\": {{\"url\": string}}}}, a video part "
                    f"{{\"type\": \"video_url\", \"video_url\": {{\"url\": string}}}} or an audio part "
                    f"{{\"type\": \"input_audio\", \"input_audio\": {{\"data\": base64, \"format\": string}}}}, "
                    f"got {_show(part)}", param=param)
+
+
+def _part_url(part: dict, key: str, param: str) -> str:
+    """The URL of a {"type": ..., key: {"url": URL}} part (or of key: URL)."""
+    url = part.get(key)
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str) or not url:
+        raise APIError(f"{param}.{key} must be {{\"url\": string}} or a string, got {_show(part)}", param=param)
+    return url
 
 
 _AUDIO_FORMAT = re.compile(r"[a-z0-9]{1,10}")  # (a media subtype: wav, mp3, flac, ...; the bytes decide the codec)
