@@ -115,8 +115,9 @@ class StructuredOutputsParams:
 def _structural_tags(spec: Union[str, dict]) -> list[Any]:
     """vLLM's structural tag, {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}, as llguidance's
     StructTags: the output is free text until it writes a trigger; from there it must go on with the `begin` of a
-    structure that starts with that trigger, a JSON value that fits its `schema`, then its `end` (tool calls written
-    in a model's own tags, e.g. begin "<function=get_weather>", end "</function>", trigger "<function=")."""
+    structure that starts with that trigger, a JSON value that fits its `schema` (or text its Lark `grammar` takes:
+    ours), then its `end` (tool calls written in a model's own tags, e.g. begin "<function=get_weather>", end
+    "</function>", trigger "<function=")."""
     import llguidance
 
     if isinstance(spec, str):
@@ -132,16 +133,19 @@ def _structural_tags(spec: Union[str, dict]) -> list[Any]:
     tags = []
     for i, s in enumerate(structures):
         if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str) \
-                or not isinstance(s.get("schema", {}), (dict, bool)):
+                or not isinstance(s.get("schema", {}), (dict, bool)) or not isinstance(s.get("grammar", ""), str):
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}] must have a string begin and end "
-                             "and a JSON schema object")
+                             "and a JSON schema object (or a Lark grammar string as `grammar`)")
         trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag.structures[{i}].begin {s['begin']!r} starts with "
                              f"none of the triggers {triggers}")
-        schema = s.get("schema", {})
-        schema = {"x-guidance": {"whitespace_flexible": False}, **(schema if isinstance(schema, dict) else {})}
-        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"], grammar=schema))
+        if s.get("grammar"):  # (ours: a Lark grammar with a start rule, e.g. an XML call's parameters)
+            body: Any = s["grammar"]
+        else:
+            schema = s.get("schema", {})
+            body = {"x-guidance": {"whitespace_flexible": False}, **(schema if isinstance(schema, dict) else {})}
+        tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"], grammar=body))
     return tags
 
 

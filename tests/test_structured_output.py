@@ -620,6 +620,59 @@ def test_strict_tool_tag_other_formats(llm, parser, call):
         [("get_weather", {"city": "Paris"})]
 
 
+XML_TOOLS = [{"type": "function", "function": {"name": "plan_trip", "strict": True, "parameters": {
+                "type": "object", "properties": {
+                    "city": {"type": "string"}, "days": {"type": "integer"}, "budget": {"type": ["number", "null"]},
+                    "units": {"type": "string", "enum": ["metric", "imperial"]}, "flexible": {"type": "boolean"},
+                    "stops": {"type": "array", "items": {"type": "string"}}},
+                "required": ["city", "days"]}}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "ping", "strict": True, "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("parser,call,param", [
+    ("qwen3_coder", "<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>",
+     "<parameter={key}>\n{value}\n</parameter>\n"),
+    ("seed_oss", "<seed:tool_call>\n<function={name}>\n{params}</function>\n</seed:tool_call>",
+     "<parameter={key}>\n{value}\n</parameter>\n"),
+    ("glm45", "<tool_call>{name}\n{params}</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"),
+])
+def test_strict_tool_tag_xml_formats(llm, parser, call, param):
+    """Qwen3-Coder's, Seed-OSS's and GLM-4.5's XML calls held to their tools: a strict tool's parameters in its
+    schema's order, the required ones present, each value of its type (strings any text up to the closing tag,
+    newlines included; enums one of theirs; arrays JSON), no unknown parameter; a non-strict tool's any parameters.
+    The parser reads back what the tag lets through, typed."""
+    from streamer.server.structured import strict_tool_tag
+    from streamer.server.tool_calls import parse_all
+    grammar = llm.engine.grammars.compile(strict_tool_tag(parser, XML_TOOLS))
+
+    def fits(text: str) -> bool:
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        return grammar.matcher().try_consume_tokens(ids) == len(ids)
+
+    def make(name: str, **values: str) -> str:
+        return call.format(name=name, params="".join(param.format(key=k, value=v) for k, v in values.items()))
+
+    good = make("plan_trip", city="New York,\nNY <downtown>", days="3", budget="1500.5", units="metric",
+                flexible="true", stops='["Boston", "DC"]')
+    assert fits("Sure. " + good + " ok") and fits(make("plan_trip", city="Paris", days="-2"))
+    assert fits(make("get_time", zone="UTC", anything="goes\nhere")) and fits("no call at all")
+    assert not fits(make("plan_trip", city="Paris"))  # (days is required)
+    assert not fits(make("plan_trip", days="3", city="Paris"))  # (the schema's order)
+    assert not fits(make("plan_trip", city="Paris", days="three"))
+    assert not fits(make("plan_trip", city="Paris", days="3", units="kelvin"))
+    assert not fits(make("plan_trip", city="Paris", days="3", stops="Boston"))
+    assert not fits(make("plan_trip", city="Paris", days="3", town="x"))
+    assert not fits(make("nope", city="Paris"))
+    assert fits(make("ping")) and not fits(make("ping", x="1"))  # (strict, without parameters)
+    content, calls = parse_all("Sure. " + good, parser, XML_TOOLS)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("plan_trip", {"city": "New York,\nNY <downtown>", "days": 3, "budget": 1500.5, "units": "metric",
+                       "flexible": True, "stops": ["Boston", "DC"]})]
+
+
 def test_kimi_call_indices_go_on_from_the_conversation():
     """Kimi K2 numbers calls across the conversation: after two earlier calls the next is functions.NAME:2."""
     from streamer.server.structured import KIMI_INDICES, strict_tool_tag

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -142,6 +143,51 @@ _CALL_TAGS = {"hermes": ("<tool_call>", '<tool_call>\n{{"name": "{name}", "argum
               "llama3_json": ('{"name": "', '{{"name": "{name}", "parameters": ', "}")}
 
 
+# The XML formats (parameters as text between tags, typed by the schema: tool_calls._typed): (trigger, a call's
+# opening given its name, its closing, a parameter's opening given its key, a parameter's closing)
+_XML_TAGS = {"qwen3_coder": ("<tool_call>", "<tool_call>\n<function={name}>\n", "</function>\n</tool_call>",
+                             "<parameter={key}>\n", "\n</parameter>\n"),
+             "seed_oss": ("<seed:tool_call>", "<seed:tool_call>\n<function={name}>\n",
+                          "</function>\n</seed:tool_call>", "<parameter={key}>\n", "\n</parameter>\n"),
+             "glm45": ("<tool_call>", "<tool_call>{name}\n", "</tool_call>", "<arg_key>{key}</arg_key>\n<arg_value>",
+                       "</arg_value>\n")}
+_XML_TAGS["qwen3_xml"] = _XML_TAGS["qwen3_coder"]
+# A parameter's value by its schema's type, before the closing tag (Lark); strings and untyped values are any text
+# up to the first closing tag (a lazy rule); objects, arrays and the rest are JSON to their schema
+_XML_VALUES = {"integer": '/-?(0|[1-9][0-9]*)/', "number": '/-?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][-+]?[0-9]+)?/',
+               "boolean": '"true" | "false"', "null": '"null"'}
+
+
+def xml_arguments_grammar(schema: dict, opening: str, closing: str) -> str:
+    """A Lark grammar (llguidance's) for an XML call's parameters: the schema's properties in its order, each
+    once, the required ones always (strict: no others); without properties (a non-strict tool), any parameters of
+    any text."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else None
+    if not props:
+        if schema.get("properties") is not None or schema.get("additionalProperties") is False:
+            return 'start: ""'  # (strict, and no parameters)
+        key, value = opening.split("{key}")
+        return "\n".join(["start: param*", f"param: {json.dumps(key)} KEY {json.dumps(value)} text",
+                           f"text[lazy]: TEXT {json.dumps(closing)}", "KEY: /[^<>\\n]+/", "TEXT: /(.|\\n)*/"])
+    required = set(schema.get("required") or ())
+    rules, parts = [], []
+    for i, (key, prop) in enumerate(props.items()):
+        parts.append(f"p{i}" + ("" if key in required else "?"))
+        head = json.dumps(opening.format(key=key))
+        kind = prop.get("type") if isinstance(prop, dict) else None
+        kind = next((k for k in kind if k != "null"), "null") if isinstance(kind, list) else kind
+        enum = prop.get("enum") if isinstance(prop, dict) else None
+        if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+            rules.append(f"p{i}: {head} ({' | '.join(json.dumps(e) for e in enum)}) {json.dumps(closing)}")
+        elif kind in (None, "string"):
+            rules += [f"p{i}: {head} v{i}", f"v{i}[lazy]: TEXT {json.dumps(closing)}"]
+        elif kind in _XML_VALUES:
+            rules.append(f"p{i}: {head} ({_XML_VALUES[kind]}) {json.dumps(closing)}")
+        else:  # (objects, arrays, anyOf...: JSON, as the parser reads them)
+            rules += [f"p{i}: {head} v{i} {json.dumps(closing)}", f"v{i}: %json {json.dumps(prop)}"]
+    return "\n".join([f"start: {' '.join(parts)}", *rules, "TEXT: /(.|\\n)*/"])
+
+
 # Kimi K2 numbers its calls across the conversation (`functions.NAME:INDEX`): the tag admits the next few indices
 KIMI_INDICES = 8
 
@@ -161,6 +207,10 @@ def strict_tool_tag(parser: str, tools: list[dict], enforce_all: bool = False,
     if parser in _CALL_TAGS:
         trigger, begin, end = _CALL_TAGS[parser]
         structures = [{"begin": begin.format(name=name), "end": end, "schema": schema} for name, schema in schemas]
+    elif parser in _XML_TAGS:
+        trigger, begin, end, opening, closing = _XML_TAGS[parser]
+        structures = [{"begin": begin.format(name=name), "end": end,
+                       "grammar": xml_arguments_grammar(schema, opening, closing)} for name, schema in schemas]
     elif parser == "kimi_k2":
         trigger = "<|tool_call_begin|>"
         base = sum(len(m.get("tool_calls") or []) for m in messages or []
