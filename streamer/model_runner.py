@@ -581,6 +581,8 @@ class ModelRunner:
         """Vision- and audio-language models: the encoder cache's budget, plus the encoder's activations for the most
         images one step can touch (its token budget's worth, and one more cut by a chunk boundary)."""
         from streamer.models.vlm import VisionLanguageMixin
+        if getattr(self.model, "cross_attention", False):  # (Whisper: encoder outputs by audio, `encoded_audio`)
+            return self.config.encoder_cache_bytes + self.model.encoder_bytes(self.config.max_num_batched_tokens)
         if not isinstance(self.model, VisionLanguageMixin):
             return 0
         return self.config.encoder_cache_bytes + self.model.encoder_bytes(self.config.max_num_batched_tokens)
@@ -642,21 +644,37 @@ class ModelRunner:
             raise RuntimeError("a request of an encoder-decoder model has no state slot")
         rows, valid = cross_rows(np.diff(qsl))
         fresh = np.flatnonzero(step.positions[qsl[:-1]] == 0)
-        features = None
+        encoded = None
         if len(fresh):
             given = step.encoder_inputs
-            if given is None:  # (warm-up)
-                given = [self.model.silence()] * len(fresh)
-            if len(given) != len(fresh):
+            if given is None:  # (warm-up: silence, never cached)
+                encoded = self.model.encode(torch.stack([self.model.silence()] * len(fresh)).to(dev))
+            elif len(given) != len(fresh):
                 raise RuntimeError(f"{len(fresh)} requests start this step but {len(given)} encoder inputs came")
-            features = torch.stack(given).to(dev, non_blocking=True)
+            else:
+                encoded = torch.stack(self.encoded_audio(given))
         # (a request whose slot is reused while another keeps it would be a pool bug; the span is for speed only)
         span = _dense_span(slots, fewest=1)  # (a lone request's slot too: a view, not a 1500-position gather)
         return CrossStep(rows=to_device(rows, dev), valid=None if valid is None else to_device(valid, dev),
                          slots=to_device(slots.astype(np.int64), dev), span=span,
                          span_pos=to_device(slots - span[0], dev) if span else None,
                          fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
-                         features=features)
+                         encoded=encoded)
+
+    def encoded_audio(self, inputs: list[Any]) -> list[torch.Tensor]:
+        """An encoder-decoder model's encoder output [positions, width] for each input (speech.SpeechInput), from
+        the encoder cache by the input's key where it is there, else encoded now (each distinct input once) and
+        kept: language detection, the temperature fallback's retries, the no-speech probe and word timestamps read
+        the same audio as the transcription does, and a preempted request reads it again."""
+        cache = self.encoder_cache
+        found = {x.key: cache.get(x.key) for x in inputs}
+        missing = {x.key: x for x in inputs if found[x.key] is None}
+        if missing:
+            features = torch.stack([x.features for x in missing.values()]).to(self.device, non_blocking=True)
+            for key, out in zip(missing, self.model.encode(features)):
+                found[key] = out
+                cache.put(key, out)
+        return [found[x.key] for x in inputs]  # type: ignore[misc]
 
     def _prefill_batch(self, slots: np.ndarray, qsl: np.ndarray, many: np.ndarray) -> dict[str, Any]:
         """MambaStep's `prefill_batch` (the chunks of at most _BATCHED_CHUNK tokens, where there are several:

@@ -67,8 +67,8 @@ class Request:
     # tokens' keys would be missing).
     whole_images: bool = False
     whole_prompt: bool = False  # an encoder's: the prompt in one chunk, or not this step (see fit_chunk)
-    # An encoder-decoder model's encoder input (Whisper: the audio's log-mel features, float32 on the host), encoded
-    # by the step that computes the first token (again after a preemption)
+    # An encoder-decoder model's encoder input (Whisper: speech.SpeechInput, the audio's log-mel features and their
+    # hash), encoded by the step that computes the first token (read from the runner's encoder cache after that)
     encoder_input: Optional[Any] = None
 
     status: RequestStatus = RequestStatus.WAITING

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from streamer.audio import SAMPLE_RATE, WhisperFeatureConfig, WhisperFeatures, as_audio
+from streamer.multimodal import hash_pixels
 from streamer.word_timestamps import alignment_heads
 
 
@@ -27,6 +28,7 @@ class SpeechInput:
 
     features: torch.Tensor  # float32 [mels, frames] on the host
     seconds: float  # the audio's length
+    key: bytes = b""  # a hash of the features: the runner's encoder cache keeps the encoder's output by it
 
 
 @dataclass(frozen=True)
@@ -169,14 +171,15 @@ class SpeechPrompts:
             raise ValueError(f"multi_modal_data['audio'] is {seconds:.1f} s long; the model takes at most "
                              f"{self.max_seconds:g} s a prompt (split longer audio: streamer.audio.split_audio, "
                              "as /v1/audio/transcriptions does)")
-        return SpeechInput(self.features(audio), seconds)
+        features = self.features(audio)
+        return SpeechInput(features, seconds, hash_pixels(features))
 
     @staticmethod
-    def take(inputs: tuple) -> torch.Tensor:
+    def take(inputs: tuple) -> SpeechInput:
         """The encoder input among a prompt's inputs (see `encoder_input`)."""
         if len(inputs) != 1 or not isinstance(inputs[0], SpeechInput):
             raise ValueError("this is a speech model: a prompt needs audio (multi_modal_data={'audio': ...})")
-        return inputs[0].features
+        return inputs[0]
 
     # ------------------------------------------------------------------ decoder prompts
     def language_ids(self) -> dict[str, int]:

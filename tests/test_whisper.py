@@ -76,18 +76,42 @@ def test_chunked_prefill_preemption_and_gathered_slots(whisper_dir, monkeypatch)
     _check_clean(llm)
 
 
-def test_preempted_requests_encode_again(whisper_dir):
+@pytest.mark.parametrize("cache_bytes", [512 << 20, 0], ids=["encoder-cache", "no-cache"])
+def test_preempted_requests_fill_again(whisper_dir, cache_bytes):
+    """A preempted request computes its cross-attention K / V again on its return: from the encoder cache's copy of
+    its audio's encoder output (each clip encoded once), or, with no room in the cache, by encoding again."""
     audios = _audios(4)
-    llm = LLM(str(whisper_dir), dtype="float32", num_kv_blocks=10, block_size=4, max_num_seqs=4)
-    runner = llm.engine.runner
-    calls = []
-    encode = runner.model.encode
-    runner.model.encode = lambda slots, feats: (calls.append(len(slots)), encode(slots, feats))[1]
+    llm = LLM(str(whisper_dir), dtype="float32", num_kv_blocks=10, block_size=4, max_num_seqs=4,
+              encoder_cache_bytes=cache_bytes)
+    model = llm.engine.runner.model
+    encoded, filled = [], []
+    encode, fill = model.encode, model.fill
+    model.encode = lambda feats: (encoded.append(len(feats)), encode(feats))[1]
+    model.fill = lambda slots, out: (filled.append(len(slots)), fill(slots, out))[1]
     outs = llm.generate([_prompt(a) for a in audios], SamplingParams(max_tokens=30, temperature=0.0))
     prompt_ids = outs[0].prompt_token_ids
     assert [o.outputs[0].token_ids for o in outs] == _expected(whisper_dir, audios, prompt_ids, 30)
-    assert llm.engine.scheduler.num_preemptions > 0  # 4 requests x 34 tokens do not fit 40 slots of KV
-    assert sum(calls) == len(audios) + llm.engine.scheduler.num_preemptions  # (a preempted one ran again)
+    preemptions = llm.engine.scheduler.num_preemptions
+    assert preemptions > 0  # 4 requests x 34 tokens do not fit 40 slots of KV
+    assert sum(filled) == len(audios) + preemptions  # (a preempted one filled its slot again)
+    assert sum(encoded) == (len(audios) if cache_bytes else len(audios) + preemptions)
+    _check_clean(llm)
+
+
+def test_the_same_audio_is_encoded_once(whisper_dir):
+    """Requests for the same audio (another decoder prompt, a retry, n > 1 in another call) read one encoder
+    output, also when they start in the same step; other audio is encoded."""
+    llm = LLM(str(whisper_dir), dtype="float32", num_kv_blocks=64, max_num_seqs=8)
+    model = llm.engine.runner.model
+    encoded = []
+    encode = model.encode
+    model.encode = lambda feats: (encoded.append(len(feats)), encode(feats))[1]
+    a, b = tone(2.0), tone(3.0, 330.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    first = llm.generate([_prompt(a), _prompt(a), _prompt(b)], params)
+    assert sum(encoded) == 2
+    again = llm.generate([_prompt(a)], params)
+    assert sum(encoded) == 2 and again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     _check_clean(llm)
 
 

@@ -78,8 +78,8 @@ class CrossStep:
     # (its slot - lo). None: gather the slots.
     span: Optional[tuple[int, int]]
     span_pos: Optional[torch.Tensor]
-    fresh_slots: Optional[torch.Tensor]  # int64 [F]: the requests computing their first token, encoded first
-    features: Optional[torch.Tensor]  # [F, mels, frames]: their encoder inputs (Whisper's log-mel features)
+    fresh_slots: Optional[torch.Tensor]  # int64 [F]: the requests computing their first token, filled first
+    encoded: Optional[torch.Tensor]  # [F, positions, width]: their encoder outputs (the runner's: cached by audio)
 
 
 @dataclass

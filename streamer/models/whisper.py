@@ -112,9 +112,9 @@ class WhisperEncoder(nn.Module):
         self.conv2 = nn.Conv1d(width, width, kernel_size=3, stride=2, padding=1)
         self.embed_positions = VocabEmbedding(self.positions, width)
         act = gelu_approximate(cfg, "gelu", "activation_function")
+        self.ffn = int(raw.get("encoder_ffn_dim", cfg.intermediate_size))
         self.layers = nn.ModuleList(
-            EncoderLayer(cfg, width, int(raw.get("encoder_attention_heads", cfg.num_heads)),
-                         int(raw.get("encoder_ffn_dim", cfg.intermediate_size)), act)
+            EncoderLayer(cfg, width, int(raw.get("encoder_attention_heads", cfg.num_heads)), self.ffn, act)
             for _ in range(int(raw.get("encoder_layers", cfg.num_layers))))
         self.layer_norm = LayerNorm(width, _EPS)
 
@@ -245,24 +245,34 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
         streamer/audio.py's WhisperFeatures scales every input, (-10 + 4) / 4."""
         return torch.full((self.encoder.num_mel_bins, self.encoder.frames), -1.5)
 
-    def encode(self, slots: torch.Tensor, features: torch.Tensor) -> None:
-        """Run the encoder over fresh requests' features [F, mels, frames] and keep its output, projected, as every
-        layer's cross-attention K / V in their `slots` [F]."""
+    def encoder_bytes(self, max_tokens: int) -> int:
+        """A bound on the encoder's activations: ENCODER_BATCH clips' positions, a few width- and ffn-sized buffers
+        each (the runner adds its cache of encoder outputs)."""
+        enc = self.encoder
+        return ENCODER_BATCH * enc.positions * (self.cfg.hidden_size * 16 + enc.ffn * 6)
+
+    def encode(self, features: torch.Tensor) -> torch.Tensor:
+        """The encoder's output [F, positions, width] for clips' features [F, mels, frames], ENCODER_BATCH clips at
+        a time (bounds the encoder's activations, whatever the step)."""
         dtype = self.embed_tokens.weight.dtype
-        for i in range(0, len(slots), ENCODER_BATCH):  # (bounds the encoder's activations, whatever the step)
-            encoded = self.encoder(features[i:i + ENCODER_BATCH].to(dtype))
+        return torch.cat([self.encoder(features[i:i + ENCODER_BATCH].to(dtype))
+                          for i in range(0, len(features), ENCODER_BATCH)])
+
+    def fill(self, slots: torch.Tensor, encoded: torch.Tensor) -> None:
+        """Keep fresh requests' encoder output [F, positions, width], projected, as every layer's cross-attention
+        K / V in their `slots` [F]."""
+        for i in range(0, len(slots), ENCODER_BATCH):
             for layer in self.layers:
-                layer.encoder_attn.fill(slots[i:i + ENCODER_BATCH], encoded)
+                layer.encoder_attn.fill(slots[i:i + ENCODER_BATCH], encoded[i:i + ENCODER_BATCH])
 
     @torch.inference_mode()
-    def cross_attention_scores(self, features: torch.Tensor, token_ids: torch.Tensor,
+    def cross_attention_scores(self, encoded: torch.Tensor, token_ids: torch.Tensor,
                                heads: list[tuple[int, int]]) -> torch.Tensor:
         """Teacher-forced, for word timestamps (streamer/word_timestamps.py): the decoder over `token_ids` [L]
-        (positions from 0) for one clip's features [mels, frames], without a cache or a state slot, returning the
-        (layer, head) `heads`' cross-attention scores, q.k / sqrt(head_dim) before the softmax: float32
-        [len(heads), L, positions]. Runs the layers up to the last one named."""
+        (positions from 0) for one clip's encoder output [positions, width], without a cache or a state slot,
+        returning the (layer, head) `heads`' cross-attention scores, q.k / sqrt(head_dim) before the softmax:
+        float32 [len(heads), L, positions]. Runs the layers up to the last one named."""
         weight = self.embed_tokens.weight
-        encoded = self.encoder(features[None].to(weight.device, weight.dtype))[0]
         token_ids = token_ids.to(weight.device)
         length = len(token_ids)
         x = self.embed(token_ids) + self.embed_positions.weight[:length]
@@ -292,7 +302,7 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
         if cross is None:
             raise RuntimeError("Whisper's decoder ran without its cross-attention step (CrossStep)")
         if cross.fresh_slots is not None:
-            self.encode(cross.fresh_slots, cross.features)
+            self.fill(cross.fresh_slots, cross.encoded)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         x = x + self.embed_positions(positions)
         for layer, kv in zip(self.layers, kv_caches):

@@ -256,10 +256,14 @@ class AudioAPI:
         text = [t for t in piece.token_ids if t < eos]
         if not text:
             return
-        features = await to_own_thread(speech.features, audio)
+        clip = await to_own_thread(speech.encoder_input, {"audio": (audio, SAMPLE_RATE)})
         tokens = torch.tensor(prefix + text + [eos])
-        model = engine.engine.runner.model
-        scores = await engine.on_device(model.cross_attention_scores, features, tokens, speech.alignment_heads)
+        runner = engine.engine.runner
+
+        def scores() -> Any:  # (the encoder's output for this audio is in the runner's cache: the piece's own)
+            return runner.model.cross_attention_scores(runner.encoded_audio([clip])[0], tokens,
+                                                       speech.alignment_heads)
+        scores = await engine.on_device(scores)
         frames = round(len(audio) / speech.config.hop_length) // 2  # (the audio's encoder frames: no padding)
         starts = await to_own_thread(token_start_times, scores[:, len(prefix) - 1:-1].cpu(), max(frames, 1),
                                          speech.time_precision)
