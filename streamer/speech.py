@@ -145,6 +145,16 @@ class SpeechPrompts:
         no_ts = self.generation.get("no_timestamps_token_id", tokenizer.token_to_id("<|notimestamps|>"))
         return None if no_ts is None else int(no_ts)
 
+    @staticmethod
+    def no_speech_id(tokenizer: Any) -> Optional[int]:
+        """<|nospeech|> (<|nocaptions|> in the first Whisper vocabularies): its probability right after
+        <|startoftranscript|> is OpenAI's no_speech_prob. None for a vocabulary without it."""
+        for token in ("<|nospeech|>", "<|nocaptions|>"):
+            i = tokenizer.token_to_id(token)
+            if i is not None:
+                return int(i)
+        return None
+
     def timestamp_ids(self, tokenizer: Any, vocab_size: Optional[int] = None) -> range:
         """The timestamp tokens' ids: from the one after <|notimestamps|> to the end of the model's vocabulary
         (<|0.00|> .. <|30.00|>); empty without <|notimestamps|> (or room after it)."""

@@ -21,6 +21,7 @@ import numpy as np
 import openai
 import pytest
 
+from streamer.audio import split_audio
 from streamer.server.audio_api import TranscriptionConfig
 from tests.server_utils import LiveServer, metric
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
@@ -102,6 +103,13 @@ class Oracle:
         logits = self._logits(audio, [self.id("<|startoftranscript|>")])[0]
         scores = {tok.strip("<|>"): float(logits[i]) for tok, i in langs.items()}
         return max(scores, key=scores.__getitem__)
+
+    def no_speech_prob(self, audio: np.ndarray, prompt_ids: list[int]) -> float:
+        """<|nospeech|>'s probability at the decoder's <|startoftranscript|> (OpenAI's no_speech_prob)."""
+        import torch
+        sot = prompt_ids.index(self.id("<|startoftranscript|>"))
+        logits = self._logits(audio, prompt_ids[:sot + 1])[sot]
+        return float(torch.softmax(logits.double(), dim=-1)[self.id("<|nospeech|>")])
 
     def avg_logprob(self, audio: np.ndarray, prompt_ids: list[int], tokens: list[int]) -> float:
         """The mean log-probability of `tokens` after the prompt (verbose_json's avg_logprob)."""
@@ -189,7 +197,7 @@ def test_transcription_matches_transformers(live, oracle, english):
     assert v.segments[0].compression_ratio == pytest.approx(len(raw) / len(zlib.compress(raw)))
 
 
-def test_response_formats(live, english):
+def test_response_formats(live, english, oracle):
     c, m = client(live), live.model_name
     text = c.audio.transcriptions.create(file=_file(AUDIO), model=m, language="en", response_format="text")
     assert isinstance(text, str) and text == english.text
@@ -204,6 +212,7 @@ def test_response_formats(live, english):
     assert (seg.id, seg.start, seg.end) == (0, 0.0, 1.5)
     assert seg.text.strip() == english.text and seg.tokens == english.tokens
     assert seg.temperature == 0.0 and seg.avg_logprob < 0 and seg.compression_ratio > 0
+    assert seg.no_speech_prob == pytest.approx(oracle.no_speech_prob(AUDIO, oracle.prompt("en")), rel=1e-3)
     raw = _post(live, language="en", response_format="verbose_json").json()
     assert raw["task"] == "transcribe" and raw["usage"] == {"type": "duration", "seconds": 2}
     assert _post(live, language="en", response_format="vtt").headers["content-type"].startswith("text/vtt")
@@ -315,6 +324,8 @@ def test_prompt_is_previous_text(live, oracle, english):
     tokens, text = oracle.transcript(AUDIO, prompt_ids)
     assert r.text == text != english.text
     assert r.segments[0].tokens == tokens != english.tokens
+    # (no_speech_prob after the previous text, as OpenAI's whisper reads it at <|startoftranscript|>)
+    assert r.segments[0].no_speech_prob == pytest.approx(oracle.no_speech_prob(AUDIO, prompt_ids), rel=1e-3)
 
 
 def test_long_prompt_keeps_its_last_tokens(live, oracle):
@@ -465,6 +476,28 @@ def test_nothing_left_running(live):
     assert metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0
     assert metric(text, "vllm:kv_cache_usage_perc") == 0
     assert metric(text, "vllm:request_success_total") > 0
+
+
+def test_silence_says_nothing_and_each_piece_is_encoded_once(ml_dir, oracle, long_audio):
+    """With a no-speech threshold every piece passes (this random model's no_speech_prob is above 0 and its text
+    unlikely), the transcript is empty: no text, no segments, and no fallback retries (silence is not retried).
+    Each piece's audio went through the encoder once, for its transcription, its no-speech probe and language
+    detection together."""
+    config = TranscriptionConfig(no_speech_threshold=0.0)  # (fallback on)
+    with LiveServer(ml_dir, dtype="float32", enforce_eager=True, transcription=config) as server:
+        c = client(server)
+        runner = server.engine.engine.runner
+        before = server.call(lambda: runner.encoder_cache.num_encoded)
+        v = c.audio.transcriptions.create(file=_file(long_audio), model=server.model_name,
+                                          response_format="verbose_json")
+        assert v.text == "" and v.segments == [] and v.language == oracle.language(long_audio[:RATE * 30])
+        pieces = len(split_audio(long_audio))
+        assert pieces == 3 and server.call(lambda: runner.encoder_cache.num_encoded) - before == pieces
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        assert metric(text, "vllm:request_success_total") == 1 + 2 * pieces  # detection, probes, transcriptions
+        words = c.audio.transcriptions.create(file=_file(AUDIO), model=server.model_name, language="en",
+                                              response_format="verbose_json", timestamp_granularities=["word"])
+        assert words.text == "" and words.words == []
 
 
 # ---------------------------------------------------------------------------------------------------- units

@@ -201,15 +201,20 @@ def test_fallback_flags():
 
     from streamer.server.cli import transcription_config
 
-    def parse(fallback: str) -> TranscriptionConfig:
+    def parse(fallback: str, no_speech: str = "0.6") -> TranscriptionConfig:
         return transcription_config(argparse.Namespace(transcription_fallback=fallback,
                                                        transcription_compression_ratio_threshold=2.0,
-                                                       transcription_logprob_threshold=-0.5))
-    assert parse("0.2, 0.6,1") == TranscriptionConfig((0.2, 0.6, 1.0), 2.0, -0.5)
+                                                       transcription_logprob_threshold=-0.5,
+                                                       transcription_no_speech_threshold=no_speech))
+    assert parse("0.2, 0.6,1") == TranscriptionConfig((0.2, 0.6, 1.0), 2.0, -0.5, 0.6)
     assert parse("").fallback_temperatures == ()
+    assert parse("", "").no_speech_threshold is None and parse("", "0.9").no_speech_threshold == 0.9
     for bad in ("hot", "0,0.5", "3"):
         with pytest.raises(ValueError, match="--transcription-fallback"):
             parse(bad)
+    for bad in ("loud", "1.5"):
+        with pytest.raises(ValueError, match="--transcription-no-speech-threshold"):
+            parse("", bad)
 
 
 def _expected_words(oracle: Oracle, audio: np.ndarray, text: list[int], heads: list[tuple[int, int]],

@@ -51,22 +51,35 @@ _FORM_FIELDS = 32
 
 @dataclass(frozen=True)
 class TranscriptionConfig:
-    """OpenAI's whisper fallback, as its API documents temperature 0: a piece whose text compresses too well (it
-    repeats itself: zlib ratio above `compression_ratio_threshold`) or whose tokens are unlikely (mean log-probability,
-    end of text counted, below `logprob_threshold`) is decoded again at the next of `fallback_temperatures`; the
-    last try stands. No temperatures: off."""
+    """OpenAI's whisper decoding choices, as its API documents temperature 0: a piece whose text compresses too well
+    (it repeats itself: zlib ratio above `compression_ratio_threshold`) or whose tokens are unlikely (mean
+    log-probability, end of text counted, below `logprob_threshold`) is decoded again at the next of
+    `fallback_temperatures`; the last try stands. No temperatures: off.
+    Silence, as OpenAI's whisper judges it: a piece whose no_speech_prob (<|nospeech|>'s probability right after
+    <|startoftranscript|>) is above `no_speech_threshold` and whose mean log-probability is at most
+    `logprob_threshold` says nothing (no text, no segment; what Whisper writes there is made up), and is not
+    decoded again. None: never silent. Streams are neither retried nor cut."""
 
     fallback_temperatures: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 1.0)
     compression_ratio_threshold: float = 2.4
     logprob_threshold: float = -1.0
+    no_speech_threshold: Optional[float] = 0.6
 
     def __post_init__(self) -> None:
         if any(not 0.0 < t <= 2.0 for t in self.fallback_temperatures):
             raise ValueError(f"fallback temperatures must be in (0, 2], got {self.fallback_temperatures}")
+        if self.no_speech_threshold is not None and not 0.0 <= self.no_speech_threshold <= 1.0:
+            raise ValueError(f"no_speech_threshold must be in [0, 1], got {self.no_speech_threshold}")
 
     def fails(self, piece: "Piece") -> bool:
-        mean = sum(piece.logprobs) / (len(piece.token_ids) + 1)
-        return _compression_ratio(piece.text) > self.compression_ratio_threshold or mean < self.logprob_threshold
+        if self.silent(piece):
+            return False
+        return _compression_ratio(piece.text) > self.compression_ratio_threshold or \
+            piece.mean_logprob < self.logprob_threshold
+
+    def silent(self, piece: "Piece") -> bool:
+        return self.no_speech_threshold is not None and piece.no_speech_prob is not None and \
+            piece.no_speech_prob > self.no_speech_threshold and piece.mean_logprob <= self.logprob_threshold
 
 
 @dataclass
@@ -98,6 +111,13 @@ class Piece:
     logprobs: tuple[float, ...] = ()  # each token's (verbose_json's avg_logprob)
     temperature: float = 0.0  # the one it was decoded at
     words: list[Word] = field(default_factory=list)  # (word timestamps, when asked for)
+    no_speech_prob: Optional[float] = None  # (TranscriptionConfig.silent; None: not measured)
+    silent: bool = False  # judged silence: no text, no segment
+
+    @property
+    def mean_logprob(self) -> float:
+        """Its tokens' mean log-probability, end of text counted (OpenAI's avg_logprob for the fallback)."""
+        return sum(self.logprobs) / (len(self.token_ids) + 1)
 
 
 class AudioAPI:
@@ -217,10 +237,18 @@ class AudioAPI:
         duration = len(req.audio) / SAMPLE_RATE
         if req.stream:
             return sse_response(self._events(streams, pieces, duration), headers={})
+        no_speech = speech.no_speech_id(tokenizer)
+        probe = no_speech is not None and (req.response_format == "verbose_json" or
+                                           self.config.no_speech_threshold is not None)
         try:
-            await asyncio.gather(*(_collect(s, p) for s, p in zip(streams, pieces)))
+            await asyncio.gather(*(_collect(s, p) for s, p in zip(streams, pieces)),
+                                 *(self._no_speech(p, pr, no_speech) for p, pr in zip(pieces, prompts) if probe))
             if req.temperature == 0.0:
                 await asyncio.gather(*(self._fall_back(pr, i, pieces, params) for i, pr in enumerate(prompts)))
+            for i, p in enumerate(pieces):
+                if self.config.silent(p):  # (nothing said: what the model wrote is dropped)
+                    pieces[i] = Piece(p.start, p.end, temperature=p.temperature, no_speech_prob=p.no_speech_prob,
+                                      silent=True)
             if "word" in req.granularities:
                 align = speech.prompt_ids(tokenizer, language, req.task)  # (no previous text, no timestamps)
                 await asyncio.gather(*(self._words(p, cut, align, language) for p, cut in zip(pieces, cuts)))
@@ -238,13 +266,24 @@ class AudioAPI:
             piece = pieces[index]
             if not self.config.fails(piece):
                 return
-            again = Piece(piece.start, piece.end, temperature=temperature)
+            again = Piece(piece.start, piece.end, temperature=temperature, no_speech_prob=piece.no_speech_prob)
             stream = await self.server.engine.add_request(prompt, params.clone(temperature=temperature))
             try:
                 await _collect(stream, again)
             finally:
                 stream.close()
             pieces[index] = again
+
+    async def _no_speech(self, piece: Piece, prompt: dict[str, Any], no_speech: int) -> None:
+        """The piece's no_speech_prob: <|nospeech|>'s probability where the decoder reads <|startoftranscript|>
+        (after any previous text), one decoder step over the audio the transcription encoded (the runner's encoder
+        cache holds it). The sampled token is held to <|nospeech|>; its logprob is the raw distribution's."""
+        ids = prompt["prompt_token_ids"]
+        sot = ids.index(self.speech.special_id(self.server.engine.tokenizer, "<|startoftranscript|>"))
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0, allowed_token_ids=[no_speech])
+        out = await self.server.engine.generate({**prompt, "prompt_token_ids": ids[:sot + 1]}, params)
+        lps = out.outputs[0].logprobs
+        piece.no_speech_prob = math.exp(lps[0][no_speech].logprob) if lps and no_speech in lps[0] else None
 
     async def _words(self, piece: Piece, audio: np.ndarray, prefix: list[int], language: Optional[str]) -> None:
         """The piece's words and when they are spoken (streamer/word_timestamps.py): the alignment heads' scores
@@ -347,7 +386,7 @@ class AudioAPI:
         rules = speech.rules(self.server.engine.tokenizer, prompt_ids)
         stamped = rules is not None and rules.timestamps
         out: list[dict[str, Any]] = []
-        for p in pieces:
+        for p in (p for p in pieces if not p.silent):
             spans = speech.segments(p.token_ids, rules, p.start, p.end) if stamped else []  # type: ignore[arg-type]
             if not spans:  # (one segment: the piece)
                 positions = [i for i, t in enumerate(p.token_ids) if not stamped or t < rules.eos]  # type: ignore
@@ -359,7 +398,7 @@ class AudioAPI:
                 out.append({"id": len(out), "seek": int(round(p.start * 100)), "start": round(seg.start, 3),
                             "end": round(seg.end, 3), "text": text, "tokens": seg.token_ids,
                             "temperature": p.temperature, "avg_logprob": sum(lps) / max(len(lps), 1),
-                            "compression_ratio": _compression_ratio(text), "no_speech_prob": None})
+                            "compression_ratio": _compression_ratio(text), "no_speech_prob": p.no_speech_prob})
         return out
 
     def _decode(self, ids: list[int]) -> str:

@@ -97,6 +97,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="... a text whose zlib compression ratio is above R repeats itself")
     g.add_argument("--transcription-logprob-threshold", type=float, default=-1.0, metavar="L",
                    help="... tokens whose mean log-probability is below L are unlikely")
+    g.add_argument("--transcription-no-speech-threshold", default="0.6", metavar="P",
+                   help="/v1/audio: a piece whose <|nospeech|> probability is above P and whose tokens are unlikely "
+                        "is silence: no text, no segment (OpenAI's whisper's rule; '' turns it off)")
     g.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
@@ -225,12 +228,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def transcription_config(args: argparse.Namespace) -> TranscriptionConfig:
-    """--transcription-fallback and its thresholds (ValueError naming the flag)."""
+    """--transcription-fallback, its thresholds and the no-speech threshold (ValueError naming the flag)."""
     text = args.transcription_fallback.strip()
     try:
         temperatures = tuple(float(t) for t in text.split(",")) if text else ()
+    except ValueError as e:
+        raise ValueError(f"--transcription-fallback: {e}") from None
+    silence = str(getattr(args, "transcription_no_speech_threshold", "0.6")).strip()
+    try:
+        no_speech = float(silence) if silence else None
+        TranscriptionConfig(no_speech_threshold=no_speech)
+    except ValueError as e:
+        raise ValueError(f"--transcription-no-speech-threshold: {e}") from None
+    try:
         return TranscriptionConfig(temperatures, args.transcription_compression_ratio_threshold,
-                                   args.transcription_logprob_threshold)
+                                   args.transcription_logprob_threshold, no_speech)
     except ValueError as e:
         raise ValueError(f"--transcription-fallback: {e}") from None
 
