@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from streamer.bench import report
 from streamer.bench.cli import main as bench_main
 
-from loadavg import wait_for_load  # bench/ is on sys.path: this file runs as a script
+from loadavg import wait_for_idle_cpu, wait_for_load  # bench/ is on sys.path: this file runs as a script
 
 STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port}"
 VLLM_CMD = ("{venv}/bin/python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
@@ -138,6 +138,7 @@ class Server:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}; log: {self.log}")
         load = wait_for_load(self.args.max_load, self.args.load_wait)
+        wait_for_idle_cpu(self.args.settle if self.args.settle > 0 else None)  # (the last run's server may spin on)
         result = self.out_dir / f"{self.name}{tag}.json"
         extra = ["--tokenizer", self.args.model] if Path(self.args.model).is_dir() and "--tokenizer" not in bench_args else []
         print(f"-- {self.name}{tag}: streamer bench {' '.join(bench_args)} (load average {load:.2f})", flush=True)
@@ -176,6 +177,10 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--max-load", type=float, default=None,
                    help="before each run wait until the 1-minute load average is below this")
     p.add_argument("--load-wait", type=float, default=600.0, help="longest wait for --max-load (s)")
+    p.add_argument("--settle", type=float, default=0.25, metavar="BUSY",
+                   help="before each run, wait (up to 20 s) until less than this share of the CPU was busy over "
+                        "half a second (a server that just ran may spin on: vLLM-CPU's worker does for ~1 s); "
+                        "0 or negative: do not wait")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for each server")
     p.add_argument("--out-dir", help="where results and server logs go (default: a temp folder)")
     args = p.parse_args(own)

@@ -16,7 +16,9 @@ FAKE = "{python} -m streamer.bench.fake_server --port {port}"
 
 
 def compare(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "compare_servers.py"), *args], cwd=ROOT,
+    # (--settle 0: the test machine is busy with other tests; the settle wait itself is tested below)
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "compare_servers.py"), "--settle", "0", *args],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -94,3 +96,15 @@ def test_real_streamer_embedding_server(tmp_path: Path) -> None:
     assert s["completed"] == 6 and s["failed"] == 0 and s["total_input_tokens"] == 6 * 14
     table = p.stdout[p.stdout.rindex("in tok/s") - 60:]
     assert "E2E med" in table and "streamer" in table
+
+
+def test_settle_waits_for_an_idle_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """wait_for_idle_cpu: no wait for None; returns at once when the bar cannot be missed (busy share < 1.01); keeps
+    measuring until its deadline and says so when the bar cannot be met (busy share < 0)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from loadavg import cpu_busy, wait_for_idle_cpu
+    assert 0.0 <= cpu_busy(0.1) <= 1.0
+    assert wait_for_idle_cpu(None) == 0.0
+    assert wait_for_idle_cpu(1.01, max_wait=5.0) < 1.01 and "still busy" not in capsys.readouterr().out
+    assert wait_for_idle_cpu(0.0, max_wait=0.2) >= 0.0
+    assert "still busy after 0.2 s: running anyway" in capsys.readouterr().out
