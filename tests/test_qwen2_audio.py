@@ -98,8 +98,8 @@ def test_tower_refuses_bad_input() -> None:
                             num_mel_bins=4))
     with pytest.raises(ValueError, match=r"\[4, 3000\]"):
         tower(torch.zeros(4, 2999), 100)
-    with pytest.raises(ValueError, match="2 to 3000 mel frames"):
-        tower(torch.zeros(4, 3000), 1)
+    with pytest.raises(ValueError, match="3 to 3000 mel frames"):
+        tower(torch.zeros(4, 3000), 2)
     with pytest.raises(ValueError, match="not divisible"):
         AudioTower(dict(d_model=10, encoder_attention_heads=4))
     with pytest.raises(ValueError, match="activation_function"):

@@ -63,8 +63,8 @@ class AudioTower(nn.Module):
         if tuple(features.shape) != (self.num_mel_bins, self.frames):
             raise ValueError(f"the audio encoder takes [{self.num_mel_bins}, {self.frames}] log-mel features, got "
                              f"{list(features.shape)}")
-        if not 2 <= frames <= self.frames:
-            raise ValueError(f"an audio clip must hold 2 to {self.frames} mel frames, got {frames}")
+        if not 3 <= frames <= self.frames:  # (3 frames make the first feature row)
+            raise ValueError(f"an audio clip must hold 3 to {self.frames} mel frames, got {frames}")
         w = self.conv1.weight
         x = F.gelu(F.conv1d(features[None].to(w.device, w.dtype), w, self.conv1.bias, padding=1))
         x = F.gelu(F.conv1d(x, self.conv2.weight, self.conv2.bias, stride=2, padding=1))
