@@ -156,10 +156,14 @@ def test_temperature_fallback(ts_dir, oracle):
     async def main() -> dict[str, Any]:
         out: dict[str, Any] = {}
         async with AsyncEngine(str(ts_dir), dtype="float32", num_kv_blocks=96, max_num_seqs=4) as engine:
-            added = []
+            added, probes = [], []
             add = engine.add_request
-            engine.add_request = lambda prompt, params, **kw: (added.append(params.temperature), add(prompt, params,
-                                                                                                     **kw))[1]
+
+            def counted(prompt: Any, params: Any, *args: Any, **kw: Any) -> Any:
+                # (the no-speech probes, one step held to <|nospeech|>, are counted apart)
+                (probes if params.allowed_token_ids else added).append(params.temperature)
+                return add(prompt, params, *args, **kw)
+            engine.add_request = counted
             for name, config in (("never", never), ("always", always), ("default", None)):
                 transport = httpx.ASGITransport(app=build_app(engine, transcription=config))
                 async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=300) as h:
@@ -167,7 +171,9 @@ def test_temperature_fallback(ts_dir, oracle):
                         return await h.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav_bytes(audio))},
                                             data={"language": "en", "response_format": "verbose_json", **fields})
                     added.clear()
+                    probes.clear()
                     out[name] = ((await post()).json(), list(added))
+                    assert probes == [0.0, 0.0]  # (one a piece, whatever the fallback does)
                     if name == "always":
                         added.clear()
                         stream = await post(response_format="json", stream="true")
