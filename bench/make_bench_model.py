@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,8 +73,7 @@ def make(out: Path, force: bool = False) -> Path:
     from offline_throughput import LLAMA_90M
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tmp = Path(tempfile.mkdtemp(prefix=".llama-90m-", dir=out.parent if out.parent.exists() else None))
-    try:
+    def fill(tmp: Path) -> None:
         source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
         tok = AutoTokenizer.from_pretrained(tmp)
         assert len(tok) == LLAMA_90M["vocab_size"], (len(tok), LLAMA_90M["vocab_size"])
@@ -92,6 +92,15 @@ def make(out: Path, force: bool = False) -> Path:
         (tmp / "BENCH_MODEL.json").write_text(json.dumps(
             {"made_by": "bench/make_bench_model.py", "seed": 0, "parameters": n_params, "tokenizer": source,
              "tokenizer_size": len(tok)}, indent=1) + "\n")
+    return _build(out, fill)
+
+
+def _build(out: Path, fill: Callable[[Path], None]) -> Path:
+    """`fill` writes the checkpoint into a fresh folder beside `out`, which then replaces `out` whole (so that an
+    interrupted build never leaves a half-written folder where a complete one is expected)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent if out.parent.exists() else None))
+    try:
+        fill(tmp)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)
@@ -120,8 +129,8 @@ def make_qwen2_audio(out: Path, force: bool = False) -> Path:
                               Qwen2AudioProcessor, WhisperFeatureExtractor)
 
     from tests.checkpoints import QWEN2_AUDIO_CHAT_TEMPLATE
-    tmp = Path(tempfile.mkdtemp(prefix=".qwen2-audio-", dir=out.parent if out.parent.exists() else None))
-    try:
+
+    def fill(tmp: Path) -> None:
         source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
         tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in AUDIO_SPECIALS])
@@ -149,13 +158,7 @@ def make_qwen2_audio(out: Path, force: bool = False) -> Path:
             {"made_by": "bench/make_bench_model.py --qwen2-audio", "seed": 0, "parameters": n_params,
              "tokenizer": source + f" + {len(AUDIO_SPECIALS)} specials", "audio_encoder": AUDIO_ENCODER}, indent=1)
             + "\n")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return _build(out, fill)
 
 
 def main() -> None:

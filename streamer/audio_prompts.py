@@ -23,7 +23,7 @@ import torch
 
 from streamer.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, WhisperFeatureConfig, WhisperFeatures, as_audio, decode_audio
 from streamer.models.audio_tower import audio_tokens
-from streamer.multimodal import ImageInput, read_url
+from streamer.multimodal import ImageInput, hash_pixels, read_url, token_runs
 
 MIN_FRAMES = 3  # the fewest mel frames that make a feature row (audio_tokens(3) == 1): 0.02 s at 16 kHz
 
@@ -60,7 +60,7 @@ class AudioPrompts:
         if len(clips) > self.max_audios:
             raise ValueError(f"at most {self.max_audios} audio clips per prompt (limit_images_per_prompt), "
                              f"got {len(clips)}")
-        runs = _runs(token_ids, self.audio_token_id)
+        runs = token_runs(np.asarray(token_ids, dtype=np.int64), self.audio_token_id)
         if len(runs) != len(clips):
             raise ValueError(f"the prompt has {len(runs)} audio placeholder(s) ({self.audio_placeholder}) but "
                              f"{len(clips)} audio clip(s) were given")
@@ -92,18 +92,11 @@ class AudioPrompts:
         return self.features(clip), frames
 
 
-def _runs(token_ids: list[int], token: int) -> list[tuple[int, int]]:
-    """(start, length) of each maximal run of `token`."""
-    ids = np.asarray(token_ids, dtype=np.int64)
-    mask = np.concatenate([[False], ids == token, [False]])
-    edges = np.flatnonzero(mask[1:] != mask[:-1])
-    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
-
-
 def hash_clip(features: torch.Tensor, frames: int) -> bytes:
+    """A clip's key: its features and how many frames hold it."""
     h = hashlib.blake2b(b"audio clip", digest_size=16)
+    h.update(hash_pixels(features))
     h.update(np.int64(frames).tobytes())
-    h.update(features.contiguous().numpy().tobytes())
     return h.digest()
 
 

@@ -429,9 +429,7 @@ class ImagePrompts:
         if self.video_token_id is None:
             return []
         ids = np.asarray(token_ids, dtype=np.int64)
-        mask = np.concatenate([[False], ids == self.video_token_id, [False]])
-        edges = np.flatnonzero(mask[1:] != mask[:-1])
-        runs = [(int(a), int(b - a), int(b - a) == 1) for a, b in zip(edges[::2], edges[1::2])]
+        runs = [(a, n, n == 1) for a, n in token_runs(ids, self.video_token_id)]
         if self.frame_wrap is None:
             return runs
         # Qwen3-VL: an expanded video is its steps' runs, each "<t seconds>" <start> tokens <end>: consecutive runs
@@ -460,9 +458,7 @@ class ImagePrompts:
         img, ph = self.image_token_id, self.placeholder_id
         if self.row_breaks:
             return self._pixtral_runs(ids)
-        mask = np.concatenate([[False], ids == img, [False]])
-        edges = np.flatnonzero(mask[1:] != mask[:-1])
-        runs = [(int(a), int(b - a), False) for a, b in zip(edges[::2], edges[1::2])]
+        runs = [(a, n, False) for a, n in token_runs(ids, img)]
         if ph != img:  # lone placeholders (Gemma 3's <start_of_image> not followed by its image tokens)
             nxt = np.concatenate([ids[1:], [-1]])
             runs += [(int(i), 1, True) for i in np.flatnonzero((ids == ph) & (nxt != img))]
@@ -490,6 +486,13 @@ class ImagePrompts:
                                  "must end with [IMG_END]")
             runs += [(start + i, 1, True) for i in np.flatnonzero(rest == img).tolist()]  # placeholders
         return runs
+
+
+def token_runs(ids: np.ndarray, token: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of `token` in `ids`."""
+    mask = np.concatenate([[False], np.asarray(ids) == token, [False]])
+    edges = np.flatnonzero(mask[1:] != mask[:-1])
+    return [(int(a), int(b - a)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir: Path,
