@@ -104,7 +104,7 @@ def mtp_config(path: Path, target_cfg: ModelConfig) -> ModelConfig:
     if not any(wanted in tensor_names(f) for f in weight_files(path)):
         raise ValueError(f"speculative_method='mtp': checkpoint {path} has no multi-token-prediction layer "
                          f"({wanted} not found)")
-    return dataclasses.replace(target_cfg, draft_head="mtp")
+    return dataclasses.replace(target_cfg, draft_head="mtp", multimodal=None)  # (a vision model's: its text side)
 
 
 def _read_config(path: Path) -> dict:

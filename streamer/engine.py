@@ -294,8 +294,12 @@ class LLMEngine:
             raise ValueError("speculative decoding does not run with an encoder-decoder model (Whisper)")
         if self.model_config.multimodal is None:
             return
-        if self.config.drafts_with_model:
-            raise ValueError("speculative decoding with a draft model does not run with a vision-language model yet")
+        # (the checkpoint's own MTP layer drafts for text and image prompts alike: it reads the placeholder tokens'
+        # embeddings and 1-D positions where the target reads image features at M-RoPE ones, which costs some
+        # acceptance at images, never correctness; other draft models are not wired for images yet)
+        if self.config.drafts_with_model and self.config.speculative_method != "mtp":
+            raise ValueError("speculative decoding with a draft model does not run with a vision-language model yet "
+                             "(a checkpoint's own MTP layer does: speculative_method='mtp')")
 
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with its images' placeholders expanded, and the images (from a prompt's multi_modal_data;

@@ -524,7 +524,8 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
             f"{text_of(around[0])}{text_of(image)}{text_of(around[1])}"  # type: ignore[arg-type]
         return AudioPrompts(folder, image, placeholder, limit)
     if arch in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
+                "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         start, end = int(mm.get("vision_start_token_id", 151652)), int(mm.get("vision_end_token_id", 151653))
         video: dict[str, Any] = {}
         video_id = int(mm.get("video_token_id", 151656))

@@ -244,7 +244,44 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("tie_word_embeddings", False)
         kw["initializer_range"] = overrides.get("initializer_range", 0.2)
         return tf.Qwen3NextConfig(**kw)
+    if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5-like: Qwen3-Next's layer pattern and head shapes, separate
+        # DeltaNet projections, interleaved M-RoPE over a quarter of each 32-wide head; dense, or 4 experts top 2 + a
+        # gated shared expert in every layer. Untied head.
+        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+        kw.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention",
+                                      "linear_attention"][:kw["num_hidden_layers"]])
+        kw.setdefault("head_dim", 32)
+        kw.update(linear_num_key_heads=overrides.get("linear_num_key_heads", 2),
+                  linear_num_value_heads=overrides.get("linear_num_value_heads", 4),
+                  linear_key_head_dim=overrides.get("linear_key_head_dim", 16),
+                  linear_value_head_dim=overrides.get("linear_value_head_dim", 8))
+        kw.setdefault("rope_parameters", {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                                          "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        kw.setdefault("tie_word_embeddings", False)
+        kw["initializer_range"] = overrides.get("initializer_range", 0.2)
+        if family == "qwen3_5":
+            return tf.Qwen3_5TextConfig(**kw)
+        kw.pop("intermediate_size")
+        kw.setdefault("num_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        kw.setdefault("moe_intermediate_size", 32)
+        kw.setdefault("shared_expert_intermediate_size", 48)
+        return tf.Qwen3_5MoeTextConfig(**kw)
     raise ValueError(family)
+
+
+def _randomise_qwen3_next(model: Any) -> None:
+    """transformers starts the (1 + w) norms at zero, the gated norm and dt_bias at one, A_log at log U(0.01, 16):
+    random ones show that each is loaded and used where it belongs."""
+    for name, p in model.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):
+            p.normal_(1.0, 0.3)
+        elif "norm" in name and "visual" not in name:
+            p.normal_(0.0, 0.3)
+        elif name.endswith("dt_bias"):
+            p.normal_(0.0, 1.0)
+        elif name.endswith("A_log"):
+            p.uniform_(-1.0, 1.5)
 
 
 def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "bytelevel", seed: int = 0,
@@ -308,19 +345,9 @@ def make_checkpoint(out_dir: Path, family: str = "llama", tokenizer: str = "byte
                     p.normal_(0.0, 1.0)
                 elif name.endswith("mamba.A_log"):
                     p.uniform_(-1.0, 1.5)
-    if family == "qwen3_next":
-        # transformers starts the (1 + w) norms at zero, the gated norm and dt_bias at one, A_log at log U(0.01, 16):
-        # random ones show that each is loaded and used where it belongs.
+    if family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("linear_attn.norm.weight"):
-                    p.normal_(1.0, 0.3)
-                elif "norm" in name:
-                    p.normal_(0.0, 0.3)
-                elif name.endswith("dt_bias"):
-                    p.normal_(0.0, 1.0)
-                elif name.endswith("A_log"):
-                    p.uniform_(-1.0, 1.5)
+            _randomise_qwen3_next(model)
     if family in EXTRA_FAMILIES and EXTRA_FAMILIES[family][1] is not None:
         with torch.no_grad():
             EXTRA_FAMILIES[family][1](model)
@@ -593,6 +620,41 @@ def make_qwen3_vl_checkpoint(out_dir: Path, seed: int = 0, moe: bool = False) ->
             if "norm" in name:
                 p.normal_(1.0, 0.3)
             elif "pos_embed" in name or "deepstack" in name:
+                p.normal_(0.0, 0.3)  # (big enough to matter in the tiny model)
+    model.save_pretrained(out_dir)
+    tf.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3,
+                             size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48}).save_pretrained(out_dir)
+    return out_dir
+
+
+def make_qwen3_5_vl_checkpoint(out_dir: Path, seed: int = 0, moe: bool = False,
+                               chat_template: str = QWEN_VL_CHAT_TEMPLATE) -> Path:
+    """A tiny Qwen3.5 (Qwen3_5ForConditionalGeneration, as every Qwen3.5 release is): Qwen3-VL's tiny tower without
+    DeepStack over the tiny Qwen3.5 text model (hf_config "qwen3_5" / "qwen3_5_moe": Gated DeltaNet layers around
+    a gated full-attention layer, interleaved M-RoPE); Qwen2-VL's tokens, template and image processor."""
+    import transformers as tf
+    out_dir = Path(out_dir)
+    ids = _vlm_tokenizer(out_dir, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                                   "<|im_start|>", "<|im_end|>"], chat_template)
+    family = "qwen3_5_moe" if moe else "qwen3_5"
+    text = hf_config(family, ids["vocab_size"], bos_token_id=ids["<|begin_of_text|>"],
+                     eos_token_id=ids["<|end_of_text|>"]).to_dict()
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, out_hidden_size=64, num_heads=4, patch_size=4,
+                  num_position_embeddings=16)
+    cfg_cls, cls = (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration) if moe else \
+        (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration)
+    cfg = cfg_cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                  video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        _randomise_qwen3_next(model)
+        for name, p in model.named_parameters():
+            if "visual" in name and "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif "pos_embed" in name:
                 p.normal_(0.0, 0.3)  # (big enough to matter in the tiny model)
     model.save_pretrained(out_dir)
     tf.Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,

@@ -36,6 +36,8 @@ CHECKPOINTS: dict[str, Callable[..., Path]] = {
     "nemotron_h": lambda make, root: (root / "nemotron_h" if (root / "nemotron_h" / "config.json").exists()
                                       else make_nemotron_h(root / "nemotron_h")),
     "qwen3_next": lambda make, root: make("qwen3_next", family="qwen3_next"),
+    # Qwen3.5's in_proj_qkv split by its parts (q, k, v), z / b / a by rows
+    "qwen3_5_moe": lambda make, root: make("qwen3_5_moe", family="qwen3_5_moe"),
     "mamba2": lambda make, root: make("recurrent_mamba2", family="mamba2"),
     "falcon_h1": lambda make, root: make("recurrent_falcon_h1", family="falcon_h1"),
     # the norm before the gate, one group for two ranks

@@ -213,6 +213,14 @@ def test_qwen3_next_mtp_drafts_for_its_hybrid_model(make_ckpt, tmp_path) -> None
                              Qwen3NextReference)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_mtp_drafts_for_its_hybrid_model(make_ckpt, tmp_path, family) -> None:
+    """Qwen3.5 (dense and MoE) stores its MTP module as Qwen3-Next does: the same head drafts for it."""
+    src = make_ckpt(f"{family}_mtp_src", family=family)
+    assert_drafts_for_hybrid(with_qwen3_next_mtp(src, tmp_path / family, seed=4), "Qwen3NextMTP",
+                             Qwen3NextReference)
+
+
 def assert_drafts_for_hybrid(path: Path, head: str, reference: type) -> None:
     """`head` drafts for the hybrid model at `path`: every proposal equals `reference`'s, greedy output stays
     transformers' while rejected drafts roll the target's state back, and everything is freed."""

@@ -20,7 +20,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "GraniteMoeSharedForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
                            "PhimoeForCausalLM",
                            "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                           "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
+                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
                            "Lfm2MoeForCausalLM",
                            "MambaForCausalLM", "FalconMambaForCausalLM",
                            "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # holding its heads' state (models/mamba.py). Pure recurrent models (mamba2.py, mamba1.py) are among them: no
 # attention layer, so no KV cache at all.
 HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
+                        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                         "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
                         "Lfm2MoeForCausalLM",
                         "MambaForCausalLM", "FalconMambaForCausalLM")
@@ -92,6 +93,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration",
+                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Qwen2AudioForConditionalGeneration")  # (audio, not images: models/vlm.py)
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -100,7 +102,9 @@ _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
                # Qwen3-VL's: Qwen3's (q/k norms) with interleaved M-RoPE and DeepStack (models/vlm.py)
                "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM"}  # (InternVL3.5's MoE models)
+               "qwen3_moe": "Qwen3MoeForCausalLM",  # (InternVL3.5's MoE models)
+               # Qwen3.5's: Qwen3-Next's hybrid (models/qwen3_5.py) with interleaved M-RoPE, no DeepStack
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "LlavaNextForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
@@ -111,6 +115,8 @@ _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_
                  "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_vl",
                                                         "qwen3_vl_vision"),
                  "InternVLForConditionalGeneration": ("internvl_vision",),
+                 "Qwen3_5ForConditionalGeneration": ("qwen3_5_vision", "qwen3_5"),
+                 "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe_vision", "qwen3_5_moe", "qwen3_5_vision"),
                  "Qwen2AudioForConditionalGeneration": ("qwen2_audio_encoder",)}  # (its audio_config's)
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -135,6 +141,7 @@ _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "LlavaNextForConditional
                 "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
                 "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
                 "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667,
+                "Qwen3_5ForConditionalGeneration": 248056, "Qwen3_5MoeForConditionalGeneration": 248056,
                 "Qwen2AudioForConditionalGeneration": 151646}  # (its <|AUDIO|>: audio_token_index)
 # The text config an architecture's config class builds when config.json has none (a given one takes its
 # model_type's class defaults: _TEXT_DEFAULTS).
@@ -164,6 +171,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Cohere2ForCausalLM": dict(tie_word_embeddings=True),
     "Starcoder2ForCausalLM": dict(tie_word_embeddings=True),
     "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
+    "Qwen3_5ForCausalLM": dict(partial_rotary_factor=0.25),
+    "Qwen3_5MoeForCausalLM": dict(partial_rotary_factor=0.25),
     "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
     "Olmo3ForCausalLM": dict(rope_theta=500_000.0, rms_norm_eps=1e-5),
     "Exaone4ForCausalLM": dict(rms_norm_eps=1e-5),
@@ -192,7 +201,8 @@ _KEY_ALIASES: dict[str, dict[str, str]] = {
 # architecture -> the module (streamer.models.*) whose `common_config(c)` rewrites it in the common names.
 _OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt",
                   "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt",
-                  "WhisperForConditionalGeneration": "whisper"}
+                  "WhisperForConditionalGeneration": "whisper", "Qwen3_5ForCausalLM": "qwen3_5",
+                  "Qwen3_5MoeForCausalLM": "qwen3_5"}
 
 
 def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
@@ -344,9 +354,10 @@ class ModelConfig:
     # A vision-language checkpoint's outer config.json (vision_config, image_token_index, ...; models/vlm.py);
     # everything above then describes its text model. None for a text-only model.
     multimodal: Optional[dict[str, Any]] = field(default=None, repr=False)
-    # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions (Qwen3-VL
-    # interleaves them: models/vlm.py Qwen3VLMixin)
+    # M-RoPE (Qwen2-VL): how many of the rotary frequencies take the temporal, height and width positions;
+    # `mrope_interleaved` (Qwen3-VL, Qwen3.5): they cycle t, h, w (layers.py RotaryEmbedding.use_mrope)
     mrope_section: Optional[list[int]] = None
+    mrope_interleaved: bool = False
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
     # DeepSeek's latent attention; num_kv_heads and head_dim are then the KV cache's (MLADims.cache_geometry)
     mla: Optional[MLADims] = None
@@ -574,4 +585,8 @@ class ModelConfig:
             cfg.mrope_section = [int(x) for x in rope["mrope_section"]]
         elif arch.startswith("Qwen3VL"):  # (Qwen3VLTextRotaryEmbedding's default)
             cfg.mrope_section = [24, 20, 20]
+        elif arch.startswith("Qwen3_5"):  # (Qwen3_5TextRotaryEmbedding's)
+            cfg.mrope_section = [11, 11, 10]
+        # (transformers' Qwen3-VL and Qwen3.5 rotary embeddings interleave whatever mrope_interleaved says)
+        cfg.mrope_interleaved = arch.startswith(("Qwen3VL", "Qwen3_5"))
         return cfg

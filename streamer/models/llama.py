@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                  is_neox=self.rope_is_neox)
         if cfg.mrope_section:
-            rotary.use_mrope(cfg.mrope_section)
+            rotary.use_mrope(cfg.mrope_section, interleaved=cfg.mrope_interleaved)
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)

@@ -62,6 +62,7 @@ from streamer.models.apertus import ApertusForCausalLM
 from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
 from streamer.models.ministral import MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
+from streamer.models.qwen3_5 import Qwen35ForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
 from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
 from streamer.models.mtp import mtp_class
@@ -113,6 +114,7 @@ _MODEL_CLASSES["SmolLM3ForCausalLM"] = SmolLM3ForCausalLM
 _MODEL_CLASSES["GraniteMoeHybridForCausalLM"] = GraniteMoeHybridForCausalLM
 _MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
 _MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
+_MODEL_CLASSES["Qwen3_5ForCausalLM"] = _MODEL_CLASSES["Qwen3_5MoeForCausalLM"] = Qwen35ForCausalLM
 _MODEL_CLASSES["NemotronHForCausalLM"] = NemotronHForCausalLM
 _MODEL_CLASSES["Mamba2ForCausalLM"] = Mamba2ForCausalLM
 _MODEL_CLASSES["MambaForCausalLM"] = MambaForCausalLM

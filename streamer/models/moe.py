@@ -314,3 +314,29 @@ class SparseMoE(nn.Module):
         if self.w2_bias is not None:  # after the all-reduce: every rank holds all of it
             out = out + (weights.unsqueeze(-1) * self.w2_bias[ids]).sum(dim=1).to(out.dtype)
         return out
+
+
+def unstack_experts(weights: Iterable[tuple[str, Any]], cfg: Any) -> Iterator[tuple[str, Any]]:
+    """Experts stacked per layer, as transformers 5 holds them (Qwen3-VL-MoE's and some Qwen3.5-MoE checkpoints):
+    a layer's `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj` [E, H, I] as each expert's
+    gate_proj / up_proj / down_proj. Qwen3-VL-MoE's original release stores them transposed ([E, H, 2I],
+    [E, I, H]), which transformers transposes on loading where the shape asks for it (as here). Other names pass."""
+    hidden, inter = cfg.hidden_size, cfg.raw.get("moe_intermediate_size")
+    for name, t in weights:
+        fused = name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+        if not fused or not isinstance(t, torch.Tensor):  # (the int4 planner renames bare names)
+            yield name, t
+            continue
+        prefix, kind = name.rsplit(".", 1)
+        want = (2 * inter, hidden) if kind == "gate_up_proj" else (hidden, inter)
+        if t.dim() == 3 and tuple(t.shape[1:]) != want and tuple(t.shape[1:]) == want[::-1]:
+            t = t.transpose(1, 2)
+        if t.dim() != 3 or tuple(t.shape[1:]) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; expected [experts, {want[0]}, "
+                             f"{want[1]}] (or its last two dims swapped)")
+        for e in range(t.shape[0]):
+            if kind == "gate_up_proj":
+                yield f"{prefix}.{e}.gate_proj.weight", t[e, :inter]
+                yield f"{prefix}.{e}.up_proj.weight", t[e, inter:]
+            else:
+                yield f"{prefix}.{e}.down_proj.weight", t[e]

@@ -9,7 +9,7 @@ and predicts token i + 2. Applied again on its own output stream it drafts furth
 The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner side is streamer/eagle.py's
 (`EagleDrafter`): the same fill / keep / propose steps as an EAGLE-1 head.
 
-Qwen3-Next checkpoints store theirs apart, as `mtp.*` (`Qwen3NextMTP`, below): the same shape with other names
+Qwen3-Next and Qwen3.5 checkpoints store theirs apart, as `mtp.*` (`Qwen3NextMTP`, below): the same shape with other names
 (fc, pre_fc_norm_embedding / _hidden, norm), zero-centred norms, and the normed output as the next feature.
 Nemotron-H's (`NemotronHMTP`) is a short stack of its own blocks (`mtp_hybrid_override_pattern`, e.g. "*E"), the
 fusion before the first and a norm after the last. Both targets are hybrid: a rejected draft rolls the target's
@@ -38,6 +38,7 @@ from streamer.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausal
 MTP_FAMILIES = {"DeepseekV3ForCausalLM": "model.layers.{n}.eh_proj.weight",
                 "Glm4MoeForCausalLM": "model.layers.{n}.eh_proj.weight",
                 "Qwen3NextForCausalLM": "mtp.fc.weight",
+                "Qwen3_5ForCausalLM": "mtp.fc.weight", "Qwen3_5MoeForCausalLM": "mtp.fc.weight",
                 "NemotronHForCausalLM": "mtp.layers.0.eh_proj.weight"}
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
 

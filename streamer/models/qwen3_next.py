@@ -140,8 +140,7 @@ class GatedDeltaNet(RecurrentMixer):
         key, value = self.key_dim * tp, self.value_dim * tp
         self.conv1d = split_conv(nn.Conv1d(self.conv_dim, self.conv_dim, self.d_conv, groups=self.conv_dim,
                                            bias=False), split_parts([key, key, value]))
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, [2 * key + 2 * value])
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, [2 * v_heads])
+        self.make_projections(hidden_size, key, value, v_heads)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         per_rank(self.dt_bias, self.A_log)
@@ -151,6 +150,11 @@ class GatedDeltaNet(RecurrentMixer):
         for p in self.parameters():
             p.requires_grad_(False)
         self.state_shape = (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def make_projections(self, hidden_size: int, key: int, value: int, v_heads: int) -> None:
+        """The input projections (whole-model sizes): Qwen3-Next's two, whose rows run per key head."""
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, [2 * key + 2 * value])
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, [2 * v_heads])
 
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The projections un-mixed (transformers' fix_query_key_value_ordering): the conv's input [T, conv_dim]
@@ -269,6 +273,8 @@ class Qwen3NextSparseMoE(SparseMoE):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
+    linear_attention_cls: type[GatedDeltaNet] = GatedDeltaNet
+
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
@@ -276,7 +282,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.self_attn: Optional[GatedAttention] = None
         self.linear_attn: Optional[GatedDeltaNet] = None
         if qwen3_next_layer_types(raw, cfg.num_layers)[index] == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, raw, cfg.rms_norm_eps)
+            self.linear_attn = self.linear_attention_cls(cfg.hidden_size, raw, cfg.rms_norm_eps)
         else:
             self.self_attn = GatedAttention(cfg, backend_cls, rotary)
         sparse = int(raw.get("num_experts") or 0) > 0 and index not in (raw.get("mlp_only_layers") or []) \

@@ -111,18 +111,21 @@ class VisionLanguageMixin(nn.Module):
     # ------------------------------------------------------------------ weights
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's names (both transformers 4's `language_model.model.*` and 5's `model.language_model.*`)
-        as the text model's, the encoder's under `vision_tower.` (without the vision model's `vision_model.`)."""
-        for name, t in weights:
-            name = name.removeprefix("model.") if name.startswith("model.language_model.") or \
-                name.startswith(("model.vision_tower.", "model.audio_tower.", "model.multi_modal_projector.")) \
-                else name
-            if name.startswith("language_model."):
-                name = name.removeprefix("language_model.")
-                if not name.startswith(("model.", "lm_head.")):  # (transformers 5 in memory: language_model.layers)
-                    name = "model." + name
-            elif name.startswith("vision_tower."):
-                name = "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
-            yield name, t
+        as the text model's, the encoder's under `vision_tower.` (without the vision model's `vision_model.`); then
+        the text model's own renames (Qwen3.5's skip its `mtp.*` head)."""
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                name = name.removeprefix("model.") if name.startswith("model.language_model.") or \
+                    name.startswith(("model.vision_tower.", "model.audio_tower.", "model.multi_modal_projector.")) \
+                    else name
+                if name.startswith("language_model."):
+                    name = name.removeprefix("language_model.")
+                    if not name.startswith(("model.", "lm_head.")):  # (transformers 5 in memory: language_model.*)
+                        name = "model." + name
+                elif name.startswith("vision_tower."):
+                    name = "vision_tower." + name.removeprefix("vision_tower.").removeprefix("vision_model.")
+                yield name, t
+        return super().rename_weights(renamed())  # type: ignore[misc]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         tower: list[tuple[str, torch.Tensor]] = []
@@ -295,7 +298,10 @@ class QwenVLMixin(VisionLanguageMixin):
         arch = cfg.multimodal_architecture
         version = "qwen2_5_vl" if arch.startswith("Qwen2_5") else "qwen3_vl" if arch.startswith("Qwen3") \
             else "qwen2_vl"
-        self.vision_tower = QwenVisionTower(dict(cfg.multimodal.get("vision_config") or {}), version)
+        vision = dict(cfg.multimodal.get("vision_config") or {})
+        if arch.startswith("Qwen3_5"):  # (Qwen3-VL's encoder without DeepStack)
+            vision["deepstack_visual_indexes"] = []
+        self.vision_tower = QwenVisionTower(vision, version)
         self.multi_modal_projector = nn.Identity()
 
     @property
@@ -339,11 +345,6 @@ class Qwen3VLMixin(QwenVLMixin):
     Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is the same over a Qwen3-MoE text model, whose checkpoint
     stacks each layer's experts in two tensors (`rename_weights` cuts them into the per-expert names)."""
 
-    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
-        super().__init__(cfg, backend_cls, max_positions)
-        # The text model's one rotary embedding (shared by every layer), with Qwen3-VL's interleaved sections
-        self.layers[0].self_attn.rotary.use_mrope(cfg.mrope_section, interleaved=True)  # type: ignore[attr-defined]
-
     def place_image_features(self, embeds: torch.Tensor, idx: torch.Tensor, feats: torch.Tensor) -> dict[str, Any]:
         hidden = embeds.shape[-1]
         embeds[idx] = feats[:, :hidden].to(embeds.dtype)
@@ -353,29 +354,9 @@ class Qwen3VLMixin(QwenVLMixin):
         return {"deepstack": (idx, feats[:, hidden:].unflatten(-1, (k, hidden)).to(embeds.dtype))}
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Qwen3-VL-MoE: a layer's `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `down_proj`
-        [E, H, I] as each expert's gate_proj / up_proj / down_proj; the original release stores them transposed
-        ([E, H, 2I], [E, I, H]), which transformers transposes on loading where the shape asks for it (as here)."""
-        hidden = self.cfg.hidden_size  # type: ignore[attr-defined]
-        inter = self.cfg.raw.get("moe_intermediate_size")  # type: ignore[attr-defined]
-        for name, t in super().rename_weights(weights):
-            fused = name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
-            if not fused or not isinstance(t, torch.Tensor):  # (the int4 planner renames bare names)
-                yield name, t
-                continue
-            prefix, kind = name.rsplit(".", 1)
-            want = (2 * inter, hidden) if kind == "gate_up_proj" else (hidden, inter)
-            if t.dim() == 3 and tuple(t.shape[1:]) != want and tuple(t.shape[1:]) == want[::-1]:
-                t = t.transpose(1, 2)
-            if t.dim() != 3 or tuple(t.shape[1:]) != want:
-                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}; expected [experts, {want[0]}, "
-                                 f"{want[1]}] (or its last two dims swapped)")
-            for e in range(t.shape[0]):
-                if kind == "gate_up_proj":
-                    yield f"{prefix}.{e}.gate_proj.weight", t[e, :inter]
-                    yield f"{prefix}.{e}.up_proj.weight", t[e, inter:]
-                else:
-                    yield f"{prefix}.{e}.down_proj.weight", t[e]
+        """Qwen3-VL-MoE's experts, stacked per layer, as each expert's (models/moe.py unstack_experts)."""
+        from streamer.models.moe import unstack_experts
+        return unstack_experts(super().rename_weights(weights), self.cfg)  # type: ignore[attr-defined]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 decode: Any = None, inputs_embeds: Optional[torch.Tensor] = None,
@@ -525,6 +506,7 @@ _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "LlavaNextForConditional
            "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
            "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
            "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin,
+           "Qwen3_5ForConditionalGeneration": Qwen3VLMixin, "Qwen3_5MoeForConditionalGeneration": Qwen3VLMixin,
            "Qwen2AudioForConditionalGeneration": Qwen2AudioMixin}
 
 
