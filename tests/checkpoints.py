@@ -244,6 +244,15 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("tie_word_embeddings", False)
         kw["initializer_range"] = overrides.get("initializer_range", 0.2)
         return tf.Qwen3NextConfig(**kw)
+    if family == "ministral3":  # Ministral 3: Mistral with YaRN (scaled from 16 positions) and Llama 4's query
+        # scale past the original length, so that the test prompts (up to 130 tokens) reach several scale steps
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("rope_parameters", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                          "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "llama_4_scaling_beta": 0.5})
+        kw.setdefault("tie_word_embeddings", False)
+        return tf.Ministral3Config(**kw)
     if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5-like: Qwen3-Next's layer pattern and head shapes, separate
         # DeltaNet projections, interleaved M-RoPE over a quarter of each 32-wide head; dense, or 4 experts top 2 + a
         # gated shared expert in every layer. Untied head.

@@ -39,7 +39,7 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_att
               patch_size=PATCH, hidden_act="silu")
 
 
-def make_mistral3_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+def make_mistral3_checkpoint(out_dir: Path, seed: int = 0, text: str = "mistral") -> Path:
     """A tiny Mistral3ForConditionalGeneration: Pixtral with 4-pixel patches (hidden 32, 3 layers), 2x2 merged
     into one token, over a two-layer Mistral with an untied head; the special tokens as added tokens, Pixtral's
     image processor config (longest edge 48) and processor_config.json as Mistral-Small-3.1's, and a short
@@ -47,7 +47,7 @@ def make_mistral3_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     import transformers as tf
     out_dir = Path(out_dir)
     ids = _vlm_tokenizer(out_dir, SPECIALS, CHAT_TEMPLATE)
-    text_cfg = hf_config("mistral", ids["vocab_size"])
+    text_cfg = hf_config(text, ids["vocab_size"])  # ("ministral3": Ministral 3's, tests/test_ministral3.py)
     text_cfg.bos_token_id, text_cfg.eos_token_id = ids.get("<|begin_of_text|>"), ids.get("<|end_of_text|>")
     cfg = tf.Mistral3Config(text_config=text_cfg, vision_config=tf.PixtralVisionConfig(**VISION),
                             image_token_index=ids["[IMG]"], spatial_merge_size=MERGE, tie_word_embeddings=False,

@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
                            "Olmo3ForCausalLM", "Exaone4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM",
                            "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM",
-                           "MinistralForCausalLM",
+                           "MinistralForCausalLM", "Ministral3ForCausalLM",
                            "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
                            "GraniteMoeSharedForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
                            "PhimoeForCausalLM",
@@ -104,7 +104,8 @@ _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM",  # (InternVL3.5's MoE models)
                # Qwen3.5's: Qwen3-Next's hybrid (models/qwen3_5.py) with interleaved M-RoPE, no DeepStack
-               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "ministral3": "Ministral3ForCausalLM"}  # (Ministral 3's Mistral3ForConditionalGeneration)
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "LlavaNextForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
@@ -159,7 +160,7 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
 TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
-NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Ministral3ForCausalLM")
 # Families whose attention_bias puts biases on q/k/v only, never on o_proj (Qwen2's are always there).
 NO_O_PROJ_BIAS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
 # transformers' config defaults that differ from Llama's, for keys a config.json leaves out.

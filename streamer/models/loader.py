@@ -60,7 +60,7 @@ from streamer.models.seed_oss import SeedOssForCausalLM
 from streamer.models.arcee import ArceeForCausalLM
 from streamer.models.apertus import ApertusForCausalLM
 from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
-from streamer.models.ministral import MinistralForCausalLM
+from streamer.models.ministral import Ministral3ForCausalLM, MinistralForCausalLM
 from streamer.models.qwen3_next import Qwen3NextForCausalLM
 from streamer.models.qwen3_5 import Qwen35ForCausalLM
 from streamer.models.smollm3 import SmolLM3ForCausalLM
@@ -105,6 +105,7 @@ _MODEL_CLASSES["ArceeForCausalLM"] = ArceeForCausalLM
 _MODEL_CLASSES["ApertusForCausalLM"] = ApertusForCausalLM
 _MODEL_CLASSES["HunYuanDenseV1ForCausalLM"] = HunYuanDenseV1ForCausalLM
 _MODEL_CLASSES["MinistralForCausalLM"] = MinistralForCausalLM
+_MODEL_CLASSES["Ministral3ForCausalLM"] = Ministral3ForCausalLM
 _MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
 _MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
