@@ -161,16 +161,56 @@ def make_qwen2_audio(out: Path, force: bool = False) -> Path:
     return _build(out, fill)
 
 
+# --qwen3-5: a Qwen3.5-shaped hybrid text model (Qwen3_5ForCausalLM) of about the same size: 12 layers, every 4th
+# gated full attention (8 heads of 128, 2 kv heads, rotary over a quarter), the rest Gated DeltaNet (8 key heads and
+# 16 value heads of 64), a dense SwiGLU MLP of 2048; the Llama bench model's tokenizer.
+QWEN3_5_DIR = Path.home() / ".cache" / "streamer-bench" / "qwen3_5-100m"
+QWEN3_5 = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+               max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def make_qwen3_5(out: Path, force: bool = False) -> Path:
+    if not force and all((out / n).is_file() for n in REQUIRED):
+        return out
+    import torch
+    from offline_throughput import LLAMA_90M
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    def fill(tmp: Path) -> None:
+        source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
+        tok = AutoTokenizer.from_pretrained(tmp)
+        cfg = Qwen3_5TextConfig(**QWEN3_5, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                eos_token_id=tok.eos_token_id, layer_types=[
+                                    "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(12)])
+        cfg.architectures = ["Qwen3_5ForCausalLM"]
+        torch.manual_seed(0)
+        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        (tmp / "BENCH_MODEL.json").write_text(json.dumps(
+            {"made_by": "bench/make_bench_model.py --qwen3-5", "seed": 0, "parameters": n_params,
+             "tokenizer": source, "tokenizer_size": len(tok)}, indent=1) + "\n")
+    return _build(out, fill)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_DIR} ({AUDIO_DIR} with --qwen2-audio)")
     ap.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
     ap.add_argument("--qwen2-audio", action="store_true",
                     help="the audio-language bench model instead (Qwen2-Audio-shaped; see AUDIO_ENCODER)")
+    ap.add_argument("--qwen3-5", action="store_true",
+                    help=f"the hybrid bench model instead (Qwen3.5-shaped, text only; see QWEN3_5; {QWEN3_5_DIR})")
     args = ap.parse_args()
-    out = (args.out or (AUDIO_DIR if args.qwen2_audio else DEFAULT_DIR)).resolve()
+    kind = (AUDIO_DIR, make_qwen2_audio) if args.qwen2_audio else (QWEN3_5_DIR, make_qwen3_5) if args.qwen3_5 \
+        else (DEFAULT_DIR, make)
+    out = (args.out or kind[0]).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    print((make_qwen2_audio if args.qwen2_audio else make)(out, args.force))
+    print(kind[1](out, args.force))
 
 
 if __name__ == "__main__":

@@ -330,6 +330,8 @@ class ModelRunner:
                 module.lora_op = False
                 if packing and module.packed is None:
                     module.pack_for_cpu()
+            elif isinstance(module, SparseMoE) and packing:  # (its experts through their own packed op)
+                module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
     def _check_tp(self) -> None:
@@ -475,6 +477,8 @@ class ModelRunner:
             if isinstance(module, PackableLinear) and (packing or module.qweight is not None
                                                        and self.device.type == "cpu"):
                 module.pack_for_cpu(as_op=True)
+            elif isinstance(module, SparseMoE) and packing:  # (already an opaque op: the graph holds no weight)
+                module.pack_for_cpu()
         for module in self.model.modules():  # (a packed layer's op adds its LoRA output itself)
             if isinstance(module, PackableLinear) and module.op_id is None:
                 module.lora_op = True
@@ -1065,7 +1069,7 @@ class ModelRunner:
             m = modules.get(name)
             if isinstance(m, PackableLinear) and (m.packed is not None or m.qweight is not None or m.fp8 is not None):
                 need = set(m.shard_names) if len(getattr(m, "shard_names", ())) > 1 else {None}
-            elif isinstance(m, SparseMoE) and m.int4 is not None:
+            elif isinstance(m, SparseMoE) and (m.int4 is not None or m.cpu_packed is not None):
                 need = {p for ps in m.expected_shards().values() for p in ps}
             else:
                 continue

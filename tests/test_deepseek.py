@@ -163,7 +163,7 @@ def test_tp2_matches_transformers(ckpt, refs) -> None:
             assert q_out == 2 * (16 + 8)
             if name == "v3":
                 assert attn.q_a_proj.out_features == 24
-            assert moe.w13.shape == (8, 2 * 8, 64) and moe.w2.shape == (8, 64, 8)
+            assert moe.expert_shapes == ((8, 2 * 8, 64), (8, 64, 8)) and moe.cpu_packed is not None
             assert moe.shared_experts.down_proj.input_size == (1 if name == "v3" else 2) * 16 // 2
             assert greedy(llm, PROMPTS, MAX_NEW) == refs(name), name
             assert_logprobs_match(llm, ckpt(name), PROMPTS[:2])

@@ -30,7 +30,7 @@ from streamer.models.config import ModelConfig
 from streamer.models.gpt_oss import FUSED
 from streamer.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader
 from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, rope_layers
-from streamer.models.moe import SparseMoE, moe_experts, moe_experts_int4
+from streamer.models.moe import SparseMoE
 
 # (checkpoint name suffix, ours): the fused experts' tensors
 _FUSED_EXPERTS = ((".mlp.experts.gate_up_proj", ".mlp.w13"), (".mlp.experts.down_proj", ".mlp.w2"))
@@ -157,10 +157,7 @@ class Llama4MoE(SparseMoE):
         scaled = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(tokens * k, -1)
         ids = ids.reshape(tokens * k, 1)
         ones = torch.ones_like(ids, dtype=x.dtype)
-        if self.int4_id is not None:
-            routed = moe_experts_int4(scaled, ones, ids, self.int4_id)
-        else:
-            routed = moe_experts(scaled, self.w13, self.w2, ones, ids)
+        routed = self.run_experts(scaled, ones, ids)
         if k > 1:
             routed = routed.view(tokens, k, -1).sum(dim=1)
         if self.tp_size > 1:

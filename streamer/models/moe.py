@@ -96,7 +96,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     """sum over a token's k experts e of weight * down_e(act(gate_e(x), up_e(x))). x [T, H]; ids/weights [T, k];
     b13 [E, 2I]: the gate/up biases (the down bias is the caller's: see SparseMoE.forward)."""
     tokens, k = topk_ids.shape
-    if tokens * k <= w13.shape[0]:  # few tokens (decode): gather their experts' weights, no per-expert loop
+    # Few tokens (decode) on a GPU: gather their experts' weights, no per-expert loop (and no host sync). On the CPU
+    # the gather's copy costs more than the loop: 2.5x slower for 1-4 tokens, top-2 of 8 experts of 768 x 512.
+    if tokens * k <= w13.shape[0] and x.device.type != "cpu":
         flat = topk_ids.reshape(-1)
         h = torch.bmm(w13[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
         if b13 is not None:
@@ -143,6 +145,31 @@ def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer
     return torch.empty_like(x)
 
 
+_packed_moe_layers: list[weakref.ref["SparseMoE"]] = []  # as _int4_layers: oneDNN-packed experts by layer
+
+
+@torch.library.custom_op("streamer::moe_experts_packed", mutates_args=())
+def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """moe_experts with each expert's matrices prepacked for oneDNN (CPU, `SparseMoE.pack_for_cpu`): one packed
+    matmul pair per expert that has tokens."""
+    m = _packed_moe_layers[layer]()
+    assert m is not None and m.cpu_packed is not None, "moe_experts_packed called for a layer that is gone"
+    w13, w2 = m.cpu_packed
+    out = torch.zeros_like(x)
+    for e, sel, rows in _by_expert(topk_ids, m.num_experts):
+        h = torch.ops.mkldnn._linear_pointwise(x[rows], w13[e], None if m.w13_bias is None else m.w13_bias[e],
+                                               "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(_gated(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
+                                               [], "")
+        out.index_add_(0, rows, (y * topk_weights.reshape(-1)[sel].unsqueeze(-1)).to(x.dtype))
+    return out
+
+
+@moe_experts_packed.register_fake
+def _(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class SparseMoE(nn.Module):
     # gpt-oss's (models/gpt_oss.py sets them): per-expert biases of gate/up [E, 2I] and down [E, H], the activation
     w13_bias: Optional[nn.Parameter]
@@ -151,6 +178,9 @@ class SparseMoE(nn.Module):
 
     int4: Optional[tuple[list[Int4Weight], list[Int4Weight]]] = None  # 4-bit experts (gate/up, down), packed
     int4_id: Optional[int] = None
+    # CPU: each expert's gate/up and down matrices prepacked for oneDNN (`pack_for_cpu`); w13 / w2 then empty
+    cpu_packed: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+    packed_id: Optional[int] = None
     compute_dtype: Optional[torch.dtype] = None  # set while w13 / w2 hold a checkpoint's 4-bit codes
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -271,17 +301,57 @@ class SparseMoE(nn.Module):
         _int4_layers.append(weakref.ref(self))
         self.int4_id = len(_int4_layers) - 1
 
+    def pack_for_cpu(self) -> None:
+        """Prepack each expert's matrices for oneDNN, as PackableLinear.pack_for_cpu does a linear's: a decode
+        token's experts then read their weights at about twice the bandwidth of plain bf16 matmuls (0.76 -> see
+        bench/RESULTS.md session 28). The float parameters are emptied (`unpack_for_load` restores them)."""
+        if self.cpu_packed is not None or self.int4 is not None or self.compute_dtype is not None \
+                or self.w13.numel() == 0:
+            return
+        self.float_shapes = (self.w13.shape, self.w2.shape)
+        self.cpu_packed = self._packed_experts()
+        for w in (self.w13, self.w2):
+            w.data = w.data.new_empty(0)
+        if self.packed_id is None:
+            _packed_moe_layers.append(weakref.ref(self))
+            self.packed_id = len(_packed_moe_layers) - 1
+
+    @property
+    def expert_shapes(self) -> tuple[torch.Size, torch.Size]:
+        """w13's and w2's shapes (this rank's), whether the float experts are held, packed or rounded."""
+        if self.w13.numel() == 0 and hasattr(self, "float_shapes"):
+            return self.float_shapes
+        return self.w13.shape, self.w2.shape
+
+    def _packed_experts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return tuple([torch.ops.mkldnn._reorder_linear_weight(w[e].contiguous(), 16) for e in range(w.shape[0])]
+                     for w in (self.w13.data, self.w2.data))  # type: ignore[return-value]
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token (this rank's part under tensor parallelism)."""
+        if self.int4_id is not None:
+            return moe_experts_int4(x, weights, ids, self.int4_id)
+        if self.cpu_packed is not None:
+            return moe_experts_packed(x, weights, ids, self.packed_id)  # type: ignore[arg-type]
+        return moe_experts(x, self.w13, self.w2, weights, ids, self.w13_bias, self.activation, self.alpha,
+                           self.limit)
+
     def unpack_for_load(self) -> bool:
-        """Experts rounded to 4 bits at load get their float parameters back for a loader to fill (new weights in
-        place); True if so (then `repack`)."""
-        if self.int4 is None:
+        """Experts rounded to 4 bits or packed for oneDNN after load get their float parameters back for a loader
+        to fill (new weights in place); True if so (then `repack`)."""
+        if self.int4 is None and self.cpu_packed is None:
             return False
         for w, shape in zip((self.w13, self.w2), self.float_shapes):
             w.data = w.data.new_empty(shape)
         return True
 
     def repack(self) -> None:
-        """Round the new float experts again, into the tensors the kernels read."""
+        """Round (or pack) the new float experts again, into what the kernels read."""
+        if self.cpu_packed is not None:
+            self.cpu_packed = self._packed_experts()
+            for w in (self.w13, self.w2):
+                w.data = w.data.new_empty(0)
+            return
         assert self.int4 is not None
         new = self._rounded_experts()
         assert new is not None, "experts rounded once round again"
@@ -304,11 +374,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        if self.int4_id is not None:
-            out = moe_experts_int4(x, weights, ids, self.int4_id)
-        else:
-            out = moe_experts(x, self.w13, self.w2, weights, ids, self.w13_bias, self.activation, self.alpha,
-                              self.limit)
+        out = self.run_experts(x, weights, ids)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         if self.w2_bias is not None:  # after the all-reduce: every rank holds all of it
