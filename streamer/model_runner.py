@@ -630,11 +630,14 @@ class ModelRunner:
         one = np.flatnonzero(q_lens == 1)
         many = np.flatnonzero(q_lens > 1)
         span = _dense_span(slots[one])
+        pos = slots[one] - span[0] if span else None
+        if pos is not None and len(pos) == span[1] - span[0] and (pos == np.arange(len(pos))).all():
+            pos = None  # (the rows are the span's, in order: inputs and outputs need no laying out)
         return MambaStep(
             fresh_slots=to_device(slots[fresh].astype(np.int64), dev) if len(fresh) else None,
             decode_tokens=to_device(first[one].astype(np.int64), dev) if len(one) else None,
             decode_slots=to_device(slots[one].astype(np.int64), dev) if len(one) else None,
-            decode_span=span, decode_pos=to_device(slots[one] - span[0], dev) if span else None,
+            decode_span=span, decode_pos=to_device(pos, dev) if pos is not None else None,
             prefills=_chunks(slots, qsl, many), **self._prefill_batch(slots, qsl, many),
             copies=tuple(self._slot_pairs(pairs) for pairs in step.state_copies or () if pairs))
 

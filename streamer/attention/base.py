@@ -93,7 +93,8 @@ class MambaStep:
     prefills: list[tuple[int, int, int]]  # (slot, first token, end) of each request computing several tokens
     # The decode slots' span [lo, hi) where they fill most of it: the layers then update the states in place through
     # a view of the span (no gathered copy written back), each request's row at `decode_pos` (its slot - lo) and the
-    # span's other slots left as they are. None: gather the slots.
+    # span's other slots left as they are. None: gather the slots. (decode_pos None with a span: the rows are the
+    # span's slots in order, nothing to lay out.)
     decode_span: Optional[tuple[int, int]] = None
     decode_pos: Optional[torch.Tensor] = None
     # The prefill chunks again, split for layers that batch them: the short ones (`PrefillBatch`), the others

@@ -278,7 +278,7 @@ def over_span(step: MambaStep, t: torch.Tensor) -> torch.Tensor:
     """A one-token request's inputs [R, ...] laid out as `RecurrentMixer.decode_states` lays the states: over the
     span's slots (zeros for the slots of no one-token request: a step with zero dt, gate or beta leaves a state as
     it is), or as they are."""
-    if step.decode_span is None:
+    if step.decode_span is None or step.decode_pos is None:  # (no span, or its rows in order)
         return t
     lo, hi = step.decode_span
     out = t.new_zeros(hi - lo, *t.shape[1:])
@@ -288,7 +288,7 @@ def over_span(step: MambaStep, t: torch.Tensor) -> torch.Tensor:
 
 def from_span(step: MambaStep, t: torch.Tensor) -> torch.Tensor:
     """Outputs computed over `decode_states`' rows -> the one-token requests' [R, ...]."""
-    return t if step.decode_span is None else t[step.decode_pos]
+    return t if step.decode_span is None or step.decode_pos is None else t[step.decode_pos]
 
 
 class HybridModel:
