@@ -210,3 +210,30 @@ def test_mtp_drafts_with_images(vl_case, tmp_path) -> None:
     assert_state_freed(spec)
     with pytest.raises(ValueError, match="a checkpoint's own MTP layer does"):  # (a separate draft model: not yet)
         LLM(str(path), dtype="float32", speculative_model=str(path), num_speculative_tokens=2)
+
+
+def test_server_chat_with_an_image(vl_case) -> None:
+    """A live server on the Qwen3.5 checkpoint answers an OpenAI chat request with a base64 image as LLM.chat does
+    (the same tokens), and leaves every state slot and KV block free."""
+    import base64
+    import io
+
+    import openai
+
+    from tests.server_utils import LiveServer
+    path, llm, _, _, _ = vl_case
+    im = _images([(36, 52)], seed=13)[0]
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    greedy_params = SamplingParams(max_tokens=8, temperature=0.0)
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
+                                                  {"type": "text", "text": "What is it?"}]}], greedy_params)
+    with LiveServer(path, allow_image_urls=False) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        r = client.chat.completions.create(model=server.model_name, max_tokens=8, temperature=0.0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is it?"}]}])
+    assert chat[0].outputs[0].text and r.choices[0].message.content == chat[0].outputs[0].text
+    assert r.usage.prompt_tokens == len(chat[0].prompt_token_ids) and r.usage.completion_tokens == 8
+    assert_state_freed(llm)
