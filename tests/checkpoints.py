@@ -228,14 +228,7 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family == "qwen3_next":  # Qwen3-Next-like: Gated DeltaNet layers around a gated full-attention layer (rotary
         # over a quarter of each head), 2 key heads / 4 value heads; 4 experts top 2 plus a gated shared expert, layer
         # 2 dense (mlp_only_layers). Untied head.
-        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
-        kw.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention",
-                                      "linear_attention"][:kw["num_hidden_layers"]])
-        kw.setdefault("head_dim", 16)
-        kw.update(linear_num_key_heads=overrides.get("linear_num_key_heads", 2),
-                  linear_num_value_heads=overrides.get("linear_num_value_heads", 4),
-                  linear_key_head_dim=overrides.get("linear_key_head_dim", 16),
-                  linear_value_head_dim=overrides.get("linear_value_head_dim", 8))
+        _gated_deltanet_shape(kw, overrides, head_dim=16)
         kw.setdefault("num_experts", 4)
         kw.setdefault("num_experts_per_tok", 2)
         kw.setdefault("moe_intermediate_size", 32)
@@ -256,14 +249,7 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
     if family in ("qwen3_5", "qwen3_5_moe"):  # Qwen3.5-like: Qwen3-Next's layer pattern and head shapes, separate
         # DeltaNet projections, interleaved M-RoPE over a quarter of each 32-wide head; dense, or 4 experts top 2 + a
         # gated shared expert in every layer. Untied head.
-        kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
-        kw.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention",
-                                      "linear_attention"][:kw["num_hidden_layers"]])
-        kw.setdefault("head_dim", 32)
-        kw.update(linear_num_key_heads=overrides.get("linear_num_key_heads", 2),
-                  linear_num_value_heads=overrides.get("linear_num_value_heads", 4),
-                  linear_key_head_dim=overrides.get("linear_key_head_dim", 16),
-                  linear_value_head_dim=overrides.get("linear_value_head_dim", 8))
+        _gated_deltanet_shape(kw, overrides, head_dim=32)
         kw.setdefault("rope_parameters", {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
                                           "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
         kw.setdefault("tie_word_embeddings", False)
@@ -277,6 +263,19 @@ def hf_config(family: str, vocab_size: int, **overrides: Any):
         kw.setdefault("shared_expert_intermediate_size", 48)
         return tf.Qwen3_5MoeTextConfig(**kw)
     raise ValueError(family)
+
+
+def _gated_deltanet_shape(kw: dict[str, Any], overrides: dict[str, Any], head_dim: int) -> None:
+    """The tiny Qwen3-Next / Qwen3.5 layer pattern (layer 1 full attention, the others Gated DeltaNet) and head
+    shapes (2 key heads of 16, 4 value heads of 8), unless `overrides` gives them."""
+    kw["num_hidden_layers"] = overrides.get("num_hidden_layers", 4)
+    kw.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention",
+                                  "linear_attention"][:kw["num_hidden_layers"]])
+    kw.setdefault("head_dim", head_dim)
+    kw.update(linear_num_key_heads=overrides.get("linear_num_key_heads", 2),
+              linear_num_value_heads=overrides.get("linear_num_value_heads", 4),
+              linear_key_head_dim=overrides.get("linear_key_head_dim", 16),
+              linear_value_head_dim=overrides.get("linear_value_head_dim", 8))
 
 
 def _randomise_qwen3_next(model: Any) -> None:

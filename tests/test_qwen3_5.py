@@ -109,11 +109,8 @@ def test_transformers_default_configs_read() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- with images
-PROMPT = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
-          "<|im_start|>assistant\n")
-TWO = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and<|vision_start|><|image_pad|>"
-       "<|vision_end|>Which?<|im_end|>\n<|im_start|>assistant\n")
-TEXT = "<|im_start|>user\nno picture today<|im_end|>\n<|im_start|>assistant\n"
+from tests.test_qwen3_vl import PROMPT, TEXT, TWO  # noqa: E402  (Qwen2-VL's tokens and template)
+
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True)  # (transformers: min_new_tokens)
 
 

@@ -302,9 +302,9 @@ class SparseMoE(nn.Module):
         self.int4_id = len(_int4_layers) - 1
 
     def pack_for_cpu(self) -> None:
-        """Prepack each expert's matrices for oneDNN, as PackableLinear.pack_for_cpu does a linear's: a decode
-        token's experts then read their weights at about twice the bandwidth of plain bf16 matmuls (0.76 -> see
-        bench/RESULTS.md session 28). The float parameters are emptied (`unpack_for_load` restores them)."""
+        """Prepack each expert's matrices for oneDNN, as PackableLinear.pack_for_cpu does a linear's (a one-row
+        bf16 matmul on a packed weight takes about half the time: bench/RESULTS.md, session 28). The float
+        parameters are emptied (`unpack_for_load` restores them)."""
         if self.cpu_packed is not None or self.int4 is not None or self.compute_dtype is not None \
                 or self.w13.numel() == 0:
             return
