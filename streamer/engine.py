@@ -366,6 +366,9 @@ class LLMEngine:
         if self.model_config.multimodal is not None:
             raise ValueError("prompt_embeds is not supported for vision-language models")
         model = self.runner.model
+        if not getattr(model, "takes_prompt_embeds", True):
+            raise ValueError(f"prompt_embeds is not supported for {self.model_config.architecture} with per-layer "
+                             "embeddings (they are looked up by token id)")
         rows = prompt_embeds.check_embeds(prompt["prompt_embeds"], model.input_width, self.runner.dtype)
         return prompt_embeds.embeds_input(rows)
 

@@ -165,6 +165,19 @@ def attention_layers(model: torch.nn.Module) -> list:
     return [layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None]
 
 
+def kv_cache_geometry(model: torch.nn.Module) -> list[Optional[tuple[int, int]]]:
+    """Per decoder layer, (kv heads, head_dim) of the KV cache it owns; None where it owns none: a recurrent layer,
+    or one that attends over an earlier layer's cache (Gemma 4's KV sharing: the model's `kv_source`). Layers may
+    differ (Gemma 4's global layers have wider heads)."""
+    source = getattr(model, "kv_source", None)
+    out: list[Optional[tuple[int, int]]] = []
+    for i, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        own = attn is not None and (source is None or source[i] == i)
+        out.append((attn.num_kv_heads, attn.head_dim) if own else None)
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
                  tp_rank: int = 0) -> None:
@@ -258,12 +271,12 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         # One block past the pool's: a scratch block that padding tokens write to and read from (never allocated).
         self.scratch_block = self.num_blocks
-        attns = attention_layers(self.model)  # (its geometry: DeepSeek's latent cache is one kv head on every rank)
-        # (no attention layer at all, pure Mamba2: every layer's entry is a placeholder, the blocks only bookkeeping)
-        shape = (2, self.num_blocks + 1, self.block_size, attns[0].num_kv_heads, attns[0].head_dim) if attns else (0,)
-        # (a hybrid model's Mamba layers get an empty placeholder: their state is in slots, `allocate_state`)
-        self.kv_caches = [torch.zeros(shape if getattr(layer, "self_attn", None) is not None else (0,),
-                                      dtype=self.kv_dtype, device=self.device) for layer in self.model.layers]
+        # Each layer's cache in its attention's geometry (DeepSeek's latent cache is one kv head on every rank); a
+        # layer without one of its own (a hybrid model's Mamba layers, whose state is in slots: `allocate_state`;
+        # Gemma 4's KV-shared layers; every layer of a pure Mamba2 model) gets an empty placeholder.
+        self.kv_caches = [torch.zeros((2, self.num_blocks + 1, self.block_size, *g) if g else (0,),
+                                      dtype=self.kv_dtype, device=self.device)
+                          for g in kv_cache_geometry(self.model)]
         if self.hybrid:  # one slot past the pool's: the warm-up steps' scratch slot; then the checkpoints', snapshots'
             self.model.allocate_state(self.num_state_slots + 1 + self.num_checkpoint_slots + self.num_snapshot_slots,
                                       self.dtype, self.device)
@@ -508,11 +521,9 @@ class ModelRunner:
                     "scales 1.0 (the checkpoint has no calibrated k_scale / v_scale)")
 
     def kv_bytes_per_block(self) -> int:
-        attns = attention_layers(self.model)
-        if not attns:  # a model without attention layers (Mamba2) stores no KV
-            return 0
+        # (a model without attention layers, Mamba2, stores no KV)
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * len(attns) * self.block_size * attns[0].num_kv_heads * attns[0].head_dim * elem
+        return sum(2 * self.block_size * heads * dim * elem for heads, dim in filter(None, kv_cache_geometry(self.model)))
 
     def _num_state_slots(self) -> tuple[int, int]:
         """A hybrid model's Mamba state slots, one per running sequence (max_num_seqs), and with prefix caching its
@@ -818,7 +829,7 @@ class ModelRunner:
         splits = thread_splits()
         table = decode_table(step.block_table, step.seq_lens, self.block_size, splits)
         slots = step.slot_mapping
-        half = self.kv_caches[0].shape[1] * self.block_size  # key slots (scratch block included); values follow
+        half = (self.num_blocks + 1) * self.block_size  # key slots (scratch block included); values follow
         dev = self.device
         return DecodeBatch(to_device(np.concatenate([slots, slots + half]), dev), to_device(table, dev),
                            to_device(step.seq_lens, dev), splits,

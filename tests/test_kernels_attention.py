@@ -406,3 +406,15 @@ def test_position_bias_reference_reads_the_clamped_distance() -> None:
         for qi, qp in enumerate((3, 9)):
             for kp in range(12):
                 assert got[h, qi, kp] == table[h, 5 + max(-5, min(5, kp - qp))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_heads_of_gemma4_global_layers(dtype) -> None:
+    """Heads of 512 (Gemma 4's global layers; the widest launch shape: 32-key tiles) with one kv head for 8 query
+    heads, unscaled scores (its q/k norms stand in for the scale): a prefill chunk on a context beside decodes,
+    single pass and split-KV."""
+    g = torch.Generator().manual_seed(7)
+    batch = make_paged_batch([19, 1, 1], [13, 70, 0], 8, 1, 512, 16, dtype, DEVICE, num_pad_tokens=3, generator=g)
+    batch.q.mul_(512 ** -0.5)
+    _check(batch, 8, 512, dtype, scale=1.0)
+    _check(batch, 8, 512, dtype, scale=1.0, num_kv_splits=4)

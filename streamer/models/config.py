@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM",
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM",
+                           "Qwen3MoeForCausalLM",
                            "GemmaForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
                            "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
                            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
@@ -157,7 +158,8 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
 
 # Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
 # architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration.
-TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
+TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
+                           "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 
 # Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
 NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Ministral3ForCausalLM")
@@ -203,7 +205,7 @@ _KEY_ALIASES: dict[str, dict[str, str]] = {
 _OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt",
                   "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt",
                   "WhisperForConditionalGeneration": "whisper", "Qwen3_5ForCausalLM": "qwen3_5",
-                  "Qwen3_5MoeForCausalLM": "qwen3_5"}
+                  "Qwen3_5MoeForCausalLM": "qwen3_5", "Gemma4ForCausalLM": "gemma4"}
 
 
 def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
@@ -402,7 +404,8 @@ class ModelConfig:
     @property
     def bidirectional(self) -> bool:
         """An encoder: every token attends to its whole prompt (BERT-family models, EmbeddingGemma)."""
-        return self.architecture in ENCODER_MODELS or bool(self.raw.get("use_bidirectional_attention"))
+        # (Gemma 4's "vision": only image tokens see each other both ways, models/vlm.py)
+        return self.architecture in ENCODER_MODELS or self.raw.get("use_bidirectional_attention") in (True, "all")
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "ModelConfig":

@@ -519,9 +519,13 @@ def build_cos_sin_cache(rotary_dim: int, max_positions: int, theta: float,
         pos = pos / scaling["factor"]  # type: ignore[index]
     elif kind == "yarn":
         inv_freq, attn = _yarn_inv_freq(rotary_dim, theta, scaling)  # type: ignore[arg-type]
+    elif kind == "proportional":  # (Gemma 4's global layers: the first share of the frequencies turn, the rest not)
+        turning = int(float(scaling.get("partial_rotary_factor", 1.0)) * rotary_dim // 2)  # type: ignore[union-attr]
+        inv_freq[turning:] = 0.0
+        inv_freq = inv_freq / float(scaling.get("factor", 1.0))  # type: ignore[union-attr]
     elif kind != "default":
         raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, longrope, "
-                         "yarn)")
+                         "proportional, yarn)")
     freqs = torch.outer(pos, inv_freq)
     table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     return table if attn == 1.0 else table * attn

@@ -25,6 +25,7 @@ from streamer.models.falcon_h1 import FalconH1ForCausalLM
 from streamer.models.gemma import GemmaForCausalLM
 from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
+from streamer.models.gemma4 import Gemma4ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
 from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.gpt2 import GPT2LMHeadModel
@@ -81,6 +82,7 @@ logger = logging.getLogger("streamer")
 # partial rotary); the others subclass its parts.
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+_MODEL_CLASSES["Gemma4ForCausalLM"] = Gemma4ForCausalLM
 _MODEL_CLASSES[EAGLE1] = _MODEL_CLASSES[EAGLE3] = EagleDraftModel  # speculative heads (streamer/eagle.py) only
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM

@@ -67,11 +67,13 @@ def unfuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
 
 
 def _gated(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """[..., 2I] (gate, then up) -> [..., I]. "silu": silu(gate) * up; "swiglu_oai" (gpt-oss): the gate clamped
+    """[..., 2I] (gate, then up) -> [..., I]. "silu": silu(gate) * up ("gelu_tanh": GELU's); "swiglu_oai" (gpt-oss): the gate clamped
     above and the up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":  # (Gemma 4's experts)
+        return F.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
