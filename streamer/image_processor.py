@@ -102,6 +102,21 @@ def _size_with_aspect_ratio(height: int, width: int, size: int, max_size: int) -
     return size, (int(raw_size * width / height) if raw_size is not None else int(size * width / height))
 
 
+def value_table(do_rescale: bool, rescale_factor: float, do_normalize: bool, image_mean: Sequence[float],
+                image_std: Sequence[float]) -> np.ndarray:
+    """[3, 256] float32: what rescale + normalize make of each uint8 value in each channel, computed as transformers
+    computes it per pixel (image_transforms.rescale, then normalize), so the lookup gives the same bits."""
+    x = np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)
+    if do_rescale:
+        x = (x.astype(np.float64) * rescale_factor).astype(np.float32)
+    if do_normalize:
+        if len(image_mean) != 3 or len(image_std) != 3:
+            raise ValueError(f"image_mean/image_std need 3 values, got {image_mean}, {image_std}")
+        x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
+        x = (x - np.array(image_mean, dtype=x.dtype)) / np.array(image_std, dtype=x.dtype)
+    return np.ascontiguousarray(x.astype(np.float32).T)
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """transformers' convert_to_rgb: transparency is composited onto white, not dropped."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -160,17 +175,7 @@ class ImageProcessor:
                          f"fixed resize: do_resize {self.do_resize}, size {self.size}); images could not be batched")
 
     def _value_table(self) -> np.ndarray:
-        """What rescale + normalize make of each uint8 value in each channel, computed as transformers computes it
-        per pixel (image_transforms.rescale, then normalize), so the lookup gives the same bits."""
-        x = np.arange(256, dtype=np.uint8)[:, None].repeat(3, axis=1)
-        if self.do_rescale:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            if len(self.image_mean) != 3 or len(self.image_std) != 3:
-                raise ValueError(f"image_mean/image_std need 3 values, got {self.image_mean}, {self.image_std}")
-            x = x.astype(np.float32) if not np.issubdtype(x.dtype, np.floating) else x
-            x = (x - np.array(self.image_mean, dtype=x.dtype)) / np.array(self.image_std, dtype=x.dtype)
-        return np.ascontiguousarray(x.astype(np.float32).T)
+        return value_table(self.do_rescale, self.rescale_factor, self.do_normalize, self.image_mean, self.image_std)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ImageProcessor:

@@ -220,7 +220,8 @@ class ImagePrompts:
     tokens per tile of the image (`tile`: the tile size in pixels) and `</img>` (`wrap`), as InternVLProcessor
     expands it. LLaVA-NeXT's write `<image>` too, which becomes as many image tokens as the image's size makes
     (`anyres`: the tile size, the patches per tile side and the model's image_grid_pinpoints), as
-    LlavaNextProcessor counts them.
+    LlavaNextProcessor counts them. Gemma 4's write `<|image|>`, the image token itself: it becomes `<|image>`, as many
+    image tokens as the image pools to at its own size, and `<image|>` (`processor`: streamer/gemma4_image_processor.py).
 
     Videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL: `video_token_id` set): their templates write `<|video_pad|>` inside
     `<|vision_start|>...<|vision_end|>` (`video_placeholder`); each lone video token becomes the video's tokens, one
@@ -241,7 +242,8 @@ class ImagePrompts:
                  tokens_per_second: Optional[float] = None, no_video: str = "this model takes no video",
                  max_tokens: Optional[int] = None, frame_wrap: Optional[tuple[int, int]] = None,
                  encode_text: Optional[Callable[[str], list[int]]] = None,
-                 anyres: Optional[tuple[int, int, tuple[tuple[int, int], ...]]] = None) -> None:
+                 anyres: Optional[tuple[int, int, tuple[tuple[int, int], ...]]] = None,
+                 processor: Any = None) -> None:
         self.folder = folder
         self.frame_wrap = frame_wrap  # Qwen3-VL: each video step between these, after its time as text
         self.encode_text = encode_text
@@ -256,7 +258,8 @@ class ImagePrompts:
         self.patch = patch
         self.tile_tokens = tile_tokens
         self.anyres = anyres
-        self.processor = _qwen_processor(folder) if merge else _pixtral_processor(folder, patch) if row_breaks \
+        # (`processor`: one whose `process(images)` gives each image's (pixels, tokens, grid): Gemma 4's)
+        self.processor = processor if processor is not None else _qwen_processor(folder) if merge else _pixtral_processor(folder, patch) if row_breaks \
             else _internvl_processor(folder, tile) if tile_tokens else _llava_next_processor(folder, anyres) \
             if anyres else _processor(folder)
         self.image_token_id = image_token_id
@@ -387,6 +390,8 @@ class ImagePrompts:
         original (height, width))."""
         if not images:
             return []
+        if hasattr(self.processor, "process"):
+            return self.processor.process(list(images))
         if self.anyres:
             return [(px, self.processor.num_tokens(*size), None, size) for px, size in self.processor(list(images))]
         if self.row_breaks:
@@ -503,7 +508,14 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
         return None
     mm, arch, image = cfg.multimodal, cfg.multimodal_architecture, cfg.image_token_id
     assert image is not None
+    folder = model_dir
+    if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        folder = Path(config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
     n = model.tokens_per_image
+    if arch == "Gemma4ForConditionalGeneration":  # (each image's own count, at most the processor's budget)
+        from streamer.gemma4_image_processor import Gemma4ImageProcessor
+        gemma4 = Gemma4ImageProcessor.from_folder(folder)
+        n = gemma4.max_soft_tokens
     if model.bidirectional_images and n > config.max_num_batched_tokens:
         raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must hold a whole image ({n} "
                          f"tokens): this model's images are computed in one piece")
@@ -513,9 +525,6 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
         if text is None:
             raise ValueError(f"the model's image token id {token_id} is not in its tokenizer")
         return text
-    folder = model_dir
-    if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
-        folder = Path(config.tokenizer or folder)  # (processor files often sit with the tokenizer's)
     limit = config.limit_images_per_prompt
     if arch == "Qwen2AudioForConditionalGeneration":  # (clips, not images: streamer/audio_prompts.py)
         from streamer.audio_prompts import AudioPrompts
@@ -562,6 +571,9 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
         _check_image_seq_length(folder, model.tile_tokens)
         return ImagePrompts(folder, image, None, text_of(image), limit, wrap=([ids[0]], [ids[1]]),
                             tile_tokens=model.tile_tokens, tile=model.tile_size)
+    if arch == "Gemma4ForConditionalGeneration":  # <|image|> -> <|image> and as many <|image|> as it pools to <image|>
+        boi, eoi = int(mm.get("boi_token_id", 255_999)), int(mm.get("eoi_token_id", 258_882))
+        return ImagePrompts(folder, image, None, text_of(image), limit, wrap=([boi], [eoi]), processor=gemma4)
     if arch == "Gemma3ForConditionalGeneration":
         boi, eoi = int(mm.get("boi_token_index", 255999)), int(mm.get("eoi_token_index", 256000))
         nl = tokenizer.encode("\n\n", add_special_tokens=False)

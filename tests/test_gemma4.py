@@ -97,6 +97,7 @@ def test_compiled_matches_transformers(refs, prompts) -> None:
     llm = LLM(str(path), dtype="float32", num_kv_blocks=96, enforce_eager=False)
     assert llm.engine.runner.compiled
     assert greedy(llm, prompts, MAX_NEW) == ref
+    assert greedy(llm, prompts[4:5], MAX_NEW) == ref[4:5]  # (a lone request's decode attends inside the graph)
 
 
 def test_kv_cache_per_layer_geometry_and_sharing(refs, prompts) -> None:
@@ -209,12 +210,14 @@ def _make_conditional_generation(out_dir: Path, text_dir: Path) -> Path:
     assert not missing.missing_keys, missing.missing_keys
     model.save_pretrained(out_dir)
     make_bytelevel_tokenizer(out_dir)
+    tf.Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70).save_pretrained(out_dir)
     return out_dir
 
 
-def test_conditional_generation_served_as_text(refs, prompts, ckpt_root) -> None:
-    """Every Gemma 4 release is a Gemma4ForConditionalGeneration: its text model serves (equal to transformers'
-    whole model on text prompts), its vision tower's weights skipped, images refused with a clear error."""
+def test_conditional_generation_text_and_text_only(refs, prompts, ckpt_root) -> None:
+    """Every Gemma 4 release is a Gemma4ForConditionalGeneration: on text prompts it equals transformers' whole model;
+    without a vision_config (its tower's weights still in the files) it serves as its text model alone, skipping
+    them, and refuses images with a clear error. (Images: tests/test_gemma4_vision.py.)"""
     import transformers as tf
     text_path, _ = refs("gemma4")
     path = ckpt_root / "gemma4_vlm"
@@ -227,6 +230,10 @@ def test_conditional_generation_served_as_text(refs, prompts, ckpt_root) -> None
             out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
             want.append(out[0, len(p):].tolist())
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.model_config.multimodal_architecture == "Gemma4ForConditionalGeneration"
+    assert greedy(llm, prompts[:4], MAX_NEW) == want
+    text_only = checkpoint_variant(path, ckpt_root / "gemma4_vlm_text_only", config={"vision_config": None})
+    llm = LLM(str(text_only), dtype="float32", num_kv_blocks=64)
     cfg = llm.engine.model_config
     assert cfg.architecture == "Gemma4ForCausalLM" and cfg.text_only_of == "Gemma4ForConditionalGeneration"
     assert greedy(llm, prompts[:4], MAX_NEW) == want

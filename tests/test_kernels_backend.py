@@ -165,6 +165,20 @@ def test_engine_triton_backend_llama4_chunked_attention(request) -> None:
             == _greedy(path, prompts, attention_backend="torch", **args))
 
 
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
+def test_engine_triton_backend_gemma4(request, family) -> None:
+    """Gemma 4 (tests/test_gemma4.py holds the torch backend to transformers'): per-layer cache geometries (global
+    heads twice as wide), KV-shared layers attending over their source layers' caches, k = v, through the Triton
+    kernel, chunked prefill beside decodes."""
+    pytest.importorskip("transformers")
+    import tests.test_gemma4  # noqa: F401  (registers the families)
+    path = request.getfixturevalue("make_ckpt")(family, family=family)
+    prompts = _prompts(3, seed=15, max_len=30)
+    args = dict(max_num_batched_tokens=8, block_size=8)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_limit_on_both_backends(dtype) -> None:
     """Query spans that see themselves both ways (a causal limit past their own positions) attend alike on the
@@ -195,6 +209,15 @@ def test_causal_limit_on_both_backends(dtype) -> None:
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, plain, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, spec.scale, 0, 0, None)
     assert not torch.allclose(expected[3:11], plain[3:11]) and torch.equal(expected[11:21], plain[11:21])
+    # A causal-only layer (Gemma 4's global layers) ignores the limit on both backends
+    causal = AttentionSpec(4, 2, 64, 0.125, None, causal_only=True)
+    meta.backend_cache.clear()
+    out = TritonAttentionBackend(causal).forward(batch.q, batch.new_k, batch.new_v, batch.kv_cache.clone(), meta)
+    assert rel_err(out[:n], plain[:n]) <= TOLERANCE[dtype]
+    meta.backend_cache.clear()
+    out_torch = TorchAttentionBackend(causal).forward(batch.q, batch.new_k, batch.new_v,
+                                                      torch.nan_to_num(batch.kv_cache, nan=0.0), meta)
+    assert rel_err(out_torch[:n], plain[:n]) <= 2 * TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("window", [None, 9])

@@ -154,6 +154,9 @@ class AttentionSpec:
     # The sliding window reaches both ways (an encoder's local layers, ModernBERT's): a query at p also sees keys up
     # to p + sliding_window - 1, within its prompt. The metadata's `window_limit` holds that last position per token.
     two_sided_window: bool = False
+    # Plainly causal whatever the metadata's `causal_limit` says (Gemma 4's global layers, where image tokens do not
+    # see each other both ways as in its sliding layers)
+    causal_only: bool = False
 
 
 # --------------------------------------------------------------------------------------------- forward context

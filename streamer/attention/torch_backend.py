@@ -380,7 +380,8 @@ class TorchAttentionBackend(KVScales):
             k, v = self._gather(kv_cache, meta.block_table[i], seq_len, q.dtype)  # [L, Hkv, D]
         mask = None
         window, chunk = self.spec.sliding_window, self.spec.attention_chunk
-        limits = meta.window_limit_cpu if self.spec.two_sided_window else meta.causal_limit_cpu
+        limits = meta.window_limit_cpu if self.spec.two_sided_window else \
+            None if self.spec.causal_only else meta.causal_limit_cpu
         limit = None if limits is None else limits[start:end]
         # every query sees every key (an encoder's whole prompt, no window): no mask at all
         see_all = limit is not None and int(limit.min()) >= seq_len - 1 and window is None and not chunk

@@ -47,10 +47,11 @@ class TritonAttentionBackend(KVScales):
         num_kv_splits = choose_num_kv_splits(meta.num_reqs, spec.num_kv_heads, meta.max_query_len,
                                              meta.max_seq_len, spec.head_dim, q.dtype, q.device,
                                              spec.sliding_window, spec.attention_chunk)
+        limit = meta.window_limit if spec.two_sided_window else None if spec.causal_only else meta.causal_limit
         unified_attention(q, key_cache, value_cache, out, meta.query_start_loc[:meta.num_reqs + 1],
                           meta.seq_lens[:meta.num_reqs], meta.block_table, spec.scale, meta.max_query_len,
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
                           logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
-                          causal_limit=meta.window_limit if spec.two_sided_window else meta.causal_limit,
+                          causal_limit=limit,
                           attention_chunk=spec.attention_chunk, position_bias=meta.position_bias)
         return out

@@ -95,6 +95,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                            "Gemma4ForConditionalGeneration",
                             "Qwen2AudioForConditionalGeneration")  # (audio, not images: models/vlm.py)
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -106,7 +107,7 @@ _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qw
                "qwen3_moe": "Qwen3MoeForCausalLM",  # (InternVL3.5's MoE models)
                # Qwen3.5's: Qwen3-Next's hybrid (models/qwen3_5.py) with interleaved M-RoPE, no DeepStack
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-               "ministral3": "Ministral3ForCausalLM"}  # (Ministral 3's Mistral3ForConditionalGeneration)
+               "ministral3": "Ministral3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}  # (Ministral 3's Mistral3ForConditionalGeneration)
 _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "LlavaNextForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
                  "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
@@ -119,6 +120,7 @@ _VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_
                  "InternVLForConditionalGeneration": ("internvl_vision",),
                  "Qwen3_5ForConditionalGeneration": ("qwen3_5_vision", "qwen3_5"),
                  "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe_vision", "qwen3_5_moe", "qwen3_5_vision"),
+                 "Gemma4ForConditionalGeneration": ("gemma4_vision",),
                  "Qwen2AudioForConditionalGeneration": ("qwen2_audio_encoder",)}  # (its audio_config's)
 # What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -144,6 +146,7 @@ _IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "LlavaNextForConditional
                 "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
                 "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667,
                 "Qwen3_5ForConditionalGeneration": 248056, "Qwen3_5MoeForConditionalGeneration": 248056,
+                "Gemma4ForConditionalGeneration": 258_880,
                 "Qwen2AudioForConditionalGeneration": 151646}  # (its <|AUDIO|>: audio_token_index)
 # The text config an architecture's config class builds when config.json has none (a given one takes its
 # model_type's class defaults: _TEXT_DEFAULTS).
@@ -157,7 +160,8 @@ _DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
 }
 
 # Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
-# architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration.
+# architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration; Gemma 4's
+# are served so only without a vision_config (with one, its images are supported: MULTIMODAL_ARCHITECTURES).
 TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
                            "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 
@@ -427,11 +431,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
         archs = c.get("architectures") or []
+        text_only = next((a for a in archs if a in TEXT_ONLY_ARCHITECTURES), None)
+        if text_only is not None and (text_only not in MULTIMODAL_ARCHITECTURES or not c.get("vision_config")):
+            return cls._text_only(c, text_only)
         if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
             return cls._multimodal(c)
-        text_only = next((a for a in archs if a in TEXT_ONLY_ARCHITECTURES), None)
-        if text_only is not None:
-            return cls._text_only(c, text_only)
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None and any(a in BACKBONES for a in archs):
             arch = next(BACKBONES[a] for a in archs if a in BACKBONES)

@@ -128,6 +128,7 @@ class Gemma4Attention(Attention):
         window = cfg.raw.get("sliding_window") if plan.kind == SLIDING else None
         super().__init__(geometry, backend_cls, rotary, scale=1.0, sliding_window=window,
                          qk_norm_cls=Gemma4RMSNorm)
+        self.attn.spec.causal_only = plan.kind == FULL  # (image tokens see each other both ways in sliding layers)
         self.eps = cfg.rms_norm_eps
         self.shared = plan.kv_source != index
         self.k_eq_v = plan.k_eq_v
@@ -319,6 +320,9 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                                       "model.embed_audio.")):
                     if self.cfg.text_only_of:
                         continue
+                if not name.startswith("model."):  # (the vision tower's and projector's: models/vlm.py)
+                    yield name, t
+                    continue
                 parts = name.split(".")
                 if len(parts) > 4 and parts[1] == "layers" and parts[3] == "self_attn" \
                         and self.kv_source[int(parts[2])] != int(parts[2]) \

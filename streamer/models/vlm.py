@@ -464,6 +464,59 @@ class InternVLMixin(VisionLanguageMixin):
 
 
 
+class Gemma4VisionMixin(VisionLanguageMixin):
+    """Gemma 4 (Gemma4ForConditionalGeneration; models/gemma4_vision.py): each image at its own size, a token per
+    pooled square of patches, between <|image> and <image|>. Image tokens take the pad token's per-layer
+    embeddings (the text model's `per_layer_ids`); with `use_bidirectional_attention: "vision"` (the larger models)
+    they see their whole image in the sliding layers, the global layers staying causal (AttentionSpec.causal_only).
+    Its audio encoder and videos are not supported (their weights are skipped)."""
+
+    def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
+        super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
+        from streamer.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+        mm = cfg.multimodal
+        self.vision_tower = Gemma4VisionTower(mm.get("vision_config") or {})
+        self.multi_modal_projector = Gemma4VisionEmbedder(self.vision_tower.hidden, cfg.hidden_size,
+                                                          self.vision_tower.eps)
+        self.bidirectional_images = cfg.raw.get("use_bidirectional_attention") == "vision"
+        self.image_token = int(mm.get("image_token_id", 258_880))
+        self.pad_token = int(cfg.raw.get("pad_token_id") or 0)
+
+    @property
+    def tokens_per_image(self) -> Optional[int]:
+        return None
+
+    def encoder_bytes(self, max_tokens: int) -> int:
+        # A step's image tokens come from at most max_tokens * pool^2 patches, and one more image of the largest
+        # budget (1,120 tokens) cut by a chunk boundary; a few buffers of the encoder's width per patch.
+        t = self.vision_tower
+        patches = (max_tokens + 1120) * t.pool ** 2
+        return patches * (t.hidden * 16 + t.intermediate * 6)
+
+    def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
+        """Each image's features [its tokens, hidden], an image at a time (their sizes differ)."""
+        return [self.multi_modal_projector(self.vision_tower(im.pixel_values.to(device, non_blocking=True),
+                                                             im.grid))  # type: ignore[arg-type]
+                for im in images]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                decode: Any = None, inputs_embeds: Optional[torch.Tensor] = None, **kw: Any) -> torch.Tensor:
+        if inputs_embeds is not None and self.ple:  # (image tokens' per-layer embeddings are the pad token's)
+            kw["per_layer_ids"] = torch.where(input_ids == self.image_token, self.pad_token, input_ids)
+        return super().forward(input_ids, positions, kv_caches, decode, inputs_embeds, **kw)  # type: ignore[misc]
+
+    def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`model.embed_vision.*` as the projector's; the audio encoder's and its projection's skipped."""
+        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in weights:
+                if name.startswith(("model.audio_tower.", "model.embed_audio.")):
+                    continue
+                if name.startswith("model.embed_vision."):
+                    name = "multi_modal_projector." + name.removeprefix("model.embed_vision.")
+                yield name, t
+        return super().rename_weights(renamed())
+
+
 class Qwen2AudioMixin(VisionLanguageMixin):
     """Qwen2-Audio (Qwen2AudioForConditionalGeneration): Whisper's encoder with an average pool of 2 (streamer/
     models/audio_tower.py) and one linear projection in front of Qwen2. Its "images" are audio clips
@@ -507,7 +560,7 @@ _MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "LlavaNextForConditional
            "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
            "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin,
            "Qwen3_5ForConditionalGeneration": Qwen3VLMixin, "Qwen3_5MoeForConditionalGeneration": Qwen3VLMixin,
-           "Qwen2AudioForConditionalGeneration": Qwen2AudioMixin}
+           "Qwen2AudioForConditionalGeneration": Qwen2AudioMixin, "Gemma4ForConditionalGeneration": Gemma4VisionMixin}
 
 
 @functools.cache
