@@ -211,6 +211,40 @@ def make_hybrid(out: Path, force: bool = False, next_moe: bool = False) -> Path:
     return _build(out, fill)
 
 
+# --gemma4: a Gemma 4 E2B-shaped text model (Gemma4ForCausalLM) of about the same size: 12 layers, every 6th global
+# (heads of 256 against the sliding layers' 128, proportional rotary), a 512-token window, per-layer embeddings of 64
+# a layer, the last 4 layers sharing the KV of layers 7 (sliding) and 5 (global) with double-wide MLPs, soft-capped
+# logits; the Llama bench model's tokenizer.
+GEMMA4_DIR = Path.home() / ".cache" / "streamer-bench" / "gemma4-100m"
+GEMMA4 = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+              num_key_value_heads=2, head_dim=128, global_head_dim=256, sliding_window=512,
+              hidden_size_per_layer_input=64, num_kv_shared_layers=4, use_double_wide_mlp=True,
+              final_logit_softcapping=30.0, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def make_gemma4(out: Path, force: bool = False) -> Path:
+    if not force and all((out / n).is_file() for n in REQUIRED):
+        return out
+    import torch
+    import transformers as tf
+    from offline_throughput import LLAMA_90M
+
+    def fill(tmp: Path) -> None:
+        source = _tokenizer_into(tmp, LLAMA_90M["vocab_size"])
+        tok = tf.AutoTokenizer.from_pretrained(tmp)
+        cfg = tf.Gemma4TextConfig(**GEMMA4, vocab_size=len(tok), vocab_size_per_layer_input=len(tok),
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)
+        torch.manual_seed(0)
+        model = tf.Gemma4ForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        n_params = sum(p.numel() for p in model.parameters())
+        (tmp / "BENCH_MODEL.json").write_text(json.dumps(
+            {"made_by": "bench/make_bench_model.py --gemma4", "seed": 0, "parameters": n_params,
+             "tokenizer": source, "tokenizer_size": len(tok)}, indent=1) + "\n")
+    return _build(out, fill)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_DIR} ({AUDIO_DIR} with --qwen2-audio)")
@@ -221,8 +255,10 @@ def main() -> None:
                     help=f"the hybrid bench model instead (Qwen3.5-shaped, text only; see QWEN3_5; {QWEN3_5_DIR})")
     ap.add_argument("--qwen3-next", action="store_true",
                     help=f"its Qwen3-Next MoE sibling, which vLLM-CPU runs (QWEN3_NEXT_MOE; {QWEN3_NEXT_DIR})")
+    ap.add_argument("--gemma4", action="store_true",
+                    help=f"the Gemma 4 bench model instead (E2B-shaped, text only; see GEMMA4; {GEMMA4_DIR})")
     args = ap.parse_args()
-    kind = (AUDIO_DIR, make_qwen2_audio) if args.qwen2_audio else (QWEN3_5_DIR, make_hybrid) if args.qwen3_5 \
+    kind = (GEMMA4_DIR, make_gemma4) if args.gemma4 else (AUDIO_DIR, make_qwen2_audio) if args.qwen2_audio else (QWEN3_5_DIR, make_hybrid) if args.qwen3_5 \
         else (QWEN3_NEXT_DIR, lambda out, force: make_hybrid(out, force, next_moe=True)) if args.qwen3_next \
         else (DEFAULT_DIR, make)
     out = (args.out or kind[0]).resolve()

@@ -184,3 +184,29 @@ def test_chat_with_image_and_refusals(vlm) -> None:
                      PARAMS)
     with pytest.raises(ValueError, match="image placeholder"):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": im}}, PARAMS)
+
+
+def test_server_chat_with_an_image(vlm) -> None:
+    """A live server on the 26B-shaped checkpoint answers an OpenAI chat request with a base64 image as LLM.chat
+    does (the same text and token counts); an audio part gets a 400 with an OpenAI-style error, and the server goes
+    on serving."""
+    import openai
+
+    from tests.server_utils import LiveServer
+    path = vlm("gemma4_moe")
+    im = sized([(36, 52)], seed=13)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": im},
+                                                  {"type": "text", "text": "What is it?"}]}], params)
+    image = {"type": "image_url", "image_url": {"url": _data_url(im)}}
+    with LiveServer(path, allow_image_urls=False) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x")
+        with pytest.raises(openai.BadRequestError, match="audio"):
+            client.chat.completions.create(model=server.model_name, max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                             {"type": "text", "text": "hi"}]}])
+        r = client.chat.completions.create(model=server.model_name, max_tokens=8, temperature=0.0, messages=[
+            {"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}])
+    assert chat[0].outputs[0].text and r.choices[0].message.content == chat[0].outputs[0].text
+    assert r.usage.prompt_tokens == len(chat[0].prompt_token_ids) and r.usage.completion_tokens == 8

@@ -157,6 +157,10 @@ class AttentionSpec:
     # Plainly causal whatever the metadata's `causal_limit` says (Gemma 4's global layers, where image tokens do not
     # see each other both ways as in its sliding layers)
     causal_only: bool = False
+    # The cache is an earlier layer's, which already stored this step's k / v (Gemma 4's KV sharing): read, never
+    # write (a second store of the same values would make a compiled graph mutate the cache twice, which Inductor
+    # does not do in place: it copied the whole cache every decode step)
+    kv_shared: bool = False
 
 
 # --------------------------------------------------------------------------------------------- forward context

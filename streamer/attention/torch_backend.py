@@ -305,7 +305,8 @@ class TorchAttentionBackend(KVScales):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         plan = _plan(meta, kv_cache.shape[2], self.spec.sliding_window, self.spec.attention_chunk)
-        self._write(k, v, kv_cache, plan)
+        if not self.spec.kv_shared:
+            self._write(k, v, kv_cache, plan)
         if plan.decode_direct and q.shape[0] == plan.num_decode:
             return self._decode(q, kv_cache, plan, sinks, meta.position_bias)
         out = torch.zeros_like(q)
@@ -342,8 +343,9 @@ class TorchAttentionBackend(KVScales):
         a `kv_cache[0]` view it would copy the whole cache every step)."""
         spec = self.spec
         n = q.shape[0]
-        new = torch.cat([self._cached(k, kv_cache, self.k_scale), self._cached(v, kv_cache, self.v_scale)])
-        _store(kv_cache.view(-1, spec.num_kv_heads, spec.head_dim), d.write_slots, new)
+        if not spec.kv_shared:
+            new = torch.cat([self._cached(k, kv_cache, self.k_scale), self._cached(v, kv_cache, self.v_scale)])
+            _store(kv_cache.view(-1, spec.num_kv_heads, spec.head_dim), d.write_slots, new)
         first = first_keys(d.seq_lens, spec.sliding_window, spec.attention_chunk)
         qb = self._scaled(q, kv_cache).view(n, spec.num_kv_heads, self.gqa, spec.head_dim)
         bias = None if d.position_bias is None else d.position_bias.view(spec.num_kv_heads, self.gqa, -1)

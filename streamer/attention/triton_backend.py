@@ -34,7 +34,8 @@ class TritonAttentionBackend(KVScales):
         fp8 = key_cache.dtype == FP8_KV_DTYPE  # (quantized by the kernel, which otherwise only copies)
         if k.dtype != key_cache.dtype and not fp8:
             k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
-        reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not self.spec.kv_shared:  # (else an earlier layer stored them)
+            reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, self.k_scale, self.v_scale)
 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         if q.shape[0] > meta.num_tokens:

@@ -133,9 +133,10 @@ class Gemma4Attention(Attention):
         self.shared = plan.kv_source != index
         self.k_eq_v = plan.k_eq_v
         q_total = cfg.num_heads * plan.head_dim
-        if self.shared:  # q alone: k and v come from the source layer
+        if self.shared:  # q alone: k and v come from the source layer, which stored them in the cache it reads
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_total], shard_names=["q"])
             self.k_norm = None
+            self.attn.spec.kv_shared = True
         elif self.k_eq_v:
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_total, self.kv_size * self.qkv_proj.tp_size],
                                                  shard_names=["q", "k"], replicable=True)
@@ -144,8 +145,8 @@ class Gemma4Attention(Attention):
                 decode: Optional[DecodeBatch] = None,
                 shared_kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Returns (output, this step's (k, v)): a KV-shared layer's are its source's, which it stores again in
-        the source's cache (the same values at the same slots), so that every backend path sees them as its own."""
+        """Returns (output, this step's (k, v)): a KV-shared layer's are its source's (a backend whose prefill reads
+        a fresh request's k / v as given, not from the cache, needs them; it stores nothing: `kv_shared`)."""
         if self.shared:
             assert shared_kv is not None, "a KV-shared layer needs its source layer's k and v"
             q = self.q_norm(self.qkv_proj(x).view(-1, self.num_heads, self.head_dim))
