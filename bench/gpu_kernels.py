@@ -171,11 +171,18 @@ def bench_decode(timer: Timer, device: torch.device, copy_gbps: float, batch: in
                     f"splits={s}", t, gbps=round(g, 1), pct_ceiling=round(100 * g / copy_gbps, 1))
 
 
+# Gemma 4's global layers: heads of 512 (its E2B's 8 query heads over 1 kv head). At 64-row tiles (the default)
+# the prefill kernel compiles to wgmma on sm_90 but spills 44-80 bytes; 32-row tiles spill nothing but use mma.sync
+# (AOT compiles, session 29). Which is faster needs the GPU: the sweep below times both.
+GEMMA4_GLOBAL = (8, 1, 512)
+WIDE_SWEEP = ((64, 32, 8, 1), (32, 32, 8, 1), (32, 64, 8, 1))
+
+
 def bench_prefill(timer: Timer, device: torch.device, mm_tflops: float, batch: int, seq: int, target: bool,
-                  sweep: bool) -> None:
+                  sweep: bool, heads: Optional[tuple[int, int, int]] = None) -> None:
     from streamer_kernels.attention import AttentionConfig, unified_attention
 
-    H, HKV, D, BS = (32, 8, 128, 16) if not DRY else (4, 2, 64, 16)
+    H, HKV, D, BS = (*heads, 16) if heads else (32, 8, 128, 16) if not DRY else (4, 2, 64, 16)
     dtype = torch.bfloat16
     scale = D ** -0.5
     kv, table = paged_cache(batch, seq, HKV, D, BS, device, dtype)
@@ -195,14 +202,16 @@ def bench_prefill(timer: Timer, device: torch.device, mm_tflops: float, batch: i
     err = rel_err(out, expected)
     ms_sdpa = timer(lambda: sdpa(qs, k, v, True, scale))
     tflops = flops / ms / 1e9
-    name = f"prefill {batch} x {seq}"
+    name = f"prefill {batch} x {seq}" + (f" D={D} H={H}/{HKV}" if heads else "")
     row("attention", name, ms, tflops=round(tflops, 1), pct_ceiling=round(100 * tflops / mm_tflops, 1),
         sdpa_ms=round(ms_sdpa, 4), vs_sdpa=round(ms_sdpa / ms, 2), sdpa_tflops=round(flops / ms_sdpa / 1e9, 1),
         rel_err=f"{err:.2e}", target=">=50% matmul" if target else "",
         ok=(tflops >= 0.5 * mm_tflops) if target else None)
     if sweep:
-        for cfg in [AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 32, 8, 3), AttentionConfig(64, 64, 4, 3),
-                    AttentionConfig(128, 128, 8, 2), AttentionConfig(64, 128, 4, 2), AttentionConfig(128, 64, 4, 3)]:
+        configs = [AttentionConfig(*c) for c in WIDE_SWEEP] if D > 256 else [
+            AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 32, 8, 3), AttentionConfig(64, 64, 4, 3),
+            AttentionConfig(128, 128, 8, 2), AttentionConfig(64, 128, 4, 2), AttentionConfig(128, 64, 4, 3)]
+        for cfg in configs:
             try:
                 t = timer(lambda: run(cfg), reps=5)
             except Exception as e:
@@ -352,6 +361,8 @@ def main() -> int:
                                                            fp8_kv=True)),
             ("prefill 1x4096", lambda: bench_prefill(timer, device, mm_tflops, 1, 4096, True, sweep)),
             ("prefill 4x4096", lambda: bench_prefill(timer, device, mm_tflops, 4, 4096, False, False)),
+            ("prefill 1x4096 D=512", lambda: bench_prefill(timer, device, mm_tflops, 1, 4096, False, sweep,
+                                                           GEMMA4_GLOBAL)),
         ]
     else:
         steps += [
