@@ -487,11 +487,12 @@ class Gemma4VisionMixin(VisionLanguageMixin):
         return None
 
     def encoder_bytes(self, max_tokens: int) -> int:
-        # A step's image tokens come from at most max_tokens * pool^2 patches, and one more image of the largest
-        # budget (1,120 tokens) cut by a chunk boundary; a few buffers of the encoder's width per patch.
+        # Images are encoded one at a time: one image's activations at the largest budget (1,120 tokens of pool^2
+        # patches each; a few buffers of the encoder's width per patch), plus the step's feature rows (and one
+        # image's more, cut by a chunk boundary) at both widths.
         t = self.vision_tower
-        patches = (max_tokens + 1120) * t.pool ** 2
-        return patches * (t.hidden * 16 + t.intermediate * 6)
+        per_image = 1120 * t.pool ** 2 * (t.hidden * 16 + t.intermediate * 6)
+        return per_image + (max_tokens + 1120) * (t.hidden + self.cfg.hidden_size) * 4
 
     def encode(self, images: list["ImageInput"], device: torch.device) -> list[torch.Tensor]:
         """Each image's features [its tokens, hidden], an image at a time (their sizes differ)."""
