@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.image_processor import read_processor_config, to_rgb, value_table
+from streamer.image_processor import as_rgb, read_processor_config, value_table
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
 _DEFAULTS = dict(do_convert_rgb=True, do_resize=True, resample=3, do_rescale=True, rescale_factor=1 / 255,
@@ -105,10 +105,7 @@ class Gemma4ImageProcessor:
 
     def _geometry(self, image: Image.Image) -> np.ndarray:
         """RGB and the resize, on uint8 [H, W, 3] (PIL's bicubic, as transformers' PIL backend)."""
-        if self.do_convert_rgb:
-            image = to_rgb(image)
-        elif image.mode != "RGB":
-            raise ValueError(f"image mode {image.mode!r} with do_convert_rgb false: the vision tower needs RGB")
+        image = as_rgb(image, self.do_convert_rgb)
         if self.do_resize:
             h, w = target_size(image.height, image.width, self.patch_size,
                                self.max_soft_tokens * self.pooling_kernel_size ** 2, self.pooling_kernel_size)

@@ -117,6 +117,15 @@ def value_table(do_rescale: bool, rescale_factor: float, do_normalize: bool, ima
     return np.ascontiguousarray(x.astype(np.float32).T)
 
 
+def as_rgb(image: Image.Image, do_convert_rgb: bool) -> Image.Image:
+    """The image in RGB (converted with `to_rgb`), or a ValueError where conversion is off and it is not RGB."""
+    if do_convert_rgb:
+        return to_rgb(image)
+    if image.mode != "RGB":
+        raise ValueError(f"image mode {image.mode!r} with do_convert_rgb false: the vision tower needs RGB")
+    return image
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """transformers' convert_to_rgb: transparency is composited onto white, not dropped."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -219,10 +228,7 @@ class ImageProcessor:
 
     def _geometry(self, image: Image.Image) -> np.ndarray:
         """RGB conversion, resize and crop, on uint8 [H, W, 3] (where transformers does them too)."""
-        if self.do_convert_rgb:
-            image = to_rgb(image)
-        elif image.mode != "RGB":
-            raise ValueError(f"image mode {image.mode!r} with do_convert_rgb false: the vision tower needs RGB")
+        image = as_rgb(image, self.do_convert_rgb)
         if self.do_resize:
             height, width = resize_output_size(image.height, image.width, self.size)
             image = image.resize((width, height), resample=self.resample)

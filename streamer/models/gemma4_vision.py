@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.models.gemma4 import Gemma4RMSNorm, rms_norm_unscaled
+from streamer.models.vision import copy_into_params
 
 
 def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -143,15 +144,7 @@ class Gemma4VisionTower(nn.Module):
         return pooled.to(dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, t in weights:
-            param = params.get(name)
-            if param is None or param.shape != t.shape:
-                raise ValueError(f"unexpected tensor 'vision_tower.{name}' {tuple(t.shape)} in the checkpoint")
-            param.data.copy_(t)
-            loaded.add(name)
-        return loaded
+        return copy_into_params(dict(self.named_parameters()), weights, "model.vision_tower.")
 
 
 class Gemma4VisionEmbedder(nn.Module):

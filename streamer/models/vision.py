@@ -290,6 +290,20 @@ class VisionTower(nn.Module):
         return name, None
 
 
+def copy_into_params(params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]],
+                     shown_prefix: str = "") -> set[str]:
+    """Copy each (name, tensor) into the parameter of that name and shape (cast to its dtype); ValueError for any
+    other (named with `shown_prefix`, the checkpoint's spelling). Returns the names filled."""
+    loaded = set()
+    for name, t in weights:
+        param = params.get(name)
+        if param is None or param.shape != t.shape:
+            raise ValueError(f"unexpected tensor '{shown_prefix}{name}' {tuple(t.shape)} in the checkpoint")
+        param.data.copy_(t)
+        loaded.add(name)
+    return loaded
+
+
 def load_fused(params: dict[str, nn.Parameter], weights: Iterable[tuple[str, torch.Tensor]],
                target: Callable[[str], tuple[str | None, int | None]], what: str) -> set[str]:
     """Copy checkpoint tensors into `params`: `target` names each one's parameter and, for a fused q/k/v linear,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.models.gemma3 import GemmaRMSNorm
-from streamer.models.vision import ACTIVATIONS, VisionTower
+from streamer.models.vision import ACTIVATIONS, VisionTower, copy_into_params
 
 if TYPE_CHECKING:
     from streamer.multimodal import ImageInput
@@ -143,14 +143,7 @@ class VisionLanguageMixin(nn.Module):
 
         loaded = super().load_weights(text())  # type: ignore[misc]  # the text model's
         loaded |= {prefix + n for n in getattr(self, self.tower_name).load_weights(tower)}
-        params = dict(self.named_parameters())
-        for name, t in projector:
-            param = params.get(name)
-            if param is None or param.shape != t.shape:
-                raise ValueError(f"unexpected tensor {name!r} {tuple(t.shape)} in the checkpoint")
-            param.data.copy_(t)
-            loaded.add(name)
-        return loaded
+        return loaded | copy_into_params(dict(self.named_parameters()), projector)
 
 
 class LlavaMixin(VisionLanguageMixin):
