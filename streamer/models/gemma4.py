@@ -338,7 +338,8 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
 
     def param_name(self, ckpt_name: str) -> tuple[str, Optional[str]]:
         name, shard = super().param_name(ckpt_name)
-        if shard == "q" and self._layer_of(name) is not None and self.layers[self._layer_of(name)].self_attn.shared:
+        layer = self._layer_of(name) if shard == "q" else None
+        if layer is not None and self.layers[layer].self_attn.shared:
             return name, None  # (a KV-shared layer's projection is q alone)
         return name, shard
 
