@@ -12,6 +12,11 @@ launches them all at once. Graphs replay fixed device addresses and fixed launch
   batch size, and the split-KV factor is fixed per graph, for the longest context the engine allows).
 Batches larger than the largest size, and steps that prefill, run without a graph.
 
+A hybrid model's recurrent layers read each row's state slot from a persistent buffer too (`MambaStep.decoding`:
+every row one token, its conv window and state gathered by slot and written back); the padding rows use the
+runner's scratch slot. The step's state copies and fresh slots are made before the replay (`ModelRunner.
+_prepare_states`), since a captured graph cannot know them.
+
 With `capture=False` nothing is captured and `run` calls the model on the same persistent buffers and the same
 metadata object each time: on a CPU (Triton interpreter) that checks everything but the capture itself.
 """
@@ -23,7 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from streamer.attention.base import AttentionMetadata, forward_context
+from streamer.attention.base import AttentionMetadata, MambaStep, forward_context
 from streamer.input_batch import StepInputs, to_device
 from streamer.models.lora import LoRAStep, lora_context
 
@@ -41,9 +46,10 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Callable, kv_caches: list[torch.Tensor], sizes: list[int], max_blocks_per_req: int,
                  block_size: int, scratch_block: int, max_model_len: int, device: torch.device,
-                 capture: bool = True, lora: bool = False) -> None:
+                 capture: bool = True, lora: bool = False, state_scratch: Optional[int] = None) -> None:
         """lora: the model has adapter slots; each row's slot is a graph input too (the graphs gather each
-        token's adapter weights, whatever the mix)."""
+        token's adapter weights, whatever the mix). state_scratch: a hybrid model's scratch state slot (None: a
+        model without recurrent state); each row's state slot is a graph input."""
         if not sizes:
             raise ValueError("no batch sizes to capture")
         self.forward = forward
@@ -67,6 +73,9 @@ class DecodeGraphs:
         self.block_table = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # one token per request
         self.lora_slots = torch.zeros(n, dtype=torch.int64, device=device) if lora else None
+        self.state_scratch = state_scratch
+        self.state_slots = None if state_scratch is None else torch.full((n,), state_scratch, dtype=torch.int64,
+                                                                          device=device)
         # The block table crosses as a dense [b, w] block (w = this step's widest table, usually far below the
         # max_model_len-wide `block_table`), into a flat device buffer; one device-side copy then places it.
         self.table_stage = torch.zeros(n * w, dtype=torch.int32, device=device)
@@ -74,7 +83,8 @@ class DecodeGraphs:
         self.hosts = [{name: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
                        for name, t in (("ids", self.ids), ("positions", self.positions), ("slots", self.slots),
                                        ("seq_lens", self.seq_lens), ("table", self.table_stage))
-                       + ((("lora", self.lora_slots),) if lora else ())}
+                       + ((("lora", self.lora_slots),) if lora else ())
+                       + ((("state", self.state_slots),) if self.state_slots is not None else ())}
                       for _ in range(2)]
         self._done: list[Optional[torch.cuda.Event]] = [None, None]
         self._turn = 0
@@ -96,13 +106,16 @@ class DecodeGraphs:
         host["seq_lens"][lo:hi] = 1
         if "lora" in host:
             host["lora"][lo:hi] = 0
+        if "state" in host:
+            host["state"][lo:hi] = self.state_scratch
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_reqs=b, num_tokens=b, query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
             block_table=self.block_table[:b], slot_mapping=self.slots[:b], max_query_len=1,
             max_seq_len=self.max_model_len, query_start_loc_cpu=np.arange(b + 1, dtype=np.int64),
-            seq_lens_cpu=np.full(b, self.max_model_len, dtype=np.int64))
+            seq_lens_cpu=np.full(b, self.max_model_len, dtype=np.int64),
+            mamba=None if self.state_slots is None else MambaStep.decoding(self.state_slots[:b]))
 
     def _call(self, b: int) -> torch.Tensor:
         adapters = None if self.lora_slots is None else LoRAStep(self.lora_slots[:b], gather=True)
@@ -152,6 +165,8 @@ class DecodeGraphs:
         host["seq_lens"][:n] = torch.from_numpy(step.seq_lens)
         if self.lora_slots is not None:
             host["lora"][:n] = 0 if step.lora_slots is None else torch.from_numpy(step.lora_slots)
+        if self.state_slots is not None:
+            host["state"][:n] = self.state_scratch if step.state_slots is None else torch.from_numpy(step.state_slots)
         self._pad(host, n, b)
         w = step.block_table.shape[1]  # entries past w (and past a row's own blocks) are never read
         table = host["table"][:b * w].view(b, w)
@@ -161,6 +176,8 @@ class DecodeGraphs:
             getattr(self, name)[:b].copy_(host[name][:b], non_blocking=True)
         if self.lora_slots is not None:
             self.lora_slots[:b].copy_(host["lora"][:b], non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:b].copy_(host["state"][:b], non_blocking=True)
         self.table_stage[:b * w].copy_(host["table"][:b * w], non_blocking=True)
         self.block_table[:b, :w].copy_(self.table_stage[:b * w].view(b, w))
         if self.device.type == "cuda":

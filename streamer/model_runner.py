@@ -366,7 +366,7 @@ class ModelRunner:
         # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
         # (Tensor-parallel workers would have to replay the same graphs: not yet.)
         return (self.device.type == "cuda" and self.attention_backend == "triton" and self.tp_size == 1
-                and not self.hybrid and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
+                and not self.cross and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
         """Decode-only steps of up to max(sizes) requests replay captured graphs (`capture=False`: the same
@@ -375,7 +375,8 @@ class ModelRunner:
         t = time.perf_counter()
         self.graphs = DecodeGraphs(self.forward, self.kv_caches, sizes, self.max_blocks_per_req, self.block_size,
                                    self.scratch_block, self.max_model_len, self.device, capture,
-                                   lora=bool(self.lora_layers))
+                                   lora=bool(self.lora_layers),
+                                   state_scratch=self.num_state_slots if self.hybrid else None)
         self.graphs.capture()
         logger.info("%s decode steps of %d batch sizes (up to %d) in %.1f s",
                     "captured CUDA graphs for" if capture else "set up graph buffers for", len(sizes), max(sizes),
@@ -423,10 +424,13 @@ class ModelRunner:
         return self.device.type == "cpu" and self.config.cpu_weight_packing and cpu_packing_supported(self.dtype)
 
     def _should_compile(self) -> bool:
-        if self.hybrid:  # its Mamba layers loop over the step's prefill chunks in Python: eager, always
+        # A hybrid model's recurrent layers loop over the step's prefill chunks in Python: only its lone decode
+        # steps run compiled (`_decode_inputs`), so only where that graph exists (the torch attention backend).
+        # An encoder-decoder model runs eagerly, always.
+        if self.cross or (self.hybrid and self.attention_backend != "torch"):
             if self.config.enforce_eager is False:
                 logger.info("%s: running eagerly (enforce_eager=False ignored)", "encoder-decoder model" if self.cross
-                            else "hybrid attention + Mamba model")
+                            else "hybrid model on the Triton attention backend")
             return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
@@ -631,10 +635,7 @@ class ModelRunner:
         slot), which start fresh (at position 0: one resumed from a prefix-cache checkpoint starts past it, its
         state restored by a copy), the one-token requests and the prefill chunks."""
         qsl, dev = step.query_start_loc, self.device
-        n = step.num_reqs
-        slots = step.state_slots if step.state_slots is not None else np.full(n, self.num_state_slots, np.int64)
-        if (slots < 0).any():
-            raise RuntimeError("a request of a hybrid model has no Mamba state slot")
+        slots = self._state_slots(step)
         first = qsl[:-1]
         fresh = np.flatnonzero(step.positions[first] == 0)
         q_lens = np.diff(qsl)
@@ -826,14 +827,34 @@ class ModelRunner:
         to a batch's step, and one more decode graph would add a minute of compile time on the 2-core box."""
         if not (self.compiled and self.attention_backend == "torch") or step.num_tokens != 1:
             return None
+        dev = self.device
+        state_slots = None
+        if self.hybrid:  # (only this step is compiled; its recurrent layers step inline too)
+            slots = self._state_slots(step)
+            self._prepare_states(step, slots)
+            state_slots = to_device(slots, dev)
         splits = thread_splits()
         table = decode_table(step.block_table, step.seq_lens, self.block_size, splits)
         slots = step.slot_mapping
         half = (self.num_blocks + 1) * self.block_size  # key slots (scratch block included); values follow
-        dev = self.device
         return DecodeBatch(to_device(np.concatenate([slots, slots + half]), dev), to_device(table, dev),
                            to_device(step.seq_lens, dev), splits,
-                           self.model.position_bias_table() if self.model.relative_bias else None)
+                           self.model.position_bias_table() if self.model.relative_bias else None, state_slots)
+
+    def _state_slots(self, step: StepInputs) -> np.ndarray:
+        """A hybrid model's step: each request's state slot, int64 (the warm-up steps': the scratch slot)."""
+        slots = step.state_slots if step.state_slots is not None else np.full(step.num_reqs, self.num_state_slots)
+        if (slots < 0).any():
+            raise RuntimeError("a request of a hybrid model has no Mamba state slot")
+        return slots.astype(np.int64)
+
+    def _prepare_states(self, step: StepInputs, slots: np.ndarray) -> None:
+        """A decode-only step of a hybrid model that runs as a graph (compiled or captured): its state copies made
+        and its fresh slots zeroed now, eagerly (the graph's layers do neither: `MambaStep.decoding`)."""
+        fresh = slots[step.positions[step.query_start_loc[:-1]] == 0]
+        if step.state_copies or len(fresh):  # (prefix caching's checkpoints; 1-token prompts)
+            self.model.prepare_states([self._slot_pairs(pairs) for pairs in step.state_copies or () if pairs],
+                                      to_device(fresh, self.device) if len(fresh) else None)
 
     def _input_ids(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         input_ids = to_device(step.input_ids, self.device)
@@ -851,10 +872,10 @@ class ModelRunner:
             self.tp_workers.send(step)
         for slot, adapter in step.lora_loads:  # queued in order behind the steps that still use the slot
             self.place_lora(slot, adapter)
-        if self.graphs is not None and step.images is None:
-            hidden = self.graphs.run(step, self.last_tokens, self._rope_positions(step))
-            if hidden is not None:
-                return hidden
+        if self.graphs is not None and step.images is None and self.graphs.size_for(step) is not None:
+            if self.hybrid:
+                self._prepare_states(step, self._state_slots(step))
+            return self.graphs.run(step, self.last_tokens, self._rope_positions(step))  # type: ignore[return-value]
         try:
             with lora.lora_context(self._lora_step(step)):
                 return self._forward(step, drafts)
@@ -916,8 +937,8 @@ class ModelRunner:
         decode = self._decode_inputs(step)
         if decode is not None:
             return self.forward(input_ids, positions, self.kv_caches, decode)
-        with forward_context(self._metadata(step)):
-            return self.forward(input_ids, positions, self.kv_caches)
+        with forward_context(self._metadata(step)):  # (a hybrid model's other steps: eagerly)
+            return (self.model if self.hybrid else self.forward)(input_ids, positions, self.kv_caches)
 
     def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> tuple[torch.Tensor, dict[str, Any]]:
         """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now

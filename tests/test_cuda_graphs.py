@@ -87,3 +87,34 @@ def test_decode_graphs_with_lora_adapters_match_plain_steps(request, tmp_path):
     base = [o.outputs[0].token_ids for o in LLM(str(llama_dir), dtype="float32").generate(prompts, params)]
     assert [o for o, lo in zip(ref, loras) if lo is None] == [o for o, lo in zip(base, loras) if lo is None]
     assert [o for o, lo in zip(ref, loras) if lo] != [o for o, lo in zip(base, loras) if lo]
+
+
+def test_decode_graphs_for_a_hybrid_model_match_transformers(make_ckpt):
+    """A hybrid model (Gated DeltaNet + attention) decodes through the graphs: each row's state slot from a
+    persistent buffer, the padding rows in the scratch slot, the state checkpoints of prefix caching (block 8) and
+    a 1-token prompt's fresh state made before the replay. Its greedy tokens are transformers'. (Compiling is
+    refused: the Triton backend has no inline decode graph for a hybrid.)"""
+    from streamer.cuda_graphs import DecodeGraphs
+    from tests.checkpoints import hf_greedy
+    from tests.parity import assert_state_freed, greedy, prompts_of_lengths
+    path = make_ckpt("graphs_qwen3_next", family="qwen3_next")
+    prompts = prompts_of_lengths((3, 9, 30), seed=7)
+    lone = prompts_of_lengths((1,), seed=8)
+    ref = hf_greedy(path, prompts + lone, 10)
+    llm = LLM(str(path), dtype="float32", device=DEVICE.type, attention_backend="triton", block_size=8,
+              cuda_graph_max_batch=4, num_kv_blocks=64, enforce_eager=False)
+    runner = llm.engine.runner
+    assert not runner.compiled  # (no inline decode graph on the Triton backend: the graphs run the eager model)
+    if DEVICE.type == "cpu":
+        runner.enable_decode_graphs(capture_sizes(4), capture=False)
+    assert isinstance(runner.graphs, DecodeGraphs) and runner.graphs.state_slots is not None
+    prepared = []
+    real = runner.model.prepare_states
+    runner.model.prepare_states = lambda pairs, fresh: prepared.append((len(pairs), fresh is not None)) \
+        or real(pairs, fresh)
+    assert greedy(llm, prompts, 10) == ref[:3]  # 3 requests: padded to 4
+    replays = runner.graphs.num_replays
+    assert replays > 0 and any(n for n, _ in prepared), "no graph replay, or no checkpoint copied before one"
+    assert greedy(llm, lone, 10) == ref[3:]  # a 1-token prompt: its first step is a decode-only one, fresh
+    assert runner.graphs.num_replays == replays + 10 and any(f for _, f in prepared)
+    assert_state_freed(llm)

@@ -88,7 +88,8 @@ class MambaStep:
     slot of the layers' state tensors."""
 
     fresh_slots: Optional[torch.Tensor]  # int64 [F]: slots of requests computing their first token (zeroed first)
-    decode_tokens: Optional[torch.Tensor]  # int64 [R1]: the token of each request that computes exactly one
+    # int64 [R1]: the token of each request that computes exactly one (`slice(None)`: every row, a decode-only step)
+    decode_tokens: Optional[torch.Tensor | slice]
     decode_slots: Optional[torch.Tensor]  # int64 [R1]: their slots
     prefills: list[tuple[int, int, int]]  # (slot, first token, end) of each request computing several tokens
     # The decode slots' span [lo, hi) where they fill most of it: the layers then update the states in place through
@@ -105,6 +106,12 @@ class MambaStep:
     # in the order kv_cache.KVCacheManager.take_state_copies gives
     copies: tuple[torch.Tensor, ...] = ()
 
+    @classmethod
+    def decoding(cls, slots: torch.Tensor) -> "MambaStep":
+        """A decode-only step inside a compiled graph (`DecodeBatch.state_slots`): every row one request's token.
+        Its copies and fresh slots were dealt with before the graph ran (`HybridModel.prepare_states`)."""
+        return cls(fresh_slots=None, decode_tokens=slice(None), decode_slots=slots, prefills=[])
+
 
 class DecodeBatch(NamedTuple):
     """A decode-only step (one query token per request) as graph inputs, for a backend that attends inside the
@@ -115,6 +122,8 @@ class DecodeBatch(NamedTuple):
     seq_lens: torch.Tensor  # int64 [T]
     splits: int  # parts a lone request's context is split into (static: one graph per value)
     position_bias: Optional[torch.Tensor] = None  # AttentionMetadata.position_bias's (BLOOM's ALiBi table)
+    # A hybrid model's recurrent layers: each request's state slot, int64 [T] (`MambaStep.decoding`)
+    state_slots: Optional[torch.Tensor] = None
 
 
 class AttentionBackend(Protocol):

@@ -119,7 +119,7 @@ class FalconH1DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
         h, residual = add_and_norm(self.input_layernorm, x, residual)
-        m = self.mamba(h) * self.ssm_out_multiplier
+        m = self.mamba(h, decode) * self.ssm_out_multiplier
         a = self.self_attn(positions, h * self.attention_in_multiplier, kv_cache, decode)
         h, residual = self.pre_ff_layernorm(m + a * self.attention_out_multiplier, residual)
         return self.feed_forward(h), residual

@@ -79,7 +79,7 @@ class HybridDecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
         h, residual = add_and_norm(self.input_layernorm, x, residual)
         if self.mamba is not None:
-            h = self.mamba(h)
+            h = self.mamba(h, decode)
         else:
             h = self.self_attn(positions, h, kv_cache, decode)  # type: ignore[misc]
         h, residual = self.post_attention_layernorm(h * self.residual_multiplier, residual)

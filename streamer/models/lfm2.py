@@ -101,8 +101,8 @@ class ShortConv(RecurrentMixer):
         self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
         self.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = self.begin_step()
+    def forward(self, x: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        step = self.begin_step(decode)
         b, c, v = self.in_proj(x).chunk(3, dim=-1)
         bx = b * v
         y = torch.empty_like(bx)
@@ -145,7 +145,7 @@ class Lfm2DecoderLayer(nn.Module):
         if self.self_attn is not None:
             h = self.self_attn(positions, h, kv_cache, decode)
         else:
-            h = self.conv(h)  # type: ignore[misc]
+            h = self.conv(h, decode)  # type: ignore[misc]
         h, residual = self.ffn_norm(h, residual)
         return (self.mlp if self.feed_forward is None else self.feed_forward)(h), residual  # type: ignore[misc]
 

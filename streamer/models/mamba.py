@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import MambaStep, PrefillBatch, current_metadata
+from streamer.attention.base import DecodeBatch, MambaStep, PrefillBatch, current_metadata
 from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RowParallelLinear, _check_shape,
                                     rank_rows_loader)
 
@@ -215,18 +215,27 @@ class RecurrentMixer(nn.Module):
         self.conv_state = torch.zeros(num_slots, self.conv_dim, self.d_conv - 1, dtype=dtype, device=device)
         self.ssm_state = torch.zeros(num_slots, *self.state_shape, dtype=torch.float32, device=device)
 
-    def begin_step(self) -> MambaStep:
-        """The step's MambaStep (from the forward context), with its fresh slots zeroed."""
+    def begin_step(self, decode: Optional[DecodeBatch] = None) -> MambaStep:
+        """The step's MambaStep (from the forward context), its states prepared (`prepare_states`); or, inside a
+        compiled decode-only step, the one `decode` describes (its states prepared before the graph ran)."""
+        if decode is not None and decode.state_slots is not None:
+            return MambaStep.decoding(decode.state_slots)
         step: Optional[MambaStep] = current_metadata().mamba
         if step is None or self.conv_state is None or self.ssm_state is None:
             raise RuntimeError(f"a {type(self).__name__} layer ran without its state (MambaStep / allocate_state)")
-        for copies in step.copies:  # (in order: a batch may read a state the one before wrote)
-            self.conv_state[copies[1]] = self.conv_state[copies[0]]
-            self.ssm_state[copies[1]] = self.ssm_state[copies[0]]
-        if step.fresh_slots is not None:  # first chunks: start from zero
-            self.conv_state[step.fresh_slots] = 0
-            self.ssm_state[step.fresh_slots] = 0
+        self.prepare_states(step.copies, step.fresh_slots)
         return step
+
+    def prepare_states(self, copies: Sequence[torch.Tensor], fresh_slots: Optional[torch.Tensor]) -> None:
+        """Before a step: MambaStep.copies made (int64 [2, N] each: from slots, to slots; in order, as a batch may
+        read what the one before wrote), then the fresh slots zeroed (first chunks start from zero)."""
+        assert self.conv_state is not None and self.ssm_state is not None
+        for pairs in copies:
+            self.conv_state[pairs[1]] = self.conv_state[pairs[0]]
+            self.ssm_state[pairs[1]] = self.ssm_state[pairs[0]]
+        if fresh_slots is not None:
+            self.conv_state[fresh_slots] = 0
+            self.ssm_state[fresh_slots] = 0
 
     def decode_states(self, step: MambaStep) -> torch.Tensor:
         """The one-token requests' recurrent states, for the caller to update in place: a view of their slots' span
@@ -324,6 +333,12 @@ class HybridModel:
         for m in self.recurrent_layers():
             m.allocate_state(num_slots, dtype, device)
 
+    def prepare_states(self, copies: Sequence[torch.Tensor], fresh_slots: Optional[torch.Tensor]) -> None:
+        """Every recurrent layer's `RecurrentMixer.prepare_states`: before a compiled or captured decode-only step,
+        whose layers prepare none."""
+        for m in self.recurrent_layers():
+            m.prepare_states(copies, fresh_slots)
+
 
 class MambaMixer(RecurrentMixer):
     """Mamba2's mixer; parameter names as in the checkpoints (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`,
@@ -407,8 +422,8 @@ class MambaMixer(RecurrentMixer):
         return t.float().view(-1, self.n_groups, self.d_state).repeat_interleave(
             self.num_heads // self.n_groups, dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = self.begin_step()
+    def forward(self, x: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        step = self.begin_step(decode)
         ssm_state = self.ssm_state
         assert ssm_state is not None
         gate, xbc, dt = self.project(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamer.attention.base import AttentionBackend, AttentionSpec, MambaStep
+from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, MambaStep
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import require_silu
@@ -203,8 +203,8 @@ class Mamba1Mixer(RecurrentMixer):
         self.conv_dim, self.state_shape = self.inner, (self.inner, self.d_state)
         self.plans = StepPlans()  # (the model shares one among its layers)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        step = self.begin_step()
+    def forward(self, h: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        step = self.begin_step(decode)
         x, z = self.in_proj(h).chunk(2, dim=-1)
         xc = torch.empty_like(x)
         dec, plan = step.decode_tokens, None
@@ -299,8 +299,8 @@ class MambaBlock(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = Mamba1Mixer(cfg.hidden_size, raw, bcdt_eps=eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        return self.mixer(self.norm(x), decode)
 
 
 class MambaForCausalLM(Mamba2ForCausalLM):

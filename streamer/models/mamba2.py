@@ -69,8 +69,8 @@ class Mamba2Block(nn.Module):
         self.mixer = MambaMixer(cfg.hidden_size, m, cfg.rms_norm_eps,
                                 inner=int(m["mamba_n_heads"]) * int(m["mamba_d_head"]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        return self.mixer(self.norm(x), decode)
 
 
 class Mamba2ForCausalLM(HybridModel, LlamaForCausalLM):
@@ -93,7 +93,7 @@ class Mamba2ForCausalLM(HybridModel, LlamaForCausalLM):
         dtype = x.dtype
         stream = x
         for layer in self.layers:
-            h = layer(stream.to(dtype))
+            h = layer(stream.to(dtype), decode)
             stream = (stream.float() if self.residual_in_fp32 else stream) + h
         # the final norm over the (fp32) stream itself, in its dtype; the head then reads it in the model's
         xf = stream.float()

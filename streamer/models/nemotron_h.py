@@ -174,7 +174,7 @@ class NemotronHBlock(nn.Module):
         if self.self_attn is not None:
             return self.self_attn(positions, h, kv_cache, decode), residual
         if self.mamba is not None:
-            return self.mamba(h), residual
+            return self.mamba(h, decode), residual
         return self.mixer(h), residual  # type: ignore[misc]
 
 

@@ -196,8 +196,8 @@ class GatedDeltaNet(RecurrentMixer):
         o = o.unflatten(1, (n, -1)).transpose(0, 1)  # [N, L, H, Dv]
         out[batch.rows[batch.valid]] = o[batch.valid]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        step = self.begin_step()
+    def forward(self, x: torch.Tensor, decode: Optional[DecodeBatch] = None) -> torch.Tensor:
+        step = self.begin_step(decode)
         ssm_state = self.ssm_state
         assert ssm_state is not None
         mixed, z, b, a = self._split(x)
@@ -295,7 +295,7 @@ class Qwen3NextDecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
         h, residual = add_and_norm(self.input_layernorm, x, residual)
         if self.linear_attn is not None:
-            h = self.linear_attn(h)
+            h = self.linear_attn(h, decode)
         else:
             h = self.self_attn(positions, h, kv_cache, decode)  # type: ignore[misc]
         h, residual = self.post_attention_layernorm(h, residual)
