@@ -852,8 +852,9 @@ class ModelRunner:
         """A decode-only step of a hybrid model that runs as a graph (compiled or captured): its state copies made
         and its fresh slots zeroed now, eagerly (the graph's layers do neither: `MambaStep.decoding`)."""
         fresh = slots[step.positions[step.query_start_loc[:-1]] == 0]
-        if step.state_copies or len(fresh):  # (prefix caching's checkpoints; 1-token prompts)
-            self.model.prepare_states([self._slot_pairs(pairs) for pairs in step.state_copies or () if pairs],
+        copies = [pairs for pairs in step.state_copies or () if pairs]  # (prefix caching's checkpoints)
+        if copies or len(fresh):  # (fresh: 1-token prompts)
+            self.model.prepare_states([self._slot_pairs(pairs) for pairs in copies],
                                       to_device(fresh, self.device) if len(fresh) else None)
 
     def _input_ids(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:

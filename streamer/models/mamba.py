@@ -324,7 +324,12 @@ class HybridModel:
         raise NotImplementedError
 
     def recurrent_layers(self) -> list[RecurrentMixer]:
-        return [m for m in self.modules() if isinstance(m, RecurrentMixer)]  # type: ignore[attr-defined]
+        """Every `RecurrentMixer` inside, found once (a walk of the module tree costs ~0.5 ms: not per step)."""
+        found = self.__dict__.get("_recurrent_layers")
+        if found is None:
+            found = self.__dict__["_recurrent_layers"] = [m for m in self.modules()  # type: ignore[attr-defined]
+                                                          if isinstance(m, RecurrentMixer)]
+        return found
 
     def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
         return sum(m.state_bytes(dtype) for m in self.recurrent_layers())
