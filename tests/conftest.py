@@ -9,6 +9,13 @@ import pytest
 
 # Tests run on small CPU tensors: more threads than cores only adds contention.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# One Inductor cache per pytest-xdist worker: two workers compiling the same graph (bigcode and starcoder2 share one)
+# at once race on the cache's .so file, and the loser reads it half-written ("file too short") and runs eagerly.
+_worker = os.environ.get("PYTEST_XDIST_WORKER")
+if _worker:
+    _base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_base, _worker)
 
 
 @pytest.fixture(autouse=True, scope="module")
