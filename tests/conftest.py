@@ -1,8 +1,10 @@
 """Shared fixtures: tiny HF checkpoints (random weights, trained tokenizers) built once per session."""
 from __future__ import annotations
 
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 _worker = os.environ.get("PYTEST_XDIST_WORKER")
 if _worker:
     _base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        os.environ.get("TMPDIR", "/tmp"), f"torchinductor_{os.environ.get('USER', 'user')}")
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_base, _worker)
 
 
