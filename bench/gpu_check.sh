@@ -56,7 +56,7 @@ if [ -z "$DRY" ]; then
     env -u TRITON_INTERPRET timeout -s INT -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
         tests/test_kernels_backend.py tests/test_kernels_sampling.py tests/test_kernels_lora.py \
-        tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
+        tests/test_kernels_moe.py tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
         tests/test_fp8_kv_cache.py "tests/test_multimodal.py::test_gemma3_images_attend_both_ways_as_in_transformers" \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" \
         "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_int4.py::test_int8_is_refused_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3]" \
@@ -67,6 +67,7 @@ else
         "tests/test_kernels_attention.py::test_unified_attention_random" \
         "tests/test_kernels_backend.py::test_backend_matches_reference_and_torch_backend" \
         "tests/test_kernels_sampling.py::test_sampler_matches_reference" tests/test_kernels_lora.py \
+        tests/test_kernels_moe.py \
         "tests/test_fp8_kv_cache.py::test_unified_attention_reads_fp8_caches" \
         tests/test_cuda_graphs.py \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" >"$RES/tests.log" 2>&1

@@ -10,7 +10,8 @@ Measures
 - unified_attention prefill (4,096-token prompts, causal): TFLOP/s, % of the matmul ceiling, vs SDPA;
 - a small launch-config sweep at the two target shapes (the defaults are untuned heuristics);
 - the fused elementwise kernels against their torch references;
-- the sampler: torch path vs the Triton top-k/top-p/min-p kernel (sampling_backend), engine-level and bare.
+- the sampler: torch path vs the Triton top-k/top-p/min-p kernel (sampling_backend), engine-level and bare;
+- fused_moe (grouped GEMMs) vs the unfused expert op at decode and prefill token counts.
 Every Triton result is also checked against SDPA / the reference (relative error printed).
 Targets (H200): decode >= 70% of copy bandwidth at 64 x 4,096; prefill >= 50% of bf16 matmul at 4,096.
 """
@@ -333,6 +334,32 @@ def bench_fp8_and_lora(timer: Timer, device: torch.device) -> None:
             torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms_k, 2))
 
 
+def bench_moe(timer: Timer, device: torch.device, copy_gbps: float) -> None:
+    """streamer_kernels.fused_moe (two grouped GEMM launches, no host sync) vs the engine's unfused op on the same
+    device (a gather-and-bmm at <= E pairs, else a loop over experts with a host sync), Qwen3-30B-A3B's experts
+    (128 of 2,048 -> 768, top 8, bf16). GB/s: the touched experts' weights over the time (decode is weight-bound)."""
+    from streamer.models.moe import moe_experts
+    from streamer_kernels.moe import fused_moe
+
+    E, K, H, INTER = (128, 8, 2048, 768) if not DRY else (8, 2, 64, 32)
+    dt = torch.bfloat16
+    w13 = torch.randn(E, 2 * INTER, H, dtype=dt, device=device) * H ** -0.5
+    w2 = torch.randn(E, H, INTER, dtype=dt, device=device) * INTER ** -0.5
+    for T in ((1, 16, 64, 256, 4096) if not DRY else (1, 12)):
+        x = torch.randn(T, H, dtype=dt, device=device)
+        weights, ids = torch.randn(T, E, device=device).softmax(-1).topk(K, dim=-1)
+        weights = weights.to(dt)
+        fused = lambda: fused_moe(x, w13, w2, weights, ids)  # noqa: E731
+        unfused = lambda: moe_experts(x, w13, w2, weights, ids)  # noqa: E731
+        err = rel_err(fused().float(), unfused().float())
+        ms, ms_ref = timer(fused), timer(unfused)
+        touched = ids.unique().numel() * 3 * H * INTER * w13.element_size()
+        gbps = touched / ms / 1e6
+        row("moe", f"fused_moe vs unfused op, {T} tokens [E={E} k={K} {H} -> {INTER}]", ms,
+            torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms, 2), gbps=round(gbps, 1),
+            pct_ceiling=round(100 * gbps / (copy_gbps / 2), 1), rel_err=f"{err:.2e}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -373,7 +400,8 @@ def main() -> int:
         ]
     steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device)),
               ("sampling", lambda: bench_sampling(timer, device)),
-              ("fp8 and lora", lambda: bench_fp8_and_lora(timer, device))]
+              ("fp8 and lora", lambda: bench_fp8_and_lora(timer, device)),
+              ("moe", lambda: bench_moe(timer, device, copy_gbps))]
     failures = 0
     for name, step in steps:
         try:

@@ -320,6 +320,9 @@ class ModelRunner:
         """Compile (or not), then warm up: warm-up steps compile every graph, and a compilation that fails
         there turns the model eager (`_run_model`). A tensor-parallel worker compiles as rank 0 does and runs
         the warm-up steps rank 0 sends it."""
+        for module in self.model.modules():  # (an opaque op compiled or not: the GPU's grouped GEMMs either way)
+            if isinstance(module, SparseMoE):
+                module.fused_kernel = self.attention_backend == "triton"
         if self.compiled:
             self.forward = self._compile()
         else:
@@ -343,7 +346,7 @@ class ModelRunner:
                 module.lora_op = False
                 if packing and module.packed is None:
                     module.pack_for_cpu()
-            elif isinstance(module, SparseMoE) and packing:  # (its experts through their own packed op)
+            elif isinstance(module, SparseMoE) and packing and not module.fused_kernel:  # (their own packed op)
                 module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
@@ -494,7 +497,7 @@ class ModelRunner:
             if isinstance(module, PackableLinear) and (packing or module.qweight is not None
                                                        and self.device.type == "cpu"):
                 module.pack_for_cpu(as_op=True)
-            elif isinstance(module, SparseMoE) and packing:  # (already an opaque op: the graph holds no weight)
+            elif isinstance(module, SparseMoE) and packing and not module.fused_kernel:  # (an opaque op already)
                 module.pack_for_cpu()
         for module in self.model.modules():  # (a packed layer's op adds its LoRA output itself)
             if isinstance(module, PackableLinear) and module.op_id is None:

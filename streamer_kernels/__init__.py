@@ -26,6 +26,7 @@ __all__ = [
     "HAS_TRITON", "interpret_mode", "use_triton", "reference", "build_cos_sin_cache",
     "reshape_and_cache", "unified_attention", "choose_num_kv_splits",
     "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "top_k_top_p_sample", "lora_add",
+    "fused_moe",
 ]
 
 
@@ -150,3 +151,18 @@ def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: O
     else:
         impl = reference.top_k_top_p_sample
     return impl(logits, temperature, top_k, top_p, exp_noise, min_p)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
+              alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    """sum over each token's k experts e of weight * down_e(act(gate_up_e(x) + b13_e)), in x's dtype (each pair's
+    product rounded to it, as an unfused loop rounds it). x [T, H]; w13 [E, 2I, H] (gate rows, then up rows);
+    w2 [E, H, I]; topk_weights [T, k] (any float dtype); topk_ids int [T, k] in [0, E); b13 [E, 2I] or None.
+    activation: "silu", "gelu_tanh" or "swiglu_oai" (gpt-oss: alpha, limit); see reference.gated_activation.
+    On the GPU: two grouped GEMM launches over the pairs sorted by expert, no host sync (CUDA-graph safe)."""
+    if use_triton(x):
+        from streamer_kernels.moe import fused_moe as impl
+    else:
+        impl = reference.fused_moe
+    return impl(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)

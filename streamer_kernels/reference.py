@@ -213,6 +213,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def gated_activation(h: torch.Tensor, activation: str = "silu", alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> [..., I]. "silu": silu(gate) * up ("gelu_tanh": GELU's); "swiglu_oai" (gpt-oss):
+    the gate clamped above and the up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
+    gate, up = h.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu_tanh":  # (Gemma 4's experts)
+        return F.gelu(gate, approximate="tanh") * up
+    if activation != "swiglu_oai":
+        raise ValueError(f"unknown expert activation {activation!r}")
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------------------------
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
+              alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    """Each token's routed experts, one (token, expert) pair at a time, in x's dtype: the definition."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = F.linear(x[t], w13[e], None if b13 is None else b13[e])
+            y = F.linear(gated_activation(h, activation, alpha, limit), w2[e])
+            out[t] += (y * topk_weights[t, j]).to(x.dtype).float()
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Sampling
 # --------------------------------------------------------------------------------------------------------------

@@ -118,3 +118,23 @@ def test_decode_graphs_for_a_hybrid_model_match_transformers(make_ckpt):
     assert greedy(llm, lone, 10) == ref[3:]  # a 1-token prompt: its first step is a decode-only one, fresh
     assert runner.graphs.num_replays == replays + 10 and any(f for _, f in prepared)
     assert_state_freed(llm)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_decode_graphs_for_a_moe_model_match_transformers(make_ckpt, family):
+    """MoE decode batches replay as graphs: the experts run as streamer_kernels.fused_moe (the pairs sorted by expert
+    on the device, launch shapes fixed by the batch size, no host sync), so a batch of 4 with 8 (token, expert)
+    pairs over 4 experts is captured too. Greedy tokens are transformers'."""
+    from streamer.models.moe import SparseMoE
+    from tests.checkpoints import hf_greedy
+    from tests.parity import greedy, prompts_of_lengths
+    path = make_ckpt(family, family=family)
+    prompts = prompts_of_lengths((3, 9, 17, 30), seed=9)
+    ref = hf_greedy(path, prompts, 8)
+    llm = LLM(str(path), dtype="float32", device=DEVICE.type, attention_backend="triton", cuda_graph_max_batch=4)
+    runner = llm.engine.runner
+    if DEVICE.type == "cpu":
+        runner.enable_decode_graphs(capture_sizes(4), capture=False)
+    assert all(m.fused_kernel for m in runner.model.modules() if isinstance(m, SparseMoE))
+    assert greedy(llm, prompts, 8) == ref
+    assert runner.graphs.num_replays >= 7  # every decode step of the batch of 4

@@ -88,6 +88,7 @@ def _prompts(n: int, seed: int, vocab: int = 500, max_len: int = 40) -> list[lis
 def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     from streamer import LLM, SamplingParams
     from streamer.models.layers import KernelSwitch
+    from streamer.models.moe import SparseMoE
 
     # Eager on a GPU (as on CPU): the backends are under test, and on a GPU compiling each engine would eat the GPU
     # check's time budget (tests/test_cuda_graphs.py runs the compiled, captured path).
@@ -99,6 +100,9 @@ def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     switches = [m for m in runner.model.modules() if isinstance(m, KernelSwitch)]
     assert switches and all(m.use_kernel == (runner.attention_backend == "triton" and not runner.compiled)
                             for m in switches)
+    # MoE layers take the grouped GEMM kernels on the Triton backend, compiled or not.
+    assert all(m.fused_kernel == (runner.attention_backend == "triton")
+               for m in runner.model.modules() if isinstance(m, SparseMoE))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
@@ -161,6 +165,19 @@ def test_engine_triton_backend_llama4_chunked_attention(request) -> None:
     path = request.getfixturevalue("make_ckpt")("llama4_base", family="llama4")
     prompts = _prompts(3, seed=14, max_len=36)
     args = dict(max_num_batched_tokens=6, block_size=4)
+    assert (_greedy(path, prompts, attention_backend="triton", **args)
+            == _greedy(path, prompts, attention_backend="torch", **args))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_engine_triton_backend_moe_grouped_gemms(request, family) -> None:
+    """MoE layers on the Triton backend run streamer_kernels.fused_moe (gpt-oss: expert biases, clamped SwiGLU,
+    fp32 routing weights; Mixtral: every layer sparse) and give the torch backend's tokens, which
+    tests/test_engine_hf_parity.py holds to transformers'; prefill chunks put many pairs on one expert."""
+    pytest.importorskip("transformers")
+    path = request.getfixturevalue("make_ckpt")(family, family=family)
+    prompts = _prompts(3, seed=16, max_len=30)
+    args = dict(max_num_batched_tokens=16, block_size=8)
     assert (_greedy(path, prompts, attention_backend="triton", **args)
             == _greedy(path, prompts, attention_backend="torch", **args))
 

@@ -8,9 +8,9 @@ splits a checkpoint's fused experts (transformers 5's layout, Granite MoE's) int
 The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).
 Which experts a step uses depends on the data, so the expert computation is one opaque custom op: torch.compile
-captures the rest of the model whole, and the op groups the step's tokens by expert and runs one matmul per expert
-that has any (all of them, batched, when there are only a few tokens: a decode step's gather is cheaper than a
-loop over experts).
+captures the rest of the model whole. On a GPU the op is `streamer_kernels.fused_moe` (two grouped GEMM launches over
+the step's (token, expert) pairs sorted by expert, no host sync, so MoE decode batches replay as CUDA graphs); on the
+CPU it groups the step's tokens by expert and runs one matmul per expert that has any.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import streamer_kernels as K
 from streamer.models.layers import ParallelContext
 from streamer.models.woq import (Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4,
                                  quantize_rtn)
-
-
+from streamer_kernels.reference import gated_activation
 
 # One expert's matrix in a checkpoint: Qwen3-MoE's and DeepSeek's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 # `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
@@ -64,18 +64,6 @@ def unfuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
                 yield f"{prefix}.{block}.experts.{e}.up_proj.weight", up
             else:
                 yield f"{prefix}.{block}.experts.{e}.down_proj.weight", t[e]
-
-
-def _gated(h: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """[..., 2I] (gate, then up) -> [..., I]. "silu": silu(gate) * up ("gelu_tanh": GELU's); "swiglu_oai" (gpt-oss): the gate clamped
-    above and the up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
-    gate, up = h.chunk(2, dim=-1)
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu_tanh":  # (Gemma 4's experts)
-        return F.gelu(gate, approximate="tanh") * up
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 
 def _expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
@@ -117,30 +105,33 @@ def _by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, 
 @torch.library.custom_op("streamer::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
-                alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+                alpha: float = 1.0, limit: float = 0.0, fused: bool = False) -> torch.Tensor:
     """sum over a token's k experts e of weight * down_e(act(gate_e(x), up_e(x))). x [T, H]; ids/weights [T, k];
-    b13 [E, 2I]: the gate/up biases (the down bias is the caller's: see SparseMoE.forward)."""
+    b13 [E, 2I]: the gate/up biases (the down bias is the caller's: see SparseMoE.forward). fused: through
+    streamer_kernels' grouped GEMM kernels (no per-expert loop, no host sync: CUDA-graph safe) where Triton runs."""
+    if fused and K.use_triton(x):
+        return K.fused_moe(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)
     tokens, k = topk_ids.shape
-    # Few tokens (decode) on a GPU: gather their experts' weights, no per-expert loop (and no host sync). On the CPU
+    # Few tokens (decode) on a GPU without Triton: gather their experts' weights, no per-expert loop (and no host sync). On the CPU
     # the gather's copy costs more than the loop: 2.5x slower for 1-4 tokens, top-2 of 8 experts of 768 x 512.
     if tokens * k <= w13.shape[0] and x.device.type != "cpu":
         flat = topk_ids.reshape(-1)
         h = torch.bmm(w13[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
         if b13 is not None:
             h = h + b13[flat]
-        y = torch.bmm(w2[flat], _gated(h, activation, alpha, limit).unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(w2[flat], gated_activation(h, activation, alpha, limit).unsqueeze(-1)).squeeze(-1)
         return (y.view(tokens, k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = F.linear(rows, w13[e], None if b13 is None else b13[e])
-        return F.linear(_gated(h, activation, alpha, limit), w2[e])
+        return F.linear(gated_activation(h, activation, alpha, limit), w2[e])
     return _expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 @moe_experts.register_fake
 def _(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
       b13: Optional[torch.Tensor] = None, activation: str = "silu", alpha: float = 1.0,
-      limit: float = 0.0) -> torch.Tensor:
+      limit: float = 0.0, fused: bool = False) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -159,7 +150,7 @@ def moe_experts_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         h = w13[e].matmul(rows)
         if m.w13_bias is not None:
             h = h + m.w13_bias[e]
-        return w2[e].matmul(_gated(h, m.activation, m.alpha, m.limit))
+        return w2[e].matmul(gated_activation(h, m.activation, m.alpha, m.limit))
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
 
@@ -182,7 +173,7 @@ def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = torch.ops.mkldnn._linear_pointwise(rows, w13[e], None if m.w13_bias is None else m.w13_bias[e],
                                                "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise(_gated(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
+        return torch.ops.mkldnn._linear_pointwise(gated_activation(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
                                                   [], "")
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
@@ -204,6 +195,7 @@ class SparseMoE(nn.Module):
     cpu_packed: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
     packed_id: Optional[int] = None
     compute_dtype: Optional[torch.dtype] = None  # set while w13 / w2 hold a checkpoint's 4-bit codes
+    fused_kernel = False  # float experts through streamer_kernels.fused_moe: set on the Triton backend (GPU)
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, fp32_weights: bool = False, router_bias: bool = False) -> None:
@@ -356,7 +348,7 @@ class SparseMoE(nn.Module):
         if self.cpu_packed is not None:
             return moe_experts_packed(x, weights, ids, self.packed_id)  # type: ignore[arg-type]
         return moe_experts(x, self.w13, self.w2, weights, ids, self.w13_bias, self.activation, self.alpha,
-                           self.limit)
+                           self.limit, self.fused_kernel)
 
     def unpack_for_load(self) -> bool:
         """Experts rounded to 4 bits or packed for oneDNN after load get their float parameters back for a loader

@@ -1,0 +1,142 @@
+"""Fused mixture-of-experts: every (token, expert) pair of a batch in two grouped GEMM launches, no host sync.
+
+The pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M (`moe_align`, torch ops that
+stay on the device), so that each BLOCK_M tile of the sorted list belongs to one expert. A program multiplies one
+tile's rows by a BLOCK_N slice of that expert's weight: the gate/up projection (x's row = pair // top_k), then,
+after the activation, the down projection scaled by the pair's routing weight. The pairs' outputs are summed per
+token at the end. The launch grid is sized for the worst case padding (a Python int from shapes) and programs past
+the real padded length return at once, so a step's launch shape depends only on the number of tokens: the same
+call serves eager steps and CUDA-graph replays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from streamer_kernels._utils import cdiv, check_interpreter_consistency, empty_output, interpret_mode
+from streamer_kernels.activation import silu_and_mul
+from streamer_kernels.reference import gated_activation
+
+check_interpreter_consistency()
+
+
+@dataclass
+class MoeAlignment:
+    """A batch's (token, expert) pairs grouped by expert. A pair's id is token * top_k + j (its place in
+    topk_ids.reshape(-1)); `sorted_ids` lists them expert by expert, each expert's run padded with `num_pairs`
+    (no pair) to a multiple of block_m; `block_expert[b]` is the expert of tile b; `num_padded` [1] (on the device)
+    is the padded length: tiles from num_padded // block_m on are empty."""
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    num_pairs: int
+    block_m: int
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The padded length's bound: every expert that has pairs (at most min(E, pairs)) wastes < block_m slots."""
+    return cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group topk_ids [T, k]'s pairs by expert (stable: within an expert, pairs keep their order)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n, device = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    expert = flat[order]
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[expert]  # place within its expert's run
+    size = max_padded_pairs(n, num_experts, block_m)
+    sorted_ids = torch.full((size,), n, dtype=torch.int64, device=device)
+    sorted_ids[padded_end[expert] - padded[expert] + rank] = order
+    tile_start = torch.arange(0, size, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True).clamp_(max=num_experts - 1)
+    return MoeAlignment(sorted_ids, block_expert, padded_end[-1:], n, block_m)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, weight_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                     num_pairs, n_dim, k_dim, a_row_div, stride_am, stride_be, stride_bn, stride_bias, stride_cm,
+                     HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """c[pair, n] = a[pair // a_row_div] . b[expert, n] (+ bias[expert, n]) (* weight[pair]) for one tile."""
+    tile = tl.program_id(0)
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    real = pairs < num_pairs
+    rows = (pairs // a_row_div).to(tl.int64)
+    expert = tl.load(block_expert_ptr + tile).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < n_dim
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=real[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + expert * stride_be + ns[None, :] * stride_bn + ks[:, None],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]: the weight's rows as columns
+        if UPCAST:  # (bf16 arithmetic is broken in the numpy interpreter)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        acc *= tl.load(weight_ptr + pairs, mask=real, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + pairs[:, None].to(tl.int64) * stride_cm + ns[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=real[:, None] & n_ok[None, :])
+
+
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Tiles as tall as an expert's expected share of the pairs (16 at decode: a tile per busy expert)."""
+    share = num_pairs / max(1, num_experts)
+    return 16 if share <= 16 else 32 if share <= 48 else 64
+
+
+def moe_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: MoeAlignment, a_row_div: int,
+             bias: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+    """out[pair] = a[pair // a_row_div] @ b[expert(pair)]^T (+ bias[expert]) (* weights[pair]) for every pair.
+    a [R, K], b [E, N, K], out [num_pairs, N], bias [E, N], weights [num_pairs]; last dims contiguous."""
+    n_dim, k_dim = b.shape[1], b.shape[2]
+    assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1, "moe_gemm needs contiguous last dims"
+    interpreted = interpret_mode()
+    block_n = 64 if n_dim >= 64 else max(16, triton.next_power_of_2(n_dim))
+    block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
+    if a.dtype == torch.float32 and not interpreted:
+        block_k = min(block_k, 32)  # fp32 tiles take twice the shared memory
+    grid = (align.sorted_ids.numel() // align.block_m, cdiv(n_dim, block_n))
+    if align.num_pairs == 0 or n_dim == 0:
+        return
+    _moe_gemm_kernel[grid](
+        a, b, out if bias is None else bias, out, out if weights is None else weights,
+        align.sorted_ids, align.block_expert, align.num_padded, align.num_pairs, n_dim, k_dim, a_row_div,
+        a.stride(0), b.stride(0), b.stride(1), 0 if bias is None else bias.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
+        UPCAST=interpreted and a.dtype != torch.float32,
+        PRECISION="ieee" if interpreted else ("tf32x3" if a.dtype == torch.float32 else "tf32"),
+        BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        **({} if interpreted else {"num_warps": 4, "num_stages": 3}),
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, b13: torch.Tensor | None = None, activation: str = "silu",
+              alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    tokens, top_k = topk_ids.shape
+    num_experts, hidden = w13.shape[0], x.shape[-1]
+    pairs = tokens * top_k
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    align = moe_align(topk_ids, num_experts, choose_block_m(pairs, num_experts))
+    h = empty_output((pairs, w13.shape[1]), x.dtype, x.device)
+    moe_gemm(x, w13, h, align, top_k, bias=b13)
+    act = silu_and_mul(h) if activation == "silu" else gated_activation(h, activation, alpha, limit)
+    y = empty_output((pairs, w2.shape[1]), x.dtype, x.device)
+    moe_gemm(act, w2, y, align, 1, weights=topk_weights.reshape(-1))
+    return y.view(tokens, top_k, hidden).sum(dim=1)
