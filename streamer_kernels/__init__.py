@@ -157,9 +157,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
               alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
     """sum over each token's k experts e of weight * down_e(act(gate_up_e(x) + b13_e)), in x's dtype (each pair's
-    product rounded to it, as an unfused loop rounds it). x [T, H]; w13 [E, 2I, H] (gate rows, then up rows);
-    w2 [E, H, I]; topk_weights [T, k] (any float dtype); topk_ids int [T, k] in [0, E); b13 [E, 2I] or None.
-    activation: "silu", "gelu_tanh" or "swiglu_oai" (gpt-oss: alpha, limit); see reference.gated_activation.
+    product rounded to it, as an unfused loop rounds it). x [T, H]; w13 [E, 2I, H] (gate rows, then up rows; [E, I, H]
+    for an ungated activation); w2 [E, H, I]; topk_weights [T, k] (any float dtype); topk_ids int [T, k] in [0, E);
+    b13 [E, 2I] or None. activation: "silu", "gelu_tanh", "swiglu_oai" (gpt-oss: alpha, limit) or "relu2"
+    (ungated); see reference.expert_activation.
     On the GPU: two grouped GEMM launches over the pairs sorted by expert, no host sync (CUDA-graph safe)."""
     if use_triton(x):
         from streamer_kernels.moe import fused_moe as impl

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from streamer_kernels._utils import cdiv, check_interpreter_consistency, empty_output, interpret_mode
 from streamer_kernels.activation import silu_and_mul
-from streamer_kernels.reference import gated_activation
+from streamer_kernels.reference import expert_activation
 
 check_interpreter_consistency()
 
@@ -136,7 +136,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     align = moe_align(topk_ids, num_experts, choose_block_m(pairs, num_experts))
     h = empty_output((pairs, w13.shape[1]), x.dtype, x.device)
     moe_gemm(x, w13, h, align, top_k, bias=b13)
-    act = silu_and_mul(h) if activation == "silu" else gated_activation(h, activation, alpha, limit)
+    act = silu_and_mul(h) if activation == "silu" else expert_activation(h, activation, alpha, limit)
     y = empty_output((pairs, w2.shape[1]), x.dtype, x.device)
     moe_gemm(act, w2, y, align, 1, weights=topk_weights.reshape(-1))
     return y.view(tokens, top_k, hidden).sum(dim=1)

@@ -213,9 +213,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-def gated_activation(h: torch.Tensor, activation: str = "silu", alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
-    """[..., 2I] (gate, then up) -> [..., I]. "silu": silu(gate) * up ("gelu_tanh": GELU's); "swiglu_oai" (gpt-oss):
-    the gate clamped above and the up projection on both sides at `limit`, gate * sigmoid(alpha * gate) * (up + 1)."""
+def expert_activation(h: torch.Tensor, activation: str = "silu", alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+    """An expert's activation. Gated ones, [..., 2I] (gate, then up) -> [..., I]: "silu", silu(gate) * up
+    ("gelu_tanh": GELU's); "swiglu_oai" (gpt-oss), the gate clamped above and the up projection on both sides at
+    `limit`, gate * sigmoid(alpha * gate) * (up + 1). Ungated, [..., I] -> [..., I]: "relu2" (Nemotron-H),
+    relu(up) ** 2."""
+    if activation == "relu2":
+        return torch.square(F.relu(h))
     gate, up = h.chunk(2, dim=-1)
     if activation == "silu":
         return F.silu(gate) * up
@@ -240,7 +244,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             h = F.linear(x[t], w13[e], None if b13 is None else b13[e])
-            y = F.linear(gated_activation(h, activation, alpha, limit), w2[e])
+            y = F.linear(expert_activation(h, activation, alpha, limit), w2[e])
             out[t] += (y * topk_weights[t, j]).to(x.dtype).float()
     return out.to(x.dtype)
 

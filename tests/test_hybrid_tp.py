@@ -94,9 +94,8 @@ def test_nemotron_h_experts_split_over_ranks(ckpt):
     a slice of every expert, and sums its slices' outputs before one all-reduce a layer (their tokens match
     transformers in test_tp2_matches_one_process_and_transformers)."""
     with LLM(str(ckpt("nemotron_h")), tensor_parallel_size=2, **ENGINE) as llm:
-        moe = next(layer.mixer for layer in llm.engine.runner.model.layers if layer.kind == "moe")
-        for expert in moe.experts:  # (moe_intermediate_size 32)
-            assert expert.fc1.output_sizes == [16] and expert.fc2.input_size == 16, "half of each expert a rank"
+        moe = next(layer.mlp for layer in llm.engine.runner.model.layers if layer.kind == "moe")
+        assert moe.expert_shapes == ((4, 16, 64), (4, 64, 16)), "half of each expert a rank (moe_intermediate 32)"
 
 
 # (checkpoint, config changes, the field the error names)

@@ -57,16 +57,17 @@ def test_alignment_groups_every_pair_once(tokens, experts, top_k, block_m, skew,
 @given(dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), tokens=st.integers(1, 24),
        experts=st.integers(1, 8), top_k=st.integers(1, 3), hidden=st.sampled_from([16, 48, 96]),
        inter=st.sampled_from([16, 40, 64]), bias=st.booleans(),
-       activation=st.sampled_from(["silu", "gelu_tanh", "swiglu_oai"]), fp32_weights=st.booleans(),
+       activation=st.sampled_from(["silu", "gelu_tanh", "swiglu_oai", "relu2"]), fp32_weights=st.booleans(),
        skew=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inter, bias, activation, fp32_weights,
                                      skew, seed):
     top_k = min(top_k, experts)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    first = inter if activation == "relu2" else 2 * inter  # (relu2 is ungated: an up projection alone)
+    w13 = (torch.randn(experts, first, hidden, generator=g) / hidden ** 0.5).to(dtype)
     w2 = (torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5).to(dtype)
-    b13 = (torch.randn(experts, 2 * inter, generator=g) * 0.1).to(dtype) if bias else None
+    b13 = (torch.randn(experts, first, generator=g) * 0.1).to(dtype) if bias else None
     weights, ids = _routing(tokens, experts, top_k, g, skew)
     weights = weights if fp32_weights else weights.to(dtype)
     args = [t.to(DEVICE) if t is not None else None for t in (x, w13, w2, weights, ids, b13)]
@@ -102,7 +103,7 @@ def test_fused_moe_on_a_model_layer_matches_the_cpu_op() -> None:
     w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
     weights, ids = _routing(tokens, experts, top_k, g, skew=True)
     loop = moe_mod._expert_loop(x, weights, ids, experts, lambda e, rows: torch.nn.functional.linear(
-        reference.gated_activation(torch.nn.functional.linear(rows, w13[e])), w2[e]))
+        reference.expert_activation(torch.nn.functional.linear(rows, w13[e])), w2[e]))
     args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
     fused = torch.ops.streamer.moe_experts(*args, fused=True).cpu()
     assert rel_err(fused, loop) <= TOLERANCE[torch.float32]

@@ -26,7 +26,7 @@ import streamer_kernels as K
 from streamer.models.layers import ParallelContext
 from streamer.models.woq import (Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4,
                                  quantize_rtn)
-from streamer_kernels.reference import gated_activation
+from streamer_kernels.reference import expert_activation
 
 # One expert's matrix in a checkpoint: Qwen3-MoE's and DeepSeek's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 # `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
@@ -119,12 +119,12 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
         h = torch.bmm(w13[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
         if b13 is not None:
             h = h + b13[flat]
-        y = torch.bmm(w2[flat], gated_activation(h, activation, alpha, limit).unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(w2[flat], expert_activation(h, activation, alpha, limit).unsqueeze(-1)).squeeze(-1)
         return (y.view(tokens, k, -1) * topk_weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = F.linear(rows, w13[e], None if b13 is None else b13[e])
-        return F.linear(gated_activation(h, activation, alpha, limit), w2[e])
+        return F.linear(expert_activation(h, activation, alpha, limit), w2[e])
     return _expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
@@ -150,7 +150,7 @@ def moe_experts_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         h = w13[e].matmul(rows)
         if m.w13_bias is not None:
             h = h + m.w13_bias[e]
-        return w2[e].matmul(gated_activation(h, m.activation, m.alpha, m.limit))
+        return w2[e].matmul(expert_activation(h, m.activation, m.alpha, m.limit))
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
 
@@ -173,7 +173,7 @@ def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = torch.ops.mkldnn._linear_pointwise(rows, w13[e], None if m.w13_bias is None else m.w13_bias[e],
                                                "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise(gated_activation(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
+        return torch.ops.mkldnn._linear_pointwise(expert_activation(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
                                                   [], "")
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
@@ -211,16 +211,23 @@ class SparseMoE(nn.Module):
         self.inter = intermediate_size // tp
         self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)  # the router, whole on every rank
         self.gate.requires_grad_(False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size), requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, (2 if self.gated else 1) * self.inter, hidden_size),
+                                requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self._load_w13  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load_w2  # type: ignore[attr-defined]
         self.register_parameter("w13_bias", None)
         self.register_parameter("w2_bias", None)
 
+    @property
+    def gated(self) -> bool:
+        """Whether an expert's first matrix is a gate and an up projection (w13 [E, 2I, H]) or an up one alone."""
+        return self.activation != "relu2"
+
     def expected_shards(self) -> dict[str, list[str]]:
         """Parameter -> the checkpoint pieces it needs (for the loader's missing-tensor check)."""
-        return {"w13": [f"{e}.{p}" for e in range(self.num_experts) for p in ("gate_proj", "up_proj")],
+        first = ("gate_proj", "up_proj") if self.gated else ("up_proj",)
+        return {"w13": [f"{e}.{p}" for e in range(self.num_experts) for p in first],
                 "w2": [f"{e}.down_proj" for e in range(self.num_experts)]}
 
     def _slice(self, loaded: torch.Tensor, dim: int, name: str, n: Optional[int] = None) -> torch.Tensor:
@@ -237,7 +244,7 @@ class SparseMoE(nn.Module):
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
         expert, proj = shard.split(".")  # type: ignore[union-attr]
-        offset = 0 if proj == "gate_proj" else self.inter
+        offset = self.inter if proj == "up_proj" and self.gated else 0
         param.data[int(expert), offset:offset + self.inter].copy_(self._slice(loaded, 0, name))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):

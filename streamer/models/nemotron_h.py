@@ -29,9 +29,10 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
+from streamer.models.moe import SparseMoE
 
 _KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
           "mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -57,45 +58,44 @@ def _relu2(x: torch.Tensor) -> torch.Tensor:
 
 class Relu2MLP(nn.Module):
     """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate), split over the
-    tensor-parallel ranks along its intermediate size (fc1 column-, fc2 row-parallel). reduce=False: each rank
-    returns its partial sum (a routed expert: the MoE sums its experts' and reduces once)."""
+    tensor-parallel ranks along its intermediate size (fc1 column-, fc2 row-parallel)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool, out: Optional[int] = None, reduce: bool = True) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
         super().__init__()
-        out = hidden if out is None else out
         self.fc1 = ColumnParallelLinear(hidden, [inter], bias)
-        self.fc2 = RowParallelLinear(inter, out, bias, reduce=reduce)
+        self.fc2 = RowParallelLinear(inter, hidden, bias)
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(_relu2(self.fc1(x)))
 
 
-class NemotronHMoE(nn.Module):
-    """Routed relu2 experts (each token's top-k by DeepSeek-V3's router) plus the shared expert."""
+class NemotronHMoE(SparseMoE):
+    """Routed relu2 experts (ungated: `w13` holds each expert's up projection alone; the experts run as SparseMoE's
+    opaque op, so a compiled step has no graph break and a GPU step no host sync), each token's top-k by DeepSeek-V3's
+    router (fp32), optionally inside a latent projection, plus the shared expert."""
+
+    activation = "relu2"
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
         raw, hidden = cfg.raw, cfg.hidden_size
-        self.num_experts = int(raw.get("n_routed_experts", 8))
-        self.top_k = int(raw.get("num_experts_per_tok", 2))
-        self.n_group, self.topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
-        self.norm_topk_prob = bool(raw.get("norm_topk_prob", True))
-        self.scaling = float(raw.get("routed_scaling_factor", 1.0))
-        if self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group \
-                or not 0 < self.top_k <= self.topk_group * (self.num_experts // self.n_group):
-            raise ValueError(f"NemotronH MoE: {self.num_experts} experts, n_group {self.n_group}, topk_group "
-                             f"{self.topk_group}, num_experts_per_tok {self.top_k} do not fit together")
-        bias = bool(raw.get("mlp_bias", False))
+        num_experts, top_k = int(raw.get("n_routed_experts", 8)), int(raw.get("num_experts_per_tok", 2))
+        n_group, topk_group = int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)
+        if num_experts % n_group or not 0 < topk_group <= n_group \
+                or not 0 < top_k <= topk_group * (num_experts // n_group):
+            raise ValueError(f"NemotronH MoE: {num_experts} experts, n_group {n_group}, topk_group "
+                             f"{topk_group}, num_experts_per_tok {top_k} do not fit together")
         latent = raw.get("moe_latent_size")
         width = int(latent) if latent else hidden
-        inter = int(raw.get("moe_intermediate_size", 7688))
-        self.gate = nn.Module()  # the router, fp32 (as transformers keeps it)
-        self.gate.weight = nn.Parameter(torch.empty(self.num_experts, hidden, dtype=torch.float32), requires_grad=False)
-        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts, dtype=torch.float32),
+        super().__init__(width, int(raw.get("moe_intermediate_size", 7688)), num_experts, top_k,
+                         norm_topk_prob=bool(raw.get("norm_topk_prob", True)), fp32_weights=True)
+        self.n_group, self.topk_group = n_group, topk_group
+        self.scaling = float(raw.get("routed_scaling_factor", 1.0))
+        bias = bool(raw.get("mlp_bias", False))
+        self.gate = nn.Module()  # the router, fp32 (as transformers keeps it), on the stream (not the latent)
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                          requires_grad=False)
-        # (split over the ranks like the shared expert: each holds 1 / tp of every expert)
-        self.experts = nn.ModuleList(Relu2MLP(width, inter, False, reduce=False) for _ in range(self.num_experts))
         self.shared_experts = Relu2MLP(hidden, int(raw.get("moe_shared_expert_intermediate_size", 7688)), bias)
         self.fc1_latent_proj = nn.Linear(hidden, width, bias=bias).requires_grad_(False) if latent else None
         self.fc2_latent_proj = nn.Linear(width, hidden, bias=bias).requires_grad_(False) if latent else None
@@ -119,14 +119,9 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        for e in ids.unique().tolist():  # (the experts that have tokens)
-            rows, slot = torch.where(ids == e)
-            y = self.experts[e](h[rows]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.float())
-        if ParallelContext.size > 1:  # every rank summed its part of each expert
+        out = self.run_experts(h, weights, ids)
+        if self.tp_size > 1:  # every rank summed its slice of each expert
             torch.distributed.all_reduce(out)
-        out = out.to(x.dtype)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)
@@ -156,7 +151,8 @@ class NemotronHBlock(nn.Module):
         # (the runner looks for `self_attn` (a KV cache) and `mamba` (state slots))
         self.self_attn: Optional[Attention] = None
         self.mamba: Optional[MambaMixer] = None
-        self.mixer: Optional[nn.Module] = None  # an MLP or MoE block
+        self.mixer: Optional[nn.Module] = None  # an MLP block
+        self.mlp: Optional[NemotronHMoE] = None  # a MoE block (named `mlp`: the loader stacks experts under `mlp`)
         if self.kind == "mamba":
             m = _mixer_config(raw)
             self.mamba = MambaMixer(cfg.hidden_size, m, cfg.rms_norm_eps,
@@ -166,7 +162,7 @@ class NemotronHBlock(nn.Module):
         elif self.kind == "mlp":
             self.mixer = Relu2MLP(cfg.hidden_size, cfg.intermediate_size, bool(raw.get("mlp_bias", False)))
         else:
-            self.mixer = NemotronHMoE(cfg)
+            self.mlp = NemotronHMoE(cfg)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor],
                 kv_cache: torch.Tensor, decode: Optional[DecodeBatch] = None):
@@ -175,7 +171,7 @@ class NemotronHBlock(nn.Module):
             return self.self_attn(positions, h, kv_cache, decode), residual
         if self.mamba is not None:
             return self.mamba(h, decode), residual
-        return self.mixer(h), residual  # type: ignore[misc]
+        return (self.mixer or self.mlp)(h), residual  # type: ignore[operator]
 
 
 _MIXER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.mixer\.(.+)$")
@@ -203,7 +199,7 @@ class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
         super().__init__(cfg, backend_cls, max_positions)
         self.kinds = nemotron_h_layer_kinds(cfg.raw)
 
-    _PART = {"mamba": "mamba", "attention": "self_attn", "mlp": "mixer", "moe": "mixer"}
+    _PART = {"mamba": "mamba", "attention": "self_attn", "mlp": "mixer", "moe": "mlp"}
     _FC = {"up_proj": "fc1", "down_proj": "fc2"}
 
     def rename_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -228,17 +224,15 @@ class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
             if kind == "mlp" or (kind == "moe" and rest.startswith("shared_experts.")):
                 for frag, ours in self._FC.items():
                     rest = rest.replace(f"{frag}.", f"{ours}.")
-            elif kind == "moe" and (s := _STACKED.match(rest)) is not None:
-                for e in range(t.shape[0]):
-                    yield f"{prefix}.experts.{e}.{self._FC[s.group(1)]}.weight", t[e]
+            elif kind == "moe" and (s := _STACKED.match(rest)) is not None:  # (routed experts keep their names:
+                for e in range(t.shape[0]):                                 # the loader stacks them)
+                    yield f"{prefix}.experts.{e}.{s.group(1)}.weight", t[e]
                 continue
-            elif kind == "moe" and rest.startswith("experts."):
-                rest = re.sub(r"\.(up_proj|down_proj)\.", lambda x: f".{self._FC[x.group(1)]}.", rest)
             yield f"{prefix}.{rest}", t
 
     def checkpoint_name(self, internal: str) -> str:
         name = super().checkpoint_name(internal)
-        for part in (".mamba.", ".self_attn.", ".mixer."):
+        for part in (".mamba.", ".self_attn.", ".mixer.", ".mlp."):
             name = name.replace(part, ".mixer.")
         name = name.replace(".fc1.", ".up_proj.").replace(".fc2.", ".down_proj.")
         return {"model.embed_tokens.weight": "backbone.embeddings.weight",
