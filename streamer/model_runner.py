@@ -20,6 +20,7 @@ import torch
 from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, CrossStep, DecodeBatch, MambaStep,
                                      PrefillBatch, forward_context)
 from streamer.attention.torch_backend import decode_table, thread_splits
+from streamer.compile_cache import drop_unloadable_artifact
 from streamer.config import EngineConfig
 from streamer.cpu_malloc import keep_freed_memory
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
@@ -889,6 +890,14 @@ class ModelRunner:
             # only meets rank 0's warm-up shapes first, so it fails, if at all, at the same step.)
             if not self.compiled or not (self._warming_up or self.tp_rank > 0):
                 raise
+            while self.tp_size == 1 and (broken := drop_unloadable_artifact(e)):  # (each removes a file: ends)
+                logger.warning("torch.compile: removed an unloadable file from Inductor's cache (%s); compiling "
+                               "again", broken)
+                try:
+                    with lora.lora_context(self._lora_step(step)):
+                        return self._forward(step, drafts)
+                except Exception as again:
+                    e = again
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
                            str(e).splitlines()[0] if str(e) else "")
             self._use_eager()

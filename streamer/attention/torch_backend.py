@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
+from streamer.compile_cache import drop_unloadable_artifact
 from streamer.kv_cache import cdiv
 from streamer_kernels.reference import quantize_fp8, relative_bias
 
@@ -190,8 +191,7 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     saved = dyn.recompile_limit, fx.use_duck_shape
     dyn.recompile_limit, fx.use_duck_shape = 64, False
     try:
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            return _compiled_decode(*args)
+        return _run_compiled_decode(args)
     except Exception as e:
         _compile_failed = True
         logger.warning("compiled CPU decode attention unavailable (%s: %s); using the eager path",
@@ -199,6 +199,19 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
         return paged_decode_eager(*args)
     finally:
         dyn.recompile_limit, fx.use_duck_shape = saved
+
+
+def _run_compiled_decode(args: tuple) -> torch.Tensor:
+    while True:
+        try:
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                return _compiled_decode(*args)
+        except Exception as e:
+            broken = drop_unloadable_artifact(e)  # (a broken module in Inductor's cache: removed, compile again)
+            if broken is None:
+                raise
+            logger.warning("compiled CPU decode attention: removed an unloadable file from Inductor's cache (%s)",
+                           broken)
 
 
 def thread_splits() -> int:
