@@ -108,3 +108,34 @@ def test_fused_moe_on_a_model_layer_matches_the_cpu_op() -> None:
     fused = torch.ops.streamer.moe_experts(*args, fused=True).cpu()
     assert rel_err(fused, loop) <= TOLERANCE[torch.float32]
     assert not torch.equal(fused, torch.ops.streamer.moe_experts(*args).cpu()), "fused=True took the loop too"
+
+
+def test_an_unbuildable_kernel_falls_back_to_the_torch_path(monkeypatch, caplog) -> None:
+    """Triton failing to build the kernels (an old compiler, too little shared memory) costs speed, not service:
+    the op warns once and runs the experts one at a time; any other error still surfaces."""
+    import streamer_kernels
+    from streamer.models import moe as moe_mod
+    from triton.runtime.errors import OutOfResources
+
+    g = torch.Generator().manual_seed(5)
+    x, w13 = torch.randn(6, 16, generator=g), torch.randn(3, 24, 16, generator=g)
+    w2 = torch.randn(3, 16, 12, generator=g)
+    weights, ids = _routing(6, 3, 2, g, skew=False)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    expected = torch.ops.streamer.moe_experts(*args)
+
+    def unbuildable(*a, **k):
+        raise OutOfResources(required=300000, limit=232448, name="shared memory")
+    monkeypatch.setattr(streamer_kernels, "fused_moe", unbuildable)
+    monkeypatch.setattr(moe_mod, "_fused_moe_unbuildable", False)
+    with caplog.at_level("WARNING", logger="streamer"):
+        out = torch.ops.streamer.moe_experts(*args, fused=True)
+    assert torch.equal(out, expected) and moe_mod._fused_moe_unbuildable
+    assert "fused MoE kernels unavailable" in caplog.text
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(streamer_kernels, "fused_moe", broken)
+    monkeypatch.setattr(moe_mod, "_fused_moe_unbuildable", False)
+    with pytest.raises(RuntimeError, match="a bug"):
+        torch.ops.streamer.moe_experts(*args, fused=True)

@@ -14,6 +14,7 @@ CPU it groups the step's tokens by expert and runs one matmul per expert that ha
 """
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -27,6 +28,8 @@ from streamer.models.layers import ParallelContext
 from streamer.models.woq import (Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4,
                                  quantize_rtn)
 from streamer_kernels.reference import expert_activation
+
+logger = logging.getLogger("streamer")
 
 # One expert's matrix in a checkpoint: Qwen3-MoE's and DeepSeek's `mlp.experts.E.{gate,up,down}_proj`, Mixtral's
 # `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down); a 4-bit one's codes come with `weight_scale` and
@@ -102,6 +105,22 @@ def _by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, 
             start += n
 
 
+_fused_moe_unbuildable = False  # set when Triton cannot build the kernels here: the torch path serves from then on
+
+
+def _give_up_fused_moe(error: Exception) -> None:
+    """Re-raise `error` unless Triton failed to build the fused MoE kernels (a compiler or a shared-memory limit this
+    GPU does not meet): then say so once and take the torch path for good."""
+    global _fused_moe_unbuildable
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+    if not isinstance(error, (CompilationError, OutOfResources)):
+        raise error
+    _fused_moe_unbuildable = True
+    logger.warning("fused MoE kernels unavailable (%s: %s); running the experts one at a time",
+                   type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+
+
 @torch.library.custom_op("streamer::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, b13: Optional[torch.Tensor] = None, activation: str = "silu",
@@ -109,11 +128,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     """sum over a token's k experts e of weight * down_e(act(gate_e(x), up_e(x))). x [T, H]; ids/weights [T, k];
     b13 [E, 2I]: the gate/up biases (the down bias is the caller's: see SparseMoE.forward). fused: through
     streamer_kernels' grouped GEMM kernels (no per-expert loop, no host sync: CUDA-graph safe) where Triton runs."""
-    if fused and K.use_triton(x):
-        return K.fused_moe(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)
+    if fused and K.use_triton(x) and not _fused_moe_unbuildable:
+        try:
+            return K.fused_moe(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)
+        except Exception as e:
+            _give_up_fused_moe(e)
     tokens, k = topk_ids.shape
-    # Few tokens (decode) on a GPU without Triton: gather their experts' weights, no per-expert loop (and no host sync). On the CPU
-    # the gather's copy costs more than the loop: 2.5x slower for 1-4 tokens, top-2 of 8 experts of 768 x 512.
+    # Few tokens (decode) on a GPU without the fused kernels: gather their experts' weights, no per-expert loop (and
+    # no host sync). On the CPU the gather's copy costs more than the loop: 2.5x slower for 1-4 tokens, top-2 of 8
+    # experts of 768 x 512.
     if tokens * k <= w13.shape[0] and x.device.type != "cpu":
         flat = topk_ids.reshape(-1)
         h = torch.bmm(w13[flat], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
@@ -173,7 +196,8 @@ def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = torch.ops.mkldnn._linear_pointwise(rows, w13[e], None if m.w13_bias is None else m.w13_bias[e],
                                                "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise(expert_activation(h, m.activation, m.alpha, m.limit), w2[e], None, "none",
+        act = expert_activation(h, m.activation, m.alpha, m.limit)
+        return torch.ops.mkldnn._linear_pointwise(act, w2[e], None, "none",
                                                   [], "")
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
