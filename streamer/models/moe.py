@@ -5,7 +5,8 @@ clamped SwiGLU (`activation="swiglu_oai"`); DeepSeek (models/deepseek.py, reused
 Phi-3.5-MoE their own routers (`route`); several families add shared experts around `forward`. `unfuse_experts`
 splits a checkpoint's fused experts (transformers 5's layout, Granite MoE's) into the per-expert names the loader reads.
 
-The experts' weights are stacked, [E, 2 * I, H] (gate and up) and [E, H, I] (down), and split over tensor-parallel
+The experts' weights are stacked, [E, 2 * I, H] (gate and up; [E, I, H] for an ungated activation, Nemotron-H's
+relu2) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).
 Which experts a step uses depends on the data, so the expert computation is one opaque custom op: torch.compile
 captures the rest of the model whole. On a GPU the op is `streamer_kernels.fused_moe` (two grouped GEMM launches over
