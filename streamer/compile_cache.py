@@ -4,9 +4,13 @@ that graph, in every process, until it is gone. The compile paths (the model run
 remove the file a failure names and compile again rather than run eagerly for good."""
 from __future__ import annotations
 
+import logging
 import os
 import re
-from typing import Optional
+from typing import Callable, Optional, TypeVar
+
+logger = logging.getLogger("streamer")
+T = TypeVar("T")
 
 _SHARED_OBJECT = re.compile(r"(/[^\s:'\"]+\.so)\b")
 
@@ -23,3 +27,16 @@ def drop_unloadable_artifact(error: BaseException) -> Optional[str]:
             os.remove(real)
             return real
     return None
+
+
+def healing(fn: Callable[[], T], what: str) -> T:
+    """fn(), called again each time it fails on an unloadable module in Inductor's cache (removed first); any other
+    failure propagates."""
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            broken = drop_unloadable_artifact(e)
+            if broken is None:
+                raise
+            logger.warning("%s: removed an unloadable file from Inductor's cache (%s); compiling again", what, broken)

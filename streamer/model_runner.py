@@ -20,7 +20,7 @@ import torch
 from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, CrossStep, DecodeBatch, MambaStep,
                                      PrefillBatch, forward_context)
 from streamer.attention.torch_backend import decode_table, thread_splits
-from streamer.compile_cache import drop_unloadable_artifact
+from streamer.compile_cache import healing
 from streamer.config import EngineConfig
 from streamer.cpu_malloc import keep_freed_memory
 from streamer.cuda_graphs import DecodeGraphs, capture_sizes
@@ -881,28 +881,22 @@ class ModelRunner:
             if self.hybrid:
                 self._prepare_states(step, self._state_slots(step))
             return self.graphs.run(step, self.last_tokens, self._rope_positions(step))  # type: ignore[return-value]
-        try:
+        def run() -> torch.Tensor:
             with lora.lora_context(self._lora_step(step)):
                 return self._forward(step, drafts)
+        try:
+            # (a rank alone may retry a step: a tensor-parallel one would meet the others at its collectives twice)
+            return healing(run, "torch.compile") if self.compiled and self.tp_size == 1 else run()
         except Exception as e:
             # No C++ toolchain, or an Inductor bug: serve eagerly rather than not at all. Compilation fails before
             # the graph runs, so running the same step eagerly keeps every rank's collectives in step. (A worker
             # only meets rank 0's warm-up shapes first, so it fails, if at all, at the same step.)
             if not self.compiled or not (self._warming_up or self.tp_rank > 0):
                 raise
-            while self.tp_size == 1 and (broken := drop_unloadable_artifact(e)):  # (each removes a file: ends)
-                logger.warning("torch.compile: removed an unloadable file from Inductor's cache (%s); compiling "
-                               "again", broken)
-                try:
-                    with lora.lora_context(self._lora_step(step)):
-                        return self._forward(step, drafts)
-                except Exception as again:
-                    e = again
             logger.warning("torch.compile failed (%s: %s); running the model eagerly", type(e).__name__,
                            str(e).splitlines()[0] if str(e) else "")
             self._use_eager()
-            with lora.lora_context(self._lora_step(step)):
-                return self._forward(step, drafts)
+            return run()
 
     def place_lora(self, slot: Optional[int], adapter: LoRAAdapter) -> None:
         """Copy an adapter into `slot` of every layer (None: only check that it fits the model; ValueError)."""

@@ -111,9 +111,9 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: MoeAlig
     block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
     if a.dtype == torch.float32 and not interpreted:
         block_k = min(block_k, 32)  # fp32 tiles take twice the shared memory
-    grid = (align.sorted_ids.numel() // align.block_m, cdiv(n_dim, block_n))
     if align.num_pairs == 0 or n_dim == 0:
         return
+    grid = (align.sorted_ids.numel() // align.block_m, cdiv(n_dim, block_n))
     _moe_gemm_kernel[grid](
         a, b, out if bias is None else bias, out, out if weights is None else weights,
         align.sorted_ids, align.block_expert, align.num_padded, align.num_pairs, n_dim, k_dim, a_row_div,

@@ -108,6 +108,12 @@ def _greedy(model_dir, prompts, **engine_args) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _assert_backends_agree(path, prompts, **engine_args) -> None:
+    """The Triton backend's greedy tokens are the torch backend's."""
+    assert (_greedy(path, prompts, attention_backend="triton", **engine_args)
+            == _greedy(path, prompts, attention_backend="torch", **engine_args))
+
+
 @pytest.mark.parametrize("engine_args", [
     dict(),
     dict(max_num_batched_tokens=7, block_size=8),  # chunked prefill mixed with decodes, small blocks
@@ -127,8 +133,7 @@ def test_engine_triton_backend_sliding_window(request) -> None:
     path = make_ckpt("mistral_sw", family="mistral", sliding_window=8)
     prompts = _prompts(3, seed=12, max_len=30)
     args = dict(max_num_batched_tokens=4, block_size=4)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
 
 
 def test_engine_triton_backend_bloom_alibi(request) -> None:
@@ -140,10 +145,8 @@ def test_engine_triton_backend_bloom_alibi(request) -> None:
     path = request.getfixturevalue("make_ckpt")("bloom", family="bloom", tie=False)
     prompts = _prompts(3, seed=14, max_len=40)
     args = dict(max_num_batched_tokens=16, block_size=8)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
-    assert (_greedy(path, prompts[:1], attention_backend="triton", **args)
-            == _greedy(path, prompts[:1], attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
+    _assert_backends_agree(path, prompts[:1], **args)
 
 
 def test_engine_triton_backend_gemma2_softcap(request) -> None:
@@ -153,8 +156,7 @@ def test_engine_triton_backend_gemma2_softcap(request) -> None:
     path = request.getfixturevalue("make_ckpt")("gemma2", family="gemma2")
     prompts = _prompts(3, seed=13, max_len=30)
     args = dict(max_num_batched_tokens=8, block_size=8)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
 
 
 def test_engine_triton_backend_llama4_chunked_attention(request) -> None:
@@ -165,8 +167,7 @@ def test_engine_triton_backend_llama4_chunked_attention(request) -> None:
     path = request.getfixturevalue("make_ckpt")("llama4_base", family="llama4")
     prompts = _prompts(3, seed=14, max_len=36)
     args = dict(max_num_batched_tokens=6, block_size=4)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
@@ -178,8 +179,7 @@ def test_engine_triton_backend_moe_grouped_gemms(request, family) -> None:
     path = request.getfixturevalue("make_ckpt")(family, family=family)
     prompts = _prompts(3, seed=16, max_len=30)
     args = dict(max_num_batched_tokens=16, block_size=8)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4_moe"])
@@ -192,8 +192,7 @@ def test_engine_triton_backend_gemma4(request, family) -> None:
     path = request.getfixturevalue("make_ckpt")(family, family=family)
     prompts = _prompts(3, seed=15, max_len=30)
     args = dict(max_num_batched_tokens=8, block_size=8)
-    assert (_greedy(path, prompts, attention_backend="triton", **args)
-            == _greedy(path, prompts, attention_backend="torch", **args))
+    _assert_backends_agree(path, prompts, **args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

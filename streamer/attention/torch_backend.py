@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
-from streamer.compile_cache import drop_unloadable_artifact
+from streamer.compile_cache import healing
 from streamer.kv_cache import cdiv
 from streamer_kernels.reference import quantize_fp8, relative_bias
 
@@ -202,16 +202,10 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
 
 
 def _run_compiled_decode(args: tuple) -> torch.Tensor:
-    while True:
-        try:
-            with torch._C._AutoDispatchBelowADInplaceOrView():
-                return _compiled_decode(*args)
-        except Exception as e:
-            broken = drop_unloadable_artifact(e)  # (a broken module in Inductor's cache: removed, compile again)
-            if broken is None:
-                raise
-            logger.warning("compiled CPU decode attention: removed an unloadable file from Inductor's cache (%s)",
-                           broken)
+    def run() -> torch.Tensor:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return _compiled_decode(*args)
+    return healing(run, "compiled CPU decode attention")
 
 
 def thread_splits() -> int:

@@ -33,6 +33,7 @@ from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbeddin
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 from streamer.models.moe import SparseMoE
+from streamer_kernels.reference import expert_activation
 
 _KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
           "mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
@@ -52,10 +53,6 @@ def nemotron_h_layer_kinds(raw: dict[str, Any]) -> list[str]:
     return [_KINDS[k] for k in kinds]
 
 
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return torch.square(F.relu(x))
-
-
 class Relu2MLP(nn.Module):
     """down(relu(up(x)) ** 2) (`fc1` / `fc2`: the loader would pack an `up_proj` with a gate), split over the
     tensor-parallel ranks along its intermediate size (fc1 column-, fc2 row-parallel)."""
@@ -67,7 +64,7 @@ class Relu2MLP(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(_relu2(self.fc1(x)))
+        return self.fc2(expert_activation(self.fc1(x), "relu2"))
 
 
 class NemotronHMoE(SparseMoE):
