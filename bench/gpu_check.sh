@@ -2,6 +2,7 @@
 # The GPU check for streamer's Triton kernels: one command on a lent GPU (H200), under 8 minutes, table last.
 #
 #   bench/gpu_check.sh                 # on the GPU machine, from anywhere in the repo
+#   bench/gpu_check.sh --tests-only    # step 1 alone
 #   bench/gpu_check.sh --cpu-dry-run   # CPU smoke test of the same script (tiny shapes, Triton interpreter)
 #
 # Steps, each under its own time limit so one hang cannot eat the budget (worst case ~7.8 min):
@@ -25,6 +26,8 @@ RES="${OUT:-$(mktemp -d)}/gpu_check"
 mkdir -p "$RES"
 DRY=""
 if [ "${1:-}" = "--cpu-dry-run" ]; then DRY="--cpu-dry-run"; fi
+TESTS_ONLY=""
+if [ "${1:-}" = "--tests-only" ]; then TESTS_ONLY=1; fi  # step 1 alone (a rerun after a fix)
 PY=${PYTHON:-python}
 T0=$(date +%s)
 stamp() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*"; }
@@ -53,13 +56,13 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clo
 # (each new specialisation costs a compile); STREAMER_KERNEL_MAX_EXAMPLES lowers them further.
 stamp "kernel tests"
 if [ -z "$DRY" ]; then
-    env -u TRITON_INTERPRET timeout -s INT -k 10 160 $PY -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    env -u TRITON_INTERPRET timeout -s INT -k 10 ${GPU_TESTS_LIMIT:-160} $PY -m pytest -q -rfE -n ${GPU_TESTS_WORKERS:-8} -p no:cacheprovider -W ignore::DeprecationWarning \
         tests/test_kernels_attention.py tests/test_kernels_cache.py tests/test_kernels_fused.py \
         tests/test_kernels_backend.py tests/test_kernels_sampling.py tests/test_kernels_lora.py \
         tests/test_kernels_moe.py tests/test_cuda_graphs.py "tests/test_draft_model.py::test_the_target_as_its_own_draft_is_always_right" \
         tests/test_fp8_kv_cache.py "tests/test_multimodal.py::test_gemma3_images_attend_both_ways_as_in_transformers" \
         "tests/test_structured_output.py::test_bitmask_unpacking_paths_agree" \
-        "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_int4.py::test_int8_is_refused_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3]" \
+        "tests/test_int4.py::test_int4_kernel_on_cuda" "tests/test_int4.py::test_int8_is_refused_on_cuda" "tests/test_deepseek.py::test_matches_transformers[v3-True]" \
         >"$RES/tests.log" 2>&1
 else
     TRITON_INTERPRET=1 STREAMER_KERNEL_MAX_EXAMPLES=2 timeout -k 10 300 $PY -m pytest -q -p no:cacheprovider \
@@ -74,6 +77,7 @@ else
 fi
 TESTS_RC=$?
 tail -n 15 "$RES/tests.log"
+if [ -n "$TESTS_ONLY" ]; then exit $TESTS_RC; fi
 
 # 2. Kernel benchmarks.
 stamp "kernel benchmarks"

@@ -23,7 +23,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
     max_num_seqs: int = 256  # running-sequence cap
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None  # bytes for the KV pool (CPU default: 2 GiB)
+    kv_cache_memory: Optional[int] = None  # bytes for the KV pool (default: 2 GiB on CPU; on a GPU what
+    # gpu_memory_utilization leaves after the weights and activations)
     # "auto": the KV cache in the model's dtype; "fp8" (or "fp8_e4m3"): float8_e4m3fn, half the bytes of bf16, so
     # twice the tokens in the same memory. Stored k / k_scale and v / v_scale with the checkpoint's calibrated
     # scales where it has them (llm-compressor's k_scale / v_scale), else 1.0.

@@ -570,6 +570,8 @@ class ModelRunner:
 
     def _memory_budget(self) -> int:
         """Bytes for the KV cache (and a hybrid model's Mamba state)."""
+        if self.config.kv_cache_memory is not None:  # an explicit size wins on every device
+            return self.config.kv_cache_memory
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -578,7 +580,7 @@ class ModelRunner:
                                                         + self.model_cfg.intermediate_size * 6)
             act += self.config.max_num_seqs * self.model_cfg.vocab_size * 8 + self._encoder_bytes()
             return int(total * self.config.gpu_memory_utilization) - used - act
-        return self.config.kv_cache_memory or _CPU_KV_DEFAULT
+        return _CPU_KV_DEFAULT
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
