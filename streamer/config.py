@@ -153,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         if self.sampling_backend not in (None, "torch", "triton"):
             raise ValueError(f"sampling_backend must be 'torch' or 'triton', got {self.sampling_backend!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -94,6 +94,9 @@ def test_engine_config_errors(llama_dir):
         LLM(str(llama_dir), enforce_eager="yes")
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(llama_dir), async_scheduling="on")
+    for bad in (0, -4096):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            LLM(str(llama_dir), kv_cache_memory=bad)
     for bad in (-1, True, 2.5):
         with pytest.raises(ValueError, match="cuda_graph_max_batch"):
             LLM(str(llama_dir), cuda_graph_max_batch=bad)
