@@ -159,8 +159,10 @@ def bench_decode(timer: Timer, device: torch.device, copy_gbps: float, batch: in
         sdpa_ms=round(ms_sdpa, 4), vs_sdpa=round(ms_sdpa / ms, 2), splits=splits, rel_err=f"{err:.2e}",
         target=">=70% copy" if target else "", ok=(gbps >= 0.7 * copy_gbps) if target else None)
     if sweep:
-        for cfg in [AttentionConfig(16, 32, 4, 3), AttentionConfig(16, 64, 4, 2), AttentionConfig(16, 64, 4, 4),
-                    AttentionConfig(16, 128, 4, 3), AttentionConfig(16, 128, 8, 3), AttentionConfig(16, 64, 2, 3)]:
+        # (16, 128, 8, 3): the default since 2026-12-04; (16, 64, 4, 3): the one before
+        for cfg in [AttentionConfig(16, 32, 4, 3), AttentionConfig(16, 64, 4, 3), AttentionConfig(16, 64, 4, 2),
+                    AttentionConfig(16, 128, 4, 3), AttentionConfig(16, 128, 8, 3), AttentionConfig(16, 128, 8, 2),
+                    AttentionConfig(16, 256, 8, 2)]:
             for s in sorted({1, splits, 2 * splits}):
                 try:
                     t = timer(lambda: run(cfg, s), reps=10)

@@ -319,7 +319,8 @@ class AttentionConfig:
 _SMEM_BUDGET = 96 * 1024
 
 
-def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype) -> AttentionConfig:
+def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype,
+                     chunked: bool = False) -> AttentionConfig:
     """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
     large q-blocks so each K/V tile feeds many rows. Sized from first principles and checked spill-free for
     sm_80/sm_90 with `python -m streamer_kernels.aot`; the GPU check times alternatives at the target shapes."""
@@ -337,6 +338,12 @@ def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch
     tile_n = 32 if wide else 64
     # K and V tiles per pipeline stage; as many stages (<= 3) as the budget allows.
     num_stages = max(1, min(3, _SMEM_BUDGET // (2 * tile_n * block_d * elem)))
+    if decode and not wide and not chunked:
+        # Measured on an H200 (bench/RESULTS.md, 2026-12-04, decode 64 x 4,096): 128-key tiles over 8 warps in 3
+        # stages read the cache at 89% of copy bandwidth, 64-key tiles over 4 warps at 68-80%. They compile to
+        # 73 KB of shared memory and no spills for sm_80 and sm_90 (`python -m streamer_kernels.aot`), except
+        # with attention chunks (Llama 4) and split KV on sm_90, which keep the 64-key tiles.
+        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=128, num_warps=8, num_stages=3)
     if decode:
         return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=tile_n, num_warps=4,
                                num_stages=num_stages)
@@ -359,7 +366,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, m
     context = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     if attention_chunk:
         context = min(context, attention_chunk)
-    tile_n = attention_config(head_dim, 1, 1, dtype).tile_n
+    tile_n = attention_config(head_dim, 1, 1, dtype, bool(attention_chunk)).tile_n
     tiles = cdiv(context, tile_n)
     splits = 1
     while (splits < MAX_KV_SPLITS and programs * splits < 2 * sms and tiles >= 4 * (splits * 2)):
@@ -412,7 +419,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     qk_scale = (softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E) * (k_scale if kv_fp8 else 1.0)
     softcap_scale = logit_softcap * _LOG2E if use_softcap else 1.0
 
-    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype)
+    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype, use_chunk)
     assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
     block_q = cfg.block_m // group
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs a reduction dim of at least 16
