@@ -336,12 +336,35 @@ def bench_fp8_and_lora(timer: Timer, device: torch.device) -> None:
             torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms_k, 2))
 
 
-def bench_moe(timer: Timer, device: torch.device, copy_gbps: float) -> None:
+def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """fn captured in a CUDA graph (as the engine's decode steps run): its replay, without Python's launches. On CPU
+    (the dry run) fn itself."""
+    if device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+# MoE launch shapes the sweep times against the default (block_m follows the pairs per expert, as moe_config's).
+MOE_SWEEP = ((64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4))
+
+
+def bench_moe(timer: Timer, device: torch.device, copy_gbps: float, sweep: bool) -> None:
     """streamer_kernels.fused_moe (two grouped GEMM launches, no host sync) vs the engine's unfused op on the same
     device (a gather-and-bmm at <= E pairs, else a loop over experts with a host sync), Qwen3-30B-A3B's experts
-    (128 of 2,048 -> 768, top 8, bf16). GB/s: the touched experts' weights over the time (decode is weight-bound)."""
+    (128 of 2,048 -> 768, top 8, bf16). GB/s: the touched experts' weights over the time (decode is weight-bound).
+    "graphed": replayed from a CUDA graph, as a decode step runs it (eager timings of small batches are bound by
+    the ~20 launches). The sweep: (block_n, block_k, warps, stages) at decode and prefill sizes, graphed."""
     from streamer.models.moe import moe_experts
-    from streamer_kernels.moe import fused_moe
+    from streamer_kernels.moe import MoeConfig, fused_moe, moe_config
 
     E, K, H, INTER = (128, 8, 2048, 768) if not DRY else (8, 2, 64, 32)
     dt = torch.bfloat16
@@ -356,10 +379,35 @@ def bench_moe(timer: Timer, device: torch.device, copy_gbps: float) -> None:
         err = rel_err(fused().float(), unfused().float())
         ms, ms_ref = timer(fused), timer(unfused)
         touched = ids.unique().numel() * 3 * H * INTER * w13.element_size()
-        gbps = touched / ms / 1e6
-        row("moe", f"fused_moe vs unfused op, {T} tokens [E={E} k={K} {H} -> {INTER}]", ms,
-            torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms, 2), gbps=round(gbps, 1),
-            pct_ceiling=round(100 * gbps / (copy_gbps / 2), 1), rel_err=f"{err:.2e}")
+        shape = f"{T} tokens [E={E} k={K} {H} -> {INTER}]"
+
+        def report(name: str, t: float, **extra: Any) -> None:
+            g = touched / t / 1e6
+            row("moe", name, t, gbps=round(g, 1), pct_ceiling=round(100 * g / (copy_gbps / 2), 1), **extra)
+
+        report(f"fused_moe vs unfused op, {shape}", ms, torch_ms=round(ms_ref, 4), speedup=round(ms_ref / ms, 2),
+               rel_err=f"{err:.2e}")
+        if T > 64 and not sweep:
+            continue
+        try:
+            ms_graph = timer(graphed(fused, device))
+        except Exception as e:  # (a capture failure is a finding: the engine graphs this call)
+            row("moe", f"fused_moe graphed, {shape}", float("nan"), error=f"{type(e).__name__}: {e}"[:200])
+            continue
+        report(f"fused_moe graphed, {shape}", ms_graph, vs_eager=round(ms / ms_graph, 2))
+        if not sweep or T not in (1, 64, 4096):
+            continue
+        block_m = moe_config(T * K, E).block_m
+        for bn, bk, w, st in MOE_SWEEP:
+            cfg = MoeConfig(block_m, bn, bk, w, st)
+            try:
+                t = timer(graphed(lambda: fused_moe(x, w13, w2, weights, ids, configs=(cfg, cfg)), device), reps=10)
+            except Exception as e:  # e.g. out of shared memory for an oversized tile
+                row("sweep", f"moe {T} tokens {cfg}", float("nan"), error=type(e).__name__)
+                continue
+            g = touched / t / 1e6
+            row("sweep", f"moe {T} tokens bm={block_m} bn={bn} bk={bk} w={w} st={st} (graphed)", t,
+                gbps=round(g, 1), pct_ceiling=round(100 * g / (copy_gbps / 2), 1))
 
 
 def main() -> int:
@@ -403,7 +451,7 @@ def main() -> int:
     steps += [("mixed", lambda: bench_mixed(timer, device)), ("fused", lambda: bench_fused(timer, device)),
               ("sampling", lambda: bench_sampling(timer, device)),
               ("fp8 and lora", lambda: bench_fp8_and_lora(timer, device)),
-              ("moe", lambda: bench_moe(timer, device, copy_gbps))]
+              ("moe", lambda: bench_moe(timer, device, copy_gbps, sweep))]
     failures = 0
     for name, step in steps:
         try:

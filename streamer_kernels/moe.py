@@ -94,21 +94,36 @@ def _moe_gemm_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, weight_ptr, sorted_ids_ptr, 
              mask=real[:, None] & n_ok[None, :])
 
 
-def choose_block_m(num_pairs: int, num_experts: int) -> int:
-    """Tiles as tall as an expert's expected share of the pairs (16 at decode: a tile per busy expert)."""
+@dataclass(frozen=True)
+class MoeConfig:
+    """A grouped GEMM's launch shape: tiles of block_m sorted pairs by block_n outputs, block_k deep."""
+    block_m: int
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_config(num_pairs: int, num_experts: int) -> MoeConfig:
+    """Tiles as tall as an expert's expected share of the pairs (16 at decode: a tile per busy expert). Untuned:
+    the GPU check's sweep (bench/gpu_kernels.py) times alternatives."""
     share = num_pairs / max(1, num_experts)
-    return 16 if share <= 16 else 32 if share <= 48 else 64
+    return MoeConfig(16 if share <= 16 else 32 if share <= 48 else 64)
 
 
 def moe_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: MoeAlignment, a_row_div: int,
-             bias: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+             bias: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+             config: MoeConfig | None = None) -> None:
     """out[pair] = a[pair // a_row_div] @ b[expert(pair)]^T (+ bias[expert]) (* weights[pair]) for every pair.
-    a [R, K], b [E, N, K], out [num_pairs, N], bias [E, N], weights [num_pairs]; last dims contiguous."""
+    a [R, K], b [E, N, K], out [num_pairs, N], bias [E, N], weights [num_pairs]; last dims contiguous.
+    `config`'s block_m must be the alignment's."""
     n_dim, k_dim = b.shape[1], b.shape[2]
     assert a.stride(-1) == 1 and b.stride(-1) == 1 and out.stride(-1) == 1, "moe_gemm needs contiguous last dims"
+    cfg = config or MoeConfig(align.block_m)
+    assert cfg.block_m == align.block_m, "the launch's block_m must be the alignment's"
     interpreted = interpret_mode()
-    block_n = 64 if n_dim >= 64 else max(16, triton.next_power_of_2(n_dim))
-    block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
+    block_n = cfg.block_n if n_dim >= cfg.block_n else max(16, triton.next_power_of_2(n_dim))
+    block_k = cfg.block_k if k_dim >= cfg.block_k else max(16, triton.next_power_of_2(k_dim))
     if a.dtype == torch.float32 and not interpreted:
         block_k = min(block_k, 32)  # fp32 tiles take twice the shared memory
     if align.num_pairs == 0 or n_dim == 0:
@@ -122,21 +137,24 @@ def moe_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, align: MoeAlig
         UPCAST=interpreted and a.dtype != torch.float32,
         PRECISION="ieee" if interpreted else ("tf32x3" if a.dtype == torch.float32 else "tf32"),
         BLOCK_M=align.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        **({} if interpreted else {"num_warps": 4, "num_stages": 3}),
+        **({} if interpreted else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}),
     )
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, b13: torch.Tensor | None = None, activation: str = "silu",
-              alpha: float = 1.0, limit: float = 0.0) -> torch.Tensor:
+              alpha: float = 1.0, limit: float = 0.0,
+              configs: tuple[MoeConfig, MoeConfig] | None = None) -> torch.Tensor:
+    """`configs`: the two GEMMs' launch shapes (same block_m; tuning sweeps), else `moe_config`'s."""
     tokens, top_k = topk_ids.shape
     num_experts, hidden = w13.shape[0], x.shape[-1]
     pairs = tokens * top_k
     x = x if x.stride(-1) == 1 else x.contiguous()
-    align = moe_align(topk_ids, num_experts, choose_block_m(pairs, num_experts))
+    up_cfg, down_cfg = configs or (moe_config(pairs, num_experts),) * 2
+    align = moe_align(topk_ids, num_experts, up_cfg.block_m)
     h = empty_output((pairs, w13.shape[1]), x.dtype, x.device)
-    moe_gemm(x, w13, h, align, top_k, bias=b13)
+    moe_gemm(x, w13, h, align, top_k, bias=b13, config=up_cfg)
     act = silu_and_mul(h) if activation == "silu" else expert_activation(h, activation, alpha, limit)
     y = empty_output((pairs, w2.shape[1]), x.dtype, x.device)
-    moe_gemm(act, w2, y, align, 1, weights=topk_weights.reshape(-1))
+    moe_gemm(act, w2, y, align, 1, weights=topk_weights.reshape(-1), config=down_cfg)
     return y.view(tokens, top_k, hidden).sum(dim=1)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from streamer_kernels import reference  # noqa: E402
-from streamer_kernels.moe import fused_moe, max_padded_pairs, moe_align  # noqa: E402
+from streamer_kernels.moe import MoeConfig, fused_moe, max_padded_pairs, moe_align  # noqa: E402
 
 SETTINGS = settings(max_examples=max_examples(20, 12), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -75,6 +75,24 @@ def test_fused_moe_matches_reference(dtype, tokens, experts, top_k, hidden, inte
     expected = reference.fused_moe(*args, activation=activation, alpha=1.702, limit=7.0)
     assert out.shape == x.shape and out.dtype == dtype
     assert rel_err(out, expected) <= 2 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("configs", [(MoeConfig(32, 32, 16, 8, 2), MoeConfig(32, 16, 32, 4, 4)),
+                                     (MoeConfig(64, 128, 128), MoeConfig(64, 128, 128))])
+def test_fused_moe_launch_configs(configs) -> None:
+    """The sweep's launch shapes (tiles wider or deeper than the matrices, the two GEMMs' differing) give the
+    reference's result; a block_m other than the alignment's is refused."""
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, hidden, inter, top_k = 13, 4, 96, 40, 2
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter ** 0.5
+    weights, ids = _routing(tokens, experts, top_k, g, False)
+    args = [t.to(DEVICE) for t in (x, w13, w2, weights, ids)]
+    out = fused_moe(*args, configs=configs)
+    assert rel_err(out, reference.fused_moe(*args)) <= 2 * TOLERANCE[torch.float32]
+    with pytest.raises(AssertionError, match="block_m"):
+        fused_moe(*args, configs=(configs[0], MoeConfig(16)))
 
 
 def test_fused_moe_rows_reach_their_own_experts() -> None:
