@@ -17,6 +17,7 @@
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
 #      the torch and on the Triton sampler, then eager: bf16 vs int4 weights at batch 1, int4 at 32,
 #      bf16 vs FP8 weights at 32                                                                  <= 180 s
+#   (1b. bench/gpu_gemma3_diag.py, only when the Gemma 3 image test fails: which engine part the difference follows)
 #   4. bench/gpu_report.py: the summary table
 # Raw logs and JSON land in $OUT/gpu_check (or a temp dir), so they come back with the run.
 set -u
@@ -78,6 +79,12 @@ else
 fi
 TESTS_RC=$?
 tail -n 15 "$RES/tests.log"
+# Gemma 3's image prompts were off transformers' on the H200 of 2026-12-04 (not on CPU): when they still are, find
+# which part of the engine the difference follows (one table, <= 150 s).
+if [ -z "$DRY" ] && grep -q "FAILED tests/test_multimodal.py::test_gemma3" "$RES/tests.log"; then
+    stamp "gemma 3 diagnosis"
+    timeout -k 10 150 $PY bench/gpu_gemma3_diag.py 2>&1 | grep -v "it/s\]" | tee "$RES/gemma3_diag.log" | tail -n 12
+fi
 if [ -n "$TESTS_ONLY" ]; then exit $TESTS_RC; fi
 
 # 2. Kernel benchmarks.
