@@ -323,7 +323,8 @@ def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch
                      chunked: bool = False) -> AttentionConfig:
     """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
     large q-blocks so each K/V tile feeds many rows. Sized from first principles and checked spill-free for
-    sm_80/sm_90 with `python -m streamer_kernels.aot`; the GPU check times alternatives at the target shapes."""
+    sm_80/sm_90 with `python -m streamer_kernels.aot`; the GPU check times alternatives at the target shapes.
+    `chunked`: the launch reads attention chunks (Llama 4's local layers)."""
     block_d = max(16, next_pow2(head_dim))
     decode = max_query_len * group <= 16 or max_query_len == 1
     if dtype == torch.float32:
