@@ -41,6 +41,10 @@ def _detail(r: dict[str, Any]) -> str:
         parts.append(f"err {r['rel_err']}")
     if "agree" in r:
         parts.append(f"same token {r['agree']}")
+    if "vs_eager" in r:
+        parts.append(f"x{r['vs_eager']:.2f} vs eager launches")
+    if "note" in r:
+        parts.append(r["note"])
     if "error" in r:
         parts.append(f"ERROR {r['error']}")
     return ", ".join(parts)
