@@ -26,27 +26,6 @@ from tests.parity import tokens_and_logprobs  # noqa: E402
 from tests.test_multimodal import GEMMA_PROMPT, images  # noqa: E402
 
 
-def hf_on(device: str, model_dir: Path, prompts: list[tuple[list[int], list]]) -> list[tuple[list[int], list[float]]]:
-    import transformers as tf
-    model = tf.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval().to(device)
-    processor = tf.AutoImageProcessor.from_pretrained(model_dir)
-    outs = []
-    with torch.no_grad():
-        for ids, ims in prompts:
-            t = torch.tensor([ids], device=device)
-            extra = {}
-            if ims:
-                extra = {"pixel_values": processor(images=ims, return_tensors="pt")["pixel_values"].to(device),
-                         "token_type_ids": (t == model.config.image_token_index).long()}
-            gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=4, min_new_tokens=4,
-                                 do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-                                 **extra)
-            tokens = gen.sequences[0, len(ids):].tolist()
-            outs.append((tokens, [torch.log_softmax(s[0].float(), -1)[k].item() for s, k in zip(gen.logits, tokens)]))
-    return outs
-
-
 def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(tempfile.mkdtemp())
@@ -79,7 +58,7 @@ def main() -> int:
     assert ids_and_images is not None, "no variant ran"
     want = hf_gemma3_greedy(model_dir, ids_and_images, 4)
     if device == "cuda":
-        results["transformers on cuda"] = hf_on("cuda", model_dir, ids_and_images)
+        results["transformers on cuda"] = hf_gemma3_greedy(model_dir, ids_and_images, 4, device="cuda")
     print(f"\n{'configuration':44} " + " ".join(f"{'prompt ' + str(i):>10}" for i in range(len(want)))
           + "   (max |logprob - transformers on CPU|; * = other tokens)")
     for name, got in results.items():

@@ -406,11 +406,11 @@ def _vlm_tokenizer(out_dir: Path, specials: list[str], chat_template: str | None
 def _hf_greedy_with_logprobs(model, prompts: list[tuple[list[int], list]], max_new_tokens: int,
                              inputs) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy continuation and each token's logprob; inputs(ids tensor, images) gives the model's
-    image inputs."""
+    image inputs (on the model's device)."""
     outs = []
     with torch.no_grad():
         for ids, images in prompts:
-            t = torch.tensor([ids])
+            t = torch.tensor([ids], device=model.device)
             gen = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=max_new_tokens,
                                  min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
                                  output_logits=True, return_dict_in_generate=True,
@@ -540,16 +540,16 @@ def make_gemma3_vlm_checkpoint(out_dir: Path, seed: int = 0) -> Path:
 
 
 def hf_gemma3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int,
-                     ) -> list[tuple[list[int], list[float]]]:
+                     device: str = "cpu") -> list[tuple[list[int], list[float]]]:
     """transformers' greedy continuation of each (expanded prompt ids, PIL images), with each token's logprob:
     token_type_ids mark the image tokens, whose attention within each image is bidirectional."""
     import transformers as tf
     model = tf.Gemma3ForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+                                                              attn_implementation="eager").eval().to(device)
     processor = tf.AutoImageProcessor.from_pretrained(model_dir)
     image_id = model.config.image_token_index
     return _hf_greedy_with_logprobs(model, prompts, max_new_tokens, lambda t, images: {
-        "pixel_values": processor(images=images, return_tensors="pt")["pixel_values"],
+        "pixel_values": processor(images=images, return_tensors="pt")["pixel_values"].to(device),
         "token_type_ids": (t == image_id).long()})
 
 

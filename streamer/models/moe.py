@@ -109,14 +109,16 @@ def _by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, 
 _fused_moe_unbuildable = False  # set when Triton cannot build the kernels here: the torch path serves from then on
 
 
-def _give_up_fused_moe(error: Exception) -> None:
-    """Re-raise `error` unless Triton failed to build the fused MoE kernels (a compiler or a shared-memory limit this
-    GPU does not meet): then say so once and take the torch path for good."""
-    global _fused_moe_unbuildable
+def _triton_build_errors() -> tuple[type[Exception], ...]:
+    """Triton's failures to build a kernel (a compiler error, or a shared-memory limit this GPU does not meet)."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
-    if not isinstance(error, (CompilationError, OutOfResources)):
-        raise error
+    return CompilationError, OutOfResources
+
+
+def _give_up_fused_moe(error: Exception) -> None:
+    """Say once that the fused MoE kernels cannot be built here, and take the torch path for good."""
+    global _fused_moe_unbuildable
     _fused_moe_unbuildable = True
     logger.warning("fused MoE kernels unavailable (%s: %s); running the experts one at a time",
                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
@@ -132,7 +134,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     if fused and K.use_triton(x) and not _fused_moe_unbuildable:
         try:
             return K.fused_moe(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)
-        except Exception as e:
+        except _triton_build_errors() as e:
             _give_up_fused_moe(e)
     tokens, k = topk_ids.shape
     # Few tokens (decode) on a GPU without the fused kernels: gather their experts' weights, no per-expert loop (and
@@ -198,8 +200,7 @@ def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
         h = torch.ops.mkldnn._linear_pointwise(rows, w13[e], None if m.w13_bias is None else m.w13_bias[e],
                                                "none", [], "")
         act = expert_activation(h, m.activation, m.alpha, m.limit)
-        return torch.ops.mkldnn._linear_pointwise(act, w2[e], None, "none",
-                                                  [], "")
+        return torch.ops.mkldnn._linear_pointwise(act, w2[e], None, "none", [], "")
     return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
 
 
