@@ -98,7 +98,7 @@ def main() -> int:
 
     import torch
 
-    from streamer import LLM, SamplingParams
+    from streamer import LLM
 
     dry = args.cpu_dry_run
     if not dry and not torch.cuda.is_available():
@@ -131,19 +131,7 @@ def main() -> int:
         rng = random.Random(0)
 
         def run(batch: int, max_tokens: int, sampled: bool = False) -> float:
-            prompts = [{"prompt_token_ids": [rng.randrange(3, config["vocab_size"]) for _ in range(prompt_len)]}
-                       for _ in range(batch)]
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(
-                dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05) if sampled else dict(temperature=0.0)))
-            if not dry:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            if not dry:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t
-            assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-            return elapsed
+            return timed_generate(llm, random_prompts(rng, batch, prompt_len, config), max_tokens, sampled)
 
         run(min(batches), 2)  # compile the kernels, warm the allocator
         graphs, overlap = runner.graphs, llm.engine.async_scheduling
@@ -229,6 +217,31 @@ def main() -> int:
     return 0
 
 
+def random_prompts(rng: random.Random, batch: int, prompt_len: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"prompt_token_ids": [rng.randrange(3, config["vocab_size"]) for _ in range(prompt_len)]}
+            for _ in range(batch)]
+
+
+def timed_generate(llm: Any, prompts: list[dict[str, Any]], max_tokens: int, sampled: bool = False) -> float:
+    """Seconds for llm.generate (greedy, or top-k/top-p/min-p sampling), the device synchronised around it."""
+    import torch
+
+    from streamer import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(
+        dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05) if sampled else dict(temperature=0.0)))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    return elapsed
+
+
 def fp8_graphs(args: argparse.Namespace, model_dir: Path, batches: list[int], prompt_len: int, gen: int,
                backend: Optional[str], dry: bool, rows: list[dict[str, Any]], started: float,
                config: dict[str, Any]) -> None:
@@ -239,7 +252,7 @@ def fp8_graphs(args: argparse.Namespace, model_dir: Path, batches: list[int], pr
 
     import torch
 
-    from streamer import LLM, SamplingParams
+    from streamer import LLM
 
     left = args.budget_s - (time.perf_counter() - started)
     if left < 100:
@@ -258,18 +271,9 @@ def fp8_graphs(args: argparse.Namespace, model_dir: Path, batches: list[int], pr
                  "ms": round(load_s * 1e3, 1), "note": f"{load_s:.1f} s to ready"})
     rng = random.Random(1)
     for batch in sorted({min(batches), min(32, max(batches))}):
-        prompts = [{"prompt_token_ids": [rng.randrange(3, config["vocab_size"]) for _ in range(prompt_len)]}
-                   for _ in range(batch)]
-        times = {}
-        for n in (2, 1, gen + 1):  # warm-up, then prefill + first token, then the whole run
-            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            if not dry:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            llm.generate(prompts, params)
-            if not dry:
-                torch.cuda.synchronize()
-            times[n] = time.perf_counter() - t
+        prompts = random_prompts(rng, batch, prompt_len, config)
+        # warm-up, then prefill + first token, then the whole run
+        times = {n: timed_generate(llm, prompts, n) for n in (2, 1, gen + 1)}
         step_s = max(times[gen + 1] - times[1], 1e-9) / gen
         r = {"section": "e2e", "name": f"decode batch {batch}, fp8 weights (compiled, graphs)",
              "ms": round(step_s * 1e3, 3), "tok_per_s": round(batch / step_s, 1), "prefill_s": round(times[1], 3)}
