@@ -12,13 +12,14 @@
 #      draft model's device path (tests/test_draft_model.py, the target as its own draft), Gemma 3's
 #      images on the device (tests/test_multimodal.py, against transformers), 4-bit weights
 #      (tests/test_int4.py), DeepSeek-V3's 24-wide heads (tests/test_deepseek.py)                  <= 160 s
+#      then, only when the Gemma 3 image test fails, bench/gpu_gemma3_diag.py: which part of the engine
+#      the difference follows                                                                     <= 150 s
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, MoE (graphed too), sweeps <= 160 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256, and 1 / 32
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
 #      the torch and on the Triton sampler, then eager: bf16 vs int4 weights at batch 1, int4 at 32,
 #      bf16 vs FP8 weights at 32; last, if the budget leaves ~100 s, an FP8 engine as served
 #      (compiled, CUDA graphs) at batch 1 and 32                                                  <= 285 s
-#   (1b. bench/gpu_gemma3_diag.py, only when the Gemma 3 image test fails: which engine part the difference follows)
 #   4. bench/gpu_report.py: the summary table
 # Raw logs and JSON land in $OUT/gpu_check (or a temp dir), so they come back with the run.
 set -u
