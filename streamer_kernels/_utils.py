@@ -68,3 +68,23 @@ def device_sm_count(device: torch.device) -> int:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return num_sms(index)
+
+
+# Set by streamer_kernels.aot while it compiles for a GPU target on CPU tensors: the (compute capability, shared
+# memory per program) that launch heuristics should size for, as if the tensors were on that GPU.
+COMPILE_TARGET: tuple[int, int] | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(device_index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major * 10 + props.minor,
+            int(getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)))
+
+
+def device_target(device: torch.device) -> tuple[int, int] | None:
+    """(compute capability as 80, 90, ..., shared memory one program may take) of `device`, cached; None
+    off-GPU (unless streamer_kernels.aot is compiling for a target)."""
+    if device.type != "cuda":
+        return COMPILE_TARGET
+    return _device_target(device.index if device.index is not None else torch.cuda.current_device())

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from streamer_kernels import _utils
+
 
 @dataclass
 class CompiledVariant:
@@ -61,6 +63,11 @@ class _FakeDriver:
         return True
 
 
+# Shared memory one program may take (the opt-in maximum) by compute capability: A100 163 KB, H100/H200 and B200
+# 227 KB, consumer GPUs (sm_86/89/120) 99 KB.
+_SHARED_MEMORY = {80: 163 * 1024, 87: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
+
+
 @contextlib.contextmanager
 def compile_only(arch: int) -> Iterator[list[Any]]:
     """Within the block, kernel[grid](...) compiles for sm_<arch> and returns without launching. Yields the
@@ -81,9 +88,11 @@ def compile_only(arch: int) -> Iterator[list[Any]]:
 
     driver.set_active(_FakeDriver(GPUTarget("cuda", arch, 32)))
     JITFunction.__getitem__ = getitem  # type: ignore[method-assign]
+    _utils.COMPILE_TARGET = (arch, _SHARED_MEMORY.get(arch, 99 * 1024))  # launch shapes as on that GPU
     try:
         yield compiled
     finally:
+        _utils.COMPILE_TARGET = None
         JITFunction.__getitem__ = original  # type: ignore[method-assign]
         try:
             driver.reset_active()

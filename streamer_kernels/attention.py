@@ -25,6 +25,12 @@ window's: tiles below the q-block's first chunk are skipped, and only tiles insi
 A relative position bias (MPNet's T5-style buckets) is a table per head indexed by the key's distance from the
 query, clamped to the table's radius; another constexpr switch adds it to every tile's scores (masked or not).
 
+Unmasked tiles (without soft-cap or bias) take their row max before scaling, so scaling and subtracting the max is
+one FMA per score. With `AttentionConfig.pipeline_qk` they are also software-pipelined by hand as in
+FlashAttention-3: tile j+1's Q.K^T is issued before tile j's softmax, and on sm_90 the compiled SASS issues the
+exponentials between the next tile's wgmma instructions instead of waiting for them (an option for the GPU
+check's sweep until it has been timed).
+
 Split-KV mode (grid axis 2 = NUM_SPLITS > 1) cuts each program's tile range into NUM_SPLITS segments that run
 as separate programs and write unnormalised partials (acc, running max, running sum); `_reduce_kernel` merges
 them. It pays when few requests with long contexts would otherwise occupy a handful of SMs. With sinks, only
@@ -40,7 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import cdiv, check_interpreter_consistency, device_sm_count, interpret_mode, next_pow2
+from streamer_kernels._utils import (cdiv, check_interpreter_consistency, device_sm_count, device_target,
+                                     interpret_mode, next_pow2)
 
 check_interpreter_consistency()
 
@@ -85,6 +92,54 @@ def _load(ptrs, mask, USE_MASK: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end, offs_n, offs_d,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, HOIST: tl.constexpr):
+    """Key positions of tile j, which of them are in the context, and their K/V offsets in the paged cache.
+    HOIST: unmasked tiles of whole cache blocks index the block table from loop-invariant parts: fewer
+    instructions per tile, more registers held (measured in SASS for sm_90: 128-key prefill tiles lose 11% of
+    their loop's instructions and their spills; decode's and sm_80's masked tiles spill with it)."""
+    k_pos = j * TILE_N + offs_n
+    in_ctx = k_pos < key_end
+    if TILE_N % BLOCK_SIZE == 0 and HOIST and not MASKED:
+        block = tl.load(block_table_row_ptr + j * (TILE_N // BLOCK_SIZE) + offs_n // BLOCK_SIZE)
+        row = block.to(tl.int64) * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot
+    elif BLOCK_SIZE % TILE_N == 0:
+        # The tile lies inside one block, found by one scalar load (its first key is always in the context).
+        first = j * TILE_N
+        block = tl.load(block_table_row_ptr + first // BLOCK_SIZE).to(tl.int64)
+        row = block * stride_c_block + (first % BLOCK_SIZE + offs_n) * stride_c_slot
+    else:
+        # Past the context the block table holds garbage (or is out of bounds): never follow it there.
+        block = _load(block_table_row_ptr + k_pos // BLOCK_SIZE, in_ctx, MASKED).to(tl.int64)
+        row = block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot
+    return k_pos, in_ctx, row[:, None] + offs_d[None, :]
+
+
+@triton.jit
+def _load_kv(ptr, offs_kv, kv_mask, dtype, USE_MASK: tl.constexpr, KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    x = _load(ptr + offs_kv, kv_mask, USE_MASK)  # [TILE_N, BLOCK_D]
+    if KV_FP8:  # widened to the queries' type; the scales are folded into qk_scale and the output
+        x = x.to(dtype)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _online_softmax(acc, l_i, m_i, s, v, scale, DOT_PRECISION: tl.constexpr):
+    """Folds one tile of scores s * scale (log2 units, masked entries -inf; scale > 0) and its values into
+    (acc, l, m). The row max is taken before scaling, so scaling and subtracting it is one FMA per score (a
+    literal scale of 1.0 folds away)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)
+    p = tl.math.exp2(s * scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
@@ -95,6 +150,7 @@ def _attend_tiles(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr,
+    HOIST: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
     window / chunk / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit
@@ -103,41 +159,65 @@ def _attend_tiles(
     tanh(q.k * scale / cap) * cap (log2 units). USE_BIAS: each row's bias table row (`bias_rows`, pointing at
     distance 0) adds its entry at the key's distance, clamped to +-bias_radius (in natural units: times log2(e))."""
     for j in range(tile_start, tile_stop):
-        k_pos = j * TILE_N + offs_n
-        in_ctx = k_pos < key_end
-        # Past the context the block table holds garbage (or is out of bounds): never follow it there.
-        block = _load(block_table_row_ptr + k_pos // BLOCK_SIZE, in_ctx, MASKED).to(tl.int64)
-        offs_kv = (block * stride_c_block + (k_pos % BLOCK_SIZE) * stride_c_slot)[:, None] + offs_d[None, :]
+        k_pos, in_ctx, offs_kv = _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                                               offs_n, offs_d, BLOCK_SIZE, TILE_N, MASKED, HOIST)
         kv_mask = in_ctx[:, None] & d_mask[None, :]
-        k = _load(key_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)  # [TILE_N, BLOCK_D]
-        v = _load(value_cache_ptr + offs_kv, kv_mask, MASKED or PAD_D)
-        if KV_FP8:  # widened to the queries' type; the scales are folded into qk_scale and the output
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k = _load_kv(key_cache_ptr, offs_kv, kv_mask, q.dtype, MASKED or PAD_D, KV_FP8, UPCAST)
+        v = _load_kv(value_cache_ptr, offs_kv, kv_mask, q.dtype, MASKED or PAD_D, KV_FP8, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
+        if not (MASKED or USE_SOFTCAP or USE_BIAS):
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
+        else:
+            s = s * qk_scale  # log2 units
+            if USE_SOFTCAP:
+                s = _tanh(s) * softcap_scale
+            if USE_BIAS:
+                dist = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -bias_radius), bias_radius)
+                s += tl.load(bias_rows[:, None] + dist) * _LOG2E_C
+            if MASKED:
+                visible = (k_pos[None, :] <= q_last[:, None]) & in_ctx[None, :]
+                if USE_WINDOW:
+                    visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+                if USE_CHUNK:
+                    visible = visible & (k_pos[None, :] >= key_lo[:, None])
+                s = tl.where(visible, s, float("-inf"))
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, 1.0, DOT_PRECISION)
+    return acc, l_i, m_i
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
-        if USE_SOFTCAP:
-            s = _tanh(s) * softcap_scale
-        if USE_BIAS:
-            dist = tl.minimum(tl.maximum(k_pos[None, :] - q_pos[:, None], -bias_radius), bias_radius)
-            s += tl.load(bias_rows[:, None] + dist) * _LOG2E_C
-        if MASKED:
-            visible = (k_pos[None, :] <= q_last[:, None]) & in_ctx[None, :]
-            if USE_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            if USE_CHUNK:
-                visible = visible & (k_pos[None, :] >= key_lo[:, None])
-            s = tl.where(visible, s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+@triton.jit
+def _attend_full_tiles_pipelined(
+    acc, l_i, m_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr, stride_c_block, stride_c_slot,
+    key_end, qk_scale, tile_start, tile_stop, offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """The unmasked tiles of `_attend_tiles` (no soft-cap, no bias), software-pipelined by hand as in
+    FlashAttention-3: tile j+1's scores are computed (an asynchronous tensor-core op on Hopper) before tile j's
+    softmax, so the exponentials of one tile can overlap the next tile's Q.K^T instead of idling the tensor
+    cores."""
+    if tile_start < tile_stop:
+        _, in_ctx, offs_kv = _tile_offsets(tile_start, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                                           offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
+        kv_mask = in_ctx[:, None] & d_mask[None, :]
+        k = _load_kv(key_cache_ptr, offs_kv, kv_mask, q.dtype, PAD_D, KV_FP8, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for j in range(tile_start, tile_stop - 1):
+            _, in_ctx, offs_next = _tile_offsets(j + 1, block_table_row_ptr, stride_c_block, stride_c_slot,
+                                                 key_end, offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
+            k = _load_kv(key_cache_ptr, offs_next, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8,
+                         UPCAST)
+            s_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            _, in_ctx, offs_kv = _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                                               offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
+            v = _load_kv(value_cache_ptr, offs_kv, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8,
+                         UPCAST)
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
+            s = s_next
+        _, in_ctx, offs_kv = _tile_offsets(tile_stop - 1, block_table_row_ptr, stride_c_block, stride_c_slot,
+                                           key_end, offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
+        v = _load_kv(value_cache_ptr, offs_kv, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8, UPCAST)
+        acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -154,7 +234,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_LIMIT: tl.constexpr,
-    USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr,
+    USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr, PIPELINE_QK: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -240,6 +320,7 @@ def _unified_attention_kernel(
     v_base = value_cache_ptr + kv_head.to(tl.int64) * stride_c_head
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     PAD_D: tl.constexpr = BLOCK_D != HEAD_DIM
+    HOIST: tl.constexpr = BLOCK_M >= 64  # prefill-sized q-blocks (see _tile_offsets)
     bias_rows = bias_ptr + head * stride_bias + bias_radius  # (each row's head's table, at distance 0)
 
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
@@ -247,19 +328,25 @@ def _unified_attention_kernel(
                                   bias_rows, bias_radius,
                                   tile_lo, full_lo, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                  USE_BIAS)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                  q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
-                                  bias_rows, bias_radius,
-                                  full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                  USE_BIAS)
+                                  USE_BIAS, HOIST)
+    if PIPELINE_QK and not (USE_SOFTCAP or USE_BIAS):
+        acc, l_i, m_i = _attend_full_tiles_pipelined(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block,
+                                                     stride_c_slot, key_end, qk_scale, full_lo, full_hi, offs_n,
+                                                     offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D, UPCAST,
+                                                     DOT_PRECISION, KV_FP8)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
+                                      q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                      bias_rows, bias_radius,
+                                      full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                      False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
+                                      USE_BIAS, HOIST)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
                                   bias_rows, bias_radius,
                                   full_hi, tile_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                  USE_BIAS)
+                                  USE_BIAS, HOIST)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
     if KV_FP8:  # sums of v' = v / v_scale (linear: the split partials can carry it too)
@@ -312,6 +399,8 @@ class AttentionConfig:
     tile_n: int  # keys per loop iteration
     num_warps: int
     num_stages: int
+    # Unmasked tiles computed one Q.K^T ahead of their softmax (FlashAttention-3's intra-warpgroup overlap)
+    pipeline_qk: bool = False
 
 
 # Shared memory the K/V pipeline of one program may take: two programs then fit an SM on Ampere/Hopper, and
@@ -320,11 +409,12 @@ _SMEM_BUDGET = 96 * 1024
 
 
 def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch.dtype,
-                     chunked: bool = False) -> AttentionConfig:
+                     chunked: bool = False, target: Optional[tuple[int, int]] = None) -> AttentionConfig:
     """Launch shape. Decode-like batches (every request's rows fit 16) get the smallest tl.dot; prefill gets
     large q-blocks so each K/V tile feeds many rows. Sized from first principles and checked spill-free for
     sm_80/sm_90 with `python -m streamer_kernels.aot`; the GPU check times alternatives at the target shapes.
-    `chunked`: the launch reads attention chunks (Llama 4's local layers)."""
+    `chunked`: the launch reads attention chunks (Llama 4's local layers). `target`: the GPU's (compute capability,
+    shared memory per program), from `device_target`; None off-GPU."""
     block_d = max(16, next_pow2(head_dim))
     decode = max_query_len * group <= 16 or max_query_len == 1
     if dtype == torch.float32:
@@ -349,6 +439,13 @@ def attention_config(head_dim: int, group: int, max_query_len: int, dtype: torch
         return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=tile_n, num_warps=4,
                                num_stages=num_stages)
     block_m = max(64 if wide else 128, next_pow2(group))
+    big_tiles = (2 * 2 * 128 + block_m) * block_d * elem  # two stages of 128-key K and V tiles, and Q's tile
+    if (not wide and not chunked and block_m == 128 and target is not None and target[0] >= 90
+            and target[1] >= big_tiles):
+        # Hopper: measured on an H200 (bench/RESULTS.md, 2026-12-04, prefill 1 x 4,096), 128-key tiles in 2 stages
+        # ran 1.08x faster than 64-key tiles in 3 (0.483 vs 0.520 ms). With wgmma (sm_90) they compile without
+        # spills (160 KB of shared memory at D=128); with mma.sync (sm_80) their scores spill.
+        return AttentionConfig(block_m=128, tile_n=128, num_warps=8, num_stages=2)
     # 8 warps even for 64-row wide tiles: with 4, the [64, 256] fp32 accumulator spills on sm_80.
     return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=8 if block_m >= 128 or wide else 4,
                            num_stages=num_stages)
@@ -420,7 +517,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     qk_scale = (softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E) * (k_scale if kv_fp8 else 1.0)
     softcap_scale = logit_softcap * _LOG2E if use_softcap else 1.0
 
-    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype, use_chunk)
+    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype, use_chunk, device_target(q.device))
     assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
     block_q = cfg.block_m // group
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs a reduction dim of at least 16
@@ -465,7 +562,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
         UPCAST=upcast,
         DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None, USE_CHUNK=use_chunk,
-        USE_BIAS=position_bias is not None,
+        USE_BIAS=position_bias is not None, PIPELINE_QK=cfg.pipeline_qk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_kv_splits > 1:

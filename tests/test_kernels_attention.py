@@ -28,14 +28,15 @@ SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomiz
 
 
 def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
-           scale=None, hints=None, logit_softcap=None, sinks=None, attention_chunk=None) -> torch.Tensor:
+           scale=None, hints=None, logit_softcap=None, sinks=None, attention_chunk=None,
+           config=None) -> torch.Tensor:
     scale = head_dim ** -0.5 if scale is None else scale
     max_query_len, max_seq_len = hints or (batch.max_query_len, batch.max_seq_len)
     out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, scale, max_query_len, max_seq_len, sliding_window,
                       num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-                      attention_chunk=attention_chunk)
+                      attention_chunk=attention_chunk, config=config)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, scale, batch.max_query_len,
@@ -75,6 +76,24 @@ def test_unified_attention_random(case) -> None:
     batch = make_paged_batch(q_lens, ctx_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype,
                              DEVICE, num_pad_tokens=pad, generator=g)
     _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
+
+
+@settings(SETTINGS, max_examples=max_examples(40, 12))
+@given(case=attention_cases(), block_size=st.sampled_from([16, 24, 48, 64, 128, 256]),
+       tile_n=st.sampled_from([16, 32, 64, 128]), rows=st.sampled_from([1, 2, 4]), pipeline_qk=st.booleans(),
+       softcap=st.sampled_from([None, None, 30.0]), long_ctx=st.integers(0, 400))
+def test_launch_configs(case, block_size, tile_n, rows, pipeline_qk, softcap, long_ctx) -> None:
+    """Every launch shape the tuning sweeps may pick computes the same thing: key tiles that hold whole cache
+    blocks, sit inside one block, or straddle blocks of a size that is no power of two; q-blocks of several sizes;
+    the unmasked tiles software-pipelined (one Q.K^T ahead) or not, which soft-capping turns off."""
+    dtype, head_dim, group, num_kv_heads, _, q_lens, ctx_lens, window, splits, pad, seed = case
+    ctx_lens = [long_ctx] + ctx_lens[1:]  # one request with many full tiles before its queries
+    g = torch.Generator().manual_seed(seed)
+    batch = make_paged_batch(q_lens, ctx_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype,
+                             DEVICE, num_pad_tokens=pad, generator=g)
+    block_m = max(16, 1 << (group - 1).bit_length()) * rows
+    config = attn_mod.AttentionConfig(block_m, tile_n, 4, 1, pipeline_qk=pipeline_qk)
+    _check(batch, group * num_kv_heads, head_dim, dtype, window, splits, logit_softcap=softcap, config=config)
 
 
 @settings(SETTINGS, max_examples=max_examples(25, 6))
