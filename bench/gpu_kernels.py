@@ -217,8 +217,7 @@ def bench_prefill(timer: Timer, device: torch.device, mm_tflops: float, batch: i
         configs = [AttentionConfig(*c) for c in WIDE_SWEEP] if D > 256 else [
             AttentionConfig(128, 64, 8, 3), AttentionConfig(128, 64, 4, 3), AttentionConfig(64, 128, 4, 2),
             AttentionConfig(128, 64, 8, 3, True), AttentionConfig(128, 64, 8, 2, True),
-            AttentionConfig(64, 64, 4, 3, True), AttentionConfig(64, 128, 4, 2, True),
-            AttentionConfig(128, 128, 8, 2, True)]
+            AttentionConfig(64, 64, 4, 3, True), AttentionConfig(64, 64, 4, 2, True)]
         for cfg in configs:
             label = (f"{name} bm={cfg.block_m} tn={cfg.tile_n} w={cfg.num_warps} st={cfg.num_stages}"
                      + (" pipe" if cfg.pipeline_qk else ""))

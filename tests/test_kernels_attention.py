@@ -15,7 +15,7 @@ from streamer_kernels.testing import TOLERANCE, configure_for_tests, make_paged_
 DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import streamer_kernels.attention as attn_mod  # noqa: E402
@@ -78,20 +78,24 @@ def test_unified_attention_random(case) -> None:
     _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
 
 
-@settings(SETTINGS, max_examples=max_examples(40, 12))
+@settings(SETTINGS, max_examples=max_examples(30, 12))
 @given(case=attention_cases(), block_size=st.sampled_from([16, 24, 48, 64, 128, 256]),
        tile_n=st.sampled_from([16, 32, 64, 128]), rows=st.sampled_from([1, 2, 4]), pipeline_qk=st.booleans(),
-       softcap=st.sampled_from([None, None, 30.0]), long_ctx=st.integers(0, 400))
+       softcap=st.sampled_from([None, None, 30.0]), long_ctx=st.integers(0, 260))
 def test_launch_configs(case, block_size, tile_n, rows, pipeline_qk, softcap, long_ctx) -> None:
     """Every launch shape the tuning sweeps may pick computes the same thing: key tiles that hold whole cache
     blocks, sit inside one block, or straddle blocks of a size that is no power of two; q-blocks of several sizes;
     the unmasked tiles software-pipelined (one Q.K^T ahead) or not, which soft-capping turns off."""
     dtype, head_dim, group, num_kv_heads, _, q_lens, ctx_lens, window, splits, pad, seed = case
     ctx_lens = [long_ctx] + ctx_lens[1:]  # one request with many full tiles before its queries
+    q_lens = [min(n, 48) for n in q_lens]  # (the interpreter's cost grows with the programs: keep them few)
     g = torch.Generator().manual_seed(seed)
     batch = make_paged_batch(q_lens, ctx_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype,
                              DEVICE, num_pad_tokens=pad, generator=g)
-    block_m = max(16, 1 << (group - 1).bit_length()) * rows
+    heads = 1 << (group - 1).bit_length()
+    block_m = heads * max(16 // heads, 4) * rows  # >= 16 rows, >= 4 query tokens
+    if DEVICE.type == "cuda":  # (only shapes whose tiles fit a GPU's shared memory launch there)
+        assume((2 * tile_n + block_m) * max(16, 1 << (head_dim - 1).bit_length()) * dtype.itemsize <= 160 * 1024)
     config = attn_mod.AttentionConfig(block_m, tile_n, 4, 1, pipeline_qk=pipeline_qk)
     _check(batch, group * num_kv_heads, head_dim, dtype, window, splits, logit_softcap=softcap, config=config)
 
