@@ -118,7 +118,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), sum(int(s) for s in spills)
 
 
-def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Callable[[], None]]]:
+def _cases(quick: bool, only_dtype: str | None = None, arch: int = 90) -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, thunk) pairs; each thunk calls a host wrapper the way the engine does."""
     from streamer_kernels.activation import silu_and_mul
     from streamer_kernels.attention import unified_attention
@@ -176,6 +176,16 @@ def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Ca
                         unified_attention(q1, kv[0], kv[1], torch.empty_like(q1), qsl1, seq_lens[:1], table[:1],
                                           0.1, 1, 200, num_kv_splits=1)
                     yield f"attention decode {str(dtype)[6:]} D={head_dim} single sequence", single
+        if arch >= 89 and dtype != torch.float32:  # an FP8 cache (kv_cache_dtype="fp8"; Triton's e4m3 needs sm_89+)
+            fp8 = torch.empty(2, 64, 16, 8, 128, dtype=torch.float8_e4m3fn)
+            for kind, q_lens in (("decode", 1), ("prefill", 50)):
+                q8 = torch.empty(4 * q_lens, 32, 128, dtype=dtype)
+
+                def fp8_thunk(q8=q8, q_lens=q_lens) -> None:
+                    unified_attention(q8, fp8[0], fp8[1], torch.empty_like(q8), torch.arange(5, dtype=torch.int32)
+                                      * q_lens, torch.full((4,), 200, dtype=torch.int32),
+                                      torch.zeros(4, 16, dtype=torch.int32), 0.1, q_lens, 200)
+                yield f"attention {kind} {str(dtype)[6:]} D=128 H=32/8 fp8 cache", fp8_thunk
         hidden = 4096
         x = torch.empty(8, hidden, dtype=dtype)
         w = torch.empty(hidden, dtype=dtype)
@@ -204,7 +214,7 @@ def _cases(quick: bool, only_dtype: str | None = None) -> Iterator[tuple[str, Ca
 def compile_all(arch: int, quick: bool, only_dtype: str | None = None) -> list[CompiledVariant]:
     out: list[CompiledVariant] = []
     with compile_only(arch) as compiled:
-        for name, thunk in _cases(quick, only_dtype):
+        for name, thunk in _cases(quick, only_dtype, arch):
             compiled.clear()
             thunk()
             for ck in compiled:

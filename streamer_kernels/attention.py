@@ -270,6 +270,12 @@ def _unified_attention_kernel(
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    elif KV_FP8 and q.dtype == tl.bfloat16:
+        # An FP8 cache widens to fp16 in one instruction per pair (e4m3 -> bf16 goes through fp32: 2.3x the
+        # decode loop's instructions on sm_90), so the dots run in fp16: q converts exactly (fp16 has more
+        # mantissa than bf16) once clamped to fp16's range (in fp32: bf16 rounds 65504 up to 65536), and p in
+        # [0, 1] loses nothing.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # Keys this q-block needs: [key_start, key_end).
     q_lo = q_block * BLOCK_Q
@@ -543,7 +549,7 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     # are widened to fp32 right after loading. On the GPU fp32 inputs get 3xTF32 dots: fp32-accurate (plain
     # TF32 is not) yet on tensor cores (IEEE fp32 dots run on FMA units and spill registers).
     interpreted = interpret_mode()
-    upcast = interpreted and q.dtype == torch.bfloat16
+    upcast = interpreted and q.dtype == torch.bfloat16 and not kv_fp8  # (an FP8 cache's dots run in fp16)
     precision = "ieee" if interpreted else ("tf32x3" if q.dtype == torch.float32 else "tf32")
 
     _unified_attention_kernel[(num_q_programs, num_kv_heads, num_kv_splits)](

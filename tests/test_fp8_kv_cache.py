@@ -74,6 +74,23 @@ def test_unified_attention_reads_fp8_caches(dtype, splits) -> None:
     assert rel_err(unscaled[:n], exact[:n]) > 0.5
 
 
+def test_fp8_cache_with_queries_past_fp16s_range() -> None:
+    """Over an FP8 cache the dots run in fp16 (one instruction widens a pair of e4m3 values to fp16, not to bf16):
+    bf16 queries beyond fp16's range are clamped into it, so scores stay finite rather than inf - inf = NaN."""
+    g = torch.Generator().manual_seed(2)
+    batch = make_paged_batch([1, 9], [40, 20], 8, 2, 64, 16, torch.bfloat16, DEVICE, generator=g)
+    q = (batch.q.float() * 4e4).to(torch.bfloat16)  # |q| up to ~1.5e5
+    assert q.float().abs().max() > 65504
+    fp8_k, fp8_v = batch.key_cache.to(FP8), batch.value_cache.to(FP8)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, fp8_k, fp8_v, out, batch.query_start_loc, batch.seq_lens, batch.block_table, 64 ** -0.5,
+                      batch.max_query_len, batch.max_seq_len)
+    n = batch.num_tokens
+    assert torch.isfinite(out[:n].float()).all()
+    values = fp8_v.float()
+    assert out[:n].float().abs().max() <= values[torch.isfinite(values)].abs().max() * 1.01  # (a convex mix)
+
+
 def _greedy(path: Path, **kw) -> tuple[list[list[int]], LLM]:
     llm = LLM(str(path), dtype="float32", device=DEVICE.type, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
