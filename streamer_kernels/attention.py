@@ -140,6 +140,45 @@ def _online_softmax(acc, l_i, m_i, s, v, scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_full_tile(ptr, j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end, offs_n, offs_d, d_mask,
+                    dtype, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
+                    KV_FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """K or V of unmasked tile j of a prefill-sized q-block (the hoisted block-table arithmetic)."""
+    _, in_ctx, offs_kv = _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end, offs_n,
+                                       offs_d, BLOCK_SIZE, TILE_N, False, True)
+    return _load_kv(ptr, offs_kv, in_ctx[:, None] & d_mask[None, :], dtype, PAD_D, KV_FP8, UPCAST)
+
+
+@triton.jit
+def _attend_full_tiles_pipelined(
+    acc, l_i, m_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr, stride_c_block, stride_c_slot,
+    key_end, qk_scale, tile_start, tile_stop, offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):
+    """The unmasked tiles of `_attend_tiles` (no soft-cap, no bias), software-pipelined by hand as in
+    FlashAttention-3: tile j+1's scores are computed (an asynchronous tensor-core op on Hopper) before tile j's
+    softmax, so the exponentials of one tile can overlap the next tile's Q.K^T instead of idling the tensor
+    cores."""
+    if tile_start < tile_stop:
+        k = _load_full_tile(key_cache_ptr, tile_start, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                            offs_n, offs_d, d_mask, q.dtype, BLOCK_SIZE, TILE_N, PAD_D, KV_FP8, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for j in range(tile_start, tile_stop - 1):
+            k = _load_full_tile(key_cache_ptr, j + 1, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                                offs_n, offs_d, d_mask, q.dtype, BLOCK_SIZE, TILE_N, PAD_D, KV_FP8, UPCAST)
+            s_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            v = _load_full_tile(value_cache_ptr, j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
+                                offs_n, offs_d, d_mask, q.dtype, BLOCK_SIZE, TILE_N, PAD_D, KV_FP8, UPCAST)
+            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
+            s = s_next
+        v = _load_full_tile(value_cache_ptr, tile_stop - 1, block_table_row_ptr, stride_c_block, stride_c_slot,
+                            key_end, offs_n, offs_d, d_mask, q.dtype, BLOCK_SIZE, TILE_N, PAD_D, KV_FP8, UPCAST)
+        acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q,
     key_cache_ptr, value_cache_ptr, block_table_row_ptr,
@@ -150,14 +189,20 @@ def _attend_tiles(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr,
-    HOIST: tl.constexpr,
+    HOIST: tl.constexpr, PIPELINE_QK: tl.constexpr,
 ):
     """Online-softmax accumulation over key tiles [tile_start, tile_stop). MASKED tiles apply the causal /
     window / chunk / end-of-context masks (causal: keys up to q_last, each row's own position unless a causal limit
     moves it further; USE_CHUNK: keys from each row's key_lo on); unmasked tiles must be fully visible to every
     row. With USE_SOFTCAP, qk_scale is scale / cap and softcap_scale is cap * log2(e): scores become
     tanh(q.k * scale / cap) * cap (log2 units). USE_BIAS: each row's bias table row (`bias_rows`, pointing at
-    distance 0) adds its entry at the key's distance, clamped to +-bias_radius (in natural units: times log2(e))."""
+    distance 0) adds its entry at the key's distance, clamped to +-bias_radius (in natural units: times log2(e)).
+    PIPELINE_QK: unmasked tiles without soft-cap or bias go through `_attend_full_tiles_pipelined`."""
+    if PIPELINE_QK and not (MASKED or USE_SOFTCAP or USE_BIAS):
+        return _attend_full_tiles_pipelined(acc, l_i, m_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr,
+                                            stride_c_block, stride_c_slot, key_end, qk_scale, tile_start,
+                                            tile_stop, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D, UPCAST,
+                                            DOT_PRECISION, KV_FP8)
     for j in range(tile_start, tile_stop):
         k_pos, in_ctx, offs_kv = _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
                                                offs_n, offs_d, BLOCK_SIZE, TILE_N, MASKED, HOIST)
@@ -182,42 +227,6 @@ def _attend_tiles(
                     visible = visible & (k_pos[None, :] >= key_lo[:, None])
                 s = tl.where(visible, s, float("-inf"))
             acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, 1.0, DOT_PRECISION)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _attend_full_tiles_pipelined(
-    acc, l_i, m_i, q, key_cache_ptr, value_cache_ptr, block_table_row_ptr, stride_c_block, stride_c_slot,
-    key_end, qk_scale, tile_start, tile_stop, offs_n, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, PAD_D: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-):
-    """The unmasked tiles of `_attend_tiles` (no soft-cap, no bias), software-pipelined by hand as in
-    FlashAttention-3: tile j+1's scores are computed (an asynchronous tensor-core op on Hopper) before tile j's
-    softmax, so the exponentials of one tile can overlap the next tile's Q.K^T instead of idling the tensor
-    cores."""
-    if tile_start < tile_stop:
-        _, in_ctx, offs_kv = _tile_offsets(tile_start, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
-                                           offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
-        kv_mask = in_ctx[:, None] & d_mask[None, :]
-        k = _load_kv(key_cache_ptr, offs_kv, kv_mask, q.dtype, PAD_D, KV_FP8, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        for j in range(tile_start, tile_stop - 1):
-            _, in_ctx, offs_next = _tile_offsets(j + 1, block_table_row_ptr, stride_c_block, stride_c_slot,
-                                                 key_end, offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
-            k = _load_kv(key_cache_ptr, offs_next, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8,
-                         UPCAST)
-            s_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            _, in_ctx, offs_kv = _tile_offsets(j, block_table_row_ptr, stride_c_block, stride_c_slot, key_end,
-                                               offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
-            v = _load_kv(value_cache_ptr, offs_kv, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8,
-                         UPCAST)
-            acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
-            s = s_next
-        _, in_ctx, offs_kv = _tile_offsets(tile_stop - 1, block_table_row_ptr, stride_c_block, stride_c_slot,
-                                           key_end, offs_n, offs_d, BLOCK_SIZE, TILE_N, False, True)
-        v = _load_kv(value_cache_ptr, offs_kv, in_ctx[:, None] & d_mask[None, :], q.dtype, PAD_D, KV_FP8, UPCAST)
-        acc, l_i, m_i = _online_softmax(acc, l_i, m_i, s, v, qk_scale, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -334,25 +343,19 @@ def _unified_attention_kernel(
                                   bias_rows, bias_radius,
                                   tile_lo, full_lo, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                  USE_BIAS, HOIST)
-    if PIPELINE_QK and not (USE_SOFTCAP or USE_BIAS):
-        acc, l_i, m_i = _attend_full_tiles_pipelined(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block,
-                                                     stride_c_slot, key_end, qk_scale, full_lo, full_hi, offs_n,
-                                                     offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D, UPCAST,
-                                                     DOT_PRECISION, KV_FP8)
-    else:
-        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
-                                      q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
-                                      bias_rows, bias_radius,
-                                      full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
-                                      False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                      USE_BIAS, HOIST)
+                                  USE_BIAS, HOIST, PIPELINE_QK)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
+                                  q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
+                                  bias_rows, bias_radius,
+                                  full_lo, full_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
+                                  False, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
+                                  USE_BIAS, HOIST, PIPELINE_QK)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_base, v_base, bt_row, stride_c_block, stride_c_slot,
                                   q_pos, q_last, key_end, sliding_window, key_lo, qk_scale, softcap_scale,
                                   bias_rows, bias_radius,
                                   full_hi, tile_hi, offs_n, offs_d, d_mask, BLOCK_SIZE, TILE_N, PAD_D,
                                   True, USE_WINDOW, USE_SOFTCAP, UPCAST, DOT_PRECISION, KV_FP8, USE_CHUNK,
-                                  USE_BIAS, HOIST)
+                                  USE_BIAS, HOIST, PIPELINE_QK)
 
     store_mask = row_valid[:, None] & d_mask[None, :]
     if KV_FP8:  # sums of v' = v / v_scale (linear: the split partials can carry it too)
