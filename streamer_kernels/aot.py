@@ -209,6 +209,11 @@ def _cases(quick: bool, only_dtype: str | None = None, arch: int = 90) -> Iterat
         kc = torch.empty(64, 16, 8, 128, dtype=dtype)
         yield (f"reshape_and_cache {str(dtype)[6:]}",
                lambda k=k, kc=kc: reshape_and_cache(k, k, kc, kc, torch.zeros(8, dtype=torch.int64)))
+    # The Triton sampler (sampling_backend="triton"): fp32 logits, every filter on, Llama 3's vocabulary.
+    from streamer_kernels.sampling import top_k_top_p_sample
+    logits, ones = torch.empty(8, 128256), torch.ones(8)
+    yield ("top_k_top_p_sample vocab=128256",
+           lambda: top_k_top_p_sample(logits, ones, torch.full((8,), 50), ones * 0.9, logits, ones * 0.1))
 
 
 def compile_all(arch: int, quick: bool, only_dtype: str | None = None) -> list[CompiledVariant]:

@@ -28,7 +28,7 @@ def test_kernels_compile_for_gpu(arch: int, tmp_path: Path) -> None:
     variants = json.loads(out.read_text())
     kernels = {v["kernel"] for v in variants}
     assert {"_unified_attention_kernel", "_reduce_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel",
-            "_rotary_kernel", "_silu_and_mul_kernel"} <= kernels
+            "_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel"} <= kernels
     for v in variants:
         assert v["spill_bytes"] == 0, f"register spills: {v}"
         assert v["shared_bytes"] <= SMEM_LIMIT[arch], f"too much shared memory: {v}"

@@ -129,6 +129,18 @@ def test_sampler_boundary_ties_are_kept() -> None:
     assert float(thr[0]) == 3.0 and int(tokens[0]) == 0
 
 
+def test_greedy_rows_take_the_first_of_tied_maxima_across_tiles() -> None:
+    # The kernel walks 1,024-wide tiles, each lane keeping its own best: ties within a lane (columns 1,024 apart),
+    # across lanes of one tile, and across both must all resolve to the first column, as torch's argmax does.
+    vocab = 2100
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    for row, cols in enumerate(([7, 7 + 1024, 7 + 2048], [476, 1500], [300, 900], [1000, 1030, 2060])):
+        logits[row, cols] = 50.0
+    zero = torch.zeros(4, device=DEVICE)
+    tokens = top_k_top_p_sample(logits.to(DEVICE), zero, None, None, torch.ones(4, vocab, device=DEVICE))
+    assert tokens.tolist() == [7, 476, 300, 1000]
+
+
 def test_sampler_draws_from_the_distribution() -> None:
     # Fresh noise per draw: the empirical frequencies follow the top-k/top-p renormalised probabilities.
     g = torch.Generator().manual_seed(1)
