@@ -41,6 +41,8 @@ def _detail(r: dict[str, Any]) -> str:
         parts.append(f"err {r['rel_err']}")
     if "agree" in r:
         parts.append(f"same token {r['agree']}")
+    if "vs_one_launch" in r:
+        parts.append(f"x{r['vs_one_launch']:.2f} vs one launch ({r['one_launch_ms']:.3f} ms)")
     if "vs_eager" in r:
         parts.append(f"x{r['vs_eager']:.2f} vs eager launches")
     if "note" in r:

@@ -14,7 +14,7 @@ Conventions shared by all kernels:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -50,7 +50,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       k_scale: float = 1.0, v_scale: float = 1.0,
                       causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None,
-                      position_bias: Optional[torch.Tensor] = None) -> None:
+                      position_bias: Optional[torch.Tensor] = None,
+                      query_lens: Optional[Sequence[int]] = None) -> None:
     """Causal paged attention over a varlen batch mixing prefill chunks and decode tokens; writes out [T, H, D].
 
     q [T, H, D]; key_cache/value_cache [num_blocks, block_size, Hkv, D] (same dtype as q, same strides);
@@ -67,16 +68,20 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     of queries given its end sees itself both ways (Gemma 3's images); None = plain causal. attention_chunk: C
     (Llama 4's chunked local attention), the query at position p sees keys from (p // C) * C on only; None = off.
     position_bias: float32 [H, 2R + 1] (MPNet's relative attention bias), entry R + clamp(d, -R, R) of its head's
-    row added to the scaled score of a key d positions after its query; None = off.
+    row added to the scaled score of a key d positions after its query; None = off. query_lens: the B query lengths
+    on the host (another hint): with them a batch mixing decodes and longer chunks runs as two launches, each
+    shaped for its kind.
     """
+    args = (q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
+            max_seq_len, sliding_window)
+    kwargs = dict(num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks, k_scale=k_scale,
+                  v_scale=v_scale, causal_limit=causal_limit, attention_chunk=attention_chunk,
+                  position_bias=position_bias)
     if use_triton(q):
         from streamer_kernels.attention import unified_attention as impl
+        impl(*args, **kwargs, query_lens=query_lens)
     else:
-        impl = reference.unified_attention
-    impl(q, key_cache, value_cache, out, query_start_loc, seq_lens, block_table, softmax_scale, max_query_len,
-         max_seq_len, sliding_window, num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-         k_scale=k_scale, v_scale=v_scale, causal_limit=causal_limit, attention_chunk=attention_chunk,
-         position_bias=position_bias)
+        reference.unified_attention(*args, **kwargs)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,

@@ -176,6 +176,15 @@ def _cases(quick: bool, only_dtype: str | None = None, arch: int = 90) -> Iterat
                         unified_attention(q1, kv[0], kv[1], torch.empty_like(q1), qsl1, seq_lens[:1], table[:1],
                                           0.1, 1, 200, num_kv_splits=1)
                     yield f"attention decode {str(dtype)[6:]} D={head_dim} single sequence", single
+                    # A mixed step as the engine launches it: the decodes apart (SUBSET short), then the chunks.
+                    lens = [1, 50, 1, 50]
+                    qm = torch.empty(sum(lens), num_heads, head_dim, dtype=dtype)
+                    qslm = torch.tensor([0, 1, 51, 52, 102], dtype=torch.int32)
+
+                    def mixed(qm=qm, kv=kv, qslm=qslm, table=table, lens=lens) -> None:
+                        unified_attention(qm, kv[0], kv[1], torch.empty_like(qm), qslm, seq_lens, table, 0.1, 50,
+                                          200, query_lens=lens)
+                    yield f"attention mixed {str(dtype)[6:]} D={head_dim} decodes apart", mixed
         if arch >= 89 and dtype != torch.float32:  # an FP8 cache (kv_cache_dtype="fp8"; Triton's e4m3 needs sm_89+)
             fp8 = torch.empty(2, 64, 16, 8, 128, dtype=torch.float8_e4m3fn)
             for kind, q_lens in (("decode", 1), ("prefill", 50)):

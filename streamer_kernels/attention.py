@@ -41,7 +41,7 @@ other statistics.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import triton
@@ -60,6 +60,12 @@ _TWO_LOG2E = tl.constexpr(2.0 * _LOG2E)
 _LOG2E_C = tl.constexpr(_LOG2E)
 
 MAX_KV_SPLITS = 64
+# Which requests a launch serves (the kernel's SUBSET): all; only those of at most BLOCK_Q query tokens, one
+# program each; only the longer ones (more than SHORT_MAX tokens). A batch mixing decodes and prefill chunks
+# runs as the last two, each with its own launch shape (see unified_attention).
+_ALL = tl.constexpr(0)
+_SHORT = tl.constexpr(1)
+_LONG = tl.constexpr(2)
 
 
 @triton.jit
@@ -244,7 +250,8 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, USE_LIMIT: tl.constexpr,
-    USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr, PIPELINE_QK: tl.constexpr,
+    USE_CHUNK: tl.constexpr, USE_BIAS: tl.constexpr, PIPELINE_QK: tl.constexpr, SUBSET: tl.constexpr,
+    SHORT_MAX: tl.constexpr,
 ):
     # KV heads vary fastest: the GPU starts programs in id order, so every head's longest q-blocks (below) go first
     # and the short ones fill the tail. Modelled (bench/attention_schedule.py), a 2,048-token prompt's grid takes
@@ -254,10 +261,21 @@ def _unified_attention_kernel(
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
 
-    seq = _find_request(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
+    if SUBSET == _SHORT:  # one program per request; requests of more than BLOCK_Q tokens are the other launch's
+        seq = pid_q
+        q_block = 0
+    else:
+        seq = _find_request(query_start_loc_ptr, pid_q, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    if SUBSET == _SHORT:
+        if q_len > BLOCK_Q:
+            return
+    else:
+        q_block = pid_q - (q_start // BLOCK_Q + seq)
+        if SUBSET == _LONG:
+            if q_len <= SHORT_MAX:
+                return
     num_q_blocks = tl.cdiv(q_len, BLOCK_Q)
     if q_block >= num_q_blocks:
         return
@@ -493,7 +511,8 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       logit_softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
                       config: Optional[AttentionConfig] = None, k_scale: float = 1.0, v_scale: float = 1.0,
                       causal_limit: Optional[torch.Tensor] = None, attention_chunk: Optional[int] = None,
-                      position_bias: Optional[torch.Tensor] = None) -> None:
+                      position_bias: Optional[torch.Tensor] = None,
+                      query_lens: Optional[Sequence[int]] = None) -> None:
     """See `streamer_kernels.unified_attention`. `num_kv_splits` None = `choose_num_kv_splits`; otherwise a
     power of two forcing the split-KV path (which is correct for any batch, just slower for prefill).
     `logit_softcap` (None or 0 = off) soft-caps the scaled scores. `sinks` (float32 [num_heads], None = off): a
@@ -531,14 +550,9 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     qk_scale = (softmax_scale / logit_softcap if use_softcap else softmax_scale * _LOG2E) * (k_scale if kv_fp8 else 1.0)
     softcap_scale = logit_softcap * _LOG2E if use_softcap else 1.0
 
-    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype, use_chunk, device_target(q.device))
-    assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
-    block_q = cfg.block_m // group
+    target = device_target(q.device)
+    cfg = config or attention_config(head_dim, group, max_query_len, q.dtype, use_chunk, target)
     block_d = max(16, next_pow2(head_dim))  # tl.dot needs a reduction dim of at least 16
-    # Program ids without reading query_start_loc: request b's q-blocks start at query_start_loc[b] // BLOCK_Q + b
-    # and its last one is below query_start_loc[b + 1] // BLOCK_Q + b + 1, so num_tokens // BLOCK_Q + num_seqs
-    # programs cover every request (the slack, at most one per request, exits at once).
-    num_q_programs = num_tokens // block_q + num_seqs
 
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len, head_dim,
@@ -560,25 +574,47 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     upcast = interpreted and q.dtype == torch.bfloat16 and not kv_fp8  # (an FP8 cache's dots run in fp16)
     precision = "ieee" if interpreted else ("tf32x3" if q.dtype == torch.float32 else "tf32")
 
-    _unified_attention_kernel[(num_q_programs * num_kv_heads, num_kv_splits)](
-        q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
-        query_start_loc if causal_limit is None else causal_limit, out if position_bias is None else position_bias,
-        query_start_loc, seq_lens, block_table,
-        num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
-        int(attention_chunk) if use_chunk else 1, float(v_scale),
-        0 if position_bias is None else position_bias.shape[1] // 2,
-        0 if position_bias is None else position_bias.stride(0),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_table.stride(0),
-        NUM_HEADS=num_heads, QPK=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-        NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap, USE_SINKS=sinks is not None,
-        UPCAST=upcast,
-        DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None, USE_CHUNK=use_chunk,
-        USE_BIAS=position_bias is not None, PIPELINE_QK=cfg.pipeline_qk,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    def launch(cfg: AttentionConfig, subset: int, short_max: int = 0) -> None:
+        assert cfg.block_m >= group and cfg.block_m >= 16 and cfg.tile_n >= 16
+        block_q = cfg.block_m // group
+        # Program ids without reading query_start_loc: request b's q-blocks start at query_start_loc[b] // BLOCK_Q
+        # + b and its last one is below query_start_loc[b + 1] // BLOCK_Q + b + 1, so num_tokens // BLOCK_Q +
+        # num_seqs programs cover every request (the slack, at most one per request, exits at once). A _SHORT
+        # launch has one program per request.
+        q_programs = num_seqs if subset == _SHORT.value else num_tokens // block_q + num_seqs
+        _unified_attention_kernel[(q_programs * num_kv_heads, num_kv_splits)](
+            q, key_cache, value_cache, out, part_acc, part_ml, out if sinks is None else sinks,
+            query_start_loc if causal_limit is None else causal_limit,
+            out if position_bias is None else position_bias,
+            query_start_loc, seq_lens, block_table,
+            num_seqs, qk_scale, softcap_scale, int(sliding_window) if use_window else 0,
+            int(attention_chunk) if use_chunk else 1, float(v_scale),
+            0 if position_bias is None else position_bias.shape[1] // 2,
+            0 if position_bias is None else position_bias.stride(0),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            block_table.stride(0),
+            NUM_HEADS=num_heads, QPK=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+            NUM_SPLITS=num_kv_splits, USE_WINDOW=use_window, USE_SOFTCAP=use_softcap,
+            USE_SINKS=sinks is not None, UPCAST=upcast,
+            DOT_PRECISION=precision, KV_FP8=kv_fp8, USE_LIMIT=causal_limit is not None, USE_CHUNK=use_chunk,
+            USE_BIAS=position_bias is not None, PIPELINE_QK=cfg.pipeline_qk, SUBSET=subset, SHORT_MAX=short_max,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    short = attention_config(head_dim, group, 1, q.dtype, use_chunk, target)
+    short_q = short.block_m // group
+    lens = [] if query_lens is None else [int(n) for n in query_lens[:num_seqs]]
+    if (config is None and num_kv_splits == 1 and cfg != short and any(0 < n <= short_q for n in lens)
+            and max(lens) > short_q):
+        # With a prefill chunk's launch shape every decode in the batch would get a prefill-sized q-block: 128-row
+        # dots and softmax for one token's rows. Given the host's query lengths, the decodes (and any request that
+        # fits one decode-shaped q-block) run as a launch of their own, shaped for decode, and the rest as another.
+        launch(short, _SHORT.value)
+        launch(cfg, _LONG.value, short_q)
+    else:
+        launch(cfg, _ALL.value)
     if num_kv_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](
             out, part_acc, part_ml, query_start_loc, num_seqs,

@@ -63,6 +63,7 @@ class PagedBatch:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    query_lens: list[int]  # the host copy the engine passes unified_attention (`query_lens=`)
 
     @property
     def key_cache(self) -> torch.Tensor:
@@ -122,4 +123,4 @@ def make_paged_batch(q_lens: Sequence[int], ctx_lens: Sequence[int], num_heads: 
         q=q.to(dev), kv_cache=kv_cache.to(dev), query_start_loc=qsl.to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), block_table=table.to(dev),
         slot_mapping=slots.to(dev), new_k=new_k.to(dev), new_v=new_v.to(dev), num_tokens=num_tokens,
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens=list(q_lens))

@@ -29,14 +29,15 @@ SETTINGS = settings(max_examples=max_examples(50, 14), deadline=None, derandomiz
 
 def _check(batch, num_heads: int, head_dim: int, dtype: torch.dtype, sliding_window=None, num_kv_splits=None,
            scale=None, hints=None, logit_softcap=None, sinks=None, attention_chunk=None,
-           config=None) -> torch.Tensor:
+           config=None, query_lens=True) -> torch.Tensor:
     scale = head_dim ** -0.5 if scale is None else scale
     max_query_len, max_seq_len = hints or (batch.max_query_len, batch.max_seq_len)
     out = torch.full_like(batch.q, float("nan"))  # poisoned: any row the kernel fails to write stays NaN
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, scale, max_query_len, max_seq_len, sliding_window,
                       num_kv_splits=num_kv_splits, logit_softcap=logit_softcap, sinks=sinks,
-                      attention_chunk=attention_chunk, config=config)
+                      attention_chunk=attention_chunk, config=config,
+                      query_lens=batch.query_lens if query_lens else None)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, scale, batch.max_query_len,
@@ -69,13 +70,15 @@ def attention_cases(draw):
 
 
 @SETTINGS
-@given(attention_cases())
-def test_unified_attention_random(case) -> None:
+@given(attention_cases(), st.booleans())
+def test_unified_attention_random(case, query_lens) -> None:
+    """With the host's query lengths (as the engine passes them) a batch mixing decodes and longer chunks runs as
+    two launches; without them, as one."""
     dtype, head_dim, group, num_kv_heads, block_size, q_lens, ctx_lens, window, splits, pad, seed = case
     g = torch.Generator().manual_seed(seed)
     batch = make_paged_batch(q_lens, ctx_lens, group * num_kv_heads, num_kv_heads, head_dim, block_size, dtype,
                              DEVICE, num_pad_tokens=pad, generator=g)
-    _check(batch, group * num_kv_heads, head_dim, dtype, window, splits)
+    _check(batch, group * num_kv_heads, head_dim, dtype, window, splits, query_lens=query_lens)
 
 
 @settings(SETTINGS, max_examples=max_examples(30, 12))
@@ -120,8 +123,39 @@ def test_long_prefill_chunk_after_context(dtype) -> None:
     g = torch.Generator().manual_seed(0)
     batch = make_paged_batch([150, 1, 1, 37], [70, 200, 0, 15], 8, 2, 64, 16, dtype, DEVICE, num_pad_tokens=5,
                              generator=g)
+    for query_lens in (True, False):  # the decodes in a launch of their own, and in the chunks' launch
+        _check(batch, 8, 64, dtype, query_lens=query_lens)
+        _check(batch, 8, 64, dtype, sliding_window=33, query_lens=query_lens)
+
+
+def test_mixed_batch_runs_its_decodes_as_a_launch_of_their_own(monkeypatch) -> None:
+    """Given the query lengths, a batch of decodes and prefill chunks is two launches: one program per request
+    shaped for decode, then the chunks' shape (whose programs skip the decodes); a batch of one kind is one."""
+    kernel = attn_mod._unified_attention_kernel
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append((grid, kwargs["BLOCK_M"], kwargs["SUBSET"]))
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(attn_mod, "_unified_attention_kernel", Recorder())
+    g = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    batch = make_paged_batch([1, 40, 1, 3, 1], [60, 10, 0, 20, 33], 8, 2, 64, 16, dtype, DEVICE, generator=g)
     _check(batch, 8, 64, dtype)
-    _check(batch, 8, 64, dtype, sliding_window=33)
+    short, long = attn_mod._SHORT.value, attn_mod._LONG.value
+    assert [(grid, subset) for grid, _, subset in launches] == [((5 * 2, 1), short), (((46 // 32 + 5) * 2, 1), long)]
+    assert launches[0][1] == 16 and launches[1][1] == 128  # decode rows: 4 tokens x 4 heads; chunks: 128
+    launches.clear()
+    _check(batch, 8, 64, dtype, query_lens=False)
+    assert [subset for _, _, subset in launches] == [attn_mod._ALL.value]
+    launches.clear()
+    decodes = make_paged_batch([1, 1, 2], [60, 10, 0], 8, 2, 64, 16, dtype, DEVICE, generator=g)
+    _check(decodes, 8, 64, dtype)
+    assert len(launches) == 1
 
 
 def test_wrong_length_hints_do_not_change_results() -> None:
@@ -303,7 +337,7 @@ def test_causal_limit_spans(dtype, group, block_size, window, splits, lens, seed
     out = torch.full_like(batch.q, float("nan"))
     unified_attention(batch.q, batch.key_cache, batch.value_cache, out, batch.query_start_loc, batch.seq_lens,
                       batch.block_table, 0.125, batch.max_query_len, batch.max_seq_len, window,
-                      num_kv_splits=splits, causal_limit=limit)
+                      num_kv_splits=splits, causal_limit=limit, query_lens=batch.query_lens)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(batch.q, batch.key_cache, batch.value_cache, expected, batch.query_start_loc,
                                 batch.seq_lens, batch.block_table, 0.125, 0, 0, window, causal_limit=limit)
@@ -408,7 +442,7 @@ def test_position_bias(dtype, group, block_size, num_kv_heads, radius, whole, le
     rest = (batch.query_start_loc, batch.seq_lens, batch.block_table, 32 ** -0.5)
     out = torch.full_like(batch.q, float("nan"))
     unified_attention(*args, out, *rest, batch.max_query_len, batch.max_seq_len, window, num_kv_splits=splits,
-                      causal_limit=limit, position_bias=table)
+                      causal_limit=limit, position_bias=table, query_lens=batch.query_lens)
     expected = torch.full_like(batch.q, float("nan"))
     reference.unified_attention(*args, expected, *rest, 0, 0, window, causal_limit=limit, position_bias=table)
     n = batch.num_tokens

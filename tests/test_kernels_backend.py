@@ -127,6 +127,30 @@ def test_engine_triton_backend_matches_torch_backend(request, engine_args) -> No
     assert triton_out == torch_out
 
 
+def test_engine_mixed_steps_attend_decodes_apart(request, monkeypatch) -> None:
+    """Steps mixing decodes with prefill chunks longer than a decode program holds run the decodes as a launch of
+    their own (unified_attention's SUBSET short) and still give the torch backend's tokens."""
+    pytest.importorskip("transformers")
+    import streamer_kernels.attention as attn_mod
+
+    kernel, subsets = attn_mod._unified_attention_kernel, []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                subsets.append(kwargs["SUBSET"])
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    llama_dir = request.getfixturevalue("llama_dir")
+    prompts = _prompts(6, seed=12, max_len=60)
+    args = dict(max_num_batched_tokens=32, block_size=8)
+    torch_out = _greedy(llama_dir, prompts, attention_backend="torch", **args)
+    monkeypatch.setattr(attn_mod, "_unified_attention_kernel", Recorder())
+    assert _greedy(llama_dir, prompts, attention_backend="triton", **args) == torch_out
+    assert attn_mod._SHORT.value in subsets and attn_mod._LONG.value in subsets
+
+
 def test_engine_triton_backend_sliding_window(request) -> None:
     pytest.importorskip("transformers")
     make_ckpt = request.getfixturevalue("make_ckpt")

@@ -1,7 +1,8 @@
 """Paged attention through the Triton kernels of `streamer_kernels`: the default backend on CUDA.
 
-forward() = reshape_and_cache (write this step's k/v at slot_mapping) + unified_attention (one launch for the
-whole mixed prefill/decode batch; decode-only batches with few long sequences take the split-KV path).
+forward() = reshape_and_cache (write this step's k/v at slot_mapping) + unified_attention (one launch for a
+batch of one kind, two for decodes mixed with prefill chunks, each shaped for its kind; decode-only batches with
+few long sequences take the split-KV path).
 Nothing here synchronises with the host: launch sizes come from shapes and from the Python ints in the
 metadata. With TRITON_INTERPRET=1 (set before the engine starts) the same code runs on CPU tensors.
 """
@@ -54,5 +55,16 @@ class TritonAttentionBackend(KVScales):
                           meta.max_seq_len, spec.sliding_window, num_kv_splits=num_kv_splits,
                           logit_softcap=spec.logit_softcap, sinks=sinks, k_scale=self.k_scale, v_scale=self.v_scale,
                           causal_limit=limit,
-                          attention_chunk=spec.attention_chunk, position_bias=meta.position_bias)
+                          attention_chunk=spec.attention_chunk, position_bias=meta.position_bias,
+                          query_lens=_query_lens(meta))
         return out
+
+
+def _query_lens(meta: AttentionMetadata) -> list[int]:
+    """The step's query lengths on the host (computed once a step, shared by every layer): with them a batch of
+    decodes and prefill chunks attends in two launches, each shaped for its kind."""
+    lens = meta.backend_cache.get("query_lens")
+    if lens is None:
+        qsl = meta.query_start_loc_cpu[:meta.num_reqs + 1]
+        lens = meta.backend_cache["query_lens"] = (qsl[1:] - qsl[:-1]).tolist()
+    return lens
