@@ -375,7 +375,8 @@ def bench_moe(timer: Timer, device: torch.device, copy_gbps: float, sweep: bool)
     "graphed": replayed from a CUDA graph, as a decode step runs it (eager timings of small batches are bound by
     the ~20 launches). The sweep: (block_n, block_k, warps, stages) at decode and prefill sizes, graphed."""
     from streamer.models.moe import moe_experts
-    from streamer_kernels.moe import MoeConfig, fused_moe, moe_config
+    from streamer_kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, MoeConfig, fused_moe, moe_align, moe_align_torch,
+                                      moe_config)
 
     E, K, H, INTER = (128, 8, 2048, 768) if not DRY else (8, 2, 64, 32)
     dt = torch.bfloat16
@@ -406,6 +407,13 @@ def bench_moe(timer: Timer, device: torch.device, copy_gbps: float, sweep: bool)
             row("moe", f"fused_moe graphed, {shape}", float("nan"), error=f"{type(e).__name__}: {e}"[:200])
             continue
         report(f"fused_moe graphed, {shape}", ms_graph, vs_eager=round(ms / ms_graph, 2))
+        if T * K <= ALIGN_KERNEL_MAX_PAIRS:
+            # The pairs' alignment alone, graphed: its one kernel against the ~15 torch ops it replaced.
+            bm = moe_config(T * K, E).block_m
+            t_k = timer(graphed(lambda: moe_align(ids, E, bm), device))
+            t_t = timer(graphed(lambda: moe_align_torch(ids, E, bm), device))
+            row("moe", f"moe_align graphed, one kernel vs torch ops, {T * K} pairs", t_k, torch_ms=round(t_t, 4),
+                speedup=round(t_t / t_k, 2))
         if not sweep or T not in (1, 64, 4096):
             continue
         block_m = moe_config(T * K, E).block_m

@@ -218,6 +218,13 @@ def _cases(quick: bool, only_dtype: str | None = None, arch: int = 90) -> Iterat
         kc = torch.empty(64, 16, 8, 128, dtype=dtype)
         yield (f"reshape_and_cache {str(dtype)[6:]}",
                lambda k=k, kc=kc: reshape_and_cache(k, k, kc, kc, torch.zeros(8, dtype=torch.int64)))
+    # Fused MoE at decode (Qwen3-30B-A3B's 128 experts, top-8): the alignment kernel and both grouped GEMMs.
+    from streamer_kernels.moe import fused_moe
+    xm = torch.empty(8, 2048, dtype=torch.bfloat16)
+    w13, w2 = torch.empty(128, 2 * 768, 2048, dtype=torch.bfloat16), torch.empty(128, 2048, 768, dtype=torch.bfloat16)
+    ids = torch.zeros(8, 8, dtype=torch.int64)
+    yield ("fused_moe bfloat16 E=128 k=8, 8 tokens",
+           lambda: fused_moe(xm, w13, w2, torch.empty(8, 8, dtype=torch.bfloat16), ids))
     # The Triton sampler (sampling_backend="triton"): fp32 logits, every filter on, Llama 3's vocabulary.
     from streamer_kernels.sampling import top_k_top_p_sample
     logits, ones = torch.empty(8, 128256), torch.ones(8)

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import cdiv, check_interpreter_consistency, empty_output, interpret_mode
+from streamer_kernels import _utils
+from streamer_kernels._utils import (cdiv, check_interpreter_consistency, empty_output, interpret_mode,
+                                     use_triton)
 from streamer_kernels.activation import silu_and_mul
 from streamer_kernels.reference import expert_activation
 
@@ -41,8 +43,71 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
+# Up to this many pairs (a decode step's: 512 tokens of top-8) the alignment is one kernel launch; beyond, its one
+# program would loop too long and the torch ops (a device sort) take over.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+@triton.jit
+def _moe_align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts, size,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr):
+    """moe_align in one program: count each expert's pairs, lay out the padded runs, then place every pair at its
+    expert's next slot, CHUNK pairs at a time (a one-hot [CHUNK, BLOCK_E] running count keeps them stable)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0).to(tl.int64))
+    for s0 in range(0, size, CHUNK * TILES):  # padding everywhere first; the pairs overwrite their slots below
+        s = s0 + tl.arange(0, CHUNK * TILES)
+        tl.store(sorted_ids_ptr + s, num_pairs.to(tl.int64), mask=s < size)
+    real_expert = e < num_experts
+    for t0 in range(0, size // BLOCK_M, CHUNK):  # a tile's expert: how many runs end at or before its start
+        t = t0 + tl.arange(0, CHUNK)
+        before = tl.sum(((end[None, :] <= t[:, None] * BLOCK_M) & real_expert[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + t, tl.minimum(before, num_experts - 1).to(tl.int64), mask=t < size // BLOCK_M)
+    tl.debug_barrier()  # (the padding stores land before any thread overwrites a slot)
+    slot = end - padded  # each expert's next free slot
+    for c0 in range(0, num_pairs, CHUNK):
+        i = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + i, mask=i < num_pairs, other=-1)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)
+        before_in_chunk = tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum(hit * (before_in_chunk + slot[None, :]), axis=1)
+        tl.store(sorted_ids_ptr + dest, i.to(tl.int64), mask=i < num_pairs)
+        slot += tl.sum(hit, axis=0)
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
-    """Group topk_ids [T, k]'s pairs by expert (stable: within an expert, pairs keep their order)."""
+    """Group topk_ids [T, k]'s pairs by expert (stable: within an expert, pairs keep their order). One kernel launch
+    up to ALIGN_KERNEL_MAX_PAIRS pairs (~15 small torch ops otherwise: at decode, where a CUDA graph replays them
+    per MoE layer, their launches cost more than the expert GEMMs)."""
+    n = topk_ids.numel()
+    if 0 < n <= ALIGN_KERNEL_MAX_PAIRS and (use_triton(topk_ids) or _utils.COMPILE_TARGET is not None):
+        return _moe_align_launch(topk_ids, num_experts, block_m)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def _moe_align_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    n, device = topk_ids.numel(), topk_ids.device
+    size = max_padded_pairs(n, num_experts, block_m)
+    sorted_ids = torch.empty(size, dtype=torch.int64, device=device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int64, device=device)
+    num_padded = torch.empty(1, dtype=torch.int64, device=device)
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    chunk = max(16, 4096 // block_e)  # a [chunk, block_e] one-hot: 4,096 entries, 16 a thread over 8 warps
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, num_padded, n,
+                            num_experts, size, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, TILES=4,
+                            num_warps=8)
+    return MoeAlignment(sorted_ids, block_expert, num_padded, n, block_m)
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """moe_align in torch ops (any number of pairs, any device)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     n, device = flat.numel(), flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from streamer_kernels import reference  # noqa: E402
-from streamer_kernels.moe import MoeConfig, fused_moe, max_padded_pairs, moe_align  # noqa: E402
+from streamer_kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, MoeConfig, fused_moe, max_padded_pairs, moe_align,  # noqa: E402
+                                  moe_align_torch)
 
 SETTINGS = settings(max_examples=max_examples(20, 12), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -51,6 +52,23 @@ def test_alignment_groups_every_pair_once(tokens, experts, top_k, block_m, skew,
         assert tile.numel() > 0, "no empty tile below the padded length"
         assert bool((flat[tile] == int(align.block_expert[b])).all()), "a tile holds one expert's pairs"
         assert torch.equal(tile, tile.sort().values), "pairs keep their order within an expert"
+
+
+@SETTINGS
+@given(tokens=st.integers(1, 80), experts=st.integers(1, 300), top_k=st.integers(1, 8),
+       block_m=st.sampled_from([16, 32, 64]), skew=st.booleans(), int32=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_alignment_kernel_is_the_torch_ops_bit_for_bit(tokens, experts, top_k, block_m, skew, int32, seed):
+    """The one-launch alignment (decode-sized batches) gives exactly the torch ops' layout, over chunk and
+    expert-count boundaries (up to 300 experts: wider than one power-of-two block of lanes)."""
+    top_k = min(top_k, experts)
+    _, ids = _routing(tokens, experts, top_k, torch.Generator().manual_seed(seed), skew)
+    ids = (ids.to(torch.int32) if int32 else ids).to(DEVICE)
+    assert ids.numel() <= ALIGN_KERNEL_MAX_PAIRS  # (the kernel's range)
+    got, want = moe_align(ids, experts, block_m), moe_align_torch(ids, experts, block_m)
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.num_padded, want.num_padded)
 
 
 @SETTINGS
