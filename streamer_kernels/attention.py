@@ -606,11 +606,14 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     short = attention_config(head_dim, group, 1, q.dtype, use_chunk, target)
     short_q = short.block_m // group
     lens = [] if query_lens is None else [int(n) for n in query_lens[:num_seqs]]
-    if (config is None and num_kv_splits == 1 and cfg != short and any(0 < n <= short_q for n in lens)
-            and max(lens) > short_q):
+    num_short = sum(0 < n <= short_q for n in lens)
+    if (config is None and num_kv_splits == 1 and cfg != short and num_short and max(lens) > short_q
+            and num_short * num_kv_heads >= device_sm_count(q.device)):
         # With a prefill chunk's launch shape every decode in the batch would get a prefill-sized q-block: 128-row
         # dots and softmax for one token's rows. Given the host's query lengths, the decodes (and any request that
         # fits one decode-shaped q-block) run as a launch of their own, shaped for decode, and the rest as another.
+        # Only with a program per SM at least: the launches run one after the other, and a few decode programs
+        # alone would leave the GPU idle longer than they cost inside the chunks' grid.
         launch(short, _SHORT.value)
         launch(cfg, _LONG.value, short_q)
     else:

@@ -156,6 +156,15 @@ def test_mixed_batch_runs_its_decodes_as_a_launch_of_their_own(monkeypatch) -> N
     decodes = make_paged_batch([1, 1, 2], [60, 10, 0], 8, 2, 64, 16, dtype, DEVICE, generator=g)
     _check(decodes, 8, 64, dtype)
     assert len(launches) == 1
+    # On a GPU, only when the decodes' programs (requests x KV heads) fill its SMs: the launches run in turn.
+    launches.clear()
+    monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 4 * 2)
+    _check(batch, 8, 64, dtype)
+    assert [subset for _, _, subset in launches] == [short, long]  # 4 decode-sized requests x 2 heads
+    launches.clear()
+    monkeypatch.setattr(attn_mod, "device_sm_count", lambda device: 4 * 2 + 1)
+    _check(batch, 8, 64, dtype)
+    assert [subset for _, _, subset in launches] == [attn_mod._ALL.value]
 
 
 def test_wrong_length_hints_do_not_change_results() -> None:
