@@ -95,6 +95,7 @@ def main() -> None:
     for case, (ms, name) in best_sweep.items():
         table.append(("sweep", f"best for {case}", f"{ms:.3f}", "", name[len(case):].strip(), ""))
 
+    decisions = _decisions(rows, best_sweep)
     widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
     line = "+".join("-" * (w + 2) for w in widths)
     print("\n" + "=" * len(line))
@@ -104,6 +105,35 @@ def main() -> None:
         print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)))
         if i == 0:
             print(line)
+    if decisions:
+        print("\nwhat the rows say (defaults to revisit; each a suggestion, from this run alone):")
+        for d in decisions:
+            print(f"- {d}")
+
+
+def _decisions(rows: list[dict[str, Any]], best_sweep: dict[str, tuple[float, str]]) -> list[str]:
+    """The default-changing conclusions the next session would otherwise work out by hand: a sweep shape >= 5%
+    faster than the default launch at a target case, the Triton sampler's standing against torch's, the mixed-step
+    split against one launch."""
+    by_name = {r["name"]: r for r in rows if r["section"] != "sweep" and r.get("ms") == r.get("ms")}
+    out = []
+    for case, (ms, name) in best_sweep.items():
+        main = by_name.get(case)
+        if main is not None and ms < 0.95 * main["ms"]:
+            out.append(f"{case}: the sweep's {name[len(case):].strip()} ran {main['ms'] / ms:.2f}x faster than the "
+                       f"default launch ({ms:.3f} vs {main['ms']:.3f} ms): make it attention_config's default there")
+    sampler = [r for name, r in by_name.items() if name.startswith("engine sampler: triton vs torch")]
+    if sampler:
+        wins = [r["name"].rsplit("[", 1)[-1].rstrip("]") for r in sampler if r.get("speedup", 0) > 1.0]
+        verdict = ("faster than torch's at every batch timed: make it the CUDA default (config.sampling_backend)"
+                   if len(wins) == len(sampler) else f"faster only at {', '.join(wins) or 'no batch'}: keep it opt-in")
+        ratios = ", ".join(f"x{r.get('speedup', 0):.2f}" for r in sampler)
+        out.append(f"Triton sampler: {verdict} ({ratios})")
+    for name, r in by_name.items():
+        if "vs_one_launch" in r and r["vs_one_launch"] < 1.0:
+            out.append(f"{name}: the decodes' own launch was slower than one launch (x{r['vs_one_launch']:.2f}): "
+                       "raise the split's threshold in unified_attention")
+    return out
 
 
 if __name__ == "__main__":
