@@ -143,10 +143,11 @@ def main() -> int:
                 + ([(b, None, overlap, None) for b in small] if graphs else [])
                 + ([(b, graphs, False, None) for b in small] if overlap else [])
                 + [(max(batches), graphs, overlap, kernel) for kernel in (False, True)])
+        default_rows = runner.sampler.kernel_min_rows
         for batch, use, async_on, kernel in plan:
             runner.graphs, llm.engine.async_scheduling = use, async_on
             sampled = kernel is not None
-            runner.sampler.use_kernel = bool(kernel)
+            runner.sampler.kernel_min_rows = default_rows if kernel is None else 0 if kernel else None
             run(batch, 2, sampled)  # shape-specific warm-up (the kernels specialise on a few integer arguments)
             t_first = run(batch, 1, sampled)
             t_all = run(batch, gen + 1, sampled)
@@ -165,7 +166,8 @@ def main() -> int:
             print(json.dumps(r), flush=True)
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
                 args.out.write_text(json.dumps({"rows": rows}))
-        runner.graphs, llm.engine.async_scheduling, runner.sampler.use_kernel = graphs, overlap, False
+        runner.graphs, llm.engine.async_scheduling = graphs, overlap
+        runner.sampler.kernel_min_rows = default_rows
         # Last, FP8 weights (per-channel scales, torch._scaled_mm) against bf16 on the same engine, both eager and
         # without graphs (the graphs and the compiled model hold the bf16 weights): the weights are quantized in
         # place between the two rows, which also frees the bf16 copies.

@@ -303,7 +303,7 @@ def bench_sampling(timer: Timer, device: torch.device) -> None:
         batch = SamplingBatch(temperature=full(0.8), top_k=full(50, torch.long), top_p=full(0.9),
                               min_p=full(0.05), generators=[None] * B, all_greedy=False, any_seeded=False,
                               banned=None, penalties=None, max_logprobs=-1)
-        torch_sampler, kernel_sampler = Sampler(use_kernel=False), Sampler(use_kernel=True)
+        torch_sampler, kernel_sampler = Sampler(None), Sampler(0)
         ms_torch = timer(lambda: torch_sampler(logits, batch))
         ms_kernel = timer(lambda: kernel_sampler(logits, batch))
         row("sampling", f"engine sampler: triton vs torch, top-k/p + min-p [{B} x {V}]", ms_kernel,

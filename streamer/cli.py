@@ -66,7 +66,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="draft only while at most this many requests run")
     g.add_argument("--sampling-backend", default=None, choices=["torch", "triton"],
-                   help="triton: top-k/top-p/min-p without sorting the vocabulary (default: torch)")
+                   help="triton: top-k/top-p/min-p without sorting the vocabulary (default: on CUDA the Triton "
+                        "kernel for steps sampling >= 256 rows, torch otherwise)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--enforce-eager", dest="enforce_eager", action="store_const", const=True, default=None,
                    help="never torch.compile the model")

@@ -43,7 +43,8 @@ class EngineConfig:
     priority_aging: Optional[float] = None  # seconds of waiting that count as one priority level
     attention_backend: Optional[str] = None  # "torch" | "triton"; None = triton on CUDA, torch on CPU
     # "torch" | "triton": the Triton sampler filters top-k/top-p/min-p by threshold search instead of sorting the
-    # vocabulary (CUDA, or TRITON_INTERPRET=1). None = torch until the GPU check shows the kernel winning.
+    # vocabulary (CUDA, or TRITON_INTERPRET=1). None = on CUDA the kernel for steps of >= 256 sampled rows (where
+    # the GPU check measured it winning), torch below and on CPU.
     sampling_backend: Optional[str] = None
     enforce_eager: Optional[bool] = None  # None: compile on CUDA, eager on CPU; True/False forces it
     cpu_weight_packing: bool = True  # eager CPU: linear weights in oneDNN's prepacked layout (20-40% faster)

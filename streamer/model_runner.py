@@ -85,13 +85,21 @@ def resolve_backend(name: Optional[str], device: torch.device) -> type:
     return TorchAttentionBackend
 
 
-def resolve_sampling_backend(name: Optional[str], device: torch.device) -> bool:
-    """Whether the sampler runs the Triton kernel."""
-    if name != "triton":
-        return False
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("sampling_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
-    return True
+# On CUDA by default the Triton sampler serves steps sampling at least this many rows: on the H200 (bench/RESULTS.md,
+# 2026-12-04) it beat the torch path at 256 rows (1.24x; a decode step 3% faster) and lost at 8.
+AUTO_KERNEL_MIN_ROWS = 256
+
+
+def resolve_sampling_backend(name: Optional[str], device: torch.device) -> Optional[int]:
+    """The fewest rows a step must sample for the sampler to run the Triton kernel (None: never)."""
+    if name == "torch":
+        return None
+    if name == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("sampling_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        return 0
+    from streamer_kernels import HAS_TRITON
+    return AUTO_KERNEL_MIN_ROWS if device.type == "cuda" and HAS_TRITON else None
 
 
 @dataclass
@@ -255,7 +263,7 @@ class ModelRunner:
                 if isinstance(module, PackableLinear):
                     module.quantize_fp8()
             logger.info("linear weights in FP8 (per-channel scales), activations quantized per token")
-        self.sampler = Sampler(use_kernel=resolve_sampling_backend(config.sampling_backend, self.device))
+        self.sampler = Sampler(resolve_sampling_backend(config.sampling_backend, self.device))
         # Hybrid attention + Mamba models: KV caches for the attention layers only, Mamba state slots per request
         self.hybrid = bool(getattr(self.model, "is_hybrid", False))
         self.cross = bool(getattr(self.model, "cross_attention", False))  # an encoder-decoder model (Whisper)

@@ -350,11 +350,12 @@ def exponential_race(probs: torch.Tensor, generators: list[Optional[torch.Genera
 
 
 class Sampler:
-    def __init__(self, use_kernel: bool = False) -> None:
-        # The Triton sampler (streamer_kernels.top_k_top_p_sample): filters by threshold search, no sort. It
-        # draws the same noise as the torch path, so seeded rows sample the same tokens either way (barring
-        # ties at a top-k boundary, which it keeps, and rounding at a top-p one).
-        self.use_kernel = use_kernel
+    def __init__(self, kernel_min_rows: Optional[int] = None) -> None:
+        # The Triton sampler (streamer_kernels.top_k_top_p_sample) serves steps of at least `kernel_min_rows` rows
+        # (None: never; 0: always): filters by threshold search, no sort. It draws the same noise as the torch
+        # path, so seeded rows sample the same tokens either way (barring ties at a top-k boundary, which it
+        # keeps, and rounding at a top-p one).
+        self.kernel_min_rows = kernel_min_rows
 
     @staticmethod
     def _sample_full(scaled: torch.Tensor, batch: SamplingBatch, generators: list[Optional[torch.Generator]],
@@ -369,7 +370,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A token for every row as if it were random (greedy rows are replaced by the caller)."""
-        if self.use_kernel:
+        if self.kernel_min_rows is not None and logits.shape[0] >= self.kernel_min_rows:
             import streamer_kernels
 
             noise = exponential_noise(logits, batch.generators, batch.any_seeded)

@@ -164,7 +164,8 @@ def _seeded_outputs(model_dir, monkeypatch, **engine_args) -> list[list[int]]:
     # Eager on a GPU: the sampler is under test, and compiling twice there would eat the check's time budget.
     llm = LLM(str(model_dir), dtype="float32", device=DEVICE.type,
               enforce_eager=True if DEVICE.type == "cuda" else None, **engine_args)
-    assert llm.engine.runner.sampler.use_kernel == (engine_args.get("sampling_backend") == "triton")
+    want = 0 if engine_args.get("sampling_backend") == "triton" else None  # (0: every step)
+    assert llm.engine.runner.sampler.kernel_min_rows == want
     params = [SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=1.2, top_k=20, min_p=0.05, seed=2, ignore_eos=True),
               SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
@@ -188,13 +189,36 @@ def test_engine_triton_sampler_matches_torch_sampler(request, monkeypatch) -> No
     assert len({tuple(t) for t in torch_out}) == len(torch_out)  # the rows really differ
 
 
+def test_default_sampler_takes_the_kernel_for_large_steps_on_cuda(monkeypatch) -> None:
+    """sampling_backend None: on CUDA the kernel serves steps of >= AUTO_KERNEL_MIN_ROWS rows (where the GPU check
+    measured it winning), torch's path the smaller ones; on CPU torch's path always."""
+    import streamer_kernels
+    from streamer.model_runner import AUTO_KERNEL_MIN_ROWS, resolve_sampling_backend
+    from streamer.sampler import Sampler, SamplingBatch
+
+    assert resolve_sampling_backend(None, torch.device("cuda")) == AUTO_KERNEL_MIN_ROWS
+    assert resolve_sampling_backend("triton", torch.device("cuda")) == 0
+    calls = []
+    kernel = streamer_kernels.top_k_top_p_sample
+    monkeypatch.setattr(streamer_kernels, "top_k_top_p_sample", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    sampler = Sampler(kernel_min_rows=3)
+    for rows, kernel_calls in ((2, 0), (3, 1)):
+        batch = SamplingBatch(temperature=torch.full((rows,), 0.7, device=DEVICE), top_k=None,
+                              top_p=torch.full((rows,), 0.9, device=DEVICE), min_p=None, generators=[None] * rows,
+                              all_greedy=False, any_seeded=False, banned=None, penalties=None, max_logprobs=-1)
+        calls.clear()
+        out = sampler(torch.randn(rows, 50, device=DEVICE), batch)
+        assert out.token_ids.shape == (rows,) and len(calls) == kernel_calls
+
+
 def test_triton_sampler_needs_a_gpu_or_the_interpreter(monkeypatch) -> None:
     from streamer.config import EngineConfig
     from streamer.model_runner import resolve_sampling_backend
 
     with pytest.raises(ValueError, match="sampling_backend"):
         EngineConfig(sampling_backend="cuda")
-    assert resolve_sampling_backend(None, torch.device("cpu")) is False
+    assert resolve_sampling_backend(None, torch.device("cpu")) is None  # the torch path, always
+    assert resolve_sampling_backend("torch", torch.device("cpu")) is None
     if DEVICE.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs a CUDA device"):
