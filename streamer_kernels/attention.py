@@ -605,10 +605,11 @@ def unified_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
     short = attention_config(head_dim, group, 1, q.dtype, use_chunk, target)
     short_q = short.block_m // group
-    lens = [] if query_lens is None else [int(n) for n in query_lens[:num_seqs]]
-    num_short = sum(0 < n <= short_q for n in lens)
-    if (config is None and num_kv_splits == 1 and cfg != short and num_short and max(lens) > short_q
-            and num_short * num_kv_heads >= device_sm_count(q.device)):
+    # (counted only for a batch launched with a longer shape: decode-only steps pay nothing for the check)
+    mixed = config is None and query_lens is not None and num_kv_splits == 1 and cfg != short
+    lens = query_lens[:num_seqs] if mixed else ()  # type: ignore[index]
+    num_short = sum(1 for n in lens if 0 < n <= short_q)
+    if (num_short and num_short * num_kv_heads >= device_sm_count(q.device) and any(n > short_q for n in lens)):
         # With a prefill chunk's launch shape every decode in the batch would get a prefill-sized q-block: 128-row
         # dots and softmax for one token's rows. Given the host's query lengths, the decodes (and any request that
         # fits one decode-shaped q-block) run as a launch of their own, shaped for decode, and the rest as another.
