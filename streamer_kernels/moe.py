@@ -84,8 +84,8 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
     """Group topk_ids [T, k]'s pairs by expert (stable: within an expert, pairs keep their order). One kernel launch
-    up to ALIGN_KERNEL_MAX_PAIRS pairs (~15 small torch ops otherwise: at decode, where a CUDA graph replays them
-    per MoE layer, their launches cost more than the expert GEMMs)."""
+    up to ALIGN_KERNEL_MAX_PAIRS pairs, where the torch path is 24 small ops, a device sort among them, which a
+    decode step's CUDA graph would replay in every MoE layer."""
     n = topk_ids.numel()
     if 0 < n <= ALIGN_KERNEL_MAX_PAIRS and (use_triton(topk_ids) or _utils.COMPILE_TARGET is not None):
         return _moe_align_launch(topk_ids, num_experts, block_m)

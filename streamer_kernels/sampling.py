@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import check_interpreter_consistency, next_pow2
+from streamer_kernels._utils import cdiv, check_interpreter_consistency, next_pow2
 
 check_interpreter_consistency()
 
@@ -174,7 +174,7 @@ def top_k_top_p_sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: O
     if batch > 0:
         temperature = temperature.to(device=device, dtype=torch.float32).contiguous()
         block = min(BLOCK_MAX, next_pow2(vocab))
-        tile_max = torch.empty(batch, -(-vocab // block), dtype=torch.int32, device=device)
+        tile_max = torch.empty(batch, cdiv(vocab, block), dtype=torch.int32, device=device)
         _sample_kernel[(batch,)](
             logits, exp_noise, temperature,
             *(t.contiguous() if t is not None else temperature for t in (top_k, top_p, min_p)),
