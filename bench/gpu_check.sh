@@ -97,11 +97,12 @@ if [ -n "$TESTS_ONLY" ]; then exit $TESTS_RC; fi
 stamp "kernel benchmarks"
 timeout -k 10 "$(limit 160)" $PY bench/gpu_kernels.py $DRY --out "$RES/kernels.json" 2>&1 | tee "$RES/kernels.log"
 
-# 3. End to end, with the measured copy bandwidth for the roofline column.
+# 3. End to end, with the measured copy bandwidth and matmul rate for the roofline column.
 stamp "end-to-end decode"
 COPY=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['copy_gbps'])" "$RES/kernels.json" 2>/dev/null)
+MATMUL=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['matmul_tflops'])" "$RES/kernels.json" 2>/dev/null)
 E2E=$(limit 285)
-timeout -k 10 "$E2E" $PY bench/gpu_e2e.py $DRY ${COPY:+--copy-gbps "$COPY"} --budget-s $(( E2E - 15 )) --out "$RES/e2e.json" \
+timeout -k 10 "$E2E" $PY bench/gpu_e2e.py $DRY ${COPY:+--copy-gbps "$COPY"} ${MATMUL:+--matmul-tflops "$MATMUL"} --budget-s $(( E2E - 15 )) --out "$RES/e2e.json" \
     2>&1 | tee "$RES/e2e.log"
 
 # 4. The table, last.

@@ -12,8 +12,15 @@ token cancel out. After the default rows, batches <= 32 run again without CUDA g
 scheduling (toggled on the same engine), so each one's gain shows side by side; last, the largest batch samples
 with top-k/top-p/min-p on the torch sampler and then on the Triton one (`sampling_backend`); then, eager and
 without graphs, bf16 against 4-bit weights (tinygemm, quantization="int4") at batch 1 and 4-bit at 32, and bf16
-against FP8 weights at batch 32. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy bandwidth) each
-row also shows the memory roofline of a step: weights + the batch's KV cache read once.
+against FP8 weights at batch 32. Tokens/s = batch * gen / that difference. With --copy-gbps (the measured copy
+bandwidth) each row also shows the roofline of a step: the weights it multiplies by (the input embedding's rows are
+gathered, not read whole) and the batch's KV cache read once; with --matmul-tflops (the measured bf16 matmul rate)
+too, the larger of that and the step's matmul FLOPs at that rate (a batch of 256 on an 8B model is compute-bound:
+2 x 7.5e9 x 256 FLOPs take longer than reading 15 GB).
+
+The engine's token budget lets the largest batch prefill in one step (up to 32,768 tokens), so every request
+decodes from the same step on and the decode steps timed are all full-batch: with a smaller budget the batch
+enters in waves and the timed steps include partial ones.
 """
 from __future__ import annotations
 
@@ -88,6 +95,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--gen", type=int, default=None, help="decode steps measured per run")
     ap.add_argument("--copy-gbps", type=float, default=None, help="measured copy bandwidth, for the roofline")
+    ap.add_argument("--matmul-tflops", type=float, default=None,
+                    help="measured bf16 matmul rate, for the roofline's compute bound")
     ap.add_argument("--attention-backend", default=None, help="torch | triton (default: the engine's choice)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--budget-s", type=float, default=None,
@@ -118,11 +127,12 @@ def main() -> int:
         t0 = time.perf_counter()
         llm = LLM(str(model_dir), load_format="dummy", dtype="float32" if dry else "bfloat16",
                   device="cpu" if dry else "cuda", max_num_seqs=max(batches), max_model_len=prompt_len + gen + 16,
-                  max_num_batched_tokens=max(2048, prompt_len), enable_prefix_caching=False,
+                  max_num_batched_tokens=prefill_budget(batches, prompt_len), enable_prefix_caching=False,
                   attention_backend=backend, async_scheduling=True if dry else None)  # dry: as on the GPU
         runner = llm.engine.runner
         load_s = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+        read_bytes, matmul_params = step_weights(runner.model)
         kv_bytes_per_token = runner.kv_bytes_per_block() / runner.block_size
         print(f"# model loaded in {load_s:.1f}s: {weight_bytes / 1e9:.2f} GB of weights, attention backend "
               f"{runner.attention_backend}, {runner.num_blocks} KV blocks", flush=True)
@@ -158,10 +168,16 @@ def main() -> int:
             r: dict[str, Any] = {"section": "e2e", "name": name, "ms": round(step_s * 1e3, 3),
                                  "tok_per_s": round(batch / step_s, 1), "prefill_s": round(t_first, 3)}
             if args.copy_gbps:
-                # Every step reads all weights plus the batch's KV (mean context ~ prompt + gen / 2).
+                # Every step reads the weights plus the batch's KV (mean context ~ prompt + gen / 2) ...
                 kv = batch * (prompt_len + gen / 2) * kv_bytes_per_token
-                roof_ms = (weight_bytes + kv) / (args.copy_gbps * 1e9) * 1e3
-                r.update(roofline_ms=round(roof_ms, 3), pct_roofline=round(100 * roof_ms / (step_s * 1e3), 1))
+                roof_ms = (read_bytes + kv) / (args.copy_gbps * 1e9) * 1e3
+                bound = "memory"
+                if args.matmul_tflops:  # ... and multiplies each of its tokens by them: 2 FLOPs a weight
+                    compute_ms = 2 * matmul_params * batch / (args.matmul_tflops * 1e12) * 1e3
+                    if compute_ms > roof_ms:
+                        roof_ms, bound = compute_ms, "compute"
+                r.update(roofline_ms=round(roof_ms, 3), pct_roofline=round(100 * roof_ms / (step_s * 1e3), 1),
+                         bound=bound)
             rows.append(r)
             print(json.dumps(r), flush=True)
             if args.out:  # after every row: a timeout still leaves the finished ones for the report
@@ -219,6 +235,29 @@ def main() -> int:
     return 0
 
 
+def prefill_budget(batches: list[int], prompt_len: int) -> int:
+    """Tokens a step may take: the largest batch's prompts at once (so its decode steps are all full), within
+    [2,048, 32,768]."""
+    return min(max(2048, max(batches) * prompt_len), max(32768, prompt_len))
+
+
+def step_weights(model: Any) -> tuple[int, int]:
+    """(bytes a decode step reads, weights it multiplies by): every parameter but the input embedding's table,
+    of which a step gathers a row a token (a tied table is read whole, as the output head)."""
+    from streamer.models.layers import VocabEmbedding
+
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
+    head = getattr(model, "lm_head", None)
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    read = matmul = 0
+    for p in model.parameters():  # (a tied weight is one parameter, listed once)
+        if id(p) in tables and id(p) not in head_ids and head is not None:
+            continue  # an untied input embedding
+        read += p.numel() * p.element_size()
+        matmul += p.numel() if p.dim() >= 2 else 0
+    return read, matmul
+
+
 def random_prompts(rng: random.Random, batch: int, prompt_len: int, config: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": [rng.randrange(3, config["vocab_size"]) for _ in range(prompt_len)]}
             for _ in range(batch)]
@@ -266,8 +305,8 @@ def fp8_graphs(args: argparse.Namespace, model_dir: Path, batches: list[int], pr
     t0 = time.perf_counter()
     llm = LLM(str(model_dir), load_format="dummy", dtype="float32" if dry else "bfloat16",
               device="cpu" if dry else "cuda", max_num_seqs=32, max_model_len=prompt_len + gen + 16,
-              max_num_batched_tokens=max(2048, prompt_len), enable_prefix_caching=False, attention_backend=backend,
-              quantization="fp8")
+              max_num_batched_tokens=prefill_budget([32], prompt_len), enable_prefix_caching=False,
+              attention_backend=backend, quantization="fp8")
     load_s = time.perf_counter() - t0
     rows.append({"section": "e2e", "name": "start-up, fp8 weights (the Inductor cache now warm for bf16's graphs)",
                  "ms": round(load_s * 1e3, 1), "note": f"{load_s:.1f} s to ready"})

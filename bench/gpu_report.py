@@ -28,7 +28,8 @@ def _detail(r: dict[str, Any]) -> str:
     if "pct_ceiling" in r:
         parts.append(f"{r['pct_ceiling']:.0f}% of ceiling")
     if "pct_roofline" in r:
-        parts.append(f"{r['pct_roofline']:.0f}% of roofline ({r['roofline_ms']:.2f} ms)")
+        bound = f", {r['bound']}-bound" if "bound" in r else ""
+        parts.append(f"{r['pct_roofline']:.0f}% of roofline ({r['roofline_ms']:.2f} ms{bound})")
     if "speedup" in r and ("gbps" in r or "tflops" in r):
         parts.append(f"x{r['speedup']:.2f} vs torch ({r['torch_ms']:.3f} ms)")
     if "sdpa_ms" in r:
