@@ -68,6 +68,10 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []
         self._stop_reason: Optional[str] = None
         self._finished = False
+        # As vLLM (its PR 22014): a stop string counts only where it ends in the text of a token after the first
+        # min_tokens (one may begin before). The count includes tokens whose text is dropped (special tokens).
+        self._min_tokens = params.min_tokens
+        self._count = 0
 
     # ------------------------------------------------------------------ public API
     def add_tokens(self, token_ids: Sequence[int]) -> tuple[str, Optional[str]]:
@@ -75,6 +79,7 @@ class IncrementalDetokenizer:
         After a stop string matched the request is over: the text after it is dropped and further calls fail."""
         if self._finished:
             raise RuntimeError("add_tokens() after the sequence finished (stop string matched or flushed)")
+        self._count += len(token_ids)
         new = "".join(self._step(t) for t in token_ids if t not in self._dropped)
         return self._emit(self._scan_stops(new, final=False)), self._stop_reason
 
@@ -82,6 +87,7 @@ class IncrementalDetokenizer:
         """`add_tokens([token_id])` without the list (the engine's call, once per sequence per step)."""
         if self._finished:
             raise RuntimeError("add_tokens() after the sequence finished (stop string matched or flushed)")
+        self._count += 1
         if token_id in self._dropped:
             new = ""
         elif self._utf8 is not None:  # (_step's byte path, inlined: this runs for every token of every sequence)
@@ -219,7 +225,7 @@ class IncrementalDetokenizer:
             return new
         region = self._recent + new
         base = len(self._recent) - len(self._pending)  # region[base:] == pending + new
-        match = self._first_stop(region, len(self._recent))
+        match = self._first_stop(region, len(self._recent)) if self._count > self._min_tokens else None
         if match is not None:
             start, stop = match
             self._stop_reason, self._finished = stop, True

@@ -255,6 +255,35 @@ def test_include_stop_str_in_output(toks: dict[str, Tokenizer], kind: str) -> No
     assert stop == "好世" and "".join(deltas) == "Say 你"
 
 
+def _stop_after_min_tokens(tok: Tokenizer, gen: list[int], stop: str, min_tokens: int) -> tuple[str, bool]:
+    """vLLM's rule, from whole decodes: the first stop string ending in the text of a token past the first
+    min_tokens (it may begin earlier) ends the output; its text is cut there."""
+    before = ""
+    for i in range(1, len(gen) + 1):
+        text = relative_decode(tok, [], gen[:i])
+        if i > min_tokens:
+            at = text.find(stop, max(0, len(before) - len(stop) + 1))
+            if at >= 0:
+                return text[:at], True
+        before = text
+    return before, False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_strings_wait_for_min_tokens(toks: dict[str, Tokenizer], kind: str) -> None:
+    tok = toks[kind]
+    gen = tok.encode("ab cd ab cd xab efg ab", add_special_tokens=False)
+    outcomes = set()
+    for min_tokens in range(len(gen) + 1):
+        want, stopped = _stop_after_min_tokens(tok, gen, "ab", min_tokens)
+        for chunks in (None, [3] * len(gen)):
+            deltas, stop, _ = run(tok, gen, chunks=chunks, stop=["ab"], min_tokens=min_tokens, max_tokens=len(gen))
+            if chunks is None or min_tokens == 0:
+                assert ("".join(deltas), stop) == (want, "ab" if stopped else None), (min_tokens, chunks)
+        outcomes.add(want)
+    assert len(outcomes) >= 3  # (the stop moves on as min_tokens grows: the check can fail)
+
+
 def test_hold_back_and_flush(toks: dict[str, Tokenizer]) -> None:
     tok = toks["bytelevel"]
     gen = tok.encode("abc ST", add_special_tokens=False)
