@@ -85,6 +85,23 @@ def test_non_streaming_disconnect_aborts(live):
         _assert_serves(h)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_beam_search_stops_when_its_client_leaves(live, chat):
+    """A beam search runs as a request per beam per step: once its client has gone no step may follow."""
+    body = {"model": "long", "max_tokens": MAX, "ignore_eos": True, "use_beam_search": True, "n": 2}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "The quick brown fox"})
+    with httpx.Client(base_url=live.url, timeout=60) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/chat/completions" if chat else "/v1/completions", json=body,
+                   timeout=httpx.Timeout(60, read=1.5))
+        live.wait_idle(30)
+        before = metric(_metrics(h), "vllm:generation_tokens_total")
+        time.sleep(1.0)  # (with the search still going, its next steps would have generated meanwhile)
+        assert metric(_metrics(h), "vllm:generation_tokens_total") == before
+        assert live.pool_state()["streams"] == 0
+        _assert_serves(h)
+
+
 def test_disconnect_leaves_other_requests_alone(live):
     async def main():
         async with httpx.AsyncClient(base_url=live.url, timeout=120) as h:

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Awaitable, Optional, Sequence, TypeVar
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -66,6 +66,8 @@ class JSONResponse(Response):
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
+
+T = TypeVar("T")
 
 class _ClientGone(Exception):
     """The client disconnected; nobody will read the response."""
@@ -125,7 +127,7 @@ class OpenAIServer:
         req = parse_completion(await self._json(request), self.engine.sampling_defaults)
         lora = self._check_model(req.model)
         if req.beam_search is not None:
-            return await self._beam_search(req, lora)
+            return await self._beam_search(request, req, lora)
         prompts = await self._embedded_prompts(req.prompt_embeds) + req.prompts
         gen = await self._start("cmpl", prompts, req, lora=lora)
         gen.scored_only = req.scored_only
@@ -147,19 +149,21 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         req = parse_chat(await self._json(request), self.engine.sampling_defaults)
         if req.beam_search is not None:
-            return await self._chat_beam_search(req)
+            return await self._chat_beam_search(request, req)
         gen, fmt = await self.start_chat(req)
         return await self._respond(request, gen, fmt, req)
 
-    async def _chat_beam_search(self, req: ChatRequest) -> Response:
+    async def _chat_beam_search(self, request: Request, req: ChatRequest) -> Response:
         """use_beam_search on chat: the n best beams as the n choices, each read as a chat answer (reasoning and
         tool-call parsers included)."""
         lora, prompt, fmt = await self._prepare_chat(req)
         if "multi_modal_data" in prompt:
             raise APIError("use_beam_search does not take images or videos", param="use_beam_search")
         try:
-            out = await self.engine.beam_search({"prompt_token_ids": prompt["prompt_token_ids"]}, req.beam_search,
-                                                lora_request=lora)
+            out = await run_unless_disconnected(request, self.engine.beam_search(
+                {"prompt_token_ids": prompt["prompt_token_ids"]}, req.beam_search, lora_request=lora))
+        except _ClientGone:
+            return Response(status_code=499)
         except Exception as e:
             raise engine_error(e, chat=True) from None
         choices = []
@@ -174,13 +178,15 @@ class OpenAIServer:
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                                        "total_tokens": prompt_tokens + completion}})
 
-    async def _beam_search(self, req: CompletionRequest, lora: Optional[str]) -> Response:
+    async def _beam_search(self, request: Request, req: CompletionRequest, lora: Optional[str]) -> Response:
         """use_beam_search: each prompt's n best beams as its n choices (finish_reason "stop" for a beam that ended
         with an eos)."""
         try:
-            outs = await asyncio.gather(*(self.engine.beam_search(
+            outs = await run_unless_disconnected(request, asyncio.gather(*(self.engine.beam_search(
                 p if isinstance(p, str) else {"prompt_token_ids": p}, req.beam_search, lora_request=lora)
-                for p in req.prompts))
+                for p in req.prompts)))
+        except _ClientGone:
+            return Response(status_code=499)
         except Exception as e:
             raise engine_error(e) from None
         choices, completion = [], 0
@@ -635,20 +641,28 @@ async def _collect_unless_disconnected(request: Request, gen: Generation, fmt: F
             i = gen.choice_index(p, out)
             choices[i].add(fmt.piece(i, p, out))
 
-    task = asyncio.ensure_future(collect())
+    try:
+        await run_unless_disconnected(request, collect())
+    except _ClientGone:
+        raise
+    except Exception as e:  # the engine failed under us (EngineDeadError): 503
+        raise engine_error(e) from None
+    return choices
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` while watching the connection: a client that leaves cancels it (the engine requests it
+    awaits abort as their streams close, so a long beam search stops with its client) and raises _ClientGone."""
+    task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        task.cancel()  # no-op when done; otherwise its cleanup aborts the engine request
+        task.cancel()  # no-op when done; otherwise its cleanup aborts the engine requests
     if not task.done() or task.cancelled():
         raise _ClientGone()
-    try:
-        task.result()
-    except Exception as e:  # the engine failed under us (EngineDeadError): 503
-        raise engine_error(e) from None
-    return choices
+    return task.result()
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
