@@ -121,8 +121,9 @@ class SamplingParams:
         _check_real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= _F32_MAX:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - self.n):
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED - self.n}], got {self.seed!r}")
+        # Any 64-bit seed (as vLLM and torch take them); sequence i of n is seeded with seed + i.
+        if self.seed is not None and (not _is_int(self.seed) or not -MAX_SEED - 1 <= self.seed <= MAX_SEED - self.n):
+            raise ValueError(f"seed must be an integer in [{-MAX_SEED - 1}, {MAX_SEED - self.n}], got {self.seed!r}")
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):

@@ -25,11 +25,21 @@ def llm(llama_dir) -> LLM:
     ("allowed_token_ids", [1, -2]), ("logit_bias", [1, 2]), ("logit_bias", "x"), ("allowed_token_ids", 5),
     ("allowed_token_ids", "12"), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [5]),
     # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
-    ("seed", 2 ** 64), ("seed", -1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
+    ("seed", 2 ** 64), ("seed", -2 ** 63 - 1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_negative_seeds_are_seeds(llm):
+    """Any 64-bit seed, as vLLM takes (a client sending seed -1 gets a reproducible draw, not a 400)."""
+    def draw(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed, n=2, ignore_eos=True)
+        return [c.token_ids for c in llm.generate([[5, 6, 7]], params)[0].outputs]
+    first = draw(-1)
+    assert draw(-1) == first and first[0] != first[1]
+    assert draw(-2 ** 63) != first
 
 
 def test_prompt_validation_says_the_limit(llm):

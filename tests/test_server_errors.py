@@ -208,12 +208,41 @@ def test_oversized_bodies_get_413(http):
      "prompt_logprobs"),
     ("/detokenize", {"tokens": [10 ** 6]}, 400, "tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    # Errors found past parsing (the context's length) name the field the client wrote.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10_000}, 400,
+     "max_completion_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 10_000}, 400, "max_output_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": -1}, 400, "max_output_tokens"),
+    # Tools are checked whole, whatever tool_choice says.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                           "tool_calls": ["abc"]}]}, 400, "messages[1].tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name"),
 ])
 def test_specific_errors(http, path, body, status, param):
     for stream in (False, True):
         b = {**body, "stream": True} if stream and path.startswith("/v1") and "stream_options" not in body else body
         err = assert_error(http.post(path, json=b), status)
         assert err["param"] == param, err
+
+
+def test_error_messages_name_what_the_client_wrote(http):
+    err = assert_error(http.post("/v1/chat/completions", json={**CHAT, "tool_choice": 5}), 400)
+    assert "tool_choice must be" in err["message"], err  # (not "no tools were given")
+    err = assert_error(http.post("/v1/chat/completions", json={**CHAT, "max_tokens": None,
+                                                              "max_completion_tokens": 10_000}), 400)
+    assert "max_completion_tokens" in err["message"] and "max_tokens" not in err["message"], err
+    err = assert_error(http.post("/v1/chat/completions", json={
+        **CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": "abc"}}]}), 400)
+    assert "tools[0].function.parameters" in err["message"], err
+    assert http.post("/v1/chat/completions", json={**CHAT, "seed": -1}).status_code == 200  # (any 64-bit seed)
 
 
 def test_not_found_and_method_errors(http):

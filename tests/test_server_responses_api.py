@@ -167,7 +167,7 @@ def test_bad_requests_are_4xx(live):
                  ({"input": [{"type": "image", "url": "x"}]}, "input"),
                  ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
                  ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
-                 ({"input": "x", "max_output_tokens": 0}, "max_tokens"),
+                 ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                  ({"input": "x", "temperature": -1}, "temperature"),
                  ({"input": "x", "include": ["message.output_text.bogus"]}, "include"),
                  ({"input": "x", "include": "message.output_text.logprobs"}, "include"),

@@ -345,7 +345,7 @@ class OpenAIServer:
                     # e.g. an invalid schema in response_format: name the field the client wrote
                     err.param = req.structured_field
                     err.message = re.sub(r"^structured_outputs\.\w+", req.structured_field, err.message)
-                raise err from None
+                raise err.rename("max_tokens", req.max_tokens_field) from None
             raise
         return Generation(rid, streams, req.params.n, model=lora or self.model_name)
 

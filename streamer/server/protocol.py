@@ -62,6 +62,14 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def rename(self, field: str, to: str) -> APIError:
+        """The same error about `field` told as the client's own name for it, `to` (chat's max_completion_tokens,
+        the Responses API's max_output_tokens are max_tokens inside)."""
+        if self.param == field and to != field:
+            self.param = to
+            self.message = re.sub(rf"\b{re.escape(field)}\b", to, self.message)
+        return self
+
 
 # ---------------------------------------------------------------------------------------------- JSON
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -318,6 +326,7 @@ class _Common:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was given: return them
     tokens_as_ids: Optional[bool] = None  # vLLM's return_tokens_as_token_ids (None: the server's default)
     structured_field: Optional[str] = None  # the field that constrains the output (errors found later name it)
+    max_tokens_field: str = "max_tokens"  # the client's name for it (errors found later, as the context's, name it)
 
 
 def _prediction(body: dict) -> Optional[str]:
@@ -543,6 +552,8 @@ def parse_chat(body: dict, defaults: Mapping[str, Any] = _NO_DEFAULTS) -> ChatRe
     params, field_name = _constrain(body, params, forced, tools)
     common = _common(body, params)
     common.structured_field = field_name
+    if body.get("max_completion_tokens") is not None:
+        common.max_tokens_field = "max_completion_tokens"
     if common.stream and common.prompt_logprobs:
         raise APIError("prompt_logprobs is not supported on a streamed chat response (use a non-streamed one, or "
                        "completions)", param="prompt_logprobs")
@@ -571,9 +582,7 @@ def _rendering(body: dict, messages: list[dict[str, Any]]
         add_gen = False
         if messages[-1]["role"] != "assistant":
             raise APIError("continue_final_message needs a final assistant message", param="messages")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise APIError(f"tools must be an array of objects, got {_show(tools)}", param="tools")
+    tools = _tools(body.get("tools"))
     template_kwargs = get_object(body, "chat_template_kwargs")
     effort = body.get("reasoning_effort")
     if effort is not None:
@@ -582,6 +591,48 @@ def _rendering(body: dict, messages: list[dict[str, Any]]
                            param="reasoning_effort")
         template_kwargs = {"reasoning_effort": effort, **template_kwargs}
     return add_gen, cont, tools or None, template_kwargs
+
+
+def _tools(tools: Any) -> Optional[list[dict]]:
+    """OpenAI's function tools, checked whole (a tool the template cannot render, or whose parameters are not a
+    schema object, would otherwise pass unnoticed until a forced call compiled them, or never)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise APIError(f"tools must be an array of tool objects, got {_show(tools)}", param="tools")
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise APIError(f"{where} must be an object, got {_show(t)}", param="tools")
+        if t.get("type", "function") != "function":
+            raise APIError(f"{where}.type must be 'function', got {_show(t.get('type'))}", param="tools")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise APIError(f"{where}.function must be an object with a name, got {_show(fn)}", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"{where}.function.name must be a non-empty string, got {_show(fn.get('name'))}",
+                           param="tools")
+        for key, kind, ok in (("description", "a string", str), ("parameters", "a JSON schema object", dict),
+                              ("strict", "a boolean", bool)):
+            if fn.get(key) is not None and not isinstance(fn[key], ok):
+                raise APIError(f"{where}.function.{key} must be {kind}, got {_show(fn[key])}", param="tools")
+    return tools
+
+
+def _tool_calls(v: Any, param: str) -> list[dict]:
+    """An assistant message's earlier calls, as the template renders them: each {"function": {"name",
+    "arguments"}} (arguments a JSON string, or an object as some clients send)."""
+    if not isinstance(v, list):
+        raise APIError(f"{param} must be an array on an assistant message", param=param)
+    for i, call in enumerate(v):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                           f"\"arguments\"}}}}, got {_show(call)}", param=param)
+        if fn.get("arguments") is not None and not isinstance(fn["arguments"], (str, dict)):
+            raise APIError(f"{param}[{i}].function.arguments must be a JSON string, got {_show(fn['arguments'])}",
+                           param=param)
+    return v
 
 
 def parse_messages(v: Any) -> list[dict[str, Any]]:
@@ -602,11 +653,14 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), role, m, f"{param}.content")}
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
-            out[key] = get_str(m, key, None, 1024)
+            try:
+                out[key] = get_str(m, key, None, 1024)
+            except APIError as e:
+                raise e.rename(key, f"{param}.{key}") from None
     if m.get("tool_calls") is not None:
-        if role != "assistant" or not isinstance(m["tool_calls"], list):
+        if role != "assistant":
             raise APIError(f"{param}.tool_calls must be an array on an assistant message", param=f"{param}.tool_calls")
-        out["tool_calls"] = m["tool_calls"]
+        out["tool_calls"] = _tool_calls(m["tool_calls"], f"{param}.tool_calls")
     return out
 
 

@@ -300,9 +300,13 @@ class ResponsesAPI:
         body = await self.server._json(request)
         store, background = self._options(body)
         chat_body, items = to_chat_body(body, self._history(body.get("previous_response_id")))
-        chat = parse_chat(chat_body, self.server.engine.sampling_defaults)
+        try:
+            chat = parse_chat(chat_body, self.server.engine.sampling_defaults)
+        except APIError as e:
+            raise e.rename("max_tokens", "max_output_tokens") from None
         if chat.params.n != 1:
             raise APIError("n is not part of the Responses API", param="n")
+        chat.max_tokens_field = "max_output_tokens"
         gen, fmt = await self.server.start_chat(chat, progress=background)
         builder = ResponseBuilder(body, gen.model, store, fmt)
         headers = {"X-Request-Id": gen.request_id}

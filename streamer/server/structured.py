@@ -103,21 +103,20 @@ def forced_tool(tool_choice: Any, tools: Optional[list[dict]]) -> Optional[Force
     """None for "auto" / "none" / absent; a ForcedTool otherwise. Raises StructuredError(param="tool_choice")."""
     if tool_choice in (None, "auto", "none"):
         return None
-    if not tools:
-        raise StructuredError("tool_choice forces a tool call, but no tools were given", "tool_choice")
-    names = [_tool_name(t, i) for i, t in enumerate(tools)]
-    if tool_choice == "required":
-        return ForcedTool(None)
+    name: Optional[str] = None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise StructuredError("tool_choice.function.name must be a string", "tool_choice")
-        if name not in names:
-            raise StructuredError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
-        return ForcedTool(name)
-    raise StructuredError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"function\": "
-                          f"{{\"name\": ...}}}}, got {tool_choice!r}", "tool_choice")
+    elif tool_choice != "required":
+        raise StructuredError("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                              f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}", "tool_choice")
+    if not tools:
+        raise StructuredError("tool_choice forces a tool call, but no tools were given", "tool_choice")
+    if name is not None and name not in [_tool_name(t, i) for i, t in enumerate(tools)]:
+        raise StructuredError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
+    return ForcedTool(name)
 
 
 def _tool_name(tool: dict, i: int) -> str:
