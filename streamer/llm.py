@@ -1,9 +1,10 @@
 """Offline batch generation: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
@@ -106,22 +107,35 @@ class LLM:
         for (_, ids, _), sp in zip(tokenized, params):
             engine.validate(ids, sp)
         adapters = [engine.resolve_lora(x) for x in loras]
-        ids = []
+        ids: list[str] = []
         states: dict[str, list[SeqState]] = {}
-        for (text, token_ids, images), sp, prio, adapter in zip(tokenized, params, prios, adapters):
-            rid = f"offline-{next(engine._ids)}"
-            states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
-                                             prompt_token_ids=token_ids, lora_request=adapter, images=images,
-                                             stream=False)  # (read from the states at the end)
-            ids.append(rid)
-        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
-        progress = GenerateProgress({rid: len(states[rid]) for rid in ids}) if show and ids else None
-        try:
-            self._run(progress)
-        finally:
-            if progress is not None:
-                progress.close()
+        with self._aborting_on_error(ids):
+            for (text, token_ids, images), sp, prio, adapter in zip(tokenized, params, prios, adapters):
+                rid = f"offline-{next(engine._ids)}"
+                ids.append(rid)
+                states[rid] = engine.add_request(rid, text if text is not None else token_ids, sp, priority=prio,
+                                                 prompt_token_ids=token_ids, lora_request=adapter, images=images,
+                                                 stream=False)  # (read from the states at the end)
+            show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+            progress = GenerateProgress({rid: len(states[rid]) for rid in ids}) if show and ids else None
+            try:
+                self._run(progress)
+            finally:
+                if progress is not None:
+                    progress.close()
         return [self._output(rid, states[rid]) for rid in ids]
+
+    @contextlib.contextmanager
+    def _aborting_on_error(self, ids: list[str]) -> Iterator[None]:
+        """A call interrupted part-way (Ctrl-C, a request the engine refuses after others were added, a failed
+        step) takes its requests with it: left behind, they would wait for the tokens of a step that never
+        finished, and the next call would step them forever."""
+        try:
+            yield
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     ) -> list[BeamSearchOutput]:
@@ -237,12 +251,15 @@ class LLM:
             engine.validate(ids, SamplingParams(), pooling=True)
         adapters = [engine.resolve_lora(x) for x in loras]
         states = []
-        for (text, ids, images), adapter in zip(tokenized, adapters):
-            rid = f"{checked.task}-{next(engine._ids)}"
-            states.append(engine.add_request(rid, text if text is not None else ids, SamplingParams(),
-                                             prompt_token_ids=ids, lora_request=adapter, pooling=checked,
-                                             images=images)[0])
-        self._run()
+        rids: list[str] = []
+        with self._aborting_on_error(rids):
+            for (text, ids, images), adapter in zip(tokenized, adapters):
+                rid = f"{checked.task}-{next(engine._ids)}"
+                rids.append(rid)
+                states.append(engine.add_request(rid, text if text is not None else ids, SamplingParams(),
+                                                 prompt_token_ids=ids, lora_request=adapter, pooling=checked,
+                                                 images=images)[0])
+            self._run()
         return states
 
     @staticmethod
