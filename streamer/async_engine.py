@@ -475,6 +475,7 @@ class AsyncEngine:
         outs = [CompletionOutput(i, "", [], logprobs=[] if params and params.logprobs is not None else None)
                 for i in range(n)]
         texts: list[list[str]] = [[] for _ in range(n)]  # joined at the end: `+=` on an attribute is quadratic
+        prompt_logprobs = None
         try:
             async for item in stream:
                 o = outs[item.index]
@@ -482,14 +483,20 @@ class AsyncEngine:
                 o.token_ids += item.token_ids
                 if item.logprobs and o.logprobs is not None:
                     o.logprobs += item.logprobs
+                if item.prompt_logprobs is not None and prompt_logprobs is None:
+                    prompt_logprobs = item.prompt_logprobs
                 if item.finished:
                     o.finish_reason, o.stop_reason = item.finish_reason, item.stop_reason
         finally:
             stream.close()
         for o, pieces in zip(outs, texts):
             o.text = "".join(pieces)
-        return RequestOutput(stream.request_id, prompt if isinstance(prompt, str) else None,
-                             list(stream.prompt_token_ids), outs, True, num_cached_tokens=stream.cached_tokens)
+            if o.logprobs is not None:  # (as LLM.generate's: the sampled tokens' logprobs summed)
+                o.cumulative_logprob = sum(e[t].logprob if t in e else next(iter(e.values())).logprob
+                                           for t, e in zip(o.token_ids, o.logprobs))
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        return RequestOutput(stream.request_id, text if isinstance(text, str) else None, list(stream.prompt_token_ids),
+                             outs, True, num_cached_tokens=stream.cached_tokens, prompt_logprobs=prompt_logprobs)
 
     async def abort(self, request_id: str) -> None:
         self.abort_now(request_id)

@@ -61,6 +61,25 @@ def test_generate_n_and_request_id(llama_dir):
     run(main())
 
 
+def test_generate_returns_what_llm_generate_does(llama_dir):
+    """The awaited RequestOutput carries what the offline one does: the prompt's text, the summed logprob of each
+    sequence and the prompt's logprobs."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    want = LLM(str(llama_dir), dtype="float32").generate([{"prompt": "hello there"}], params)[0]
+
+    async def main():
+        async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
+            return await engine.generate({"prompt": "hello there"}, params)
+
+    got = run(main())
+    assert got.prompt == want.prompt == "hello there"
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].cumulative_logprob is not None
+    assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
+    assert got.prompt_logprobs is not None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+    assert got.prompt_logprobs[0] is None and set(got.prompt_logprobs[1]) == set(want.prompt_logprobs[1])
+
+
 def test_break_and_cancel_abort_within_a_step(llama_dir):
     async def main():
         async with AsyncEngine(str(llama_dir), dtype="float32") as engine:
