@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from streamer.beam_search import BeamSearchParams
 from streamer.lora import LoRARequest
 from streamer.outputs import (ClassificationOutput, CompletionOutput, EmbeddingOutput, Logprob, RequestOutput,
                               ScoringOutput, StreamOutput)
@@ -13,7 +14,7 @@ from streamer.structured_output import StructuredOutputsParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
            "RequestOutput", "CompletionOutput", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "Logprob",
-           "StreamOutput", "EngineConfig"]
+           "StreamOutput", "EngineConfig", "BeamSearchParams"]
 
 if TYPE_CHECKING:
     from streamer.async_engine import AsyncEngine

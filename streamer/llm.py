@@ -26,7 +26,10 @@ def _prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[Promp
     """One prompt (a string, a dict or a token-id list) or several, as a list."""
     if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
         return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a token-id list, a dict (prompt / prompt_token_ids / "
+                         f"multi_modal_data) or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _texts(texts: Union[str, Sequence[str]], name: str) -> list[str]:
@@ -96,7 +99,10 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
+                  else list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None)
+        if params is None or not all(isinstance(sp, SamplingParams) for sp in params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)

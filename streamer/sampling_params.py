@@ -76,8 +76,12 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")

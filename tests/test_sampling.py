@@ -25,11 +25,21 @@ def llm(llama_dir) -> LLM:
     ("allowed_token_ids", [1, -2]), ("logit_bias", [1, 2]), ("logit_bias", "x"), ("allowed_token_ids", 5),
     ("allowed_token_ids", "12"), ("bad_words", "word"), ("bad_words", [" "]), ("bad_words", [5]),
     # Values that pass naive checks but would overflow on the device (int64 seeds, float32 tensors).
+    ("stop", 5), ("stop_token_ids", 5),
     ("seed", 2 ** 64), ("seed", -2 ** 63 - 1), ("repetition_penalty", 1e300), ("temperature", 1e300), ("top_p", True),
 ])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_wrong_argument_types_are_named(llm):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate("x", {"max_tokens": 3})
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(5)
+    from streamer import BeamSearchParams  # (exported beside SamplingParams)
+    assert llm.beam_search("x", BeamSearchParams(beam_width=2, max_tokens=2))[0].sequences
 
 
 def test_negative_seeds_are_seeds(llm):
