@@ -59,8 +59,8 @@ BASE = ["--base-url", "http://127.0.0.1:9"]
     (BASE + ["--dataset", "file"], "needs --dataset-path"),
     (BASE + ["--dataset-path", "/no/such/file.json"], "is not a file"),
     (BASE + ["--dataset", "prefix", "--tokenizer", "TOK"], "needs --prefix-len"),
-    (BASE, "builds prompts with the model's tokenizer"),
-    (BASE + ["--model", "not-a-folder"], "builds prompts with the model's tokenizer"),
+    (BASE, "no server answered GET http://127.0.0.1:9/v1/models: is it running?"),
+    (BASE + ["--model", "not-a-folder"], "no server answered"),
     (BASE + ["--tokenizer", "/no/such/dir"], "cannot load a tokenizer"),
     (BASE + ["--extra-body", "[1]"], "expected a JSON object"),
     (BASE + ["--save-result", "/no/such/dir/r.json", "--tokenizer", "TOK"], "no such folder"),
@@ -149,6 +149,13 @@ def test_prefix_dataset_via_cli(server: FakeServer, tokdir: str, tmp_path: Path)
     code, doc = run_cli(server, tokdir, tmp_path, "--dataset", "prefix", "--prefix-len", "6", "--num-prefixes", "2",
                         "--request-rate", "200", "--burstiness", "2", "--seed", "4")
     assert code == 0 and doc["summary"]["completed"] == 20
+
+
+@pytest.mark.parametrize("extra", [[], ["--model", "not-a-folder"]])
+def test_a_live_server_without_a_tokenizer_is_a_usage_error(server: FakeServer, extra: list[str],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--base-url", server.base_url, *extra]) == 2
+    assert "builds prompts with the model's tokenizer" in capsys.readouterr().err
 
 
 def test_unreachable_model_listing_is_an_error(tokdir: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -209,11 +209,15 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"cannot write {f!r}: no such folder")
 
 
-def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace,
-               served: Optional[ServedModel]) -> Optional[Tokenizer]:
+def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace, served: Optional[ServedModel],
+               answered: bool = True) -> Optional[Tokenizer]:
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
     if path is None and args.dataset in ("random", "prefix") and args.endpoint != "transcriptions":
         path = _demo_tokenizer_if_served(served)
+        if path is None and not answered:  # (the likelier cause: nothing is listening there)
+            p.error(f"no server answered GET {args.base_url.rstrip('/')}/v1/models: is it running? (Against a "
+                    "server that does, the random and prefix datasets still need the model's tokenizer: "
+                    "--tokenizer PATH, or --model as a local model folder, unless it serves the demo model.)")
         if path is None:
             p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
                     "PATH (a folder with tokenizer.json) or --model as a local model folder")
@@ -226,20 +230,20 @@ def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace,
     return None  # unreachable (p.error exits)
 
 
-def _served_model(args: argparse.Namespace) -> Optional[ServedModel]:
-    """The benchmarked model as GET /v1/models lists it (the one asked for, else the first); None when the server
-    does not answer (the run itself then reports why)."""
-    async def query() -> Optional[ServedModel]:
+def _served_model(args: argparse.Namespace) -> tuple[bool, Optional[ServedModel]]:
+    """(whether the server answered GET /v1/models, the benchmarked model as it lists it: the one asked for, else
+    the first; None when it does not answer or lists no such model: the run itself then reports why)."""
+    async def query() -> tuple[bool, Optional[ServedModel]]:
         client = HttpClient(args.base_url, timeout=min(args.timeout, 10.0),
                             api_key=args.api_key or os.environ.get("OPENAI_API_KEY"))
         try:
             models = await list_models(client)
         except BenchError:
-            return None
+            return False, None
         finally:
             await client.close()
         name = args.served_model_name or args.model
-        return next((m for m in models if m.id == name), None if name else models[0])
+        return True, next((m for m in models if m.id == name), None if name else models[0])
     return run_loop(query())
 
 
@@ -353,8 +357,8 @@ def bench_main(argv: Sequence[str]) -> int:
     try:
         args = p.parse_args(list(argv))
         _check(p, args)
-        served = _served_model(args)
-        tok = _tokenizer(p, args, served)
+        answered, served = _served_model(args)
+        tok = _tokenizer(p, args, served, answered)
     except SystemExit as e:
         return int(e.code or 0)
     _fit_input_len(args, served)
