@@ -225,6 +225,9 @@ def test_oversized_bodies_get_413(http):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
                                            "tool_calls": ["abc"]}]}, 400, "messages[1].tool_calls"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages[0].name"),
+    # Past 64 bits, orjson reads an integer literal as a float: it must not round into range.
+    ("/v1/completions", {"prompt": "hi", "seed": -2 ** 63 - 1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2 ** 64}, 400, "seed"),
 ])
 def test_specific_errors(http, path, body, status, param):
     for stream in (False, True):

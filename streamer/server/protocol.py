@@ -124,8 +124,11 @@ def get_int(body: dict, name: str, default: Optional[int], lo: int = INT64_MIN, 
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, float) and v.is_integer() and not isinstance(v, bool):
-        v = int(v)  # 2.0 is an integer in JSON's eyes
+    if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:
+        v = int(v)  # 2.0 is an integer in JSON's eyes (a larger float is a rounded one: orjson's reading of an
+        # integer literal past 64 bits, which would otherwise become the nearest in-range integer)
+    if isinstance(v, float) and v.is_integer():
+        raise APIError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", param=name)
     if not _is_int(v):
         raise APIError(f"{name} must be an integer, got {_show(v)}", param=name)
     if not lo <= v <= hi:
