@@ -336,10 +336,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                     continue
                 ids = engine.tokenizer.encode(rendered, add_special_tokens=False)
                 reply = []
-                async for out in engine.stream({"prompt": rendered, "prompt_token_ids": ids}, params):
-                    sys.stdout.write(out.text)
-                    sys.stdout.flush()
-                    reply.append(out.text)
+                try:
+                    async for out in engine.stream({"prompt": rendered, "prompt_token_ids": ids}, params):
+                        sys.stdout.write(out.text)
+                        sys.stdout.flush()
+                        reply.append(out.text)
+                except ValueError as e:  # this turn refused (the history outgrew max_model_len, ...): the
+                    # conversation goes on without it, so the user can /reset or say something else
+                    if reply:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                    print(f"streamer chat: error: {e} (message dropped; /reset starts over)", file=sys.stderr)
+                    continue
                 sys.stdout.write("\n")
                 sys.stdout.flush()
                 messages = [*turn, {"role": "assistant", "content": "".join(reply)}]

@@ -2,11 +2,42 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+# torch.manual_seed's range (a 64-bit integer, signed or unsigned)
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def _is_int(v: Any) -> bool:
+    """An integer, not a bool (True is an int to Python, never a count or a size here)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    """A finite real number (int or float), not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_device(device: Any) -> None:
+    """ValueError unless `device` is "auto", "cpu", "cuda" or "cuda:N", and a CUDA one is there to use. torch is
+    imported (and CUDA asked) only for a device that names CUDA."""
+    kind, colon, index = device.partition(":") if isinstance(device, str) else (None, "", "")
+    if kind not in ("auto", "cpu", "cuda") or (colon and (kind != "cuda" or not (index.isascii() and index.isdigit()))):
+        raise ValueError(f"device must be one of {_DEVICES}, got {device!r}")
+    if kind != "cuda":
+        return
+    import torch
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch finds no CUDA GPU"
+        raise ValueError(f"device={device!r}, but CUDA is not available ({why}); use device='cpu' or 'auto'")
+    if colon and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}, but torch finds {torch.cuda.device_count()} CUDA device(s)")
 
 
 @dataclass
@@ -142,33 +173,53 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "pt", "dummy"):
             raise ValueError(f"load_format must be 'auto', 'safetensors', 'pt' or 'dummy', got {self.load_format!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
+        for name in ("model", "tokenizer", "speculative_model"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, os.PathLike)):
+                raise ValueError(f"{name} must be a path (a str or os.PathLike), got {v!r}")
+        if not isinstance(self.generation_config, (str, os.PathLike)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a str (a file's path, or the template), got "
+                             f"{self.chat_template!r}")
+        check_device(self.device)
+        if not _is_int(self.seed) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be None (the model's limit) or a positive integer, got "
+                             f"{self.max_model_len!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         if self.sampling_backend not in (None, "torch", "triton"):
             raise ValueError(f"sampling_backend must be 'torch' or 'triton', got {self.sampling_backend!r}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+        if self.kv_cache_memory is not None and (not _is_number(self.kv_cache_memory) or self.kv_cache_memory <= 0):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if not _is_number(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks!r}")
-        if self.state_checkpoints is not None and (not isinstance(self.state_checkpoints, int)
-                                                   or self.state_checkpoints < 0):
-            raise ValueError(f"state_checkpoints must be an integer >= 0, got {self.state_checkpoints!r}")
-        if self.enforce_eager not in (None, True, False):
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be an integer >= 1, got {self.num_kv_blocks!r}")
+        for name in ("state_checkpoints", "max_waiting"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {v!r}")
+        if self.priority_aging is not None and (not _is_number(self.priority_aging) or self.priority_aging < 0):
+            raise ValueError(f"priority_aging must be None or a number of seconds >= 0, got {self.priority_aging!r}")
+        if not _is_number(self.log_stats_interval) or self.log_stats_interval < 0:
+            raise ValueError(f"log_stats_interval must be a number of seconds >= 0, got {self.log_stats_interval!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be None, True or False, got {self.enforce_eager!r}")
         if (not isinstance(self.cuda_graph_max_batch, int) or isinstance(self.cuda_graph_max_batch, bool)
                 or self.cuda_graph_max_batch < 0):
             raise ValueError(f"cuda_graph_max_batch must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
-        if self.async_scheduling not in (None, True, False):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
         if not isinstance(self.cpu_weight_packing, bool):
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
@@ -217,8 +268,7 @@ class EngineConfig:
             raise ValueError(f"speculative_method must be 'mtp', 'suffix' or None, got {self.speculative_method!r}")
         if self.speculative_method is not None and self.speculative_model is not None:
             raise ValueError(f"give speculative_method={self.speculative_method!r} or speculative_model, not both")
-        if self.speculative_method == "suffix":
-            self._check_suffix()
+        self._check_suffix()
         if self.drafts_with_model:
             what = "speculative_model" if self.speculative_model is not None else "speculative_method"
             if self.num_speculative_tokens < 1:
@@ -230,18 +280,18 @@ class EngineConfig:
             load_chat_template(self.chat_template)  # a missing file or a broken template fails here, not per request
 
     def _check_suffix(self) -> None:
-        if self.num_speculative_tokens < 1:
+        """The suffix_decoding_* fields (checked whatever the method: a bad value is an error, not ignored)."""
+        if self.speculative_method == "suffix" and self.num_speculative_tokens < 1:
             raise ValueError("speculative_method='suffix' needs num_speculative_tokens >= 1 (the most tokens it drafts "
                              "a step)")
         for name in ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (2 if name.endswith("depth") else 0):
+            if not _is_int(v) or v < (2 if name.endswith("depth") else 0):
                 raise ValueError(f"{name} must be an integer >= {2 if name.endswith('depth') else 0}, got {v!r}")
-        if not isinstance(self.suffix_decoding_max_spec_factor, (int, float)) \
-                or not self.suffix_decoding_max_spec_factor > 0:
+        if not _is_number(self.suffix_decoding_max_spec_factor) or not self.suffix_decoding_max_spec_factor > 0:
             raise ValueError(f"suffix_decoding_max_spec_factor must be > 0, got "
                              f"{self.suffix_decoding_max_spec_factor!r}")
-        if not isinstance(self.suffix_decoding_min_token_prob, (int, float)) \
+        if not _is_number(self.suffix_decoding_min_token_prob) \
                 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob!r}")

@@ -102,6 +102,85 @@ def test_engine_config_errors(llama_dir):
             LLM(str(llama_dir), cuda_graph_max_batch=bad)
 
 
+# (field, a value EngineConfig must refuse): a wrong type or range would otherwise crash deep in the engine (a torch
+# error, a tensor size mismatch) or be silently taken (a non-empty string is truthy, -1 a working bound)
+BAD_ENGINE_ARGS = [
+    ("max_model_len", 0), ("max_model_len", -5), ("max_model_len", 2.5), ("max_model_len", "100"),
+    ("max_model_len", True),
+    ("device", "tpu"), ("device", "cuda:"), ("device", "cuda:x"), ("device", "cpu:0"), ("device", None),
+    ("device", 0),
+    ("num_kv_blocks", 2.5), ("num_kv_blocks", True),
+    ("seed", "abc"), ("seed", 1.5), ("seed", True), ("seed", 1 << 64), ("seed", -(1 << 63) - 1),
+    ("kv_cache_memory", "1GB"), ("kv_cache_memory", float("nan")), ("kv_cache_memory", True),
+    ("gpu_memory_utilization", "0.5"), ("gpu_memory_utilization", True),
+    ("priority_aging", -1), ("priority_aging", "10"), ("priority_aging", float("inf")),
+    ("max_waiting", -1), ("max_waiting", 2.5), ("max_waiting", "8"),
+    ("log_stats_interval", "x"), ("log_stats_interval", -1), ("log_stats_interval", float("nan")),
+    ("block_size", True), ("max_num_batched_tokens", True), ("max_num_seqs", True),
+    ("enable_prefix_caching", "no"), ("enable_prefix_caching", 0), ("enable_prefix_caching", None),
+    ("enforce_eager", 1), ("async_scheduling", 0), ("state_checkpoints", True),
+    ("model", 123), ("tokenizer", 1.0), ("speculative_model", ["a"]), ("generation_config", None),
+    ("chat_template", 1),
+    ("suffix_decoding_max_tree_depth", True), ("suffix_decoding_max_cached_requests", -1),
+    ("suffix_decoding_max_spec_factor", "2"), ("suffix_decoding_min_token_prob", 2),
+]
+
+
+@pytest.mark.parametrize("field,bad", BAD_ENGINE_ARGS, ids=[f"{f}={v!r}" for f, v in BAD_ENGINE_ARGS])
+def test_engine_config_refuses_bad_values(field, bad):
+    """Each bad value is a ValueError naming the field, at EngineConfig (before anything loads)."""
+    from streamer.config import EngineConfig
+    with pytest.raises(ValueError, match=field):
+        # (a speculative model would otherwise be refused for want of num_speculative_tokens)
+        EngineConfig(**{field: bad}, **({"num_speculative_tokens": 2} if field == "speculative_model" else {}))
+
+
+def test_engine_config_takes_good_values():
+    """The edges still accepted: any 64-bit seed (as torch.manual_seed), a float byte count, aging 0 (off), paths."""
+    from pathlib import Path
+
+    from streamer.config import EngineConfig
+    for kw in (dict(seed=-1), dict(seed=(1 << 64) - 1), dict(max_model_len=1), dict(max_model_len=None),
+               dict(kv_cache_memory=2e9), dict(gpu_memory_utilization=1), dict(priority_aging=0),
+               dict(priority_aging=2.5), dict(max_waiting=0), dict(log_stats_interval=10), dict(device="cpu"),
+               dict(device="auto"), dict(enable_prefix_caching=False), dict(model=Path("/m"), tokenizer="/t"),
+               dict(num_kv_blocks=1), dict(enforce_eager=False), dict(async_scheduling=None)):
+        EngineConfig(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_cuda_device_without_cuda_is_a_value_error(device):
+    """device="cuda" where torch has no CUDA: a ValueError naming device, not torch's AssertionError at load."""
+    from streamer.config import EngineConfig
+    with pytest.raises(ValueError, match=r"device='cuda.*CUDA is not available"):
+        EngineConfig(device=device)
+
+
+CLI_BAD_ENGINE_ARGS = [("--max-model-len", "-5", "max_model_len"), ("--max-model-len", "0", "max_model_len"),
+                       ("--device", "tpu", "device"), ("--priority-aging", "-1", "priority_aging")]
+if not torch.cuda.is_available():
+    CLI_BAD_ENGINE_ARGS.append(("--device", "cuda", "device"))
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("flag,value,field", CLI_BAD_ENGINE_ARGS)
+def test_cli_bad_engine_argument_is_one_line(command, flag, value, field):
+    """`streamer generate` / `chat` with a bad engine flag: one error line naming the field, exit 1, no traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    args = ["--prompt", "hi"] if command == "generate" else []
+    p = subprocess.run([sys.executable, "-m", "streamer", command, *args, flag, value], cwd=repo, input="",
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"streamer {command}: error:") and field in last, p.stderr
+
+
 def test_cpu_weight_packing_gives_the_same_tokens(llama_dir):
     """Eager CPU runs the linears on oneDNN-prepacked weights by default; tokens match the plain-weight path."""
     from streamer import LLM, SamplingParams
