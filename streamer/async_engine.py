@@ -487,13 +487,11 @@ class AsyncEngine:
                     prompt_logprobs = item.prompt_logprobs
                 if item.finished:
                     o.finish_reason, o.stop_reason = item.finish_reason, item.stop_reason
+                    o.cumulative_logprob = item.cumulative_logprob
         finally:
             stream.close()
         for o, pieces in zip(outs, texts):
             o.text = "".join(pieces)
-            if o.logprobs is not None:  # (as LLM.generate's: the sampled tokens' logprobs summed)
-                o.cumulative_logprob = sum(e[t].logprob if t in e else next(iter(e.values())).logprob
-                                           for t, e in zip(o.token_ids, o.logprobs))
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         return RequestOutput(stream.request_id, text if isinstance(text, str) else None, list(stream.prompt_token_ids),
                              outs, True, num_cached_tokens=stream.cached_tokens, prompt_logprobs=prompt_logprobs)
@@ -505,11 +503,13 @@ class AsyncEngine:
         """Abort on the loop thread: blocks return to the pool before the next step is scheduled."""
         entry = self._streams.pop(request_id, None)
         held: dict[int, SeqUpdate] = {}  # what was not handed out yet (held, or final-only) goes with the abort
+        sums: dict[int, Optional[float]] = {}
         if self.engine is not None:
             for state in self.engine.abort(request_id):
                 pending = self.engine.undelivered(state)
                 if pending is not None:
                     held[state.req.seq_index] = pending
+                sums[state.req.seq_index] = state.summed_logprob
                 if self.metrics is not None:
                     self.metrics.request_success.inc(finished_reason="abort", model_name=self.metrics.model_name)
         if entry is not None:
@@ -518,8 +518,10 @@ class AsyncEngine:
                 for i in range(stream.num_seqs):
                     h = held.get(i)
                     queue.put_nowait(StreamOutput(request_id, i, h.new_token_ids, h.text, h.logprobs,
-                                                  finish_reason="abort") if h is not None else
-                                     StreamOutput(request_id, i, [], "", finish_reason="abort"))
+                                                  finish_reason="abort", cumulative_logprob=sums.get(i))
+                                     if h is not None else
+                                     StreamOutput(request_id, i, [], "", finish_reason="abort",
+                                                  cumulative_logprob=sums.get(i)))
         self._maybe_idle()
 
     def _check_alive(self) -> None:
@@ -602,7 +604,8 @@ class AsyncEngine:
                                               req.stop_reason if u.finished else None,
                                               prompt_logprobs=u.prompt_logprobs,
                                               prompt_token_ids=req.prompt_token_ids if u.prompt_logprobs else None,
-                                              embedding=u.embedding))
+                                              embedding=u.embedding,
+                                              cumulative_logprob=u.state.summed_logprob if u.finished else None))
             if u.finished:
                 met = u.state.metrics
                 if m is not None:

@@ -8,20 +8,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
+from streamer.sampling_params import _is_int, _is_real
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 # torch.manual_seed's range (a 64-bit integer, signed or unsigned)
 _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
-def _is_int(v: Any) -> bool:
-    """An integer, not a bool (True is an int to Python, never a count or a size here)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
     """A finite real number (int or float), not a bool."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return _is_real(v) and math.isfinite(v)
 
 
 def check_device(device: Any) -> None:

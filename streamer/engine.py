@@ -106,6 +106,11 @@ class SeqState:
         """Everything emitted so far (kept by the detokenizer as pieces: no quadratic string growth)."""
         return self.detok.text
 
+    @property
+    def summed_logprob(self) -> Optional[float]:
+        """The sampled tokens' logprobs summed (CompletionOutput.cumulative_logprob), when logprobs were asked for."""
+        return self.cumulative_logprob if self.logprobs is not None else None
+
 
 @dataclass
 class SeqUpdate:
@@ -993,7 +998,7 @@ class LLMEngine:
         req = state.req
         return CompletionOutput(
             index=req.seq_index, text=state.text, token_ids=list(req.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            cumulative_logprob=state.summed_logprob,
             logprobs=state.logprobs, finish_reason=req.finish_reason, stop_reason=req.stop_reason)
 
     def close(self) -> None:

@@ -68,6 +68,7 @@ class StreamOutput:
     usage: Optional[dict] = field(default=None)
     prompt_logprobs: Optional[PromptLogprobs] = None  # with the sequence's first item, when asked for
     prompt_token_ids: Optional[list[int]] = None  # beside prompt_logprobs
+    cumulative_logprob: Optional[float] = None  # on a sequence's last item, when logprobs were asked for
     # A pooling request's result, on its only (last) item: the embedding, or a classifier's outputs
     embedding: Optional[list[float]] = None
 
@@ -82,6 +83,7 @@ class StreamOutput:
         if self.logprobs is not None and later.logprobs is not None:
             self.logprobs = self.logprobs + later.logprobs
         self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
         if self.prompt_logprobs is None:
             self.prompt_logprobs, self.prompt_token_ids = later.prompt_logprobs, later.prompt_token_ids
 

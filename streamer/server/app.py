@@ -69,6 +69,7 @@ def error_response(err: APIError) -> JSONResponse:
 
 T = TypeVar("T")
 
+
 class _ClientGone(Exception):
     """The client disconnected; nobody will read the response."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
-from streamer.sampling_params import MAX_LOGPROBS, SamplingParams
+from streamer.sampling_params import MAX_LOGPROBS, SamplingParams, _is_int
 from streamer.server import structured
 
 try:
@@ -115,20 +115,15 @@ def _show(v: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- fields
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def get_int(body: dict, name: str, default: Optional[int], lo: int = INT64_MIN, hi: int = INT64_MAX,
             ) -> Optional[int]:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:
-        v = int(v)  # 2.0 is an integer in JSON's eyes (a larger float is a rounded one: orjson's reading of an
-        # integer literal past 64 bits, which would otherwise become the nearest in-range integer)
-    if isinstance(v, float) and v.is_integer():
-        raise APIError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", param=name)
+    if isinstance(v, float) and v.is_integer():  # 2.0 is an integer in JSON's eyes
+        if abs(v) > 2 ** 53:  # a rounded one (orjson reads an integer literal past 64 bits as a float): never
+            raise APIError(f"{name} must be an integer in [{lo}, {hi}], got {_show(v)}", param=name)  # in range
+        v = int(v)
     if not _is_int(v):
         raise APIError(f"{name} must be an integer, got {_show(v)}", param=name)
     if not lo <= v <= hi:

@@ -100,7 +100,8 @@ def _response_format(v: Any) -> Optional[StructuredOutputsParams]:
 
 
 def forced_tool(tool_choice: Any, tools: Optional[list[dict]]) -> Optional[ForcedTool]:
-    """None for "auto" / "none" / absent; a ForcedTool otherwise. Raises StructuredError(param="tool_choice")."""
+    """None for "auto" / "none" / absent; a ForcedTool otherwise. Raises StructuredError(param="tool_choice").
+    tools: as the request's parsing checked them (protocol._tools)."""
     if tool_choice in (None, "auto", "none"):
         return None
     name: Optional[str] = None
@@ -114,17 +115,9 @@ def forced_tool(tool_choice: Any, tools: Optional[list[dict]]) -> Optional[Force
                               f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}", "tool_choice")
     if not tools:
         raise StructuredError("tool_choice forces a tool call, but no tools were given", "tool_choice")
-    if name is not None and name not in [_tool_name(t, i) for i, t in enumerate(tools)]:
+    if name is not None and name not in [t["function"]["name"] for t in tools]:  # (checked: protocol._tools)
         raise StructuredError(f"tool_choice names the function {name!r}, which is not among tools", "tool_choice")
     return ForcedTool(name)
-
-
-def _tool_name(tool: dict, i: int) -> str:
-    fn = tool.get("function")
-    if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise StructuredError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                              "tools")
-    return fn["name"]
 
 
 def _parameters(tool: dict) -> dict:
