@@ -244,15 +244,12 @@ def prefill_budget(batches: list[int], prompt_len: int) -> int:
 def step_weights(model: Any) -> tuple[int, int]:
     """(bytes a decode step reads, weights it multiplies by): every parameter but the input embedding's table,
     of which a step gathers a row a token (a tied table is read whole, as the output head)."""
-    from streamer.models.layers import VocabEmbedding
-
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, VocabEmbedding)}
-    head = getattr(model, "lm_head", None)
-    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    untied = getattr(model, "lm_head", None) is not None  # (lm_head None: the table is the output head too)
+    skip = model.embed_tokens.weight if untied else None
     read = matmul = 0
-    for p in model.parameters():  # (a tied weight is one parameter, listed once)
-        if id(p) in tables and id(p) not in head_ids and head is not None:
-            continue  # an untied input embedding
+    for p in model.parameters():
+        if p is skip:
+            continue
         read += p.numel() * p.element_size()
         matmul += p.numel() if p.dim() >= 2 else 0
     return read, matmul
