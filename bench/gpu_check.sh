@@ -17,7 +17,8 @@
 #   2. bench/gpu_kernels.py: ceilings, unified_attention decode/prefill vs SDPA, MoE (graphed too), sweeps <= 160 s
 #   3. bench/gpu_e2e.py: Llama-3-8B-shaped dummy model, decode at batch 1 / 32 / 256, and 1 / 32
 #      again without CUDA graphs and without async scheduling, then 256 sampling top-k/top-p on
-#      the torch and on the Triton sampler, then eager: bf16 vs int4 weights at batch 1, int4 at 32,
+#      the torch and on the Triton sampler, the step-time model's prediction error per step (stall-free
+#      scheduling sizes prefill chunks with it), then eager: bf16 vs int4 weights at batch 1, int4 at 32,
 #      bf16 vs FP8 weights at 32; last, if the budget leaves ~100 s, an FP8 engine as served
 #      (compiled, CUDA graphs) at batch 1 and 32                                                  <= 285 s
 #   4. bench/gpu_report.py: the summary table

@@ -184,6 +184,8 @@ def main() -> int:
                 args.out.write_text(json.dumps({"rows": rows}))
         runner.graphs, llm.engine.async_scheduling = graphs, overlap
         runner.sampler.kernel_min_rows = default_rows
+        rows.append(step_time_row(llm.engine, run, batches))
+        print(json.dumps(rows[-1]), flush=True)
         # Last, FP8 weights (per-channel scales, torch._scaled_mm) against bf16 on the same engine, both eager and
         # without graphs (the graphs and the compiled model hold the bf16 weights): the weights are quantized in
         # place between the two rows, which also frees the bf16 copies.
@@ -233,6 +235,34 @@ def main() -> int:
         if args.budget_s is not None:
             fp8_graphs(args, model_dir, batches, prompt_len, gen, backend, dry, rows, started, config)
     return 0
+
+
+def step_time_row(engine: Any, run: Any, batches: list[int]) -> dict[str, Any]:
+    """The step-time model's error (streamer/step_time.py: it plans stall-free steps), on the steps of fresh runs
+    (prompts whole, then decodes, at two batch sizes) after it has been fitted on every step before: the median and
+    90th percentile of |predicted - measured| / measured."""
+    errors: list[float] = []
+    observe = engine._observe_step
+
+    def watched(sched: Any) -> None:
+        predicted = sched.predicted
+        observe(sched)
+        if predicted > 0:
+            errors.append(abs(predicted - engine.last_step[1]) / max(engine.last_step[1], 1e-9))
+
+    engine._observe_step = watched
+    try:
+        for batch in (min(batches), min(32, max(batches))):
+            run(batch, 16)
+    finally:
+        engine._observe_step = observe
+    model = engine.scheduler.step_model
+    err = sorted(errors)
+    med = err[len(err) // 2] if err else float("nan")
+    p90 = err[int(0.9 * (len(err) - 1))] if err else float("nan")
+    return {"section": "e2e", "name": "step-time model: prediction error per step",
+            "rel_err": f"median {100 * med:.1f}%, p90 {100 * p90:.1f}% over {len(err)} steps",
+            "note": f"knee {model.knee} tokens, coef {[float(f'{c:.3g}') for c in model.coef]}"}
 
 
 def prefill_budget(batches: list[int], prompt_len: int) -> int:

@@ -20,6 +20,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="mistral: (vLLM's) a Mistral-format folder, which 'auto' also reads")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-itl-ms", type=_itl_target, default=None, metavar="MS",
+                   help="inter-token latency target for streamed requests: prefill chunks are sized so that each "
+                        "step stays within it (the step time is modelled on this device as it runs). Default: auto "
+                        "(the running decodes' own step time x max(2, 1 + prompts waiting / requests decoding), at least "
+                        "50 ms); "
+                        "0: off (token budget only)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV cache (CPU)")
@@ -134,7 +140,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
 
 
-_ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+def _itl_target(text: str) -> Optional[float]:
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds or 'auto': {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 milliseconds (0: off), got {text}")
+    return value
+
+
+_ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batched_tokens", "max_itl_ms",
+                "max_num_seqs",
                 "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "state_checkpoints", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",

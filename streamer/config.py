@@ -49,6 +49,11 @@ class EngineConfig:
     seed: int = 0
     max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
+    # Inter-token latency target of streamed requests, in milliseconds: while one decodes, each step's prefill
+    # chunks are sized so that the step-time model (streamer/step_time.py, fitted online on this device) predicts
+    # the step within it. None: automatic (the running decodes' own step times the larger of 2 and 1 + prompts
+    # waiting / requests decoding, at least 50 ms). 0: off (the token budget alone, as vLLM and SGLang schedule).
+    max_itl_ms: Optional[float] = None
     max_num_seqs: int = 256  # running-sequence cap
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes for the KV pool (default: 2 GiB on CPU; on a GPU what
@@ -205,6 +210,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 0):
                 raise ValueError(f"{name} must be None or an integer >= 0, got {v!r}")
+        if self.max_itl_ms is not None and (not _is_number(self.max_itl_ms) or self.max_itl_ms < 0):
+            raise ValueError(f"max_itl_ms must be None (automatic), 0 (off) or a positive number of milliseconds, "
+                             f"got {self.max_itl_ms!r}")
         if self.priority_aging is not None and (not _is_number(self.priority_aging) or self.priority_aging < 0):
             raise ValueError(f"priority_aging must be None or a number of seconds >= 0, got {self.priority_aging!r}")
         if not _is_number(self.log_stats_interval) or self.log_stats_interval < 0:

@@ -38,6 +38,7 @@ from streamer.sampler import bad_words_token_ids
 from streamer.sampling_params import SamplingParams
 from streamer.scheduler import Scheduler, SchedulerOutput
 from streamer.speculative import SuffixIndex, ngram_match, propose_ngram, propose_predicted
+from streamer.step_time import shape_of
 from streamer.structured_output import Grammar, GrammarCompiler
 from streamer.thinking import ThinkTags
 from streamer.tokenizer import Tokenizer
@@ -149,6 +150,7 @@ class TokenTimings:
     itl: dict[float, int] = field(default_factory=dict)
     prompt_tokens: int = 0
     step_tokens: list[int] = field(default_factory=list)  # tokens of each step scheduled
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) period of each step
 
     def first_token(self, req: Request, ttft: float) -> None:
         self.ttft.append(ttft)
@@ -163,6 +165,7 @@ class TokenTimings:
         self.itl.clear()
         self.prompt_tokens = 0
         self.step_tokens.clear()
+        self.steps.clear()
 
 
 class LLMEngine:
@@ -210,6 +213,8 @@ class LLMEngine:
         self.prefix_caching = self.kv.enable_prefix_caching  # (off for a hybrid model without checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
+        if self.runner.step_profile:
+            self.scheduler.step_model.set_profile(self.runner.step_profile)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
                                 config.block_size, self.model_config.vocab_size,
                                 mrope=self.model_config.mrope_section is not None, state_slots=hybrid,
@@ -228,6 +233,11 @@ class LLMEngine:
         self.groups: dict[str, list[str]] = {}  # user request id -> its sequences' ids
         self._ids = itertools.count()
         self.num_steps = 0
+        # The step-time model's clock (perf_counter): the last step's end, and since when the engine has had work
+        # waiting for the next step's scheduling (None: idle); the last step's (predicted, measured, budget)
+        self._last_step_end = 0.0
+        self._busy_since: Optional[float] = None
+        self.last_step: tuple[float, float, Optional[float]] = (0.0, 0.0, None)
         self.num_overlapped_steps = 0  # steps queued while the previous one still ran (async scheduling)
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were accepted
         self.num_accepted_tokens = 0
@@ -511,7 +521,8 @@ class LLMEngine:
                           seq_index=i, parent_id=request_id, lora=adapter, pooling=pooling,
                           long_rope_threshold=self.long_rope_threshold, images=images,
                           whole_images=bool(images) and self.runner.model.bidirectional_images,
-                          whole_prompt=self.encoder, encoder_input=encoder_input)
+                          whole_prompt=self.encoder, encoder_input=encoder_input,
+                          streamed=stream and pooling is None)
             if grammar is not None:
                 req.matcher = grammar.matcher()
             req.bad_words_ids = bad_words
@@ -599,11 +610,13 @@ class LLMEngine:
 
     def schedule(self) -> Optional[tuple[SchedulerOutput, StepInputs]]:
         """Schedule and prepare the next step; None when nothing can run now."""
+        t0 = time.perf_counter()
         if self.config.num_speculative_tokens:
             self._propose_drafts()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
+        self._time_step(sched, t0)
         inputs = self.prepare(sched)
         if self.timings is not None:
             self.timings.step_tokens.append(len(inputs.input_ids))
@@ -631,6 +644,8 @@ class LLMEngine:
         still running (None: nothing runs), or None when none may or can be scheduled now."""
         if not self.has_unfinished() or (running is not None and not self.can_overlap(running)):
             return None
+        if running is not None:
+            self._busy_since = None  # (overlapped: the time between steps is inside the running step's period)
         step = self.schedule()
         if step is not None and running is not None:
             self.num_overlapped_steps += 1
@@ -643,7 +658,40 @@ class LLMEngine:
         sched, inputs = step
         return self.process(sched, self.runner.execute(inputs))
 
+    def _time_step(self, sched: SchedulerOutput, t0: float) -> None:
+        """Stamp a scheduled step for the step-time model: its shape, its predicted period, its start. The loop's
+        time between the last step's end and this one's start (while busy: delivering the last step's tokens) is
+        smoothed into the scheduler's `step_gap`."""
+        sched.scheduled_at = t0
+        sched.shape = shape_of([(s.start, s.num_tokens) for s in sched.scheduled])
+        model = self.scheduler.step_model
+        if model.ready:
+            sched.predicted = model.predict(sched.shape)
+        gap = t0 - self._busy_since if self._busy_since is not None else -1.0
+        if 0 <= gap < self.last_step[1]:  # (longer: the loop waited, e.g. for KV blocks, rather than delivered)
+            self.scheduler.step_gap += 0.1 * (gap - self.scheduler.step_gap)
+        self._busy_since = None
+
+    def _observe_step(self, sched: SchedulerOutput) -> None:
+        """The step's period (from its scheduling, or from the previous step's end when they overlapped, to the end
+        of its processing) goes to the step-time model and the metrics."""
+        now = time.perf_counter()
+        period = now - max(sched.scheduled_at, self._last_step_end)
+        self._last_step_end = now
+        self._busy_since = now if self.has_unfinished() else None
+        if sched.shape is None:
+            return
+        self.scheduler.step_model.observe(sched.shape, period)
+        self.last_step = (sched.predicted, period, sched.budget)
+        if self.timings is not None:
+            self.timings.steps.append((sched.predicted, period))
+
     def process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
+        updates = self._process(sched, result)
+        self._observe_step(sched)
+        return updates
+
+    def _process(self, sched: SchedulerOutput, result: RunnerOutput) -> list[SeqUpdate]:
         self.num_steps += 1
         if result.rows is not None:
             self.batch.record(result.rows, result.epochs, result.positions, result.token_array)
@@ -1011,9 +1059,18 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage, "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_queries, "prefix_cache_hits": self.kv.prefix_hits,
             "num_overlapped_steps": self.num_overlapped_steps,
+            **self._step_time_stats(),
             "spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens,
             **self._lora_stats(),
         }
+
+    def _step_time_stats(self) -> dict[str, Any]:
+        sched = self.scheduler
+        predicted, measured, budget = self.last_step
+        return {"step_time_predicted": predicted, "step_time_measured": measured,
+                "step_time_budget": budget if budget is not None else 0.0,
+                "step_time_prediction_error": sched.step_model.error,
+                "itl_target_unmet_steps": sched.itl.unmet_steps if sched.itl is not None else 0}
 
     def _lora_stats(self) -> dict[str, Any]:
         slots = self.scheduler.lora_slots

@@ -6,6 +6,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
+
 if TYPE_CHECKING:
     from streamer.engine import TokenTimings
     from streamer.request import Request
@@ -107,6 +109,31 @@ _LATENCY = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 _LENGTHS = [2.0 ** i for i in range(18)]
 _STEP_TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]  # vLLM's buckets
 _PARAMS_N = [1, 2, 5, 10, 20]
+STALL_FACTOR = 3.0  # an inter-token gap over this many times the median is a stall
+
+
+class StallCounter:
+    """Inter-token gaps over STALL_FACTOR x the median of the recent ones (the last `window`; the median is
+    recomputed every `every` gaps, from the first `every` on): the freezes a reader notices."""
+
+    def __init__(self, window: int = 2048, every: int = 64) -> None:
+        self._gaps = np.zeros(window)
+        self._n = 0  # gaps seen
+        self._every = every
+        self._median = 0.0
+        self.stalls = 0
+
+    def observe(self, seconds: float, count: int = 1) -> int:
+        """Record `count` gaps of `seconds`; returns how many of them were stalls."""
+        size = len(self._gaps)
+        for _ in range(min(count, size)):
+            self._gaps[self._n % size] = seconds
+            self._n += 1
+            if self._n % self._every == 0:
+                self._median = float(np.median(self._gaps[:min(self._n, size)]))
+        stalled = count if self._median > 0 and seconds > STALL_FACTOR * self._median else 0
+        self.stalls += stalled
+        return stalled
 
 
 class Registry:
@@ -147,6 +174,12 @@ class EngineMetrics:
                     gauge("prefix_cache_queries"), kind="counter"))
         r.add(Gauge("vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
                     gauge("prefix_cache_hits"), kind="counter"))
+        r.add(Gauge("streamer:step_time_budget_seconds", "The last step's time budget (stall-free scheduling; 0: "
+                    "none, no stream was decoding).", gauge("step_time_budget")))
+        r.add(Gauge("streamer:step_time_prediction_error", "The step-time model's relative error (|predicted - "
+                    "measured| / measured), smoothed over recent steps.", gauge("step_time_prediction_error")))
+        r.add(Gauge("streamer:itl_target_unmet_steps_total", "Steps whose decodes alone were predicted over the "
+                    "inter-token latency target (max_itl_ms).", gauge("itl_target_unmet_steps"), kind="counter"))
         r.add(Gauge("vllm:spec_decode_num_draft_tokens_total", "Speculative draft tokens verified.",
                     gauge("spec_num_draft_tokens"), kind="counter"))
         r.add(Gauge("vllm:spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted.",
@@ -188,6 +221,13 @@ class EngineMetrics:
         self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens of finished requests.",
                                            _LENGTHS)
         self.step_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", _STEP_TOKENS)
+        self.step_time = histogram("streamer:step_time_seconds", "Measured step periods (scheduling to processed "
+                                   "outputs).", _LATENCY)
+        self.step_time_predicted = histogram("streamer:step_time_predicted_seconds", "The step-time model's "
+                                             "prediction of each step's period.", _LATENCY)
+        self.stalls = r.add(Counter("streamer:inter_token_stalls_total", f"Inter-token gaps over {STALL_FACTOR:g}x "
+                                    "the median of recent gaps."))
+        self._stalls = StallCounter()
 
     def render(self) -> str:
         return self.registry.render()
@@ -196,8 +236,16 @@ class EngineMetrics:
         """The engine's token latencies since the last call (streamer/engine.py TokenTimings)."""
         for seconds in t.ttft:
             self.ttft.observe(seconds)
+        stalls = 0
         for seconds, count in t.itl.items():
             self.itl.observe(seconds, count)
+            stalls += self._stalls.observe(seconds, count)
+        if stalls:
+            self.stalls.inc(stalls, model_name=self.model_name)
+        for predicted, measured in t.steps:
+            self.step_time.observe(measured)
+            if predicted > 0:
+                self.step_time_predicted.observe(predicted)
         if t.prompt_tokens:
             self.prompt_tokens.inc(t.prompt_tokens, model_name=self.model_name)
         for tokens in t.step_tokens:

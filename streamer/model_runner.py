@@ -39,6 +39,7 @@ from streamer.multimodal import EncoderCache, ImageStep
 from streamer.parallel import TensorParallelWorkers
 from streamer.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.request import Request
+from streamer.step_time import StepShape, shape_of
 from streamer.sampler import (Sampler, SamplerOutput, SamplingBatch, SpeechMasks, bad_word_bans, build_penalties,
                               score_tokens)
 
@@ -301,6 +302,10 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.wait_ready()
         self._set_up_forward()
+        # The step-time model's first points (streamer/step_time.py), timed before graphs take over decode steps.
+        # Only a model that streams tokens needs them (not an encoder, nor Whisper).
+        self.step_profile = (self.profile_steps(config.max_num_batched_tokens) if config.max_itl_ms != 0
+                             and self.tp_rank == 0 and not self.cross and not self.model.bidirectional else [])
         if self._use_cuda_graphs():
             self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
 
@@ -464,7 +469,7 @@ class ModelRunner:
                     time.perf_counter() - t)
 
     def _warmup_steps(self) -> None:
-        bs, cap = self.block_size, self.max_model_len
+        bs = self.block_size
         # (query tokens per request, context length per request): a lone request's decode (inline in the
         # model's graph), a decode batch and prefill chunks (the general graph; decode rows go through the
         # separately compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise
@@ -472,24 +477,58 @@ class ModelRunner:
         # stay equal, and recompile when they are not.
         steps = [([1], [10 * bs]), ([1, 1, 1], [1, 5 * bs, 1]), ([16], [16]), ([16, 1], [16, 10 * bs])]
         for q_lens, seq_lens in steps:
-            q_lens = [min(n, cap) for n in q_lens]
-            seq_lens = [min(max(s, q), cap) for s, q in zip(seq_lens, q_lens)]
-            if self.model.bidirectional:  # an encoder's steps hold whole prompts only: no context before them
-                seq_lens = q_lens
-            qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-            lens = np.array(seq_lens, dtype=np.int64)
-            n = int(qsl[-1])
-            positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).astype(np.int64)
-            # Every write and read lands on the scratch block.
-            scratch = self.scratch_block
-            slots = scratch * bs + positions % bs
-            table = np.full((len(q_lens), cdiv(int(lens.max()), bs)), scratch, dtype=np.int32)
-            zeros = np.zeros(len(q_lens), dtype=np.int64)
-            step = StepInputs(req_ids=[""] * len(q_lens), rows=zeros, epochs=zeros,
-                              input_ids=np.zeros(n, dtype=np.int64), positions=positions, query_start_loc=qsl,
-                              seq_lens=lens, block_table=table, slot_mapping=slots,
-                              sample_idx=np.zeros(0, dtype=np.int64), sampling=None)  # type: ignore[arg-type]
-            self._run_model(step)
+            self._run_model(self._scratch_step(q_lens, seq_lens))
+
+    def _scratch_step(self, q_lens: list[int], seq_lens: list[int]) -> StepInputs:
+        """A step of rows computing q_lens[i] tokens with seq_lens[i] tokens of context (capped at max_model_len),
+        every KV write and read on the scratch block: no request's cache is touched."""
+        bs, cap = self.block_size, self.max_model_len
+        q_lens = [min(n, cap) for n in q_lens]
+        seq_lens = [min(max(s, q), cap) for s, q in zip(seq_lens, q_lens)]
+        if self.model.bidirectional:  # an encoder's steps hold whole prompts only: no context before them
+            seq_lens = q_lens
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+        lens = np.array(seq_lens, dtype=np.int64)
+        n = int(qsl[-1])
+        positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)]).astype(np.int64)
+        scratch = self.scratch_block
+        slots = scratch * bs + positions % bs
+        table = np.full((len(q_lens), cdiv(int(lens.max()), bs)), scratch, dtype=np.int32)
+        zeros = np.zeros(len(q_lens), dtype=np.int64)
+        return StepInputs(req_ids=[""] * len(q_lens), rows=zeros, epochs=zeros,
+                          input_ids=np.zeros(n, dtype=np.int64), positions=positions, query_start_loc=qsl,
+                          seq_lens=lens, block_table=table, slot_mapping=slots,
+                          sample_idx=np.zeros(0, dtype=np.int64), sampling=None)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def profile_steps(self, max_tokens: int, max_seconds: float = 0.25) -> list[tuple[StepShape, float]]:
+        """Forward passes timed for the step-time model's first fit (streamer/step_time.py): a lone decode, decode
+        batches, and lone prompt chunks of 16, 64, 256, ... tokens up to `max_tokens`, stopping after one that takes
+        over `max_seconds` (a big model on a CPU). Each shape runs twice and keeps the faster time (the first may
+        pay for a new shape's kernels). Warm-up steps only: no request's cache is touched."""
+        import time
+        cap = self.max_model_len
+        shapes: list[tuple[list[int], list[int]]] = [([1], [min(256, cap)]), ([1] * 8, [min(64, cap)] * 8),
+                                                     ([1] * 8, [min(512, cap)] * 8)]
+        n = 16
+        while n <= min(max_tokens, cap):
+            shapes.append(([n], [n]))
+            n *= 4
+        points = []
+        for q_lens, seq_lens in shapes:
+            step = self._scratch_step(q_lens, seq_lens)
+            best = float("inf")
+            for _ in range(2):
+                t = time.perf_counter()
+                self._run_model(step)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - t)
+            q = np.diff(step.query_start_loc)
+            points.append((shape_of(list(zip((step.seq_lens - q).tolist(), q.tolist()))), best))
+            if best > max_seconds and len(q_lens) == 1 and q_lens[0] > 1:
+                break
+        return points
 
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;

@@ -67,6 +67,9 @@ class Request:
     # tokens' keys would be missing).
     whole_images: bool = False
     whole_prompt: bool = False  # an encoder's: the prompt in one chunk, or not this step (see fit_chunk)
+    # A client reads its tokens as they come (a stream): its decode steps are kept within the inter-token budget
+    # (streamer/step_time.py); nobody waits on the gaps of a final-only one (offline, non-streamed responses).
+    streamed: bool = False
     # An encoder-decoder model's encoder input (Whisper: speech.SpeechInput, the audio's log-mel features and their
     # hash), encoded by the step that computes the first token (read from the runner's encoder cache after that)
     encoder_input: Optional[Any] = None

@@ -6,6 +6,11 @@ tokens); each step gives requests tokens until computed catches up, under a toke
 decode all fall out of that rule. Running requests go first; when the KV pool runs dry the last
 running request (the most recently admitted one, or the lowest-priority one) is preempted by recompute.
 
+Stall-free steps (streamer/step_time.py): while a streamed request decodes, a step also has a time budget. The
+running decodes' time and tokens are reserved first; prefill chunks (running prompts', then new admissions') get
+only what the step-time model says fits in the rest, cut on block boundaries, with at least one block for the
+first of them (`StepPlan`'s starvation rule).
+
 Async scheduling: a step may be scheduled while the previous one still runs. A request's token that the running
 step will sample counts as pending (`Request.num_pending`): the next step may compute it (the runner reads it on
 the device), unless it is certain to be the request's last (max_tokens, max_model_len).
@@ -15,6 +20,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +30,7 @@ from streamer.config import EngineConfig
 from streamer.kv_cache import KVCacheManager
 from streamer.lora import LoRASlots
 from streamer.request import Request, RequestStatus
+from streamer.step_time import ItlPolicy, StepPlan, StepShape, StepTimeModel
 
 
 # Hybrid models with prefix caching and speculative decoding: verify chunks stop at every this many blocks, where
@@ -46,6 +53,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     has_drafts: bool = False  # some request computes speculative drafts this step
+    budget: Optional[float] = None  # the step's time budget in seconds (None: tokens only)
+    # For the step-time model: the step's shape, its predicted period (0: the model is not ready yet) and when its
+    # scheduling began (time.perf_counter; the engine measures the period from there)
+    shape: Optional[StepShape] = None
+    predicted: float = 0.0
+    scheduled_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +138,12 @@ class Scheduler:
         self.running: list[Request] = []  # schedule order; the last one is the first to be preempted
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Stall-free steps: the step-time model (fed by the engine's measured periods) and the budget policy
+        target = config.max_itl_ms
+        self.step_model = StepTimeModel()
+        self.itl = ItlPolicy(None if target is None else target / 1e3) if target != 0 else None
+        self.step_gap = 0.0  # the loop's own time between two steps (delivery), smoothed: part of every gap
+        self.clock = time.monotonic  # (arrival times' clock)
 
     # ------------------------------------------------------------------ queue management
     @property
@@ -195,7 +214,12 @@ class Scheduler:
             self._preempt_for_priority(out)
         budget = self.config.max_num_batched_tokens
         spec = self.config.num_speculative_tokens > 0
+        plan, reserved = self._plan()  # (reserved: the decodes' tokens, which prefill chunks leave to them)
         planned: list[tuple[Request, int]] = []
+        # Priority: running prompts outranked by the first waiting request chunk after its admission
+        head = self.waiting.key(self.waiting.peek()) if self.config.scheduling_policy == "priority" and len(
+            self.waiting) else None
+        deferred: list[Request] = []
         pool_dry = False
         i = 0
         long_rope = self.long_rope_threshold
@@ -208,16 +232,23 @@ class Scheduler:
                 req.set_long_rope()
                 req.reset_computed()
             # (num_scheduled_tokens, inlined: this loop runs over every running request every step)
-            want = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
-            if spec and req.draft_token_ids:
-                want += len(req.draft_token_ids)
-            n = min(want, budget)
-            if req.whole_images:
-                n = req.fit_chunk(req.num_computed_tokens, n)
+            known = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
+            want = known + len(req.draft_token_ids) if spec and req.draft_token_ids else known
+            decode = known <= 1
+            if decode:
+                n = min(want, budget)
+            elif head is not None and self.waiting.key(req) > head:
+                deferred.append(req)
+                i += 1
+                continue
+            else:  # a prompt (or a recompute) in chunks: what the decodes and the step's time leave
+                n = self._chunk(plan, req, req.num_computed_tokens, min(want, budget - reserved))
             if n > 1 and self.kv.checkpoints is not None:
                 n = self._fit_checkpoints(req, req.num_computed_tokens, n)
             if n <= 0 or (req.num_pending and self._pending_is_last(req)):
                 i += 1  # nothing to do until its last sampled token arrives
+                if decode:
+                    reserved -= want
                 continue
             if n < want and spec and req.draft_token_ids:  # the budget cuts into the drafts: keep what fits
                 del req.draft_token_ids[max(n - (want - len(req.draft_token_ids)), 0):]
@@ -232,8 +263,21 @@ class Scheduler:
                 planned.append((req, n))
                 budget -= n
                 i += 1
+                if decode:
+                    reserved -= want
+                else:
+                    plan.take(req.num_computed_tokens, n)
         if not pool_dry:  # admitting now would only preempt again next step
-            budget = self._admit(planned, budget)
+            budget = self._admit(planned, budget, plan)
+        for req in deferred:  # (no preemption for these: they rank below what was admitted)
+            known = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
+            n = self._chunk(plan, req, req.num_computed_tokens, min(known, budget))
+            if n > 1 and self.kv.checkpoints is not None:
+                n = self._fit_checkpoints(req, req.num_computed_tokens, n)
+            if n > 0 and req.status == RequestStatus.RUNNING and self.kv.allocate_slots(req, n):
+                planned.append((req, n))
+                budget -= n
+                plan.take(req.num_computed_tokens, n)
         for req, n in planned:
             drafts = len(req.draft_token_ids) if spec else 0
             samples = (req.num_computed_tokens + n == len(req.all_token_ids) + drafts + req.num_pending
@@ -247,7 +291,47 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
         if self.kv.snapshots is not None:
             self.kv.snapshot_states([(s.req, s.start) for s in out.scheduled if s.num_drafts])
+        out.budget = plan.budget
         return out
+
+    def _plan(self) -> tuple[StepPlan, int]:
+        """The step's time plan with the running decodes' time reserved, and their tokens. A time budget applies
+        only while a streamed request decodes and the step-time model is ready; the automatic one counts the
+        decoding requests and the prompts waiting for their first token (running or queued)."""
+        plan = StepPlan(self.step_model, None, self.kv.block_size)
+        spec = self.config.num_speculative_tokens > 0
+        tokens, decodes, prompts, streamed = 0, 0, 0, False
+        oldest = self.waiting.peek().arrival_time if len(self.waiting) else math.inf
+        for req in self.running:
+            known = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
+            if known <= 1:
+                n = known + (len(req.draft_token_ids) if spec else 0)
+                if n > 0:
+                    plan.shape.add(req.num_computed_tokens, n)
+                    tokens += n
+                    decodes += 1
+                    streamed = streamed or req.streamed
+            else:
+                prompts += 1
+                oldest = min(oldest, req.arrival_time)
+        if streamed and self.itl is not None and self.step_model.ready:
+            wait = max(self.clock() - oldest, 0.0) if oldest < math.inf else 0.0
+            plan.budget = self.itl.budget(self.step_model.predict(plan.shape), prompts + len(self.waiting), decodes,
+                                          self.step_gap, wait)
+        return plan, tokens
+
+    @staticmethod
+    def _chunk(plan: StepPlan, req: Request, start: int, want: int) -> int:
+        """A prefill chunk's size: what the step's time allows, then whole images (or an encoder's whole prompt).
+        What cannot be split goes whole into a step's first chunk: a budget smaller than an image must not keep
+        its prompt out forever."""
+        n = plan.chunk(start, want)
+        if req.whole_images or req.whole_prompt:
+            fitted = req.fit_chunk(start, n)
+            if fitted == 0 and plan.prefill_tokens == 0 and n < want:
+                fitted = req.fit_chunk(start, want)
+            n = fitted
+        return n
 
     def draft_limit(self, req: Request) -> int:
         """Speculative decoding: how many drafts the request's next chunk may carry (0: none). When it decodes: only
@@ -285,7 +369,7 @@ class Scheduler:
         return (req.num_output_tokens + req.num_pending >= req.max_tokens
                 or req.num_scheduled_tokens >= self.max_model_len)
 
-    def _admit(self, planned: list[tuple[Request, int]], budget: int) -> int:
+    def _admit(self, planned: list[tuple[Request, int]], budget: int, plan: StepPlan) -> int:
         no_lora_slot: list[Request] = []  # passed over: their adapter finds no free slot this step
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
@@ -303,7 +387,7 @@ class Scheduler:
                 req.pooling is not None and req.pooling.pooling != "last")
             hits, num_hit = ([], 0) if skip_cache else self.kv.get_computed_blocks(req)
             # Known tokens only: a preempted request's token still in flight is computed once it has arrived.
-            n = req.fit_chunk(num_hit, min(req.num_tokens - num_hit, budget))
+            n = self._chunk(plan, req, num_hit, min(req.num_tokens - num_hit, budget))
             if self.kv.checkpoints is not None:
                 req.chunk_stop = 0 if skip_cache else self.kv.chunk_stop(req, num_hit)
                 n = self._fit_checkpoints(req, num_hit, n)
@@ -318,6 +402,7 @@ class Scheduler:
             self._add_running(req)
             planned.append((req, n))
             budget -= n
+            plan.take(num_hit, n)
         for req in reversed(no_lora_slot):  # back in their places (FCFS: at the front, in order)
             self.waiting.push(req, front=True)
         return budget

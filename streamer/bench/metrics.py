@@ -2,7 +2,9 @@
 
 TTFT: request sent -> first token chunk. ITL: every gap between consecutive token chunks (pooled over requests).
 TPOT: (E2E latency - TTFT) / (output tokens - 1), only for requests with more than one output token (for goodput
-such requests count as TPOT 0). E2E latency: request sent -> end of the stream (`data: [DONE]`).
+such requests count as TPOT 0). ITL stalls: the gaps over 3x the run's median gap (the server counts its own
+the same way, in streamer:inter_token_stalls_total). E2E latency: request sent -> end of the stream
+(`data: [DONE]`).
 Throughputs divide by the run's duration (first request sent -> last one finished); only successful requests
 count (audio throughput too: the seconds of audio transcribed per second of the run, the real-time factor's
 inverse). Peak output throughput and peak concurrency use 1 s buckets from the first successful request's start;
@@ -17,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
+
+STALL_FACTOR = 3.0  # an inter-token gap over this many times the median is a stall
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -68,6 +72,8 @@ class Summary:
     request_goodput: Optional[float]
     stats: dict[str, dict[str, float]]  # metric -> {mean, median, std, p50, ...} in milliseconds
     errors: list[tuple[str, int]]  # distinct errors, most frequent first, with counts
+    # Inter-token gaps over STALL_FACTOR x the run's median gap: the freezes a reader notices
+    itl_stalls: int = 0
     total_audio_seconds: float = 0.0  # clip seconds of the successful requests (transcriptions)
     audio_throughput: Optional[float] = None  # audio seconds transcribed per second; None: no request sent audio
 
@@ -152,6 +158,8 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
     peak_tps, peak_conc = peaks(ok)
     goodput = goodput_count(ok, goodput_slo_ms) / dur if goodput_slo_ms else None
     errors = Counter(r.error for r in results if not r.success).most_common()
+    itl = np.asarray(values["itl"])
+    stalls = int((itl > STALL_FACTOR * np.median(itl)).sum()) if len(itl) else 0
     return Summary(duration=duration, completed=len(ok), failed=len(results) - len(ok),
                    total_input_tokens=total_in, total_output_tokens=total_out,
                    request_throughput=len(ok) / dur, input_throughput=total_in / dur,
@@ -162,5 +170,6 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
                    request_goodput=goodput,
                    stats={k: describe(v, percentiles) for k, v in values.items()},
                    errors=[(e, c) for e, c in errors],
+                   itl_stalls=stalls,
                    total_audio_seconds=total_audio,
                    audio_throughput=total_audio / dur if any(r.audio_seconds for r in results) else None)

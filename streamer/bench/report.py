@@ -57,6 +57,8 @@ def format_summary(s: Summary, *, max_concurrency: Optional[int] = None, client_
         for k, v in s.stats[m].items():
             label = {"mean": "Mean", "median": "Median", "std": "Std"}.get(k, k.upper())
             lines.append(_row(f"{label} {m.upper()} (ms):", v))
+        if m == "itl":
+            lines.append(_row("ITL stalls (gaps > 3x median):", s.itl_stalls))
     if s.errors:
         lines.append("{s:{c}^{n}}".format(s="Errors (most frequent first)", n=_W, c="-"))
         lines += [f"{count:>6} x {err[:_W + 40]}" for err, count in s.errors[:max_errors]]
@@ -90,7 +92,7 @@ _THROUGHPUT = [("completed", "Successful requests"), ("failed", "Failed requests
                ("total_token_throughput", "Total token throughput (tok/s)"),
                ("max_output_tokens_per_s", "Peak output throughput (tok/s)"),
                ("max_concurrent_requests", "Peak concurrent requests (1 s)"),
-               ("max_in_flight", "Peak in-flight requests")]
+               ("max_in_flight", "Peak in-flight requests"), ("itl_stalls", "ITL stalls (> 3x median)")]
 
 
 def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Optional[float], Optional[float]]]:
