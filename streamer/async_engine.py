@@ -152,6 +152,7 @@ class AsyncEngine:
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="streamer-wait")
         # Load on the device thread: it owns the device from now on, and the loop stays responsive.
         self.engine = await loop.run_in_executor(self._device, LLMEngine, self.config)
+        await loop.run_in_executor(self._device, self.engine.enable_stall_free)  # (it streams: see step_time.py)
         self.metrics = EngineMetrics(self.stats, self.model_name)
         self.engine.timings = TokenTimings()  # (the engine measures token latencies; _dispatch takes them)
         self._wakeup = asyncio.Event()

@@ -23,8 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-itl-ms", type=_itl_target, default=None, metavar="MS",
                    help="inter-token latency target for streamed requests: prefill chunks are sized so that each "
                         "step stays within it (the step time is modelled on this device as it runs). Default: auto "
-                        "(the running decodes' own step time x max(2, 1 + prompts waiting / requests decoding), at least "
-                        "50 ms); "
+                        "(the largest of 2x the running decodes' own step time, that step x (1 + prompts waiting / "
+                        "requests decoding), a tenth of the oldest prompt's wait, and 50 ms); "
                         "0: off (token budget only)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--block-size", type=int, default=16)

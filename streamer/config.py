@@ -51,8 +51,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
     # Inter-token latency target of streamed requests, in milliseconds: while one decodes, each step's prefill
     # chunks are sized so that the step-time model (streamer/step_time.py, fitted online on this device) predicts
-    # the step within it. None: automatic (the running decodes' own step times the larger of 2 and 1 + prompts
-    # waiting / requests decoding, at least 50 ms). 0: off (the token budget alone, as vLLM and SGLang schedule).
+    # the step within it. None: automatic (the largest of 2x the running decodes' own step, that step x (1 + prompts
+    # waiting / requests decoding), a tenth of the oldest prompt's wait, and 50 ms; step_time.ItlPolicy). 0: off (the
+    # token budget alone, as vLLM and SGLang schedule).
     max_itl_ms: Optional[float] = None
     max_num_seqs: int = 256  # running-sequence cap
     block_size: int = 16

@@ -213,8 +213,6 @@ class LLMEngine:
         self.prefix_caching = self.kv.enable_prefix_caching  # (off for a hybrid model without checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len,
                                    long_rope_threshold=long_rope[0] if long_rope else None)
-        if self.runner.step_profile:
-            self.scheduler.step_model.set_profile(self.runner.step_profile)
         self.batch = InputBatch(config.max_num_seqs, self.max_model_len, self.runner.max_blocks_per_req,
                                 config.block_size, self.model_config.vocab_size,
                                 mrope=self.model_config.mrope_section is not None, state_slots=hybrid,
@@ -267,6 +265,17 @@ class LLMEngine:
             logger.warning("max_num_batched_tokens raised from %d to max_model_len %d: an encoder computes each "
                            "prompt whole, in one step", budget, self.max_model_len)
             self.config = dataclasses.replace(self.config, max_num_batched_tokens=self.max_model_len)
+
+    def enable_stall_free(self) -> None:
+        """Plan each step against the inter-token budget (streamer/step_time.py) from now on, with the step-time
+        model's first fit from a warm-up profile (for a model that streams tokens). The async engine turns it on;
+        offline generation keeps the token budget alone (nobody sees its gaps, and its steps stay reproducible).
+        On the device thread: the profile runs the model."""
+        if self.config.max_itl_ms == 0:
+            return
+        if not self.encoder and not self.encoder_decoder:
+            self.scheduler.step_model.set_profile(self.runner.profile_steps(self.config.max_num_batched_tokens))
+        self.scheduler.use_itl_budget()
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request that sets no sampling field gets: SamplingParams' defaults, with the checkpoint's

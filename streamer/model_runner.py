@@ -302,10 +302,6 @@ class ModelRunner:
         if self.tp_workers is not None:
             self.tp_workers.wait_ready()
         self._set_up_forward()
-        # The step-time model's first points (streamer/step_time.py), timed before graphs take over decode steps.
-        # Only a model that streams tokens needs them (not an encoder, nor Whisper).
-        self.step_profile = (self.profile_steps(config.max_num_batched_tokens) if config.max_itl_ms != 0
-                             and self.tp_rank == 0 and not self.cross and not self.model.bidirectional else [])
         if self._use_cuda_graphs():
             self.enable_decode_graphs(capture_sizes(min(config.cuda_graph_max_batch, config.max_num_seqs)))
 
@@ -505,7 +501,16 @@ class ModelRunner:
         """Forward passes timed for the step-time model's first fit (streamer/step_time.py): a lone decode, decode
         batches, and lone prompt chunks of 16, 64, 256, ... tokens up to `max_tokens`, stopping after one that takes
         over `max_seconds` (a big model on a CPU). Each shape runs twice and keeps the faster time (the first may
-        pay for a new shape's kernels). Warm-up steps only: no request's cache is touched."""
+        pay for a new shape's kernels). Warm-up steps only: no request's cache is touched; decode graphs are set
+        aside meanwhile (their persistent inputs belong to real steps), so decode rows are timed eager, a little
+        slow, which the live fit soon corrects."""
+        graphs, self.graphs = self.graphs, None
+        try:
+            return self._profile_steps(max_tokens, max_seconds)
+        finally:
+            self.graphs = graphs
+
+    def _profile_steps(self, max_tokens: int, max_seconds: float) -> list[tuple[StepShape, float]]:
         import time
         cap = self.max_model_len
         shapes: list[tuple[list[int], list[int]]] = [([1], [min(256, cap)]), ([1] * 8, [min(64, cap)] * 8),

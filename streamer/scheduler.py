@@ -138,12 +138,18 @@ class Scheduler:
         self.running: list[Request] = []  # schedule order; the last one is the first to be preempted
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        # Stall-free steps: the step-time model (fed by the engine's measured periods) and the budget policy
-        target = config.max_itl_ms
+        # Stall-free steps: the step-time model (fed by the engine's measured periods) and the budget policy, once
+        # `use_itl_budget` turns it on
         self.step_model = StepTimeModel()
-        self.itl = ItlPolicy(None if target is None else target / 1e3) if target != 0 else None
+        self.itl: Optional[ItlPolicy] = None
         self.step_gap = 0.0  # the loop's own time between two steps (delivery), smoothed: part of every gap
         self.clock = time.monotonic  # (arrival times' clock)
+
+    def use_itl_budget(self) -> None:
+        """Plan steps against the inter-token budget from now on (the config's max_itl_ms; 0 leaves it off)."""
+        target = self.config.max_itl_ms
+        if target != 0:
+            self.itl = ItlPolicy(None if target is None else target / 1e3)
 
     # ------------------------------------------------------------------ queue management
     @property

@@ -15,9 +15,10 @@ between two tokens) from its shape, linearly in five features:
     decode context (thousands)          keys and values a one-token row reads (memory-bound attention)
     prefill pairs (millions)            query-key pairs of the multi-token chunks (compute-bound attention)
 
-It starts from a short profile taken at warm-up (`ModelRunner.profile_steps`) and is refitted every few steps on
-the measured periods (non-negative least squares, recent steps weighted most), so it follows the actual device
-and load. `ItlPolicy` turns the user's target (`max_itl_ms`) into each step's budget.
+It starts from a short profile taken when the async engine starts (`LLMEngine.enable_stall_free`,
+`ModelRunner.profile_steps`) and is refitted every few steps on
+the measured periods (non-negative least squares, recent steps weighted most, far misses left out), so it follows
+the actual device and load. `ItlPolicy` turns the user's target (`max_itl_ms`) into each step's budget.
 """
 from __future__ import annotations
 
@@ -131,6 +132,9 @@ class StepTimeModel:
             self.error = err if self.observed == 0 else 0.9 * self.error + 0.1 * err
             if predicted > 0:
                 self._ratios.append(seconds / predicted)
+                # One step far over (a compilation, a collection, a page fault) moves the fit by 4x at most; a
+                # lasting change is followed in a refit or two.
+                seconds = min(seconds, 4 * predicted)
         self.observed += 1
         self._recent.append((self.features(shape), seconds))
         self._since_fit += 1
@@ -148,7 +152,14 @@ class StepTimeModel:
         w = np.ones(len(rows))
         if n_recent:
             w[len(self._profile):] = self._decay ** np.arange(n_recent - 1, -1, -1)
-        self.coef = nonneg_least_squares(x, y, w)
+        coef = nonneg_least_squares(x, y, w)
+        # Steps the fit misses by far more than it misses the rest (a hiccup of the machine) are left out of it: a
+        # lasting change shows in enough of the recent steps to stay in.
+        miss = np.abs(y - x @ coef)
+        keep = miss <= 4 * max(1.4826 * float(np.median(miss)), 0.02 * float(np.median(y)))
+        if not keep.all() and keep.sum() >= 3:
+            coef = nonneg_least_squares(x[keep], y[keep], w[keep])
+        self.coef = coef
         self.ready = True
         if len(self._ratios) >= 16:
             self.margin = min(max(float(np.quantile(np.fromiter(self._ratios, float), 0.9)), 1.0), 1.5)

@@ -62,6 +62,13 @@ def test_itl_pools_every_gap() -> None:
     assert st["p99.9"] == approx(100 + 0.997 * 200)
 
 
+def test_itl_stalls_are_gaps_over_three_times_the_median() -> None:
+    assert summarize(ALL, 2.0).itl_stalls == 1  # median 75 ms: only the 300 ms gap is over 225
+    slow = RequestResult(prompt_len=5, output_len=3, ttft=0.1, itl=[0.05, 0.226], latency=0.4, success=True)
+    assert summarize([R1, R2, slow], 2.0).itl_stalls == 2  # median 50 ms: 226 and 300 ms
+    assert summarize([R3], 1.0).itl_stalls == 0  # (no gaps)
+
+
 def test_e2el_stats() -> None:
     st = summarize(ALL, 2.0, percentiles=[90]).stats["e2el"]  # 350, 600, 500 ms
     assert st["mean"] == approx(1450 / 3)
