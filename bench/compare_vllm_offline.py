@@ -220,7 +220,7 @@ def main() -> int:
 
     ok = {e: [x for x in rs if "error" not in x] for e, rs in runs.items()}
     base = next((e for e in engines if ok[e]), None)
-    print(f"\nmodel {args.model} (bf16), {args.num_prompts} requests x {args.input_len} in x {args.output_len} out "
+    print(f"\nmodel {args.model} ({args.dtype}), {args.num_prompts} requests x {args.input_len} in x {args.output_len} out "
           f"(batch), 1 request x {args.input_len} in x {args.stream_output_len} out (stream), greedy, ignore_eos; "
           f"{args.repeat} round(s), medians; results in {out_dir}")
     head = (f"{'engine':<26}{'batch s':>9}{'batch tok/s':>13}{'vs ' + (base or '-'):>14}"
