@@ -114,6 +114,7 @@ BAD_ENGINE_ARGS = [
     ("kv_cache_memory", "1GB"), ("kv_cache_memory", float("nan")), ("kv_cache_memory", True),
     ("gpu_memory_utilization", "0.5"), ("gpu_memory_utilization", True),
     ("priority_aging", -1), ("priority_aging", "10"), ("priority_aging", float("inf")),
+    ("max_itl_ms", -1), ("max_itl_ms", "100"), ("max_itl_ms", float("nan")), ("max_itl_ms", True),
     ("max_waiting", -1), ("max_waiting", 2.5), ("max_waiting", "8"),
     ("log_stats_interval", "x"), ("log_stats_interval", -1), ("log_stats_interval", float("nan")),
     ("block_size", True), ("max_num_batched_tokens", True), ("max_num_seqs", True),
@@ -142,7 +143,7 @@ def test_engine_config_takes_good_values():
     from streamer.config import EngineConfig
     for kw in (dict(seed=-1), dict(seed=(1 << 64) - 1), dict(max_model_len=1), dict(max_model_len=None),
                dict(kv_cache_memory=2e9), dict(gpu_memory_utilization=1), dict(priority_aging=0),
-               dict(priority_aging=2.5), dict(max_waiting=0), dict(log_stats_interval=10), dict(device="cpu"),
+               dict(priority_aging=2.5), dict(max_itl_ms=0), dict(max_itl_ms=150.5), dict(max_waiting=0), dict(log_stats_interval=10), dict(device="cpu"),
                dict(device="auto"), dict(enable_prefix_caching=False), dict(model=Path("/m"), tokenizer="/t"),
                dict(num_kv_blocks=1), dict(enforce_eager=False), dict(async_scheduling=None)):
         EngineConfig(**kw)
