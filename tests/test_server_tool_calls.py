@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from streamer.outputs import StreamOutput
 from streamer.server.responses import ChatFormat, Choice
-from streamer.server.tool_calls import HermesToolCalls, make_parser, parse_all
+from streamer.server.tool_calls import PARSERS, ForcedToolCalls, HermesToolCalls, make_parser, parse_all
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 
@@ -333,3 +333,53 @@ def test_mistral_call_ids_are_the_models_or_nine_characters():
     assert ids[0] == "a1B2c3D4e" and ids[2] == "zzzzzzzz1"
     assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in ids) and len(set(ids)) == 4
     assert [c["index"] for c in calls] == [0, 1, 2, 3]
+
+
+DEEP = 100_000  # far past the interpreter's recursion limit
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_deeply_nested_output_stays_content(name):
+    """A model's output is untrusted too: JSON nested too deep to read (or to write back as arguments) is not a
+    call, and never an exception, in every parser's framing, whole or streamed."""
+    deep = "[" * DEEP + "]" * DEEP
+    call = '{"name": "f", "arguments": ' + deep + "}"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "object"}}}}}]
+    texts = [f"<tool_call>{call}</tool_call>", f"<tool_call>{deep}</tool_call>", call, f"[{call}]",
+             f"[TOOL_CALLS]{call}", f"[TOOL_CALLS][{call}]", f"[TOOL_CALLS]f{deep}", f"<|tool_call|>[{call}]",
+             f"[f(x={deep})]", f"<｜tool▁call▁begin｜>f<｜tool▁sep｜>{{\"x\": {deep}}}<｜tool▁call▁end｜>",
+             f"<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{{\"x\": {deep}}}<|tool_call_end|>",
+             f"<tool_call>f\n<arg_key>x</arg_key>\n<arg_value>{deep}</arg_value>\n</tool_call>",
+             f"<tool_call>\n<function=f>\n<parameter=x>\n{deep}\n</parameter>\n</function>\n</tool_call>"]
+    for text in texts:
+        content, calls = parse_all(text, name, tools)
+        assert calls or content == text, text[:40]
+        parser = make_parser(name, tools)  # streamed: the nesting arrives in pieces
+        got = [parser.feed(text[i:i + 30_000]) for i in range(0, len(text), 30_000)] + [parser.feed("", final=True)]
+        assert "".join(c for c, _ in got) == content and sum(len(k) for _, k in got) == len(calls)
+
+
+def test_deeply_nested_calls_near_the_recursion_limit_are_content_or_calls():
+    """Nesting that reads but cannot be written back (close to the limit, from a deeper stack) is content too."""
+    import sys
+    depth = sys.getrecursionlimit() - 20
+    nested = "[" * depth + "]" * depth
+    for text in (f'<tool_call>{{"name": "f", "arguments": {{"x": {nested}}}}}</tool_call>',
+                 f'{{"name": "f", "parameters": {{"x": {nested}}}}}'):
+        for parser in ("hermes", "llama3_json"):
+            content, calls = parse_all(text, parser)
+            assert calls or content
+
+
+@pytest.mark.parametrize("body", ["[" * DEEP + "]" * DEEP, '[{"name": "f", "arguments": ' + "[" * DEEP + "]" * DEEP
+                                  + "}]", '[{"name": "f", "arguments": {"x": [1]}}]'])
+def test_required_tool_choice_output_too_deep_is_content(body):
+    """tool_choice "required": the grammar's JSON list of calls; one too deep to read stays the content."""
+    parser = ForcedToolCalls(None)
+    assert parser.feed(body[:10]) == ("", [])
+    content, calls = parser.feed(body[10:], final=True)
+    if "1" in body:
+        assert content == "" and _names_args(calls) == [("f", {"x": [1]})]
+    else:
+        assert content == body and calls == []

@@ -244,7 +244,7 @@ def stop_reason(c: Choice | Any, called: bool) -> tuple[Optional[str], Optional[
 def _input(arguments: str) -> Any:
     try:
         return json.loads(arguments) if arguments else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's arguments: not JSON, or nested too deep to read)
         return {}
 
 

@@ -35,7 +35,16 @@ _DECODER = json.JSONDecoder()
 def _call(body: str) -> Optional[dict[str, Any]]:
     try:
         return _call_object(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
+        return None
+
+
+def _arguments(args: Any) -> Optional[str]:
+    """Arguments as the JSON text OpenAI's calls carry, or None where they cannot be written (nested deeper than
+    the interpreter's recursion limit: a model's output is no more trusted than a client's)."""
+    try:
+        return json.dumps(args, ensure_ascii=False)
+    except (ValueError, TypeError, RecursionError):
         return None
 
 
@@ -44,8 +53,10 @@ def _call_object(obj: Any) -> Optional[dict[str, Any]]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    return {"type": "function", "function": {
-        "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+    arguments = args if isinstance(args, str) else _arguments(args)
+    if arguments is None:
+        return None
+    return {"type": "function", "function": {"name": obj["name"], "arguments": arguments}}
 
 
 def _json_at(text: str, pos: int) -> tuple[Any, int] | None:
@@ -278,8 +289,9 @@ def _typed(value: str, schema: Any, guess: bool) -> Any:
     return value
 
 
-def _function(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+def _function(name: str, args: dict[str, Any]) -> Optional[dict[str, Any]]:
+    arguments = _arguments(args)
+    return None if arguments is None else {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _named_json(name: str, args: str) -> Optional[dict[str, Any]]:
@@ -623,7 +635,7 @@ def _pythonic_calls(source: str) -> Optional[list[dict[str, Any]]]:
                 return None
         try:
             arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-        except (TypeError, ValueError):  # sets, bytes, complex numbers, nan
+        except (TypeError, ValueError, RecursionError):  # sets, bytes, complex numbers, nan; too deep
             return None
         calls.append({"type": "function", "function": {"name": node.func.id, "arguments": arguments}})
     return calls
@@ -675,7 +687,7 @@ class ForcedToolCalls:
         body = "".join(self._buf)
         try:
             items = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read: content
             return body, []
         found = [c for c in map(_call_object, items if isinstance(items, list) else []) if c is not None]
         if not found:
