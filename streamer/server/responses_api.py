@@ -65,7 +65,7 @@ def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[di
         choice = {"type": "function", "function": {"name": choice["name"]}}
     if choice is not None:
         chat["tool_choice"] = choice
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    fmt = _text_options(body).get("format")
     if fmt is not None:
         chat["response_format"] = _format(fmt)
     effort = _effort(body)
@@ -82,6 +82,34 @@ def to_chat_body(body: dict, history: Sequence[dict[str, Any]] = ()) -> tuple[di
 _INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content", "message.input_image.image_url",
              "computer_call_output.output.image_url", "code_interpreter_call.outputs", "file_search_call.results",
              "web_search_call.action.sources", "web_search_call.results")
+
+
+def _text_options(body: dict) -> dict[str, Any]:
+    """`text`: an object ({"format": ..., "verbosity": ...}) or null."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    if not isinstance(text, dict):
+        raise APIError(f"text must be an object, got {_show(text)}", param="text")
+    return text
+
+
+def check_echoed(body: dict) -> None:
+    """The fields a response echoes as they were given must have the shape OpenAI gives them (checked before
+    anything starts, so that building the response object never fails part-way, mid-stream or in the background):
+    text an object, metadata an object of strings, tool_choice a string or an object, user a string."""
+    _text_options(body)
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict)
+                                 or not all(isinstance(v, str) for v in metadata.values())):
+        raise APIError(f"metadata must be an object of string values, got {_show(metadata)}", param="metadata")
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, (str, dict)):
+        raise APIError(f"tool_choice must be a string or an object, got {_show(choice)}", param="tool_choice")
+    for name in ("previous_response_id", "user"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise APIError(f"{name} must be a string, got {_show(value)}", param=name)
 
 
 def _top_logprobs(body: dict) -> Optional[int]:
@@ -228,8 +256,8 @@ class ResponseBuilder:
             "parallel_tool_calls": b.get("parallel_tool_calls", True),
             "previous_response_id": b.get("previous_response_id"), "background": bool(b.get("background")),
             "reasoning": {"effort": _effort(b), "summary": None}, "store": self.store,
-            "temperature": b.get("temperature", 1.0), "text": {"format": (b.get("text") or {}).get("format")
-                                                                or {"type": "text"}},
+            "temperature": b.get("temperature", 1.0),
+            "text": {"format": _text_options(b).get("format") or {"type": "text"}},
             "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
             "top_logprobs": b.get("top_logprobs"), "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": usage, "user": b.get("user"), "metadata": b.get("metadata") or {},
@@ -298,6 +326,7 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         body = await self.server._json(request)
+        check_echoed(body)
         store, background = self._options(body)
         chat_body, items = to_chat_body(body, self._history(body.get("previous_response_id")))
         try:
