@@ -5,6 +5,8 @@ token are set aside; at the end the finished ones and the survivors are ranked b
 length_penalty (transformers' score)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +14,11 @@ from streamer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from streamer.engine import LLMEngine
+
+
+class BeamSearchAborted(RuntimeError):
+    """A step's request was aborted (the server shutting down, generation paused with mode "abort"): the search
+    has no answer to give."""
 
 
 @dataclass
@@ -26,6 +33,9 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer in [1, {MAX_LOGPROBS // 2}], got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
 
 
 @dataclass
@@ -36,7 +46,33 @@ class BeamSequence:
     finished: bool = False  # ended with an eos token
 
     def score(self, length_penalty: float) -> float:
-        return self.cum_logprob / max(len(self.token_ids), 1) ** length_penalty
+        """cum_logprob / length ** length_penalty; where length ** length_penalty leaves float range, computed in log
+        space, so that no penalty raises: a score whose magnitude is past float range is -inf (+inf), one below it
+        -0.0 (+0.0)."""
+        c = self.cum_logprob
+        if c == 0 or math.isnan(c):
+            return c
+        try:
+            return c / max(len(self.token_ids), 1) ** length_penalty
+        except (OverflowError, ZeroDivisionError):  # length ** length_penalty past float range, or below it
+            pass
+        try:
+            return math.copysign(math.exp(self._log_magnitude(length_penalty)), c)
+        except OverflowError:
+            return math.copysign(math.inf, c)
+
+    def rank(self, length_penalty: float) -> tuple[int, float]:
+        """A sort key, larger is better, in the order of the scores computed exactly (where they saturate to the
+        same float too): the score's sign, then its log magnitude (smaller is better for a negative score)."""
+        c = self.cum_logprob
+        if c == 0 or math.isnan(c):
+            return 0, 0.0
+        magnitude = self._log_magnitude(length_penalty)
+        return (1, magnitude) if c > 0 else (-1, -magnitude)
+
+    def _log_magnitude(self, length_penalty: float) -> float:
+        """log |score| (cum_logprob not 0)."""
+        return math.log(abs(self.cum_logprob)) - length_penalty * math.log(max(len(self.token_ids), 1))
 
 
 @dataclass
@@ -73,6 +109,9 @@ class BeamSearch:
         eos, width = self.engine.eos_token_ids, self.params.beam_width
         candidates: list[list[BeamSequence]] = [[] for _ in self.prompt_ids]
         for (i, beam), out in zip(self._flat, outs):
+            if not out.outputs[0].logprobs:  # aborted before its one token
+                raise BeamSearchAborted(f"the beam search was aborted at step {self.steps + 1} "
+                                        f"(finish_reason {out.outputs[0].finish_reason!r})")
             for tok, lp in out.outputs[0].logprobs[0].items():
                 seq = BeamSequence(beam.token_ids + [tok], beam.cum_logprob + lp.logprob)
                 if tok in eos and not self.params.ignore_eos:
@@ -86,7 +125,7 @@ class BeamSearch:
     def results(self) -> list[BeamSearchOutput]:
         results = []
         for i, ids in enumerate(self.prompt_ids):
-            ranked = sorted(self.done[i] + self.live[i], key=lambda s: s.score(self.params.length_penalty),
+            ranked = sorted(self.done[i] + self.live[i], key=lambda s: s.rank(self.params.length_penalty),
                             reverse=True)[:self.params.beam_width]
             for s in ranked:
                 s.text = self.engine.tokenizer.decode(s.token_ids)

@@ -109,3 +109,36 @@ def test_async_engine_and_server_beam_search(llama_dir, hf):
                                                                   "stream": True})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         asyncio.run(run_server())
+
+
+@pytest.mark.parametrize("penalty", [1e30, 3.4e38, 1000.0, 1.0, 0.0, -1.0, -1000.0, -1e30, -3.4e38])
+def test_scores_never_raise_and_rank_exactly(penalty):
+    """cum_logprob / length ** length_penalty where length ** length_penalty leaves float range (a huge penalty:
+    OverflowError; a huge negative one: 0.0, ZeroDivisionError): scores saturate (-inf, -0.0), and ranking
+    follows the exact scores (compared in log space)."""
+    import math
+    from fractions import Fraction
+
+    from streamer.beam_search import BeamSequence
+    beams = [BeamSequence([1] * n, c) for n, c in ((1, -0.5), (5, -3.0), (7, -2.0), (3, 0.0), (9, -math.inf),
+                                                   (2, -1e-300), (4, -7.0))]
+    scores = [b.score(penalty) for b in beams]
+    assert all(s <= 0 for s in scores)
+
+    def log_exact(b):  # log |score| (cum_logprob < 0), which no penalty overflows
+        return math.log(-b.cum_logprob) - penalty * math.log(max(len(b.token_ids), 1))
+    ranked = sorted(beams, key=lambda b: b.rank(penalty), reverse=True)
+    assert ranked[0].cum_logprob == 0.0 and ranked[-1].cum_logprob == -math.inf
+    rest = ranked[1:-1]
+    assert [log_exact(b) for b in rest] == sorted(log_exact(b) for b in rest)
+    if abs(penalty) <= 1:  # in range: the plain quotient, ranked as before
+        assert scores == [float(Fraction(b.cum_logprob) / Fraction(max(len(b.token_ids), 1)) ** int(penalty))
+                          if b.cum_logprob not in (0.0, -math.inf) else b.cum_logprob for b in beams]
+
+
+def test_length_penalty_must_be_finite():
+    import math
+    for bad in (math.nan, math.inf, -math.inf, True, "1", None):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            BeamSearchParams(2, 4, length_penalty=bad)
+    assert BeamSearchParams(2, 4, length_penalty=-1e300).length_penalty == -1e300

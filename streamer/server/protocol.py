@@ -499,7 +499,8 @@ def _beam_search(body: dict, common: _Common, default_max_tokens: int = 16) -> O
         return BeamSearchParams(p.n, p.max_tokens or default_max_tokens, ignore_eos=p.ignore_eos,
                                 length_penalty=get_float(body, "length_penalty", 1.0))
     except ValueError as e:
-        raise APIError(str(e).replace("beam_width", "n"), param="n") from None
+        param = next((f for f in ("length_penalty", "max_tokens") if str(e).startswith(f)), "n")
+        raise APIError(str(e).replace("beam_width", "n"), param=param) from None
 
 
 def parse_prompts(v: Any) -> list[PromptInput]:
