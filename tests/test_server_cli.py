@@ -133,6 +133,53 @@ def test_drain_timeout_aborts_and_api_key_from_env(long_dir):
         srv.kill()
 
 
+def test_second_sigterm_stops_at_once_without_tracebacks(long_dir):
+    """A second signal while draining: one line, the in-flight requests end now (a stream with finish_reason
+    "abort" and [DONE], a non-streamed request with a 503) and the process exits 0, with no traceback (uvicorn
+    logged one per request the exit cancelled)."""
+    srv = ServeProcess(str(long_dir), "--port", "0", "--num-kv-blocks", "512", "--shutdown-timeout", "300",
+                       "--enforce-eager")
+    try:
+        url = srv.wait_url()
+        results: dict[str, object] = {}
+
+        def unstreamed() -> None:
+            body = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True}
+            results["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+        def beams() -> None:
+            body = {"prompt": ["Hi", "Ho"], "max_tokens": 4000, "ignore_eos": True, "use_beam_search": True, "n": 2}
+            try:
+                results["beams"] = httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+            except httpx.HTTPError as e:  # (cut: the search had no answer to give)
+                results["beams"] = type(e).__name__
+        threads = [threading.Thread(target=f, daemon=True) for f in (unstreamed, beams)]
+        body = {"prompt": "Hi", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=120) as h, h.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(d for d in map(_data, lines) if d is not None)
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            start = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = [d for d in map(_data, lines) if d is not None]
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - start < 10
+        for t in threads:
+            t.join(30)
+    finally:
+        srv.kill()
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+    assert results["plain"].status_code == 503, results["plain"].text  # type: ignore[union-attr]
+    assert results["beams"] in (503, "RemoteProtocolError"), results
+    log = srv.stderr
+    assert log.count("SIGTERM again: exiting without waiting for in-flight requests") == 1
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log
+
+
 def test_serve_without_model_uses_the_demo_model():
     from streamer.demo_model import DEFAULT_MODEL_NAME, DemoModelMissingError, default_model_path
     try:

@@ -327,3 +327,111 @@ def test_streamed_chat_refuses_prompt_logprobs(http):
     body = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True}
     err = assert_error(http.post("/v1/chat/completions", json=body), 400)
     assert err["param"] == "prompt_logprobs" and "streamed chat" in err["message"]
+
+
+# ---------------------------------------------------------------------------------------------- hostile-client audit
+@pytest.mark.parametrize("body,param", [
+    ({"text": "x"}, "text"), ({"text": ["format"]}, "text"), ({"text": 3}, "text"),
+    ({"text": {"format": "json"}}, "text.format"), ({"metadata": "x"}, "metadata"),
+    ({"metadata": {"a": 1}}, "metadata"), ({"tool_choice": 5}, "tool_choice"), ({"user": 5}, "user"),
+    ({"previous_response_id": 5}, "previous_response_id")])
+@pytest.mark.parametrize("mode", [{}, {"stream": True}, {"background": True}])
+def test_responses_fields_of_the_wrong_type_are_400(http, body, param, mode):
+    """`text` (and the other fields a response echoes) of the wrong type: a 400 naming it, before anything starts
+    (it was an AttributeError: a 500, a 200 stream cut short, a 500 for a background response)."""
+    r = http.post("/v1/responses", json={"model": "llama", "input": "hi", "max_output_tokens": 2, **body, **mode})
+    assert assert_error(r, 400)["param"] == param
+
+
+@pytest.mark.parametrize("penalty", [1000, 1e30, 3.4e38, -1000, -1e30, -3.4e38, 0])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_beam_search_takes_any_finite_length_penalty(http, path, penalty):
+    """length_penalty past where length ** length_penalty is a float (OverflowError, ZeroDivisionError): the
+    beams are ranked in log space; NaN, infinities and non-numbers are a 400 naming the field."""
+    body = {"model": "llama", "use_beam_search": True, "n": 3, "max_tokens": 3, "length_penalty": penalty,
+            **({"prompt": "hello"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b'"2"', b"true", b"[1]"):
+        raw = json.dumps({**body, "length_penalty": 0}).encode().replace(b'"length_penalty": 0',
+                                                                         b'"length_penalty": ' + bad)
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        err = assert_error(r, 400)
+        assert err["param"] in ("length_penalty", None), err  # (NaN / Infinity literals: not JSON at all)
+
+
+def test_an_unhandled_error_is_a_json_500_and_the_connection_stays_usable(live, monkeypatch, caplog):
+    """A bug in a handler: a 500 with OpenAI's error body, logged once with its traceback, and the client's
+    keep-alive connection serves its next request (starlette re-raised it and uvicorn dropped the connection).
+    A stream that fails after its first byte ends there, its connection usable too."""
+    import http.client
+
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    def broken():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(live.app.state.server, "_model_cards", broken)
+
+    async def events():
+        yield b"data: 1\n\n"
+        raise RuntimeError("a bug mid-stream")
+
+    async def stream(request):
+        return StreamingResponse(events(), media_type="text/event-stream")
+    live.app.router.routes.append(Route("/test-broken-stream", stream))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+        with caplog.at_level("ERROR"):
+            for _ in range(2):
+                conn.request("GET", "/v1/models")
+                r = conn.getresponse()
+                assert r.status == 500 and r.getheader("content-type").startswith("application/json")
+                assert json.loads(r.read()) == {"error": {"message": "internal server error",
+                                                          "type": "internal_server_error", "param": None,
+                                                          "code": None}}
+                conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION),
+                             headers={"content-type": "application/json"})
+                r = conn.getresponse()
+                assert r.status == 200 and json.loads(r.read())["choices"]
+            conn.request("GET", "/test-broken-stream")
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == b"data: 1\n\n"
+            conn.request("GET", "/version")
+            r = conn.getresponse()
+            assert r.status == 200 and "version" in json.loads(r.read())
+        conn.close()
+    finally:
+        live.app.router.routes.pop()
+    records = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in records] == ["unhandled error on GET /v1/models"] * 2 + [
+        "unhandled error on GET /test-broken-stream"]
+    assert all(r.exc_info is not None for r in records)
+
+
+@pytest.mark.parametrize("path,prompts", [("/v1/completions", 1), ("/v1/completions", 2),
+                                          ("/v1/chat/completions", 1)])
+def test_client_leaving_a_beam_search_logs_nothing(live, caplog, path, prompts):
+    """A client that disconnects during a beam search: the search stops and nothing is logged above debug (a
+    cancelled gather of several prompts' searches logged "exception was never retrieved" with a traceback)."""
+    import gc
+    import socket
+    import time
+    body = {"model": "llama", "use_beam_search": True, "n": 4, "max_tokens": 400, "ignore_eos": True,
+            **({"prompt": ["hello"] * prompts} if path == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "hi"}]})}
+    raw = json.dumps(body).encode()
+    with caplog.at_level("WARNING"):
+        s = socket.create_connection(("127.0.0.1", live.port))
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        deadline = time.monotonic() + 30
+        while live.pool_state()["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert live.pool_state()["running"] > 0
+        s.close()
+        live.wait_idle()
+        live.call(gc.collect)
+        time.sleep(0.2)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []

@@ -25,6 +25,7 @@ from streamer import prompt_embeds
 from streamer.async_engine import AsyncEngine
 from streamer.audio import AudioBackendMissing
 from streamer.audio_prompts import load_audio
+from streamer.beam_search import BeamSearchAborted
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
 from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
@@ -35,9 +36,9 @@ from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSE
 from streamer.server.messages_api import MessagesAPI
 from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
-from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, dumps, parse_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, message_audios,
-                                      message_images, message_videos)
+from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, _show, dumps,
+                                      parse_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
+                                      message_audios, message_images, message_videos)
 from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
 from streamer.server.sse import sse_response, stream_events
 from streamer.server.audio_api import AudioAPI, TranscriptionConfig
@@ -165,6 +166,8 @@ class OpenAIServer:
                 {"prompt_token_ids": prompt["prompt_token_ids"]}, req.beam_search, lora_request=lora))
         except _ClientGone:
             return Response(status_code=499)
+        except BeamSearchAborted as e:
+            raise _aborted(e) from None
         except Exception as e:
             raise engine_error(e, chat=True) from None
         choices = []
@@ -188,6 +191,8 @@ class OpenAIServer:
                 for p in req.prompts)))
         except _ClientGone:
             return Response(status_code=499)
+        except BeamSearchAborted as e:
+            raise _aborted(e) from None
         except Exception as e:
             raise engine_error(e) from None
         choices, completion = [], 0
@@ -430,6 +435,8 @@ class OpenAIServer:
             await self.engine.add_lora(name, path)
         except ValueError as e:
             raise APIError(str(e), param="lora_path" if name not in self._loras() else "lora_name") from None
+        except OSError as e:  # a path too long, not readable, not a folder: the client's path, a 400
+            raise _unreadable("lora_path", path, e) from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def update_weights_from_disk(self, request: Request) -> Response:
@@ -441,8 +448,10 @@ class OpenAIServer:
             raise APIError("model_path must be a non-empty string", param="model_path")
         try:
             await self.engine.update_weights(path)
-        except (ValueError, FileNotFoundError) as e:
+        except ValueError as e:
             raise APIError(str(e), param="model_path") from None
+        except OSError as e:  # missing, a path too long, not readable (nothing was loaded): the client's path
+            raise _unreadable("model_path", path, e) from None
         except RuntimeError as e:
             raise APIError(str(e), 500, "server_error") from None
         return JSONResponse({"success": True, "message": f"weights updated from {path}"})
@@ -603,6 +612,22 @@ def _replay(raw: bytes, receive: Receive) -> Receive:
     return replay  # type: ignore[return-value]
 
 
+def _aborted(e: BeamSearchAborted) -> APIError:
+    """A beam search whose steps were aborted (shutdown, pause_generation "abort"): a 503, as an aborted request."""
+    return APIError(f"the request was aborted: {e}", 503, "service_unavailable")
+
+
+def _unreadable(param: str, path: str, e: OSError) -> APIError:
+    """An OSError from reading a path the client named: a 400 naming the field (the path cut short: it may be
+    thousands of characters)."""
+    if e.strerror is None:  # raised with a message of its own (a missing folder)
+        reason = str(e) if len(str(e)) <= 300 else str(e)[:297] + "..."
+    else:
+        reason = e.strerror + (f" ({_show(e.filename)})" if isinstance(e.filename, str) and e.filename != path
+                               else "")
+    return APIError(f"{param} {_show(path)} cannot be read: {reason}", param=param, code="invalid_path")
+
+
 def _too_large(limit: int) -> APIError:
     return APIError(f"the request body is larger than {limit} bytes (the server's --max-body-bytes)", 413,
                     code="request_too_large")
@@ -662,8 +687,16 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
         task.cancel()  # no-op when done; otherwise its cleanup aborts the engine requests
     if not task.done() or task.cancelled():
+        # A cancelled gather (several prompts' beam searches) ends with its CancelledError set as its exception,
+        # not as cancelled: read it, or asyncio logs "exception was never retrieved" with a traceback.
+        task.add_done_callback(_retrieve)
         raise _ClientGone()
     return task.result()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -730,9 +763,87 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nobody is there to read it
 
 
+def _internal_error_response() -> JSONResponse:
+    return error_response(APIError("internal server error", 500, "internal_server_error"))
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(APIError("internal server error", 500, "server_error"))
+    """Starlette's ServerErrorMiddleware answers an unhandled error with this (then re-raises it: `_Unhandled`,
+    outside it, logs it and keeps the connection)."""
+    return _internal_error_response()
+
+
+def _client_left(exc: BaseException) -> bool:
+    """Whether the error is a client that went away (a write to its closed socket), seen through its causes."""
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (ClientDisconnect, _ClientGone)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _Unhandled:
+    """The outermost layer: an error no handler took is logged once, with its traceback, and answered with a 500
+    (OpenAI's error body) if the response has not started, or, if it has (a stream), its body is ended there. The
+    error is not raised on to the server, which would otherwise drop the connection: a client's pooled keep-alive
+    connection stays usable for its next request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = ended = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started, ended
+            if message["type"] == "http.response.start":
+                started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)  # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            # The server exits without waiting (a second SIGTERM, uvicorn's graceful-shutdown timeout) and cancels
+            # the requests still running: each ends where it is, quietly (raised on, uvicorn logs a traceback for
+            # every one). Nothing above this layer but uvicorn's request task awaits it.
+            logger.debug("%s %s: cancelled (the server is exiting)", scope.get("method"), scope.get("path"))
+            if not started:
+                error = APIError("the server is shutting down", 503, "service_unavailable")
+                await self._end(scope, receive, send, started, ended, error_response(error))
+            else:
+                await self._end(scope, receive, send, started, ended)
+        except Exception as exc:
+            if _client_left(exc):
+                logger.debug("%s %s: the client left", scope.get("method"), scope.get("path"))
+            else:
+                logger.error("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await self._end(scope, receive, send, started, ended, _internal_error_response())
+
+    @staticmethod
+    async def _end(scope: Scope, receive: Receive, send: Send, started: bool, ended: bool,
+                   response: Optional[Response] = None) -> None:
+        """`response` if nothing was sent yet, else the body ended where it is (chunked encoding stays
+        well-formed, and the connection usable)."""
+        try:
+            if not started and response is not None:
+                await response(scope, receive, send)
+            elif started and not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (Exception, asyncio.CancelledError):  # the client is gone: nobody to tell
+            pass
+
+
+class _App(Starlette):
+    def build_middleware_stack(self) -> ASGIApp:
+        return _Unhandled(super().build_middleware_stack())
 
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
@@ -798,7 +909,7 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
                                      allow_credentials=cors.allow_credentials))
     if api_key:
         middleware.append(Middleware(BearerAuth, api_key=api_key))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={
+    app = _App(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
         _ClientGone: _client_gone, Exception: _internal_error})
     app.state.server = s

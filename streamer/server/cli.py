@@ -332,6 +332,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     finally:
         await engine.stop()  # whatever outlived the drain is aborted here
         logger.info("engine stopped")
+        if shutdown.server is not None:
+            await _let_requests_end(shutdown.server)
 
 
 @contextlib.contextmanager
@@ -380,6 +382,15 @@ class _Shutdown:
             self.server.should_exit = True
         if self.engine is not None and self.engine.is_alive:
             self._drain = asyncio.ensure_future(self.engine.stop(drain_timeout=self.timeout))
+
+
+async def _let_requests_end(server: uvicorn.Server, timeout: float = 1.0) -> None:
+    """After a forced exit (a second signal) the requests still open were aborted with the engine: a moment for
+    their responses to say so (a stream's last chunk, finish_reason "abort", and [DONE]). Those that still run are
+    then cancelled with the loop, and end where they are (app.py's `_Unhandled`)."""
+    tasks = set(server.server_state.tasks)
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
 
 
 async def _announce(server: uvicorn.Server, model_name: str, scheme: str = "http") -> None:
