@@ -23,6 +23,7 @@ import torch
 
 from streamer.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, WhisperFeatureConfig, WhisperFeatures, as_audio, decode_audio
 from streamer.models.audio_tower import audio_tokens
+from streamer.media_fetch import FetchPolicy
 from streamer.multimodal import ImageInput, hash_pixels, read_url, token_runs
 
 MIN_FRAMES = 3  # the fewest mel frames that make a feature row (audio_tokens(3) == 1): 0.02 s at 16 kHz
@@ -116,7 +117,8 @@ def as_clips(value: Any) -> list[np.ndarray]:
         raise ValueError(f"multi_modal_data['audio']: {e}") from None
 
 
-def load_audio(url: str, allow_remote: bool = True) -> np.ndarray:
-    """A chat message's clip: a data: URL (base64; `input_audio` parts become one) or, if allowed, an http(s) URL;
-    decoded to 16 kHz mono. ValueError for anything else or anything that is not audio."""
-    return decode_audio(read_url(url, allow_remote, "audio", MAX_AUDIO_BYTES, "audio/wav"))
+def load_audio(url: str, policy: FetchPolicy = FetchPolicy()) -> np.ndarray:
+    """A chat message's clip: a data: URL (base64; `input_audio` parts become one) or an http(s) URL `policy` lets
+    the server fetch (streamer/media_fetch.py); decoded to 16 kHz mono. ValueError for anything else or anything
+    that is not audio."""
+    return decode_audio(read_url(url, policy, "audio", MAX_AUDIO_BYTES, "audio/wav"))

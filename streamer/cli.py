@@ -121,6 +121,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="bytes of image (audio) features kept for prompts still being computed (and repeats)")
     im.add_argument("--no-image-urls", dest="allow_image_urls", action="store_false",
                     help="the server reads images, videos and audio only from data: URLs, never fetching http(s) ones")
+    im.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                    help="fetch http(s) image, video and audio URLs only from these hosts (names or IP addresses) "
+                         "and their subdomains, trusted at any address, internal ones included (default: any host "
+                         "whose addresses are all public, never loopback, private or link-local ones)")
     p.add_argument("--enable-prompt-embeds", action="store_true",
                    help="let requests give their prompt as embeddings (completions' prompt_embeds: base64 of "
                         "torch.save(tensor [length, hidden]))")
@@ -164,7 +168,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "quantization", "generation_config", "override_generation_config", "hf_overrides", "tokenizer_mode",
                 "config_format",
                 "limit_images_per_prompt",
-                "encoder_cache_bytes", "allow_image_urls", "mla_latent_cache", "stream_interval",
+                "encoder_cache_bytes", "allow_image_urls", "allowed_media_domains", "mla_latent_cache",
+                "stream_interval",
                 "chat_template", "reasoning_parser", "enable_prompt_embeds")
 
 

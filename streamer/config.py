@@ -167,6 +167,10 @@ class EngineConfig:
     encoder_cache_bytes: int = 512 << 20
     # Whether the server fetches http(s) image (video, audio) URLs in chat messages (data: URLs are always read).
     allow_image_urls: bool = True
+    # Hosts (names or IP addresses) whose http(s) media URLs the server fetches, each with its subdomains, trusted at
+    # any address, an internal one included (streamer/media_fetch.py); None: any host whose addresses are all
+    # public (never loopback, private, link-local, ...). As vLLM's --allowed-media-domains.
+    allowed_media_domains: Optional[tuple[str, ...]] = None
     # AsyncEngine: seconds between vLLM-style throughput log lines while there is work (0: none; `streamer serve`
     # logs every 10 s unless --disable-log-stats).
     log_stats_interval: float = 0.0
@@ -231,6 +235,8 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.allow_image_urls, bool):
             raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
+        from streamer.media_fetch import normalize_domains
+        self.allowed_media_domains = normalize_domains(self.allowed_media_domains, "allowed_media_domains")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
         from streamer.thinking import PARSERS

@@ -10,6 +10,7 @@ from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
 from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
 from streamer.input_batch import StepInputs
+from streamer.media_fetch import FetchPolicy
 from streamer.multimodal import load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.pooling import PoolingParams, encode_pair, pair_up
@@ -180,17 +181,17 @@ class LLM:
             images = self.engine.image_prompts
             shown = images.expand_text(text) if sources and images else text  # (Gemma 3's placeholders expand)
             prompt: dict = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(shown, add_special_tokens=False)}
-            allow = self.engine.config.allow_image_urls
+            policy = FetchPolicy.of(self.engine.config)
             if sources:  # image_url parts (data: or http(s) URLs) or image_pil parts (PIL images)
-                prompt["multi_modal_data"] = {"image": [load_image(s, allow) if isinstance(s, str) else s
+                prompt["multi_modal_data"] = {"image": [load_image(s, policy) if isinstance(s, str) else s
                                                         for s in sources]}
             videos = message_videos(parsed)
             if videos:  # video_url parts, decoded with PyAV at the video processor's fps
                 fps = (images.video_processor.fps if images is not None and images.takes_video else None) or 2.0
-                prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, allow, fps) for v in videos]
+                prompt.setdefault("multi_modal_data", {})["video"] = [load_video(v, policy, fps) for v in videos]
             audios = message_audios(parsed)
             if audios:  # input_audio parts (as data: URLs) or audio_url parts
-                prompt.setdefault("multi_modal_data", {})["audio"] = [load_audio(a, allow) for a in audios]
+                prompt.setdefault("multi_modal_data", {})["audio"] = [load_audio(a, policy) for a in audios]
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 

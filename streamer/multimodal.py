@@ -29,7 +29,6 @@ import base64
 import binascii
 import hashlib
 import io
-import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
+
+from streamer.media_fetch import FetchPolicy, fetch
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
     from streamer.request import Request
 
 MAX_IMAGE_BYTES = 32 << 20  # a fetched or decoded image's encoded size
-FETCH_TIMEOUT_S = 15.0
 # Videos from URLs (the server's video_url parts): the encoded size, the frames decoded (so the decoding time), each
 # frame's pixels, and the frames kept (sampled at the video processor's fps, spread over the whole video past this)
 MAX_VIDEO_BYTES = 64 << 20
@@ -756,15 +756,15 @@ class EncoderCache:
 
 
 # ---------------------------------------------------------------------------------------------- fetching images
-def load_image(url: str, allow_remote: bool = True) -> "Image":
-    """An image from a chat message's `image_url`: a data: URL (base64) or, if allowed, an http(s) URL.
-    ValueError for anything else or anything that is not an image."""
-    return decode_image(read_url(url, allow_remote, "image", MAX_IMAGE_BYTES, "image/png"))
+def load_image(url: str, policy: FetchPolicy = FetchPolicy()) -> "Image":
+    """An image from a chat message's `image_url`: a data: URL (base64) or an http(s) URL `policy` lets the server
+    fetch (streamer/media_fetch.py). ValueError for anything else or anything that is not an image."""
+    return decode_image(read_url(url, policy, "image", MAX_IMAGE_BYTES, "image/png"))
 
 
-def read_url(url: str, allow_remote: bool, what: str, limit: int, mime: str) -> bytes:
-    """The bytes of a data: URL (base64) or, if allowed, an http(s) URL, at most `limit` of them; `what` ("image",
-    "video") and an example `mime` type name them in errors."""
+def read_url(url: str, policy: FetchPolicy, what: str, limit: int, mime: str) -> bytes:
+    """The bytes of a data: URL (base64) or of an http(s) URL fetched under `policy` (media_fetch.fetch), at most
+    `limit` of them; `what` ("image", "video") and an example `mime` type name them in errors."""
     if url.startswith("data:"):
         head, _, payload = url.partition(",")
         if ";base64" not in head:
@@ -777,32 +777,19 @@ def read_url(url: str, allow_remote: bool, what: str, limit: int, mime: str) -> 
         except (binascii.Error, ValueError):
             raise ValueError(f"the {what} data URL is not valid base64") from None
     if url.startswith(("http://", "https://")):
-        if not allow_remote:
-            raise ValueError(f"this server does not fetch {what} URLs; send the {what} as a data: URL")
-        return _fetch(url, what, limit)
+        return fetch(url, policy, what, limit)
     raise ValueError(f"{what}_url must be a data: URL or an http(s) URL, got {url[:40]!r}")
-
-
-def _fetch(url: str, what: str, limit: int) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as resp:  # noqa: S310 (http(s) only, above)
-            data = resp.read(limit + 1)
-    except OSError as e:
-        raise ValueError(f"could not fetch {what} {url[:200]}: {e}") from None
-    if len(data) > limit:
-        raise ValueError(f"{what} at {url[:200]} is larger than {limit >> 20} MiB")
-    return data
 
 
 class VideoBackendMissing(ValueError):
     """PyAV (the optional `av` package) is not installed: videos from URLs cannot be decoded."""
 
 
-def load_video(url: str, allow_remote: bool = True, fps: float = 2.0,
+def load_video(url: str, policy: FetchPolicy = FetchPolicy(), fps: float = 2.0,
                max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
-    """A video from a chat message's `video_url`: a data: URL (base64) or, if allowed, an http(s) URL, decoded
-    with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""
-    return decode_video(read_url(url, allow_remote, "video", MAX_VIDEO_BYTES, "video/mp4"), fps, max_frames)
+    """A video from a chat message's `video_url`: a data: URL (base64) or an http(s) URL `policy` lets the server
+    fetch, decoded with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""
+    return decode_video(read_url(url, policy, "video", MAX_VIDEO_BYTES, "video/mp4"), fps, max_frames)
 
 
 def decode_video(data: bytes, fps: float = 2.0, max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:

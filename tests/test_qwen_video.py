@@ -476,7 +476,7 @@ def test_decode_video_samples_and_limits(monkeypatch) -> None:
     with pytest.raises(ValueError, match="base64"):
         mm.load_video("data:video/mp4;base64,@@@")
     with pytest.raises(ValueError, match="does not fetch"):
-        mm.load_video("http://example.invalid/a.mp4", allow_remote=False)
+        mm.load_video("http://example.invalid/a.mp4", mm.FetchPolicy(allow_remote=False))
     monkeypatch.setattr(mm, "MAX_VIDEO_DECODED_FRAMES", 5)
     with pytest.raises(ValueError, match="too long"):
         mm.decode_video(clip, 100.0, 64)

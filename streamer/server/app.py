@@ -26,6 +26,7 @@ from streamer.async_engine import AsyncEngine
 from streamer.audio import AudioBackendMissing
 from streamer.audio_prompts import load_audio
 from streamer.beam_search import BeamSearchAborted
+from streamer.media_fetch import FetchPolicy
 from streamer.multimodal import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
 from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
@@ -277,13 +278,13 @@ class OpenAIServer:
 
     async def _load_images(self, sources: list[Any]) -> list[Any]:
         """The chat's images, decoded (and fetched, for http(s) URLs the server may fetch) on worker threads."""
-        allow = self.engine.config.allow_image_urls
+        policy = FetchPolicy.of(self.engine.config)
         limit = self.engine.config.limit_images_per_prompt
         if len(sources) > limit:
             raise APIError(f"at most {limit} images per request, got {len(sources)}", param="messages")
 
         async def one(src: Any) -> Any:
-            return src if not isinstance(src, str) else await to_own_thread(load_image, src, allow)
+            return src if not isinstance(src, str) else await to_own_thread(load_image, src, policy)
         try:
             return list(await asyncio.gather(*(one(s) for s in sources)))
         except ValueError as e:
@@ -292,12 +293,12 @@ class OpenAIServer:
     async def _load_audio(self, urls: list[str]) -> list[Any]:
         """The chat's audio clips, decoded (and fetched, for http(s) URLs the server may fetch) on threads of their
         own (PyAV's decoders and the resampler are host work)."""
-        allow = self.engine.config.allow_image_urls
+        policy = FetchPolicy.of(self.engine.config)
         limit = self.engine.config.limit_images_per_prompt
         if len(urls) > limit:
             raise APIError(f"at most {limit} audio clips per request, got {len(urls)}", param="messages")
         try:
-            return list(await asyncio.gather(*(to_own_thread(load_audio, url, allow) for url in urls)))
+            return list(await asyncio.gather(*(to_own_thread(load_audio, url, policy) for url in urls)))
         except AudioBackendMissing as e:
             raise APIError(str(e), param="messages", code="audio_backend_missing") from None
         except ValueError as e:
@@ -313,14 +314,14 @@ class OpenAIServer:
             data["audio"] = await self._load_audio(audios)
         if not videos:
             return data
-        allow = self.engine.config.allow_image_urls
+        policy = FetchPolicy.of(self.engine.config)
         limit = self.engine.config.limit_images_per_prompt
         if len(videos) > limit:
             raise APIError(f"at most {limit} videos per request, got {len(videos)}", param="messages")
         mm = self.engine.image_prompts
         fps = (mm.video_processor.fps if mm is not None and mm.takes_video else None) or DEFAULT_VIDEO_FPS
         try:
-            data["video"] = list(await asyncio.gather(*(to_own_thread(load_video, url, allow, fps)
+            data["video"] = list(await asyncio.gather(*(to_own_thread(load_video, url, policy, fps)
                                                         for url in videos)))
         except VideoBackendMissing as e:
             raise APIError(str(e), param="messages", code="video_backend_missing") from None
