@@ -33,6 +33,11 @@ logger = logging.getLogger("streamer")
 _TOKENIZE_OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread
 
 
+def _text_of(prompt: dict) -> str:
+    text = prompt.get("prompt")
+    return text if isinstance(text, str) and "prompt_token_ids" not in prompt else ""
+
+
 class EngineDeadError(RuntimeError):
     """The device thread failed: no request can make progress any more."""
 
@@ -389,8 +394,11 @@ class AsyncEngine:
         return dict(self._core.loras)
 
     # ------------------------------------------------------------------ requests
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True, keep_last: Optional[int] = None) -> list[int]:
+        """A prompt's token ids; a text longer than the model could take is refused untokenized, and a long one is
+        tokenized on a worker thread (`LLMEngine.fit_prompt_text`; `keep_last`: its truncate_prompt_tokens)."""
         tok = self.tokenizer
+        text = self._core.fit_prompt_text(text, keep_last)
         if len(text) > _TOKENIZE_OFF_LOOP_CHARS:
             return await asyncio.to_thread(tok.encode, text, add_special_tokens)
         return tok.encode(text, add_special_tokens)
@@ -417,13 +425,16 @@ class AsyncEngine:
         self._check_alive()
         params = params if params is not None else core.default_sampling_params()
         text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        keep = getattr(pooling if pooling is not None else params, "truncate_prompt_tokens", None)
         if isinstance(prompt, str):
-            ids, images = core.place_images(await self.encode(prompt), None)
-        elif isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or "prompt_embeds" in prompt):
-            # (decoding and resizing images, or checking and hashing embeddings, takes a while: off the loop)
-            text, ids, images = await to_own_thread(core.process_prompt, prompt)
+            ids, images = core.place_images(await self.encode(prompt, keep_last=keep), None)
+        elif isinstance(prompt, dict) and (prompt.get("multi_modal_data") is not None or "prompt_embeds" in prompt
+                                           or len(_text_of(prompt)) > _TOKENIZE_OFF_LOOP_CHARS):
+            # (decoding and resizing images, checking and hashing embeddings, or tokenizing a long text takes a
+            # while: off the loop)
+            text, ids, images = await to_own_thread(core.process_prompt, prompt, keep)
         else:
-            text, ids, images = core.process_prompt(prompt)
+            text, ids, images = core.process_prompt(prompt, keep)
         text, ids, images = core.truncate(text, ids, images, pooling if pooling is not None else params)
         self._check_alive()
         limit = self.config.max_waiting

@@ -45,6 +45,9 @@ from streamer.tokenizer import Tokenizer
 
 logger = logging.getLogger("streamer")
 _MAX_DRAFT_BACKOFF = 16  # steps (LLMEngine._settle_backoff)
+# stop_reason of an output whose rules left no token to sample (`_reject`)
+NO_TOKEN_LEFT = "no_token_allowed"
+_TRUNCATE_MARGIN_CHARS = 4096  # (fit_prompt_text) tokenizing a tail: where its first kept token starts is settled by then
 
 PromptType = Union[str, Sequence[int], dict]
 # A request's adapter: a registered adapter's name, or a LoRARequest (registered on first use).
@@ -365,7 +368,8 @@ class LLMEngine:
         ids, inputs = mm.expand(token_ids, clips)
         return ids, tuple(inputs)
 
-    def process_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
+    def process_prompt(self, prompt: PromptType, keep_last: Optional[int] = None,
+                       ) -> tuple[Optional[str], list[int], tuple[ImageInput, ...]]:
         """(text, token ids, images) of a prompt, images included (see `place_images`). A text prompt with images
         has its placeholders expanded before it is tokenized (Gemma 3's: `ImagePrompts.expand_text`). A prompt of
         embeddings ({"prompt_embeds": tensor}) is placeholder ids and one input holding its rows."""
@@ -374,9 +378,9 @@ class LLMEngine:
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else None
         if data is not None and self.image_prompts is not None and isinstance(text, str):
-            ids = self.tokenizer.encode(self.image_prompts.expand_text(text))
+            ids = self.tokenizer.encode(self.fit_prompt_text(self.image_prompts.expand_text(text)))
         else:
-            text, ids = self._tokenize(prompt)
+            text, ids = self._tokenize(prompt, keep_last)
         ids, images = self.place_images(ids, data)
         return text, ids, images
 
@@ -393,7 +397,8 @@ class LLMEngine:
         if not getattr(model, "takes_prompt_embeds", True):
             raise ValueError(f"prompt_embeds is not supported for {self.model_config.architecture} with per-layer "
                              "embeddings (they are looked up by token id)")
-        rows = prompt_embeds.check_embeds(prompt["prompt_embeds"], model.input_width, self.runner.dtype)
+        rows = prompt_embeds.check_embeds(prompt["prompt_embeds"], model.input_width, self.runner.dtype,
+                                           self.max_model_len)
         return prompt_embeds.embeds_input(rows)
 
     def truncate(self, text: Optional[str], ids: list[int], images: tuple[ImageInput, ...], options: Any,
@@ -417,7 +422,22 @@ class LLMEngine:
             raise ValueError("prompt_embeds is not supported by beam search")
         return self._tokenize(prompt)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def fit_prompt_text(self, text: str, keep_last: Optional[int] = None) -> str:
+        """The part of a prompt text worth tokenizing: all of it, unless it is longer than max_model_len tokens could
+        spell (`Tokenizer.max_token_chars` each), which is refused (ValueError) before paying to tokenize it: an
+        8 MB prompt is seconds of tokenizer CPU and a gigabyte of encodings. A prompt cut to its last `keep_last`
+        tokens (truncate_prompt_tokens) keeps the tail those tokens lie in, with a margin for where they start."""
+        per_token = self.tokenizer.max_token_chars
+        limit = self.max_model_len * per_token
+        if len(text) <= limit:
+            return text
+        if keep_last is not None:
+            return text[-(keep_last * per_token + _TRUNCATE_MARGIN_CHARS):]
+        raise ValueError(f"prompt is {len(text)} characters long: more than max_model_len ({self.max_model_len}) "
+                         f"tokens of this tokenizer can hold ({limit} characters); shorten it or set "
+                         "truncate_prompt_tokens")
+
+    def _tokenize(self, prompt: PromptType, keep_last: Optional[int] = None) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -426,7 +446,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):  # (a speech model's decoder prompt spells its special tokens itself)
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=not self.encoder_decoder)
+            return prompt, self.tokenizer.encode(self.fit_prompt_text(prompt, keep_last),
+                                         add_special_tokens=not self.encoder_decoder)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -495,7 +516,8 @@ class LLMEngine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if prompt_token_ids is None:
-            text, prompt_token_ids, images = self.process_prompt(prompt)
+            keep = getattr(pooling if pooling is not None else params, "truncate_prompt_tokens", None)
+            text, prompt_token_ids, images = self.process_prompt(prompt, keep)
         else:
             text = prompt if isinstance(prompt, str) else None
             if images is None:
@@ -516,6 +538,11 @@ class LLMEngine:
             grammar = self.grammars.compile(params.structured_outputs)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else None
+        if bad_words and params.allowed_token_ids:
+            banned = {seq[0] for seq in bad_words if len(seq) == 1}
+            if set(params.allowed_token_ids) <= banned:
+                raise ValueError("allowed_token_ids: every token it allows is one of bad_words: nothing could be "
+                                 "generated")
         speech_rules = self.speech.rules(self.tokenizer, prompt_token_ids) if self.speech is not None else None
         think = self._think_tags(params)
         predicted = self._prediction(params)
@@ -882,7 +909,7 @@ class LLMEngine:
 
     def _append_token(self, state: SeqState, token: int, result: RunnerOutput, row: int, now: float) -> SeqUpdate:
         req = state.req
-        if req.matcher is not None and (token < 0 or not req.matcher.consume_token(token)):  # type: ignore
+        if token < 0 or (req.matcher is not None and not req.matcher.consume_token(token)):  # type: ignore
             return self._reject(state, now)
         m = state.metrics
         timings = self.timings
@@ -978,13 +1005,13 @@ class LLMEngine:
         return None, None
 
     def _reject(self, state: SeqState, now: float) -> SeqUpdate:
-        """No token fits both the request's grammar and its other rules (allowed_token_ids, min_tokens' bans):
-        the sampler gave -1. The output ends there, as a stop."""
+        """No token fits the request's rules (its grammar, allowed_token_ids, bad_words, min_tokens' bans, logit
+        masks together): the sampler gave -1. The output ends there, as a stop, with stop_reason saying why."""
         req = state.req
-        logger.warning("request %s: no token fits both its structured-output grammar and its other sampling "
-                       "parameters; stopping it", req.request_id)
+        logger.warning("request %s: no token fits its sampling parameters (structured output, allowed_token_ids, "
+                       "bad_words, min_tokens together); stopping it", req.request_id)
         text = state.detok.flush()
-        req.stop_reason = None
+        req.stop_reason = NO_TOKEN_LEFT
         self._finish(state, RequestStatus.FINISHED_STOPPED)
         state.metrics.finished_time = now
         first = state.prompt_logprobs if not req.output_token_ids else None

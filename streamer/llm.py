@@ -110,7 +110,8 @@ class LLM:
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
-        tokenized = [engine.truncate(*engine.process_prompt(p), sp) for p, sp in zip(prompts, params)]
+        tokenized = [engine.truncate(*engine.process_prompt(p, sp.truncate_prompt_tokens), sp)
+                     for p, sp in zip(prompts, params)]
         for (_, ids, _), sp in zip(tokenized, params):
             engine.validate(ids, sp)
         adapters = [engine.resolve_lora(x) for x in loras]
@@ -252,7 +253,8 @@ class LLM:
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine
         # (images too: a VLM embeds them)
-        tokenized = [engine.truncate(*engine.process_prompt(p), pooling) for p in prompts]
+        keep = pooling.truncate_prompt_tokens
+        tokenized = [engine.truncate(*engine.process_prompt(p, keep), pooling) for p in prompts]
         checked = engine.resolve_pooling(pooling)
         for _, ids, _ in tokenized:  # everything first, so one bad prompt adds nothing
             engine.validate(ids, SamplingParams(), pooling=True)

@@ -8,6 +8,7 @@ Special-token handling follows Hugging Face's own rules for a checkpoint folder:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -152,6 +153,13 @@ class Tokenizer:
         """A plain token to decode single tokens after, so that e.g. sentencepiece keeps their leading space."""
         ids = self._tok.encode("a", add_special_tokens=False).ids
         return ids[-1:] if ids else []
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: the longest vocabulary entry (added tokens included; a
+        byte-level entry is at least as long as the text it decodes to). A text longer than n times this is more
+        than n tokens, whatever it holds (but runs of characters an unknown-token model folds into one [UNK])."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

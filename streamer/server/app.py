@@ -217,6 +217,14 @@ class OpenAIServer:
             fmt.prompt_ids = [gen.streams[0].prompt_token_ids]  # (images expanded: what the model read)
         return gen, fmt
 
+    async def _encode(self, text: str, add_special_tokens: bool, keep_last: Optional[int] = None,
+                      chat: bool = False) -> list[int]:
+        """A rendered prompt's token ids (`AsyncEngine.encode`); one too long to tokenize is a 400."""
+        try:
+            return await self.engine.encode(text, add_special_tokens, keep_last)
+        except ValueError as e:
+            raise engine_error(e, chat) from None
+
     async def _prepare_chat(self, req: ChatRequest) -> tuple[Optional[str], dict[str, Any], ChatFormat]:
         """The adapter a chat request names, its rendered and tokenized prompt (with its images) and how its
         output reads (tool-call and reasoning parsers)."""
@@ -226,8 +234,8 @@ class OpenAIServer:
         sources = message_images(req.messages)
         images = self.engine.image_prompts
         # (the template placed the specials; a model's image placeholders may expand to text first: Gemma 3's)
-        ids = await self.engine.encode(images.expand_text(text) if sources and images else text,
-                                       add_special_tokens=False)
+        ids = await self._encode(images.expand_text(text) if sources and images else text, False,
+                                 None if sources else req.params.truncate_prompt_tokens, chat=True)
         parse_tools = self.tool_call_parser is not None and req.tools is not None and req.tool_choice != "none"
         if parse_tools and req.forced_tool is None and req.params.structured_outputs is None:
             tag = strict_tool_tag(self.tool_call_parser, req.tools, self.enforce_strict_tool_calling,  # type: ignore
@@ -533,8 +541,8 @@ class OpenAIServer:
         else:
             text = req.prompt or ""
         images = self.engine.image_prompts
-        tokens = await self.engine.encode(images.expand_text(text) if sources and images else text,
-                                          add_special_tokens=req.add_special_tokens)
+        tokens = await self._encode(images.expand_text(text) if sources and images else text,
+                                    req.add_special_tokens, chat=req.messages is not None)
         if sources or videos or audios:  # the tokens the model reads: placeholders expanded (sizes decide)
             loaded = await self._load_media(sources, videos, audios)
             try:
