@@ -18,6 +18,7 @@ import base64
 import binascii
 import hashlib
 import io
+import zipfile
 from typing import Any, Optional, Sequence
 
 import torch
@@ -42,6 +43,7 @@ def decode_base64(data: Any, index: Optional[int] = None) -> torch.Tensor:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError(f"{name} is not valid base64") from None
+    _check_archive(raw, name)
     try:
         t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except Exception as e:  # (pickle errors, unsupported types, truncated data: all the client's)
@@ -52,9 +54,28 @@ def decode_base64(data: Any, index: Optional[int] = None) -> torch.Tensor:
     return t
 
 
-def check_embeds(t: Any, width: int, dtype: torch.dtype) -> torch.Tensor:
+def _check_archive(raw: bytes, name: str) -> None:
+    """Refuse a zip bomb before torch.load inflates it: torch.save's archive stores its entries uncompressed, so a
+    compressed entry, or entries adding up to more than the archive holds (overlapping), were made to blow up
+    (a 1.36 MB body inflated to 2.7 GB). The legacy format has its data in `raw` itself."""
+    if not raw.startswith(b"PK"):
+        return
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise ValueError(f"{name} is not a tensor saved with torch.save: a damaged archive") from None
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries):
+        raise ValueError(f"{name} holds compressed entries: send torch.save's archive as it writes it "
+                         "(uncompressed)")
+    if sum(e.file_size for e in entries) > len(raw):
+        raise ValueError(f"{name}'s archive claims more data than it holds")
+
+
+def check_embeds(t: Any, width: int, dtype: torch.dtype, max_rows: Optional[int] = None) -> torch.Tensor:
     """The prompt's rows as the model reads them: a float tensor [length, width] (or [1, length, width]),
-    finite once in the model's dtype; ValueError naming prompt_embeds otherwise."""
+    finite once in the model's dtype; ValueError naming prompt_embeds otherwise. `max_rows` (max_model_len) is
+    checked before the rows are copied: a view can claim far more rows than its storage holds (stride 0)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"prompt_embeds must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided or not t.dtype.is_floating_point or t.is_complex():
@@ -66,6 +87,8 @@ def check_embeds(t: Any, width: int, dtype: torch.dtype) -> torch.Tensor:
                          f"width), got {list(t.shape)}")
     if t.shape[0] == 0:
         raise ValueError("prompt_embeds must not be empty")
+    if max_rows is not None and t.shape[0] > max_rows:
+        raise ValueError(f"prompt_embeds has {t.shape[0]} rows, but max_model_len is {max_rows}")
     t = t.detach().to("cpu", dtype).contiguous()
     if not torch.isfinite(t).all():
         raise ValueError(f"prompt_embeds holds non-finite values (in the model's dtype, {dtype})")

@@ -252,3 +252,52 @@ def test_speculative_decoding_over_a_prompt_of_embeddings(llama_dir):
     spec = spec_llm.generate([{"prompt_embeds": e} for e in embeds], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert spec_llm.engine.num_draft_tokens > 0
+
+
+# ---------------------------------------------------------------------------------------------- zip bombs (issue 49)
+def _saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _recompressed(raw: bytes) -> bytes:
+    """torch.save's archive with its entries deflated: a small body that torch.load would inflate."""
+    import zipfile
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    return out.getvalue()
+
+
+def test_a_compressed_archive_is_refused_before_it_is_inflated():
+    from streamer.prompt_embeds import decode_base64
+    raw = _recompressed(_saved(torch.zeros(4096, 1024)))  # 16 MiB of zeros
+    assert len(raw) < 200_000
+    with pytest.raises(ValueError, match="compressed"):
+        decode_base64(base64.b64encode(raw).decode())
+    plain = decode_base64(base64.b64encode(_saved(torch.ones(3, 8))).decode())  # torch.save's own still loads
+    assert plain.shape == (3, 8)
+
+
+def test_rows_past_max_model_len_are_refused_before_they_are_copied():
+    from streamer.prompt_embeds import check_embeds, decode_base64
+    view = torch.zeros(1, 64).expand(50_000_000, 64)  # a stride-0 view: 12.8 GB once copied
+    t = decode_base64(base64.b64encode(_saved(view)).decode())
+    assert t.untyped_storage().nbytes() <= 64 * 4
+    with pytest.raises(ValueError, match="max_model_len"):
+        check_embeds(t, 64, torch.float32, max_rows=2048)
+
+
+def test_server_refuses_a_zip_bomb(llama_dir):
+    with LiveServer(llama_dir, enable_prompt_embeds=True) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        width = server.engine._core.runner.model.input_width
+        bomb = base64.b64encode(_recompressed(_saved(torch.zeros(2000, width)))).decode()
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=server.model_name, prompt="", max_tokens=2,
+                                      extra_body={"prompt_embeds": bomb})
+        assert "compressed" in str(e.value)
+        ok = client.completions.create(model=server.model_name, prompt="hi", max_tokens=2)
+        assert ok.choices[0].text is not None
