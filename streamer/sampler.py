@@ -143,7 +143,12 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyBatch) -> torch.Tensor:
     rep = torch.where(pen.seen, pen.repetition, torch.ones_like(pen.repetition))
     logits = torch.where(logits > 0, logits / rep, logits * rep)
     # OpenAI-style frequency and presence penalties on generated tokens.
-    return logits - pen.frequency * pen.output_counts - pen.presence * (pen.output_counts > 0)
+    logits = logits - pen.frequency * pen.output_counts - pen.presence * (pen.output_counts > 0)
+    # A tiny repetition_penalty (1e-45) overflows a logit to +inf, which softmax turns into NaN (and a silent
+    # token 0): such a row samples among its infinite tokens alone, the limit it tends to.
+    inf = torch.isposinf(logits)
+    return torch.where(inf.any(dim=-1, keepdim=True), torch.zeros_like(logits).masked_fill(~inf, float("-inf")),
+                       logits)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
@@ -399,13 +404,15 @@ class Sampler:
             logits = logits.index_put(batch.banned, torch.tensor(float("-inf"), device=logits.device))
         if batch.speech is not None:
             logits = apply_speech_masks(logits, batch.speech)
-        dead = None
         if batch.grammar is not None:
             # In place: the runner's logits are fresh each step, and copying [256, 128k] would cost more than masking.
             logits = apply_bitmask(logits, *batch.grammar)
-            # A grammar row left with no token (its allowed_token_ids or bans exclude all the grammar allows)
-            # gets token -1: the engine ends it rather than emit a token that breaks its rules.
-            dead = torch.isneginf(logits.amax(dim=-1))
+        dead = None
+        if (batch.grammar is not None or batch.banned is not None or batch.adjust is not None
+                or batch.penalties is not None):
+            # A row its masks left no token (a grammar, allowed_token_ids, bad_words, min_tokens' bans) or only NaN
+            # gets token -1: the engine ends it rather than emit a token outside its rules (argmax's 0).
+            dead = ~(logits.amax(dim=-1) > float("-inf"))
         greedy = argmax_rows(logits)
         if batch.all_greedy:
             tokens = greedy
