@@ -12,6 +12,7 @@ import uvicorn
 
 from streamer.async_engine import AsyncEngine
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from streamer.server.connections import HttpLimits, uvicorn_config
 
 ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 
@@ -20,14 +21,15 @@ class LiveServer:
     def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Any = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: Optional[dict[str, str]] = None,
                  allow_lora_updates: bool = False, allow_weight_updates: bool = False, transcription: Any = None,
-                 **engine_kwargs: Any) -> None:
+                 http_limits: Optional[HttpLimits] = None, **engine_kwargs: Any) -> None:
         """loras: {name: PEFT folder} registered before serving (as `--lora-modules`). transcription: build_app's
-        TranscriptionConfig."""
+        TranscriptionConfig. http_limits: the HTTP server's deadlines and limits (default: `serve`'s)."""
         self.model_dir = model_dir
         self.app_kwargs = dict(api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes,
                                allow_lora_updates=allow_lora_updates, allow_weight_updates=allow_weight_updates,
                                transcription=transcription)
         self.loras = loras or {}
+        self.http_limits = http_limits or HttpLimits()
         self.engine_kwargs = {**ENGINE_KWARGS, **engine_kwargs}
         self.engine: Optional[AsyncEngine] = None
         self.server: Optional[uvicorn.Server] = None
@@ -75,8 +77,8 @@ class LiveServer:
                 await self.engine.add_lora(name, path)
             self.app = app = build_app(self.engine, **self.app_kwargs)  # type: ignore[arg-type]
             self.model_name = app.state.server.model_name
-            config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning",
-                                    timeout_graceful_shutdown=3)
+            config = uvicorn_config(app, host="127.0.0.1", port=0, limits=self.http_limits, lifespan="off",
+                                    log_level="warning", timeout_graceful_shutdown=3)
             self.server = uvicorn.Server(config)
             task = asyncio.ensure_future(self.server.serve())
             while not self.server.started and not task.done():

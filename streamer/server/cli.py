@@ -23,6 +23,8 @@ import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, CORSConfig, build_app
 from streamer.server.audio_api import TranscriptionConfig
+from streamer.server.connections import (HttpLimits, connections_arg, header_bytes_arg, seconds_arg,
+                                         uvicorn_config)
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -77,6 +79,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="with --enable-log-requests: log at most N characters (or token ids) of each prompt")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    g.add_argument("--header-timeout", type=seconds_arg, default=HttpLimits.header_timeout_s, metavar="S",
+                   help="a request's headers must arrive within S seconds of the connection's start (or, kept "
+                        "alive, of its next request's first byte): past it 408 and close; a connection that sent "
+                        "nothing is closed (default: %(default)g)")
+    g.add_argument("--body-timeout", type=seconds_arg, default=HttpLimits.body_timeout_s, metavar="S",
+                   help="a request's whole body must arrive within S seconds of its headers: past it 408 and close "
+                        "(default: %(default)g)")
+    g.add_argument("--max-header-bytes", type=header_bytes_arg, default=HttpLimits.max_header_bytes, metavar="N",
+                   help="request line and headers over N bytes get 431 (default: %(default)d)")
+    g.add_argument("--max-connections", type=connections_arg, default=HttpLimits.max_connections, metavar="N",
+                   help="open connections at most; past them a new one gets 503 and is closed (the soft open-file "
+                        "limit is raised to the hard one at start) (default: %(default)d)")
+    g.add_argument("--timeout-keep-alive", type=seconds_arg, default=HttpLimits.keep_alive_s, metavar="S",
+                   help="an idle kept-alive connection is closed after S seconds (default: %(default)g)")
     g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) clients can ask for by name in `model` (implies --enable-lora);"
                         " also '{\"name\": ..., \"path\": ...}'")
@@ -311,8 +327,12 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
                         enforce_strict_tool_calling=args.enforce_strict_tool_calling,
                         transcription=args.transcription)
         # The loop is ours already (uvloop via asyncio.Runner): uvicorn only reads `loop` in Server.run().
-        config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop" if _loop_factory() else "asyncio",
-                                lifespan="off", log_level=args.log_level, access_log=args.access_log,
+        limits = HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                            max_header_bytes=args.max_header_bytes, max_connections=args.max_connections,
+                            keep_alive_s=args.timeout_keep_alive)
+        config = uvicorn_config(app, host=args.host, port=args.port, limits=limits,
+                                loop="uvloop" if _loop_factory() else "asyncio", lifespan="off",
+                                log_level=args.log_level, access_log=args.access_log,
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs,
                                 # CAs given: clients must show a certificate one of them signed (mutual TLS)
