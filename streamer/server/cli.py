@@ -35,6 +35,8 @@ logger = logging.getLogger("streamer.server")
 
 
 LOG_STATS_SECONDS = 10.0
+# The waiting queue's default bound: a flood gets 429s (and Retry-After) instead of a queue growing without end.
+DEFAULT_MAX_WAITING = 4096
 
 
 def _non_negative_int(text: str) -> int:
@@ -49,8 +51,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port; the URL is printed)")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on every endpoint but /health and /ping "
-                        "(default: $STREAMER_API_KEY)")
+                   help="require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on every endpoint "
+                        "but /health and /ping (default: $STREAMER_API_KEY)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids clients may use; the first is the one reported (default: the folder name)")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
@@ -66,8 +68,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="read <think>...</think> (gpt-oss: its analysis channel, 'openai_gptoss', the default for "
                         "it) in chat output into message.reasoning_content")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="bound on queued requests; past it the server answers 429 with Retry-After")
+    g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="bound on queued requests (each holds its prompt's tokens in memory); past it the server "
+                        f"answers 429 with Retry-After (default: {DEFAULT_MAX_WAITING})")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
