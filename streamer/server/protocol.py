@@ -647,7 +647,7 @@ def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict):
         raise APIError(f"{param} must be an object, got {_show(m)}", param=param)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # (a set lookup: an array or object would not hash)
         raise APIError(f"{param}.role must be one of {sorted(ROLES)}, got {_show(role)}", param=f"{param}.role")
     out: dict[str, Any] = {"role": role, "content": _content(m.get("content"), role, m, f"{param}.content")}
     for key in ("name", "tool_call_id"):

@@ -170,7 +170,8 @@ def _as_item(item: Any) -> Any:
     if not isinstance(item, dict):
         return item
     kind = item.get("type", "message")
-    out = {"type": kind, "id": f"{_ID_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}", **item}
+    prefix = _ID_PREFIX.get(kind, "item") if isinstance(kind, str) else "item"  # (`_input_messages` refuses it)
+    out = {"type": kind, "id": f"{prefix}_{uuid.uuid4().hex}", **item}
     if kind == "message" and isinstance(item.get("content"), str):
         part = "output_text" if item.get("role") == "assistant" else "input_text"
         out["content"] = [{"type": part, "text": item["content"]}]
