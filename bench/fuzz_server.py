@@ -165,6 +165,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     ap.add_argument("--paths", nargs="*", default=(), help="only these endpoints")
+    ap.add_argument("--tool-call-parser", default=fuzz_bodies.APP_KWARGS["tool_call_parser"],
+                    help="the started server's (default: %(default)s)")
+    ap.add_argument("--reasoning-parser", default=fuzz_bodies.APP_KWARGS["reasoning_parser"],
+                    help="the started server's (default: %(default)s)")
     ap.add_argument("--params-out", default="", help="write how often each field was refused (JSON)")
     ap.add_argument("--model", default=None, help="with --url: the served model's name (the bodies say llama)")
     args = ap.parse_args()
@@ -188,7 +192,8 @@ def main() -> int:
         make_checkpoint(model, family="llama")
         fuzz_bodies.use_rich_template(model)
         server = LiveServer(model, **fuzz_bodies.SERVER_KWARGS)
-        server.app_kwargs.update(fuzz_bodies.APP_KWARGS)
+        server.app_kwargs.update(fuzz_bodies.APP_KWARGS, tool_call_parser=args.tool_call_parser,
+                                 reasoning_parser=args.reasoning_parser)
         errors = fuzz_bodies.ErrorLog()
         with server, errors:
             rc = run(server.url, requests, args)
