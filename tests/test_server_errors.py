@@ -435,3 +435,20 @@ def test_client_leaving_a_beam_search_logs_nothing(live, caplog, path, prompts):
         live.call(gc.collect)
         time.sleep(0.2)
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
+
+
+def test_a_client_that_left_is_not_an_unhandled_error():
+    """A write to a closed socket (ClientDisconnect), however wrapped (a cause, an anyio exception group), is logged
+    at debug by the outermost layer, not as an unhandled error."""
+    from starlette.requests import ClientDisconnect
+
+    from streamer.server.app import _client_left
+    try:
+        try:
+            raise ClientDisconnect()
+        except ClientDisconnect as e:
+            raise RuntimeError("Caught handled exception, but response already started.") from e
+    except RuntimeError as wrapped:
+        assert _client_left(wrapped)
+    assert _client_left(ExceptionGroup("task group", [ValueError(), ClientDisconnect()]))
+    assert not _client_left(ValueError()) and not _client_left(ExceptionGroup("g", [KeyError()]))

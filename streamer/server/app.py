@@ -783,14 +783,18 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 
 def _client_left(exc: BaseException) -> bool:
-    """Whether the error is a client that went away (a write to its closed socket), seen through its causes."""
+    """Whether the error is a client that went away (a write to its closed socket), seen through its causes and
+    inside exception groups (anyio's task groups raise those)."""
     seen: set[int] = set()
-    e: Optional[BaseException] = exc
-    while e is not None and id(e) not in seen:
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
         if isinstance(e, (ClientDisconnect, _ClientGone)):
             return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        stack += [x for x in (e.__cause__, e.__context__, *getattr(e, "exceptions", ())) if x is not None]
     return False
 
 
