@@ -450,5 +450,9 @@ def test_a_client_that_left_is_not_an_unhandled_error():
             raise RuntimeError("Caught handled exception, but response already started.") from e
     except RuntimeError as wrapped:
         assert _client_left(wrapped)
-    assert _client_left(ExceptionGroup("task group", [ValueError(), ClientDisconnect()]))
-    assert not _client_left(ValueError()) and not _client_left(ExceptionGroup("g", [KeyError()]))
+    assert not _client_left(ValueError())
+    import builtins
+    group = getattr(builtins, "ExceptionGroup", None)
+    if group is not None:  # (Python 3.11+)
+        assert _client_left(group("task group", [ValueError(), ClientDisconnect()]))
+        assert not _client_left(group("g", [KeyError()]))
