@@ -11,12 +11,12 @@ its ratio to the time alone, and the RSS ratio (issue 49's acceptance: <= 2x bes
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -76,17 +76,30 @@ def big(url: str, body: bytes, statuses: list[int]) -> None:
         statuses.append(r.status_code)
 
 
+def _sender(url: str, body: bytes, go, out) -> None:
+    """One client process: waits for the signal, then sends its big prompt (processes, not threads, so that the
+    senders' own GIL does not hold up the innocent request's client)."""
+    statuses: list[int] = []
+    go.wait()
+    big(url, body, statuses)
+    out.put(statuses[0])
+
+
 def beside(url: str, model: str, body: bytes, n: int) -> tuple[float, list[int]]:
     """The innocent request's time while n big prompts are in flight (sent, then it starts 50 ms later)."""
-    statuses: list[int] = []
-    threads = [threading.Thread(target=big, args=(url, body, statuses)) for _ in range(n)]
-    for t in threads:
-        t.start()
+    ctx = multiprocessing.get_context("fork")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_sender, args=(url, body, go, out)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    time.sleep(0.5)  # (all started and waiting)
+    go.set()
     time.sleep(0.05)
     with httpx.Client(base_url=url, timeout=600) as c:
         took = innocent(c, model)
-    for t in threads:
-        t.join()
+    statuses = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
     return took, statuses
 
 
