@@ -41,7 +41,9 @@ def check_device(device: Any) -> None:
 class EngineConfig:
     model: Optional[str] = None  # HF checkpoint folder; None = the embedded default model
     tokenizer: Optional[str] = None  # defaults to `model`
-    dtype: str = "auto"  # auto = checkpoint's torch_dtype (float32 on CPU if it is float16)
+    # auto = the checkpoint's torch_dtype, except on a CPU that does not compute it natively (bf16 without
+    # avx512_bf16/amx_bf16, fp16 without avx512_fp16/amx_fp16): float32 there (model_runner.resolve_dtype)
+    dtype: str = "auto"
     device: str = "auto"  # auto = cuda if available else cpu
     # "auto" (safetensors, else pytorch_model*.bin) | "safetensors" | "pt" (.bin only) | "dummy" (random weights at
     # real sizes)

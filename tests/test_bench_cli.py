@@ -317,3 +317,85 @@ def test_embeddings_endpoint_against_a_live_encoder(ckpt_root, tmp_path: Path,
     with FakeServer() as fake:  # (a server without /v1/embeddings: every request fails, the run says so)
         assert main(["--base-url", fake.base_url, "--tokenizer", str(model), "--endpoint", "embeddings",
                      "--num-prompts", "2", "--input-len", "4", "--progress", "off"]) == 1
+
+
+def test_a_server_started_from_a_local_folder_needs_only_base_url(llama_dir, tmp_path: Path) -> None:
+    """`python -m streamer.bench --base-url URL` against a streamer server started from a folder on this machine:
+    the tokenizer is the folder's, found as the model's `root` in GET /v1/models (no --tokenizer, no --model)."""
+    from tests.server_utils import LiveServer
+
+    res = tmp_path / "r.json"
+    with LiveServer(llama_dir) as server:
+        p = subprocess.run([sys.executable, "-m", "streamer.bench", "--base-url", server.url, "--num-prompts", "2",
+                            "--save-result", str(res)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert f"streamer bench: tokenizer from {llama_dir} (the model's root in GET /v1/models)" in p.stderr
+    assert "--input-len 192 (not 1024): the server's max_model_len is 512" in p.stderr  # (512 - 128 output) / 2
+    doc = json.loads(res.read_text())
+    assert doc["summary"]["completed"] == 2 and doc["summary"]["failed"] == 0
+    assert all(r["prompt_len"] == 192 + 1 for r in doc["requests"])  # the server's count: the prompt and a BOS
+
+
+def test_a_server_whose_folder_is_elsewhere_lends_its_tokenizer(llama_dir, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The model's `root` is not on this machine (another host's folder): the random and prefix datasets are
+    built with the server's POST /tokenize and /detokenize, and a prompt file's prompts and replies are counted
+    with them, all with nothing but --base-url."""
+    from streamer.bench.datasets import count_tokens, load_tokenizer
+    from streamer.bench.remote_tokenizer import RemoteTokenizer
+    from tests.server_utils import LiveServer
+
+    routes: list[tuple[str, Any]] = []
+    post = RemoteTokenizer._post
+
+    def spy(self: RemoteTokenizer, route: str, body: dict[str, Any]) -> tuple[int, Any]:
+        routes.append((route, self.model))
+        return post(self, route, body)
+
+    monkeypatch.setattr(RemoteTokenizer, "_post", spy)
+    local = load_tokenizer(llama_dir)
+    res = tmp_path / "r.json"
+    with LiveServer(llama_dir, served_model_name="tiny") as server:
+        cards = server.app.state.server._model_cards
+        monkeypatch.setattr(server.app.state.server, "_model_cards",
+                            lambda: [{**c, "root": "/elsewhere/tiny-llama"} for c in cards()])
+        for dataset in (["--dataset", "random"], ["--dataset", "prefix", "--prefix-len", "6"]):
+            assert main(["--base-url", server.url, *dataset, "--num-prompts", "4", "--input-len", "20",
+                         "--output-len", "3", "--ignore-eos", "--save-result", str(res), "--progress", "off"]) == 0
+            err = capsys.readouterr().err
+            assert ("tokenizing through the server's POST /tokenize and /detokenize (the model's root "
+                    "'/elsewhere/tiny-llama' is no folder with a tokenizer on this machine") in err
+            doc = json.loads(res.read_text())
+            assert doc["summary"]["completed"] == 4 and doc["config"]["model"] == "tiny"
+            want = 20 + int(dataset[1] == "prefix") * 6 + 1  # the server's count of each prompt: with its BOS
+            assert [r["prompt_len"] for r in doc["requests"]] == [want] * 4
+            assert {"/tokenize", "/detokenize"} <= {r for r, _ in routes} and {m for _, m in routes} == {"tiny"}
+        routes.clear()
+        reply = "a reply of some length, counted by the server"
+        f = tmp_path / "sg.json"
+        f.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi there"},
+                                                    {"from": "gpt", "value": reply}]}]))
+        assert main(["--base-url", server.url, "--dataset-path", str(f), "--num-prompts", "2", "--endpoint", "chat",
+                     "--save-result", str(res), "--progress", "off"]) == 0
+    doc = json.loads(res.read_text())
+    assert [r["asked_output_len"] for r in doc["requests"]] == [count_tokens(local, reply)] * 2  # the reply's length
+    assert {r for r, _ in routes} == {"/tokenize"}  # (a file needs no decoding)
+
+
+def test_neither_a_local_root_nor_a_tokenize_route_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A server whose model folder is not here and that has no POST /tokenize: the random dataset cannot be
+    built; the error says why and what to pass. (A prompt file still runs, its lengths left to the server.)"""
+    class ElsewhereServer(FakeServer):
+        def route(self, proto: Any, method: str, path: str, headers: dict[str, str], raw: bytes) -> None:
+            if method == "GET" and path == "/v1/models":
+                card = {"id": self.model, "object": "model", "root": "/no/such/model"}
+                return proto.send(200, json.dumps({"object": "list", "data": [card]}).encode())
+            return super().route(proto, method, path, headers, raw)
+
+    with ElsewhereServer() as srv:
+        assert main(["--base-url", srv.base_url, "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the random dataset builds prompts with the model's tokenizer: pass --tokenizer PATH" in err
+    assert "the model's root '/no/such/model' is no folder with a tokenizer on this machine" in err
+    assert "POST /tokenize answered HTTP 404" in err

@@ -219,3 +219,47 @@ def test_result_start_times_are_relative(tmp_path: Path) -> None:
     out, _ = bench(lambda i, b: Plan(), reqs(3), model="m")
     assert all(0 <= r.start <= out.duration for r in out.results)
     assert all(isinstance(r, RequestResult) for r in out.results)
+
+
+def test_remote_tokenizer_agrees_with_the_local_one(llama_dir: Path) -> None:
+    """RemoteTokenizer (the served model's tokenizer through a live streamer server's POST /tokenize and
+    /detokenize, for a server whose folder is not on the bench's machine) encodes and decodes as the folder's own
+    tokenizer does, finds the vocabulary's size and the BOS, builds random prompts of exact lengths, counts the
+    output of streams without usage, and says what went wrong when the server refuses or is gone."""
+    from streamer.bench.remote_tokenizer import RemoteTokenizer, RemoteTokenizerError
+    from streamer.bench.runner import count_output_tokens
+    from tests.server_utils import LiveServer
+
+    local = load_tokenizer(llama_dir)
+    texts = ["Hello, world", "  two  spaces", "é中 unicode", ""]
+    with LiveServer(llama_dir, api_key="k") as server:
+        remote = RemoteTokenizer(server.base_url, api_key="k")  # (.../v1: /tokenize is beside it)
+        for text in texts:
+            for special in (True, False):
+                assert remote.encode(text, special).ids == local.encode(text, add_special_tokens=special).ids
+        ids = local.encode("Hello, world").ids
+        assert remote.decode(ids) == local.decode(ids, skip_special_tokens=False)
+        assert remote.vocab_size == local.get_vocab_size(with_added_tokens=True)
+        assert remote.special_ids() == set(local.encode("").ids)  # the BOS
+        assert list(remote.token_ids()) == list(range(remote.vocab_size))
+        sent = remote.requests
+        reqs = synthetic_requests(remote, 6, input_len=30, output_len=4, prefix_len=5, num_prefixes=2, seed=3)
+        assert remote.requests > sent  # (a prompt costs a few: decode, re-encode, adjust)
+        for r in reqs:
+            assert r.prompt_len == 35 == count_tokens(local, r.prompt)
+        assert len({r.prompt for r in reqs}) == 6
+        results = [RequestResult() for _ in texts]
+        count_output_tokens(list(zip(results, texts)), remote)
+        assert [(r.output_len, r.output_len_source) for r in results] == [
+            (count_tokens(local, t), "tokenizer") for t in texts]
+        with pytest.raises(RemoteTokenizerError, match="HTTP 401"):
+            RemoteTokenizer(server.url).encode("hi")
+        with pytest.raises(RemoteTokenizerError, match="HTTP 404.*does not exist"):
+            RemoteTokenizer(server.url, model="another", api_key="k").encode("hi")
+        with pytest.raises(RemoteTokenizerError, match="HTTP 400"):
+            remote.decode([remote.vocab_size])
+    with pytest.raises(RemoteTokenizerError, match="POST /tokenize failed"):
+        remote.encode("the server has gone")
+    results = [RequestResult(output_len=2, output_len_source="chunks")]
+    count_output_tokens([(results[0], "ab")], remote)  # (counts by chunks stand, with a warning)
+    assert (results[0].output_len, results[0].output_len_source) == (2, "chunks")

@@ -259,3 +259,90 @@ def test_tied_config_with_a_stored_head(llama_dir, tmp_path, own_head):
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         assert (llm.engine.runner.model.lm_head is not None) == own_head
     assert got == hf_greedy(d, prompts, 8)
+
+
+_AVX2_ONLY = ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n\n"
+              "processor\t: 1\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n")
+
+
+@pytest.mark.parametrize("cpuinfo, native", [
+    (_AVX2_ONLY, set()),
+    ("flags\t\t: avx2 avx512f avx512bw avx512vl\n", set()),  # AVX512 without its bf16 extension: emulated
+    ("flags\t\t: avx2 avx512f avx512_bf16\n", {torch.bfloat16}),
+    ("flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile avx512_fp16\n", {torch.bfloat16, torch.float16}),
+    ("flags\t\t: avx2 amx_fp16\n", {torch.float16}),
+    ("processor\t: 0\nFeatures\t: fp asimd asimdhp bf16 i8mm\n", {torch.bfloat16}),  # aarch64 (BFMMLA)
+    ("processor\t: 0\nFeatures\t: fp asimd asimdhp\n", set()),  # aarch64 without bf16; fp16 stays float32
+    ("", set()),  # no flags line: the conservative answer
+])
+def test_native_dtypes_from_cpuinfo(cpuinfo, native):
+    from streamer.model_runner import native_dtypes_from_cpuinfo
+    assert native_dtypes_from_cpuinfo(cpuinfo) == native
+
+
+def test_cpu_native_dtypes_reads_proc_cpuinfo_or_answers_none(monkeypatch):
+    import io
+
+    from streamer import model_runner
+
+    def probe(opener):
+        monkeypatch.setattr(model_runner, "open", opener, raising=False)  # (the module's `open`, not builtins')
+        model_runner.cpu_native_dtypes.cache_clear()
+        try:
+            return model_runner.cpu_native_dtypes()
+        finally:
+            model_runner.cpu_native_dtypes.cache_clear()
+
+    def unreadable(path, *a, **k):
+        raise FileNotFoundError(path)
+
+    opened = []
+    assert probe(lambda path, *a, **k: opened.append(path) or io.StringIO(_AVX2_ONLY)) == frozenset()
+    assert opened == ["/proc/cpuinfo"]
+    assert probe(lambda *a, **k: io.StringIO("flags : avx2 amx_bf16\n")) == {torch.bfloat16}
+    assert probe(unreadable) == frozenset()  # (macOS, Windows: no /proc/cpuinfo; float32, the safe side)
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", "float16"])
+def test_auto_dtype_on_cpu_follows_what_the_cpu_computes_natively(make_ckpt, monkeypatch, caplog, checkpoint):
+    """dtype="auto" on CPU runs a bf16 (fp16) checkpoint in bf16 (fp16) only where the CPU computes it natively
+    (avx512_bf16 / amx_bf16; avx512_fp16 / amx_fp16), else in float32, with one INFO line saying so; an explicit
+    dtype is always honoured; on a GPU "auto" is the checkpoint's dtype whatever the CPU has."""
+    import logging
+
+    from streamer import model_runner
+    half = getattr(torch, checkpoint)
+    path = make_ckpt(f"llama_{checkpoint}", family="llama", dtype=half, seed=3)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.get("torch_dtype", cfg.get("dtype")) == checkpoint  # (newer transformers write "dtype")
+    short = {"bfloat16": "bf16", "float16": "fp16"}[checkpoint]
+    line = f"dtype auto: the checkpoint is {checkpoint} but this CPU has no native {short}; running in float32"
+
+    def runner_dtype(native, **kw):
+        monkeypatch.setattr(model_runner, "cpu_native_dtypes", lambda: frozenset(native))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="streamer"):
+            llm = LLM(str(path), device="cpu", enforce_eager=True, num_kv_blocks=16, **kw)
+        return llm.engine.runner.dtype, [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
+
+    dtype, logged = runner_dtype(set())  # an AVX2-only CPU
+    assert dtype == torch.float32 and len(logged) == 1 and logged[0].startswith(line)
+    assert all(p.dtype == torch.float32 for p in _llm_params(path, native=set(), monkeypatch=monkeypatch))
+    other = torch.float16 if half == torch.bfloat16 else torch.bfloat16
+    assert runner_dtype({other}) == (torch.float32, [f"{line} (dtype={checkpoint!r} runs it as stored)"])
+    assert runner_dtype({half}) == (half, [])  # native: the checkpoint's dtype, nothing said
+    assert runner_dtype(set(), dtype=checkpoint) == (half, [])  # explicit: honoured, even where emulated
+    assert runner_dtype({half}, dtype="float32") == (torch.float32, [])
+    cfg = type("Cfg", (), {"torch_dtype": checkpoint})()
+    assert model_runner.resolve_dtype("auto", cfg, torch.device("cuda")) == half  # (GPU: unchanged)
+    assert model_runner.resolve_dtype("auto", type("Cfg", (), {"torch_dtype": "float32"})(),
+                                      torch.device("cpu")) == torch.float32
+
+
+def _llm_params(path, native, monkeypatch):
+    from streamer import model_runner
+    monkeypatch.setattr(model_runner, "cpu_native_dtypes", lambda: frozenset(native))
+    llm = LLM(str(path), device="cpu", enforce_eager=True, num_kv_blocks=16)
+    out = llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 3
+    return list(llm.engine.runner.model.parameters())

@@ -14,10 +14,11 @@ from urllib.parse import urlsplit
 from tokenizers import Tokenizer
 
 from streamer.bench import report
-from streamer.bench.datasets import (AUDIO_RATE, SampleRequest, add_audio, add_images, audio_requests, file_requests,
-                                     load_tokenizer, synthetic_requests)
+from streamer.bench.datasets import (AUDIO_RATE, AnyTokenizer, SampleRequest, add_audio, add_images, audio_requests,
+                                     file_requests, load_tokenizer, synthetic_requests)
 from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
+from streamer.bench.remote_tokenizer import RemoteTokenizer, RemoteTokenizerError
 from streamer.bench.runner import BenchError, RunConfig, RunOutput, ServedModel, list_models, run
 
 T = TypeVar("T")
@@ -96,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", help="model name sent to the server (default: first of GET /v1/models); a local folder also "
                       "serves as --tokenizer")
     a("--served-model-name", help="name sent in requests when it differs from --model")
-    a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder)")
+    a("--tokenizer", help="folder with tokenizer.json (default: --model when it is a folder, else the model's `root` "
+                          "folder in GET /v1/models when it is on this machine, else the server's own through its "
+                          "POST /tokenize and /detokenize)")
     a("--endpoint", choices=("completions", "chat", "messages", "embeddings", "transcriptions"),
       default="completions",
       help="/v1/completions, /v1/chat/completions, Anthropic's /v1/messages, /v1/embeddings (an embedding "
@@ -210,24 +213,62 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def _tokenizer(p: argparse.ArgumentParser, args: argparse.Namespace, served: Optional[ServedModel],
-               answered: bool = True) -> Optional[Tokenizer]:
+               answered: bool = True) -> Optional[AnyTokenizer]:
+    """The tokenizer the workload is built and counted with: --tokenizer, --model as a local folder, the demo
+    model's (shipped with streamer), the folder the server's GET /v1/models names as the model's `root` when it is on
+    this machine, else the server's own through POST /tokenize and /detokenize. The random and prefix datasets need
+    one (a usage error names what was tried); a prompt file and transcriptions do without."""
     path = args.tokenizer or (args.model if args.model and Path(args.model).is_dir() else None)
-    if path is None and args.dataset in ("random", "prefix") and args.endpoint != "transcriptions":
-        path = _demo_tokenizer_if_served(served)
-        if path is None and not answered:  # (the likelier cause: nothing is listening there)
+    if path is not None:
+        try:
+            return load_tokenizer(path)
+        except Exception as e:  # any load failure is the user's path, not a crash
+            p.error(f"cannot load a tokenizer from {path!r}: {e}")
+    if args.endpoint == "transcriptions":
+        return None
+    builds = args.dataset in ("random", "prefix")  # (a prompt file only counts tokens with it)
+    demo = _demo_tokenizer_if_served(served)
+    if demo is not None:
+        return load_tokenizer(demo)
+    root = served.root if served is not None else None
+    local = _root_tokenizer(root)
+    if local is not None:
+        print(f"streamer bench: tokenizer from {root} (the model's root in GET /v1/models)", file=sys.stderr)
+        return local
+    if not answered:  # (the likelier cause: nothing is listening there)
+        if builds:
             p.error(f"no server answered GET {args.base_url.rstrip('/')}/v1/models: is it running? (Against a "
                     "server that does, the random and prefix datasets still need the model's tokenizer: "
                     "--tokenizer PATH, or --model as a local model folder, unless it serves the demo model.)")
-        if path is None:
-            p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer "
-                    "PATH (a folder with tokenizer.json) or --model as a local model folder")
-    if path is None:
+        return None
+    name = args.served_model_name or args.model or (served.id if served is not None else None)
+    remote = RemoteTokenizer(args.base_url, model=name, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                             timeout=min(args.timeout, 60.0))
+    here = (f"the model's root {root!r} is no folder with a tokenizer on this machine" if root
+            else "GET /v1/models names no model folder")
+    try:
+        remote.check(decode=builds)
+    except RemoteTokenizerError as e:
+        remote.close()
+        if builds:
+            p.error(f"the {args.dataset} dataset builds prompts with the model's tokenizer: pass --tokenizer PATH "
+                    f"(a folder with tokenizer.json) or --model as a local model folder. ({here}, and the server's "
+                    f"own is not usable: {e})")
+        return None
+    print(f"streamer bench: tokenizing through the server's POST /tokenize and /detokenize ({here}; "
+          "--tokenizer PATH tokenizes here)", file=sys.stderr)
+    return remote
+
+
+def _root_tokenizer(root: Optional[str]) -> Optional[Tokenizer]:
+    """The tokenizer in the served model's folder when `root` names one on this machine (a server started from a
+    local folder reports it so), else None."""
+    if not root or not Path(root).is_dir():
         return None
     try:
-        return load_tokenizer(path)
-    except Exception as e:  # any load failure is the user's path, not a crash
-        p.error(f"cannot load a tokenizer from {path!r}: {e}")
-    return None  # unreachable (p.error exits)
+        return load_tokenizer(root)
+    except Exception:  # not a tokenizer's folder (e.g. an adapter's): the server's own comes next
+        return None
 
 
 def _served_model(args: argparse.Namespace) -> tuple[bool, Optional[ServedModel]]:
@@ -288,7 +329,7 @@ def _warn_if_too_long(requests: Sequence[SampleRequest], served: Optional[Served
               file=sys.stderr)
 
 
-def make_requests(args: argparse.Namespace, tok: Optional[Tokenizer]) -> list[SampleRequest]:
+def make_requests(args: argparse.Namespace, tok: Optional[AnyTokenizer]) -> list[SampleRequest]:
     if args.endpoint == "transcriptions":
         size = 44 + 2 * round(args.audio_seconds * AUDIO_RATE)
         if size > MAX_UPLOAD_BYTES:
@@ -383,6 +424,9 @@ def bench_main(argv: Sequence[str]) -> int:
     except BenchError as e:
         print(f"streamer bench: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if isinstance(tok, RemoteTokenizer):
+            tok.close()
     summary = summarize(out.results, out.duration, args.percentiles, dict(args.goodput) if args.goodput else None)
     print(report.format_summary(summary, max_concurrency=args.max_concurrency, client_cpu=out.client_cpu,
                                 embeddings=args.endpoint == "embeddings",

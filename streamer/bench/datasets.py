@@ -12,10 +12,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 from tokenizers import Tokenizer
+
+from streamer.bench.remote_tokenizer import RemoteTokenizer
+
+# A local tokenizer, or the server's own through its /tokenize and /detokenize (streamer/bench/remote_tokenizer.py).
+AnyTokenizer = Union[Tokenizer, RemoteTokenizer]
 
 _MAX_TRIES = 64
 _ADJUST_ROUNDS = 8
@@ -112,16 +117,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
-def count_tokens(tok: Tokenizer, text: str) -> int:
+def count_tokens(tok: AnyTokenizer, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False).ids)
 
 
 class PromptMaker:
     """Makes texts that encode to an exact number of tokens, optionally after a fixed token prefix."""
 
-    def __init__(self, tok: Tokenizer, rng: np.random.Generator) -> None:
+    def __init__(self, tok: AnyTokenizer, rng: np.random.Generator) -> None:
         special = _added_token_ids(tok)
-        ids = sorted(set(tok.get_vocab(with_added_tokens=False).values()) - special)
+        vocab = (tok.token_ids() if isinstance(tok, RemoteTokenizer)
+                 else tok.get_vocab(with_added_tokens=False).values())
+        ids = sorted(set(vocab) - special)
         if not ids:
             raise ValueError("tokenizer has an empty vocabulary")
         self.tok, self.rng, self.pool = tok, rng, np.asarray(ids, dtype=np.int64)
@@ -147,7 +154,9 @@ class PromptMaker:
         raise RuntimeError(f"could not make a prompt of exactly {n} tokens after {_MAX_TRIES} tries")
 
 
-def _added_token_ids(tok: Tokenizer) -> set[int]:
+def _added_token_ids(tok: AnyTokenizer) -> set[int]:
+    if isinstance(tok, RemoteTokenizer):
+        return set(tok.special_ids())
     try:
         return set(tok.get_added_tokens_decoder())
     except AttributeError:  # pragma: no cover - very old tokenizers
@@ -159,7 +168,7 @@ def length_range(mean: int, ratio: float, low: int) -> tuple[int, int]:
     return max(low, math.floor(mean * (1 - ratio))), max(low, math.ceil(mean * (1 + ratio)))
 
 
-def synthetic_requests(tok: Tokenizer, num: int, *, input_len: int, output_len: int, range_ratio: float = 0.0,
+def synthetic_requests(tok: AnyTokenizer, num: int, *, input_len: int, output_len: int, range_ratio: float = 0.0,
                        prefix_len: int = 0, num_prefixes: int = 1, seed: int = 0,
                        shuffle: bool = False) -> list[SampleRequest]:
     """Random prompts: `num_prefixes` groups (round-robin) sharing a prefix of `prefix_len` tokens, then a
@@ -226,7 +235,7 @@ def _parse_entry(entry: Any) -> tuple[Optional[str], Optional[int], Optional[str
     return (prompt if isinstance(prompt, str) else None), (int(out) if out else None), entry.get("completion")
 
 
-def file_requests(path: str | Path, num: int, *, tok: Optional[Tokenizer], output_len: Optional[int] = None,
+def file_requests(path: str | Path, num: int, *, tok: Optional[AnyTokenizer], output_len: Optional[int] = None,
                   seed: int = 0, shuffle: bool = True) -> list[SampleRequest]:
     """Prompts from a JSON list or JSONL file: strings, {"prompt", "output_len"|"max_tokens"} objects, or
     ShareGPT conversations (first human turn; the reply's token length as output length, as vLLM does).

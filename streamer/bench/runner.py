@@ -10,11 +10,11 @@ from time import perf_counter, process_time
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from streamer.bench.client import HttpClient, RawResponse, error_of, interpret, interpret_transcription
-from streamer.bench.datasets import SampleRequest
+from streamer.bench.datasets import AnyTokenizer, SampleRequest
 from streamer.bench.metrics import RequestResult
+from streamer.bench.remote_tokenizer import RemoteTokenizerError
 
 
 @dataclass
@@ -247,9 +247,11 @@ class Progress:
 
 @dataclass
 class ServedModel:
-    """What GET /v1/models says of a model: its id and, where the server reports it, its context length."""
+    """What GET /v1/models says of a model: its id and, where the server reports them, its context length and its
+    `root` (vLLM's and streamer's: the folder or hub name it was loaded from)."""
     id: str
     max_model_len: Optional[int] = None
+    root: Optional[str] = None
 
 
 async def list_models(client: HttpClient) -> list[ServedModel]:
@@ -258,7 +260,8 @@ async def list_models(client: HttpClient) -> list[ServedModel]:
         raise BenchError(f"could not list the server's models ({error_of(resp)}); pass --model")
     try:
         cards = json.loads(bytes(resp.body))["data"]
-        models = [ServedModel(str(c["id"]), _positive_int(c.get("max_model_len"))) for c in cards]
+        models = [ServedModel(str(c["id"]), _positive_int(c.get("max_model_len")),
+                              c["root"] if isinstance(c.get("root"), str) and c["root"] else None) for c in cards]
     except (ValueError, KeyError, TypeError, AttributeError):
         raise BenchError("GET /v1/models returned no model list; pass --model") from None
     if not models:
@@ -274,16 +277,21 @@ async def discover_model(client: HttpClient) -> str:
     return (await list_models(client))[0].id
 
 
-def count_output_tokens(pending: list[tuple[RequestResult, str]], tok: Optional[Tokenizer]) -> None:
-    """Counts tokens of texts whose stream had no usage chunk; after the run, in one batch."""
+def count_output_tokens(pending: list[tuple[RequestResult, str]], tok: Optional[AnyTokenizer]) -> None:
+    """Counts tokens of texts whose stream had no usage chunk; after the run, in one batch. (A server's tokenizer
+    that stopped answering leaves them counted by chunks.)"""
     if tok is None or not pending:
         return
-    encs = tok.encode_batch([text for _, text in pending], add_special_tokens=False)
+    try:
+        encs = tok.encode_batch([text for _, text in pending], add_special_tokens=False)
+    except RemoteTokenizerError as e:
+        print(f"streamer bench: warning: output tokens counted by chunks, not tokens: {e}", file=sys.stderr)
+        return
     for (res, _), enc in zip(pending, encs):
         res.output_len, res.output_len_source = len(enc.ids), "tokenizer"
 
 
-async def run(cfg: RunConfig, requests: Sequence[SampleRequest], tok: Optional[Tokenizer] = None) -> RunOutput:
+async def run(cfg: RunConfig, requests: Sequence[SampleRequest], tok: Optional[AnyTokenizer] = None) -> RunOutput:
     """Warm-ups (results dropped), then the timed run on one event loop."""
     client = HttpClient(cfg.base_url, timeout=cfg.timeout, api_key=cfg.api_key)
     try:
@@ -319,7 +327,7 @@ async def _warmup(cfg: RunConfig, client: HttpClient, path: str, bodies: list[by
 
 
 async def _timed(cfg: RunConfig, client: HttpClient, path: str, model: str, requests: Sequence[SampleRequest],
-                 bodies: list[bytes], tok: Optional[Tokenizer]) -> RunOutput:
+                 bodies: list[bytes], tok: Optional[AnyTokenizer]) -> RunOutput:
     loop = asyncio.get_running_loop()
     n = len(requests)
     offsets = arrival_times(n, cfg.request_rate, cfg.burstiness, cfg.seed)
