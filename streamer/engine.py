@@ -431,11 +431,12 @@ class LLMEngine:
         limit = self.max_model_len * per_token
         if len(text) <= limit:
             return text
-        if keep_last is not None:
-            return text[-(keep_last * per_token + _TRUNCATE_MARGIN_CHARS):]
-        raise ValueError(f"prompt is {len(text)} characters long: more than max_model_len ({self.max_model_len}) "
-                         f"tokens of this tokenizer can hold ({limit} characters); shorten it or set "
-                         "truncate_prompt_tokens")
+        if keep_last is not None:  # (an encoder keeps its text's start: `truncate`)
+            span = keep_last * per_token + _TRUNCATE_MARGIN_CHARS
+            return text[:span] if self.encoder else text[-span:]
+        raise ValueError(f"prompt is {len(text)} characters long, more than its tokens could fit in: max_model_len "
+                         f"is {self.max_model_len}, and a token of this tokenizer spells at most {per_token} "
+                         f"characters ({limit} in all); shorten it or set truncate_prompt_tokens")
 
     def _tokenize(self, prompt: PromptType, keep_last: Optional[int] = None) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
