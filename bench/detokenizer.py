@@ -5,7 +5,7 @@ tokenizers), on the embedded model's tokenizer, alternated 7 times; medians.
     python bench/detokenizer.py [--seqs 256] [--steps 200]
 
 Two token streams: random ids (as the host-overhead stub's, with many split characters) and slices of real text
-(streamer/engine.py's source).
+(streamer/engine/llm_engine.py's source).
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from streamer.demo_model import default_model_path
-from streamer.detokenizer import IncrementalDetokenizer
+from streamer.engine.detokenizer import IncrementalDetokenizer
 from streamer.sampling_params import SamplingParams
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     slow._token_bytes = None  # as a tokenizer without a byte table
     assert fast.token_bytes is not None
     rng = random.Random(0)
-    real = fast.encode(Path(__file__).resolve().parents[1].joinpath("streamer/engine.py").read_text(),
+    real = fast.encode(Path(__file__).resolve().parents[1].joinpath("streamer/engine/llm_engine.py").read_text(),
                        add_special_tokens=False)
     workloads = {
         "random ids": [[rng.randrange(fast.vocab_size) for _ in range(args.steps)] for _ in range(args.seqs)],

@@ -238,7 +238,7 @@ def main() -> int:
 
 
 def step_time_row(engine: Any, run: Any, batches: list[int]) -> dict[str, Any]:
-    """The step-time model's error (streamer/step_time.py: it plans stall-free steps), on the steps of fresh runs
+    """The step-time model's error (streamer/core/step_time.py: it plans stall-free steps), on the steps of fresh runs
     (prompts whole, then decodes, at two batch sizes) after it has been fitted on every step before: the median and
     90th percentile of |predicted - measured| / measured."""
     errors: list[float] = []

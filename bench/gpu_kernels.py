@@ -296,7 +296,7 @@ def bench_sampling(timer: Timer, device: torch.device) -> None:
     kernel, both including the exponential noise they draw, on Llama-3-vocab rows with top-k 50 / top-p 0.9 /
     min-p 0.05, at a small and a large batch; and the bare kernel against the bare reference. Decides
     `sampling_backend`'s default: the kernel earns it only where it wins here."""
-    from streamer.sampler import Sampler, SamplingBatch
+    from streamer.worker.sampler import Sampler, SamplingBatch
     from streamer_kernels.sampling import top_k_top_p_sample
 
     V = 128256 if not DRY else 512

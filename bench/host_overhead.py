@@ -38,7 +38,7 @@ def stub_model(runner) -> None:
 def measure(model: str | None, n: int, steps: int, seed: int, sampling: str = "greedy") -> dict[str, float]:
     from streamer import SamplingParams
     from streamer.config import EngineConfig
-    from streamer.engine import LLMEngine
+    from streamer.engine.llm_engine import LLMEngine
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", load_format="dummy", max_num_seqs=max(n, 1),
                                     max_num_batched_tokens=max(8192, n * 8), num_kv_blocks=n * 8 + 64,
                                     enable_prefix_caching=True))

@@ -48,9 +48,9 @@ def median_ms(log: list[tuple[float, int]], tokens: int) -> float:
 
 
 def whisper(folder: Path, rounds: int) -> dict[str, list[float]]:
-    import streamer.async_engine as async_engine
+    import streamer.engine.async_engine as async_engine
     from streamer import LLM, SamplingParams
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from tests.whisper_checkpoints import tone
     prompt = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
     prompts = [{"prompt": prompt, "multi_modal_data": {"audio": (tone(10.0, 200 + 10 * i, seed=i), 16000)}}

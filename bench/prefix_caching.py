@@ -81,7 +81,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from streamer.config import EngineConfig
-    from streamer.engine import resolve_model_dir
+    from streamer.engine.llm_engine import resolve_model_dir
     from streamer.models.config import ModelConfig
     vocab = ModelConfig.from_dir(resolve_model_dir(args.model)).vocab_size
     rng = random.Random(args.seed)

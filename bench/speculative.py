@@ -31,7 +31,7 @@ PROMPTS = ["def fibonacci(n):", "class Parser:\n    def __init__(self, text):", 
 
 def draft_of(model: str | None, keep: int) -> str:
     """A self-speculative draft: the model's embeddings, head and first `keep` layers (tests/test_draft_model.py)."""
-    from streamer.engine import resolve_model_dir
+    from streamer.engine.llm_engine import resolve_model_dir
     from tests.test_draft_model import first_layers
     out = Path(tempfile.mkdtemp(prefix="streamer-draft-")) / f"first-{keep}"
     return str(first_layers(resolve_model_dir(model), out, keep))

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streamer import LLM, SamplingParams  # noqa: E402
-from streamer.structured_output import GrammarCompiler, apply_bitmask, fill_bitmasks  # noqa: E402
-from streamer.structured_output import StructuredOutputsParams as SO  # noqa: E402
-from streamer.tokenizer import Tokenizer  # noqa: E402
+from streamer.engine.structured_output import GrammarCompiler, apply_bitmask, fill_bitmasks  # noqa: E402
+from streamer.engine.structured_output import StructuredOutputsParams as SO  # noqa: E402
+from streamer.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},

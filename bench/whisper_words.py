@@ -28,7 +28,7 @@ FORMATS = {"json": {"response_format": "json"},
 async def run(folder: Path, clips: int, seconds: float, rounds: int) -> dict[str, list[float]]:
     import httpx
 
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.app import build_app
     from streamer.server.audio_api import TranscriptionConfig
     from tests.test_server_audio import wav_bytes

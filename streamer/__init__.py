@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from streamer.beam_search import BeamSearchParams
-from streamer.lora import LoRARequest
+from streamer.engine.beam_search import BeamSearchParams
+from streamer.engine.lora import LoRARequest
 from streamer.outputs import (ClassificationOutput, CompletionOutput, EmbeddingOutput, Logprob, RequestOutput,
                               ScoringOutput, StreamOutput)
-from streamer.pooling import PoolingParams
+from streamer.engine.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
-from streamer.structured_output import StructuredOutputsParams
+from streamer.engine.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
@@ -17,7 +17,7 @@ __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "L
            "StreamOutput", "EngineConfig", "BeamSearchParams"]
 
 if TYPE_CHECKING:
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.config import EngineConfig
     from streamer.llm import LLM
 
@@ -28,7 +28,7 @@ def __getattr__(name: str):
         from streamer.llm import LLM
         return LLM
     if name == "AsyncEngine":
-        from streamer.async_engine import AsyncEngine
+        from streamer.engine.async_engine import AsyncEngine
         return AsyncEngine
     if name == "EngineConfig":
         from streamer.config import EngineConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from streamer.sampling_params import SamplingParams
-from streamer.structured_output import StructuredOutputsParams
+from streamer.engine.structured_output import StructuredOutputsParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -239,7 +239,7 @@ def _describe_model(model: Optional[str]) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import asyncio
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     try:
         params = sampling_params(args)
     except ValueError as e:
@@ -250,17 +250,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     lora = None
     if args.lora:
-        from streamer.lora import LoRARequest
+        from streamer.engine.lora import LoRARequest
         lora, kwargs["enable_lora"] = LoRARequest(Path(args.lora).name or "adapter", args.lora), True
 
     async def run() -> None:
         prompt: Any = args.prompt
         data: dict[str, Any] = {}
         if args.image:  # a vision-language model: the prompt holds one image placeholder per --image
-            from streamer.multimodal import decode_image
+            from streamer.multimodal.inputs import decode_image
             data["image"] = [decode_image(Path(path).read_bytes()) for path in args.image]
         if args.audio:  # an audio-language model: one audio placeholder per --audio
-            from streamer.audio import decode_audio
+            from streamer.multimodal.audio import decode_audio
             data["audio"] = [decode_audio(Path(path).read_bytes()) for path in args.audio]
         if data:
             prompt = {"prompt": args.prompt, "multi_modal_data": data}
@@ -320,7 +320,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     rendered with the model's chat template on every turn. `/reset` starts over, `/exit` (or end of input) quits.
     Sampling as a chat client gets it: the model's recommended values (generation_config.json) where no flag says."""
     import asyncio
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.chat_template import ChatTemplate
     from streamer.server.protocol import APIError
     try:

@@ -52,7 +52,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # defaults to the model's max_position_embeddings
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits beyond it)
     # Inter-token latency target of streamed requests, in milliseconds: while one decodes, each step's prefill
-    # chunks are sized so that the step-time model (streamer/step_time.py, fitted online on this device) predicts
+    # chunks are sized so that the step-time model (streamer/core/step_time.py, fitted online on this device) predicts
     # the step within it. None: automatic (the largest of 2x the running decodes' own step, that step x (1 + prompts
     # waiting / requests decoding), a tenth of the oldest prompt's wait, and 50 ms; step_time.ItlPolicy). 0: off (the
     # token budget alone, as vLLM and SGLang schedule).
@@ -94,20 +94,20 @@ class EngineConfig:
     # 0 = off. Capped at max_num_seqs.
     cuda_graph_max_batch: int = 256
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
-    # (streamer/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
+    # (streamer/worker/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
     tensor_parallel_size: int = 1
     # Structured outputs: when the grammar admits only one continuation (a JSON key, `":"`, the rest of an enum
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
     jump_forward: bool = True
-    # The reasoning model's parser (streamer/thinking.py PARSERS): its think tags are what a request's
+    # The reasoning model's parser (streamer/engine/thinking.py PARSERS): its think tags are what a request's
     # thinking_token_budget counts between. The server also reads reasoning out of chat output with it.
     reasoning_parser: Optional[str] = None
     # A streamed sequence's outputs after its first token go out every this many tokens (and when it finishes):
     # fewer, larger SSE events and fewer wake-ups on the event loop under heavy streaming load (SGLang's
     # --stream-interval). 1 = every token.
     stream_interval: int = 1
-    # Speculative decoding with n-gram drafts (streamer/speculative.py): up to this many tokens proposed per step
+    # Speculative decoding with n-gram drafts (streamer/spec_decode/ngram.py): up to this many tokens proposed per step
     # from the request's own earlier tokens, verified in one forward pass; 0 = off. Needs steps one at a time
     # (no async scheduling). Only while at most `speculative_max_batch` requests run: in a big batch the device
     # is busy anyway, and rejected drafts would only cost compute.
@@ -115,14 +115,14 @@ class EngineConfig:
     prompt_lookup_max: int = 4  # longest n-gram to match
     prompt_lookup_min: int = 2  # shortest n-gram to match
     speculative_max_batch: int = 8
-    # A draft model instead of n-gram lookup (streamer/draft_model.py): a small checkpoint with the target's
+    # A draft model instead of n-gram lookup (streamer/spec_decode/draft_model.py): a small checkpoint with the target's
     # tokenizer (e.g. Llama-3.2-1B for Llama-3.1-8B) proposes `num_speculative_tokens` tokens greedily, on the
     # device thread, just before the step that verifies them. Its KV cache shares the target's block tables.
     speculative_model: Optional[str] = None
     # "mtp": the checkpoint's own multi-token-prediction layer drafts (DeepSeek-V3 / R1, GLM-4.5 / 4.6: the layer
     # past the last, which loading otherwise skips; Qwen3-Next, Nemotron-H: their `mtp.*` modules), applied again
-    # for each of `num_speculative_tokens` (streamer/eagle.py, models/mtp.py). "suffix": SuffixDecoding, drafts from
-    # earlier requests' outputs as well as the request's own tokens (streamer/speculative.py: SuffixIndex), for agents
+    # for each of `num_speculative_tokens` (streamer/spec_decode/eagle.py, models/mtp.py). "suffix": SuffixDecoding, drafts from
+    # earlier requests' outputs as well as the request's own tokens (streamer/spec_decode/ngram.py: SuffixIndex), for agents
     # and other repetitive traffic. None: `speculative_model` if given, else n-gram lookup.
     speculative_method: Optional[str] = None
     # "suffix": the longest suffix of a request's tokens matched; the finished requests whose outputs are kept (0: the
@@ -132,7 +132,7 @@ class EngineConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    # LoRA adapters (PEFT folders, streamer/lora.py): each request may name one. The model holds up to `max_loras`
+    # LoRA adapters (PEFT folders, streamer/engine/lora.py): each request may name one. The model holds up to `max_loras`
     # adapters at once (a request whose adapter finds no free slot waits), each of rank <= `max_lora_rank`.
     # "fp8": linear weights kept in FP8 (a scale per output channel) and multiplied in FP8 (torch._scaled_mm,
     # activations quantized per token): half the weight memory and bandwidth. Any checkpoint may be quantized this
@@ -144,12 +144,12 @@ class EngineConfig:
     # "none": always dequantize.
     quantization: Optional[str] = None
     enable_lora: bool = False
-    # Prompts given as embeddings (streamer/prompt_embeds.py; the server's prompt_embeds): off by default, since
+    # Prompts given as embeddings (streamer/engine/prompt_embeds.py; the server's prompt_embeds): off by default, since
     # such a request carries a tensor the size of its prompt times the hidden size
     enable_prompt_embeds: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
-    # Where unset request fields take their defaults from (streamer/generation_config.py): "auto" = the model's
+    # Where unset request fields take their defaults from (streamer/engine/generation_config.py): "auto" = the model's
     # generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "vllm" =
     # the API's own defaults, or a folder holding a generation_config.json. `override_generation_config` (the
     # file's keys) wins over either.
@@ -162,7 +162,7 @@ class EngineConfig:
     # A Jinja chat template, or the path of a file holding one, used in place of the checkpoint's (for checkpoints
     # without one, or to fix one); checked to compile at start-up.
     chat_template: Optional[str] = None
-    # Vision- and audio-language models (streamer/multimodal.py, streamer/audio_prompts.py): at most this many
+    # Vision- and audio-language models (streamer/multimodal/inputs.py, streamer/multimodal/audio_prompts.py): at most this many
     # images (videos, audio clips) in one prompt; the encoder's output kept for images whose prompts are still being
     # computed (and for repeats), up to this many bytes.
     limit_images_per_prompt: int = 16
@@ -170,7 +170,7 @@ class EngineConfig:
     # Whether the server fetches http(s) image (video, audio) URLs in chat messages (data: URLs are always read).
     allow_image_urls: bool = True
     # Hosts (names or IP addresses) whose http(s) media URLs the server fetches, each with its subdomains, trusted at
-    # any address, an internal one included (streamer/media_fetch.py); None: any host whose addresses are all
+    # any address, an internal one included (streamer/multimodal/media_fetch.py); None: any host whose addresses are all
     # public (never loopback, private, link-local, ...). As vLLM's --allowed-media-domains.
     allowed_media_domains: Optional[tuple[str, ...]] = None
     # AsyncEngine: seconds between vLLM-style throughput log lines while there is work (0: none; `streamer serve`
@@ -237,11 +237,11 @@ class EngineConfig:
             raise ValueError(f"cpu_weight_packing must be True or False, got {self.cpu_weight_packing!r}")
         if not isinstance(self.allow_image_urls, bool):
             raise ValueError(f"allow_image_urls must be True or False, got {self.allow_image_urls!r}")
-        from streamer.media_fetch import normalize_domains
+        from streamer.multimodal.media_fetch import normalize_domains
         self.allowed_media_domains = normalize_domains(self.allowed_media_domains, "allowed_media_domains")
         if not isinstance(self.jump_forward, bool):
             raise ValueError(f"jump_forward must be True or False, got {self.jump_forward!r}")
-        from streamer.thinking import PARSERS
+        from streamer.engine.thinking import PARSERS
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(f"reasoning_parser must be one of {PARSERS}, got {self.reasoning_parser!r}")
         if (not isinstance(self.stream_interval, int) or isinstance(self.stream_interval, bool)
@@ -376,7 +376,7 @@ def speculative_kwargs(spec: Any) -> dict[str, Any]:
 
 def _mistral_mode(model: Optional[str], kwargs: dict[str, Any]) -> None:
     """vLLM's switches to Mistral's format (tokenizer_mode, config_format, load_format "mistral"), taken out of
-    kwargs: the folder's files decide here (streamer/mistral_format.py reads a folder with params.json and no
+    kwargs: the folder's files decide here (streamer/tokenizer/mistral_format.py reads a folder with params.json and no
     config.json; one with both reads transformers' files, the same weights). A switch to "mistral" for a folder
     without params.json is a ValueError."""
     named = []

@@ -6,17 +6,17 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from streamer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
-from streamer.engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
-from streamer.input_batch import StepInputs
-from streamer.media_fetch import FetchPolicy
-from streamer.multimodal import load_image, load_video
+from streamer.engine.llm_engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
+from streamer.worker.input_batch import StepInputs
+from streamer.multimodal.media_fetch import FetchPolicy
+from streamer.multimodal.inputs import load_image, load_video
 from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
-from streamer.pooling import PoolingParams, encode_pair, pair_up
+from streamer.engine.pooling import PoolingParams, encode_pair, pair_up
 from streamer.progress import GenerateProgress
 from streamer.sampling_params import SamplingParams
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 
 
 def _is_token_list(x: object) -> bool:
@@ -147,7 +147,7 @@ class LLM:
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     ) -> list[BeamSearchOutput]:
-        """The `beam_width` best continuations of each prompt by cumulative log-probability (streamer/beam_search.py):
+        """The `beam_width` best continuations of each prompt by cumulative log-probability (streamer/engine/beam_search.py):
         one engine step per token over all beams of all prompts, the shared prefixes served by the prefix cache."""
         ids = [self.engine.tokenize_prompt(p)[1] for p in _prompt_list(prompts)]
         for p in ids:
@@ -166,7 +166,7 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to several, rendered
         with the model's chat template as the server renders them (and as transformers' apply_chat_template does).
         chat_template: a Jinja template (or a file holding one) for this call in place of the model's."""
-        from streamer.audio_prompts import load_audio
+        from streamer.multimodal.audio_prompts import load_audio
         from streamer.server.protocol import APIError, message_audios, message_images, message_videos, parse_messages
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[index]
         template = self._template(chat_template)
@@ -212,7 +212,7 @@ class LLM:
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:
         """Each prompt's embedding: the model's final hidden states pooled (default: the model's own pooling,
-        normalised; streamer/pooling.py). Batched with each other as generation is."""
+        normalised; streamer/engine/pooling.py). Batched with each other as generation is."""
         states = self._pool(prompts, (pooling or PoolingParams()).for_task("embed"), lora_request)
         return [EmbeddingOutput(s.req.request_id, s.embedding, list(s.req.prompt_token_ids),  # type: ignore[arg-type]
                                 max(s.req.num_cached_tokens, 0)) for s in states]
@@ -248,7 +248,7 @@ class LLM:
 
     def _pool(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: PoolingParams,
               lora_request: Union[LoRAType, Sequence[LoRAType]]) -> list[SeqState]:
-        """Run pooling requests (streamer/pooling.py) to the end; their states hold the results."""
+        """Run pooling requests (streamer/engine/pooling.py) to the end; their states hold the results."""
         prompts = _prompt_list(prompts)
         loras = self._loras(lora_request, len(prompts))
         engine = self.engine

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from streamer.structured_output import StructuredOutputsParams
+from streamer.engine.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound: +-100 bans or forces a token
@@ -64,7 +64,7 @@ class SamplingParams:
     # Keep only the prompt's last N tokens (vLLM's field: an explicit opt-in; prompts are never cut silently).
     truncate_prompt_tokens: Optional[int] = None
     # At most this many tokens of reasoning, then the closing think tag is forced (vLLM's field; needs the
-    # engine's reasoning_parser, whose tags it counts between: streamer/thinking.py).
+    # engine's reasoning_parser, whose tags it counts between: streamer/engine/thinking.py).
     thinking_token_budget: Optional[int] = None
     # The output as it is expected to read (OpenAI's Predicted Outputs, e.g. a file about to be edited): with n-gram
     # speculative decoding on, its tokens are drafted where the output lines up with them.

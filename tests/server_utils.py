@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import uvicorn
 
-from streamer.async_engine import AsyncEngine
+from streamer.engine.async_engine import AsyncEngine
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 from streamer.server.connections import HttpLimits, uvicorn_config
 

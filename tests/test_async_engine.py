@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from streamer import LLM, AsyncEngine, SamplingParams
-from streamer.async_engine import EngineDeadError, QueueFullError
+from streamer.engine.async_engine import EngineDeadError, QueueFullError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [f"def f{i}(x): return x * {i}" for i in range(12)]
@@ -265,7 +265,7 @@ def test_stream_interval_must_be_positive():
 def test_outputs_that_pile_up_go_out_merged():
     """A consumer that fell behind gets one item per sequence for what piled up, in order; another sequence's item,
     or an error, stops the merge and comes next."""
-    from streamer.async_engine import RequestStream
+    from streamer.engine.async_engine import RequestStream
     from streamer.outputs import StreamOutput
 
     class Engine:
@@ -320,7 +320,7 @@ def test_stats_log_line_while_busy_and_quiet_when_idle(llama_dir, caplog):
     """log_stats_interval: vLLM's periodic line (throughputs, queue, KV usage, prefix-cache hit rate) while there is
     work; none while the engine idles; none at all by default."""
     import logging
-    from streamer.metrics import StatsLogger
+    from streamer.engine.metrics import StatsLogger
 
     def lines():
         return [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""streamer.audio: WAV parsing and PyAV decoding, resampling, multi_modal_data["audio"] inputs, splitting long audio,
+"""streamer.multimodal.audio: WAV parsing and PyAV decoding, resampling, multi_modal_data["audio"] inputs, splitting long audio,
 and Whisper's log-mel features against transformers' WhisperFeatureExtractor (the oracle)."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamer import audio as A
-from streamer.audio import (MAX_AUDIO_BYTES, SAMPLE_RATE, AudioBackendMissing, WhisperFeatureConfig, WhisperFeatures,
+from streamer.multimodal import audio as A
+from streamer.multimodal.audio import (MAX_AUDIO_BYTES, SAMPLE_RATE, AudioBackendMissing, WhisperFeatureConfig, WhisperFeatures,
                             as_audio, decode_audio, resample, split_audio)
 
 RNG = np.random.default_rng(1234)

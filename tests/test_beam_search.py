@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from streamer import LLM  # noqa: E402
-from streamer.beam_search import BeamSearchParams  # noqa: E402
+from streamer.engine.beam_search import BeamSearchParams  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7]]
 
@@ -119,7 +119,7 @@ def test_scores_never_raise_and_rank_exactly(penalty):
     import math
     from fractions import Fraction
 
-    from streamer.beam_search import BeamSequence
+    from streamer.engine.beam_search import BeamSequence
     beams = [BeamSequence([1] * n, c) for n, c in ((1, -0.5), (5, -3.0), (7, -2.0), (3, 0.0), (9, -math.inf),
                                                    (2, -1e-300), (4, -7.0))]
     scores = [b.score(penalty) for b in beams]

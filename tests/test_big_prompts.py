@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 from tests.server_utils import LiveServer
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex the jovial boxer "

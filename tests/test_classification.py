@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 from streamer import LLM, AsyncEngine, PoolingParams, SamplingParams  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
-from streamer.pooling import Classifier, encode_pair, pair_up  # noqa: E402
-from streamer.tokenizer import Tokenizer  # noqa: E402
+from streamer.engine.pooling import Classifier, encode_pair, pair_up  # noqa: E402
+from streamer.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7, 8], list(range(60, 100)), [3]]
 QUERY, DOCS = "what does the fox do?", ["The quick brown fox jumps over the lazy dog.", "Hello, world!",

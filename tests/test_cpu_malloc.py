@@ -1,4 +1,4 @@
-"""streamer/cpu_malloc.py: a CPU engine's freed temporaries are reused without page faults."""
+"""streamer/worker/cpu_malloc.py: a CPU engine's freed temporaries are reused without page faults."""
 from __future__ import annotations
 
 import platform
@@ -13,7 +13,7 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's ma
 # A fresh interpreter each time: the settings are process-wide and cannot be undone.
 _FAULTS = """
 import resource, sys, torch
-from streamer.cpu_malloc import keep_freed_memory
+from streamer.worker.cpu_malloc import keep_freed_memory
 print(keep_freed_memory() if sys.argv[1] == "keep" else None)
 torch.set_num_threads(1)
 def faults():
@@ -52,8 +52,8 @@ def test_user_settings_win():
 
 
 def test_cpu_engine_applies_it(llama_dir):
-    from streamer import cpu_malloc
+    from streamer.worker import cpu_malloc
     from streamer.config import EngineConfig
-    from streamer.engine import LLMEngine
+    from streamer.engine.llm_engine import LLMEngine
     LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=64))
     assert cpu_malloc._applied == (platform.libc_ver()[0] == "glibc" and cpu_malloc.keep_freed_memory())

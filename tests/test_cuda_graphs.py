@@ -13,7 +13,7 @@ DEVICE = configure_for_tests()
 triton = pytest.importorskip("triton")
 
 from streamer import LLM, SamplingParams  # noqa: E402
-from streamer.cuda_graphs import capture_sizes  # noqa: E402
+from streamer.worker.cuda_graphs import capture_sizes  # noqa: E402
 
 
 def test_capture_sizes_ladder():
@@ -94,7 +94,7 @@ def test_decode_graphs_for_a_hybrid_model_match_transformers(make_ckpt):
     persistent buffer, the padding rows in the scratch slot, the state checkpoints of prefix caching (block 8) and
     a 1-token prompt's fresh state made before the replay. Its greedy tokens are transformers'. (Compiling is
     refused: the Triton backend has no inline decode graph for a hybrid.)"""
-    from streamer.cuda_graphs import DecodeGraphs
+    from streamer.worker.cuda_graphs import DecodeGraphs
     from tests.checkpoints import hf_greedy
     from tests.parity import assert_state_freed, greedy, prompts_of_lengths
     path = make_ckpt("graphs_qwen3_next", family="qwen3_next")

@@ -309,7 +309,7 @@ def test_cache_bytes_per_token_at_real_sizes(name, over, mha_bytes, latent_bytes
     """The runner's KV cache bytes per token (all layers, bf16) for the real models, built on the meta device: the
     latent cache (one kv head of 576, stored as K and V) against every head's K and V."""
     from streamer.attention.torch_backend import TorchAttentionBackend
-    from streamer.model_runner import ModelRunner
+    from streamer.worker.model_runner import ModelRunner
     from streamer.models.deepseek import DeepseekForCausalLM
     cfg = ModelConfig.from_dict(_v3_config(**over))
     got = {}

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamer import detokenizer as detok_mod
-from streamer.detokenizer import IncrementalDetokenizer
+from streamer.engine import detokenizer as detok_mod
+from streamer.engine.detokenizer import IncrementalDetokenizer
 from streamer.sampling_params import SamplingParams
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer_factory import CORPUS, make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
 # bytelevel: its tokens' bytes and Python's UTF-8 decoder; bytelevel-stream: the same tokenizer through DecodeStream

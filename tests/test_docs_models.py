@@ -20,7 +20,7 @@ def accepted_hf_architectures() -> set[str]:
 
 
 def accepted_gguf_architectures() -> set[str]:
-    from streamer.gguf import ARCHITECTURES
+    from streamer.models.gguf import ARCHITECTURES
     return set(ARCHITECTURES)
 
 
@@ -58,7 +58,7 @@ def test_every_documented_architecture_is_accepted() -> None:
     extra = tables["Architecture"] - accepted_hf_architectures()
     assert not extra, f"in docs/models.md but not accepted by the code: {sorted(extra)}"
     extra = tables.get("GGUF architecture", set()) - accepted_gguf_architectures()
-    assert not extra, f"GGUF architectures in docs/models.md that streamer/gguf.py does not read: {sorted(extra)}"
+    assert not extra, f"GGUF architectures in docs/models.md that streamer/models/gguf.py does not read: {sorted(extra)}"
 
 
 def test_documented_architectures_load_through_the_config() -> None:

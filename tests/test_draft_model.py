@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (streamer/draft_model.py): greedy output identical to transformers'
+"""Speculative decoding with a draft model (streamer/spec_decode/draft_model.py): greedy output identical to transformers'
 with drafts that are always right, often right or mostly wrong; chunked prefill, catch-up in chunks, preemption;
 sampled requests; bad drafts refused; the server."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from streamer import LLM, SamplingParams
-from streamer.draft_model import plan_drafts
-from streamer.input_batch import StepInputs
+from streamer.spec_decode.draft_model import plan_drafts
+from streamer.worker.input_batch import StepInputs
 from tests.checkpoints import hf_greedy
 from tests.server_utils import LiveServer, metric
 

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from streamer import LLM, AsyncEngine, PoolingParams, SamplingParams  # noqa: E402
-from streamer.pooling import default_pooling  # noqa: E402
+from streamer.engine.pooling import default_pooling  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7, 8], list(range(60, 100)), [3]]
 

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 
 from streamer import LLM, PoolingParams, SamplingParams  # noqa: E402
-from streamer.pooling import encode_pair  # noqa: E402
+from streamer.engine.pooling import encode_pair  # noqa: E402
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world!", "what time is it? it is half past seven.",
          "a"]
@@ -333,7 +333,7 @@ def test_dense_projection_reads_sentence_transformers_modules(tmp_path):
     # LaBSE's kind: one Dense with a bias and sentence-transformers' default Tanh, its weights in a .bin file.
     import json
 
-    from streamer.pooling import DenseProjection
+    from streamer.engine.pooling import DenseProjection
     assert DenseProjection.load(tmp_path) is None  # (no modules.json)
     (tmp_path / "2_Dense").mkdir()
     (tmp_path / "modules.json").write_text(json.dumps([
@@ -413,7 +413,7 @@ def test_sentence_transformers_max_seq_length_and_lower_case(ckpt_root, tmp_path
     import json
     import shutil
 
-    from streamer.tokenizer import Tokenizer
+    from streamer.tokenizer.tokenizer import Tokenizer
     from tests.tokenizer_factory import make_bytelevel_tokenizer
     path = tmp_path / "st"
     shutil.copytree(_build(ckpt_root, "mpnet-embed", family="mpnet", pooling="mean", masked_lm=True), path)

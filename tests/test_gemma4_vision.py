@@ -1,4 +1,4 @@
-"""Gemma 4's images (streamer/models/gemma4_vision.py, streamer/gemma4_image_processor.py, models/vlm.py
+"""Gemma 4's images (streamer/models/gemma4_vision.py, streamer/multimodal/processors/gemma4_image_processor.py, models/vlm.py
 Gemma4VisionMixin) against transformers' Gemma4ForConditionalGeneration and Gemma4ImageProcessorPil, on tiny random
 checkpoints (fp32): 4-pixel patches pooled 2x2, images at their own sizes (so their token counts differ), clipped
 linears and standardized features; over the E2B-shaped text model (per-layer embeddings, whose image tokens take the
@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from streamer import LLM, SamplingParams  # noqa: E402
-from streamer.gemma4_image_processor import Gemma4ImageProcessor  # noqa: E402
+from streamer.multimodal.processors.gemma4_image_processor import Gemma4ImageProcessor  # noqa: E402
 from tests.checkpoints import _hf_greedy_with_logprobs, _vlm_tokenizer  # noqa: E402
 from tests.parity import assert_outputs_match, tokens_and_logprobs  # noqa: E402
 from tests.test_gemma4 import _dense_config, _moe_config, _randomise  # noqa: E402

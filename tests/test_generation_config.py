@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from streamer import LLM
-from streamer.generation_config import sampling_defaults
+from streamer.engine.generation_config import sampling_defaults
 from streamer.server.protocol import parse_chat, parse_completion
 from tests.server_utils import LiveServer
 

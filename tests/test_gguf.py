@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 gguf = pytest.importorskip("gguf")
 
 from streamer import LLM, SamplingParams  # noqa: E402
-from streamer import gguf as sgguf  # noqa: E402
+from streamer.models import gguf as sgguf  # noqa: E402
 from tests.parity import greedy, random_prompts  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -318,7 +318,7 @@ def test_tokenizer_matches_transformers_gguf(ckpt, tmp_path, name, pre):
     tokenizer and like the original tokenizer.json, decodes back, and carries the special tokens and the chat
     template."""
     import transformers
-    from streamer.tokenizer import Tokenizer
+    from streamer.tokenizer.tokenizer import Tokenizer
     path = _gguf(ckpt, tmp_path, name)
     ours = Tokenizer.from_pretrained(sgguf.hf_folder(path))
     theirs = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

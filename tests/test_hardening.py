@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streamer import LLM, SamplingParams
-from streamer.sampler import PenaltyBatch, Sampler, SamplingBatch, apply_penalties
+from streamer.worker.sampler import PenaltyBatch, Sampler, SamplingBatch, apply_penalties
 from tests.server_utils import LiveServer
 
 
@@ -57,7 +57,7 @@ def test_allowed_tokens_all_bad_words_is_refused(llm):
 def test_a_request_left_no_token_stops_with_a_reason(llm, monkeypatch):
     """Whatever leaves a row no token at run time (here: every token banned, as bad_words' sequences can), the
     output stops with stop_reason "no_token_allowed" instead of emitting token 0."""
-    from streamer import model_runner
+    from streamer.worker import model_runner
     real = model_runner.bad_word_bans
 
     def ban_everything(seqs, output):

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from streamer import LLM, SamplingParams
-from streamer.kv_cache import KVCacheManager, StateSlotPool
+from streamer.core.kv_cache import KVCacheManager, StateSlotPool
 from streamer.models.mamba import ssd_scan
-from streamer.request import Request
+from streamer.core.request import Request
 from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 from tests.checkpoints import hf_greedy
 
@@ -191,7 +191,7 @@ def test_decode_states_updated_in_place_over_their_span(moe_ckpt, moe_ref, promp
     """Decode steps whose requests' slots fill most of their span update the states through a view of it, the
     span's other slots (here also prefilling requests' slots) untouched by zero inputs; the others gather and
     scatter. All three happen here (requests arriving while others decode), and the tokens equal transformers'."""
-    from streamer.model_runner import ModelRunner
+    from streamer.worker.model_runner import ModelRunner
     seen: list[str] = []
     build = ModelRunner._mamba_step
 
@@ -224,7 +224,7 @@ def test_short_chunks_batched_long_ones_alone(make_ckpt, family, monkeypatch):
     """A step's prefill chunks of at most 64 tokens are convolved (and scanned) together, padded to the longest;
     longer ones one by one: steps with both, and the tokens equal transformers'."""
     import tests.test_recurrent_families  # noqa: F401  (registers lfm2)
-    from streamer.model_runner import ModelRunner
+    from streamer.worker.model_runner import ModelRunner
     path = make_ckpt("granitemoehybrid" if family == "granitemoehybrid" else "recurrent_lfm2", family=family)
     prompts = prompts_of_lengths((3, 70, 9, 130, 1, 64, 65), seed=6)
     ref = hf_greedy(path, prompts, MAX_NEW)

@@ -20,10 +20,10 @@ import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
 import tests.test_recurrent_families  # noqa: F401
 from streamer import LLM
 from streamer.config import EngineConfig
-from streamer.kv_cache import KVCacheManager
-from streamer.request import Request
+from streamer.core.kv_cache import KVCacheManager
+from streamer.core.request import Request
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler, SchedulerOutput
+from streamer.core.scheduler import Scheduler, SchedulerOutput
 from tests.checkpoints import hf_greedy
 from tests.parity import assert_state_freed, greedy_params, prompts_of_lengths
 from tests.test_nemotron_h import make_nemotron_h

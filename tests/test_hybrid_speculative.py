@@ -24,14 +24,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import streamer.engine
+import streamer.engine.llm_engine
 import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
 import tests.test_recurrent_families  # noqa: F401
 from streamer import LLM
-from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.request import Request, RequestStatus
+from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.core.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import SPEC_CHECKPOINT_BLOCKS, Scheduler
+from streamer.core.scheduler import SPEC_CHECKPOINT_BLOCKS, Scheduler
 from tests.parity import assert_state_freed, family_checkpoints, family_references, greedy_params, prompts_of_lengths
 from tests.test_eagle import Reference, assert_proposals_match, make_head, spy_proposals
 from tests.test_hybrid_prefix_caching import StateSim
@@ -63,7 +63,7 @@ def refs(ckpt):
 
 
 class OracleDrafts:
-    """In place of n-gram lookup (streamer.engine.propose_ngram): the next k tokens of the reference continuation
+    """In place of n-gram lookup (streamer.engine.llm_engine.propose_ngram): the next k tokens of the reference continuation
     of whichever sequence the tokens start, each spoilt with probability `spoil` (a spoilt draft is rejected, and
     everything after it with it)."""
 
@@ -87,7 +87,7 @@ class OracleDrafts:
 def spec_llm(path: Path, monkeypatch, sequences: list[list[int]], spoil: float = 0.35,
              **engine_args) -> tuple[LLM, OracleDrafts]:
     oracle = OracleDrafts(sequences, spoil)
-    monkeypatch.setattr(streamer.engine, "propose_ngram", oracle)
+    monkeypatch.setattr(streamer.engine.llm_engine, "propose_ngram", oracle)
     return LLM(str(path), dtype="float32", num_speculative_tokens=K, **engine_args), oracle
 
 
@@ -415,7 +415,7 @@ def test_live_server_streams_verified_runs(ckpt, refs, monkeypatch):
 
     from tests.server_utils import LiveServer, metric
     path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
-    monkeypatch.setattr(streamer.engine, "propose_ngram", OracleDrafts([p + r for p, r in zip(PROMPTS, want)], 0.35))
+    monkeypatch.setattr(streamer.engine.llm_engine, "propose_ngram", OracleDrafts([p + r for p, r in zip(PROMPTS, want)], 0.35))
     extra = {"min_tokens": MAX_NEW, "return_token_ids": True}
     with LiveServer(path, num_speculative_tokens=K) as server:
         async def main():

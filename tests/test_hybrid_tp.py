@@ -120,6 +120,6 @@ def test_unsplittable_configs_refused_before_workers_start(ckpt, monkeypatch, na
     def no_workers(*args, **kwargs):
         raise AssertionError("a tensor-parallel worker was started before the config was checked")
 
-    monkeypatch.setattr("streamer.model_runner.TensorParallelWorkers", no_workers)
+    monkeypatch.setattr("streamer.worker.model_runner.TensorParallelWorkers", no_workers)
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         LLM(str(path), tensor_parallel_size=2, **ENGINE)

@@ -18,11 +18,11 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from streamer.config import EngineConfig
-from streamer.input_batch import InputBatch, StepInputs
-from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.request import Request, RequestStatus
+from streamer.worker.input_batch import InputBatch, StepInputs
+from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.core.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler, SchedulerOutput
+from streamer.core.scheduler import Scheduler, SchedulerOutput
 
 VOCAB = 1000
 MAX_LEN = 200

@@ -1,6 +1,6 @@
 """InternVL 3 / 3.5 (InternVLForConditionalGeneration, the transformers-format "-hf" checkpoints): InternViT and the
 pixel-shuffle projector (streamer/models/internvl.py), the dynamic-tiling image processor
-(streamer/internvl_image_processor.py) and the whole engine path (each image expanded to <img>, its tiles' image
+(streamer/multimodal/processors/internvl_image_processor.py) and the whole engine path (each image expanded to <img>, its tiles' image
 tokens and </img>; chunked prefill; the chat template; the server) against transformers on tiny random
 checkpoints: a Qwen2 text model under a LayerNorm tower with q/k/v biases, a Qwen3 one under an RMSNorm tower
 with q/k norms and the final LayerNorm (use_mean_pooling false), and a Qwen3-MoE one (InternVL3.5's MoE models)."""
@@ -290,7 +290,7 @@ def _ours(hf_model, feature_layer: int = -1):
 def test_encoder_and_projector_equal_transformers(variant: str, feature_layer: int, request) -> None:
     """Several images' tiles in one batch give transformers' features for every feature layer (the last one
     through the final norm where the tower has one, 0 the embeddings), and only the layers read are built."""
-    from streamer.internvl_image_processor import InternVLImageProcessor
+    from streamer.multimodal.processors.internvl_image_processor import InternVLImageProcessor
     hf_model = _hf_model(request.getfixturevalue("internvl_dir" if variant == "qwen2" else "internvl3_dir"))
     tower, projector = _ours(hf_model, feature_layer)
     assert len(tower.encoder.layer) == {-1: 3, 1: 1, -2: 2, 0: 0}[feature_layer]
@@ -328,7 +328,7 @@ def test_a_changed_pixel_shuffle_fails(internvl_dir: Path) -> None:
                                     {"do_rescale": False, "image_mean": [100.0, 120.0, 90.0],
                                      "image_std": [50.0, 60.0, 70.0], "size": {"height": 48, "width": 48}}])
 def test_processor_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> None:
-    from streamer.internvl_image_processor import InternVLImageProcessor
+    from streamer.multimodal.processors.internvl_image_processor import InternVLImageProcessor
     theirs = _hf_processor(**kwargs)
     theirs.save_pretrained(tmp_path)
     ours = InternVLImageProcessor.from_folder(tmp_path, kwargs.get("size", {}).get("height", TILE))
@@ -343,7 +343,7 @@ def test_processor_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> 
 
 
 def test_tile_grid_equals_transformers() -> None:
-    from streamer.internvl_image_processor import tile_grid
+    from streamer.multimodal.processors.internvl_image_processor import tile_grid
     rng = np.random.default_rng(0)
     for _ in range(400):
         h, w = (int(x) for x in rng.integers(1, 3000, 2))
@@ -354,7 +354,7 @@ def test_tile_grid_equals_transformers() -> None:
 
 
 def test_processor_errors() -> None:
-    from streamer.internvl_image_processor import InternVLImageProcessor
+    from streamer.multimodal.processors.internvl_image_processor import InternVLImageProcessor
     ok = {"image_processor_type": "GotOcr2ImageProcessorFast", "size": {"height": 448, "width": 448}}
     with pytest.raises(ValueError, match="unsupported image processor"):
         InternVLImageProcessor({"image_processor_type": "CLIPImageProcessor"}, 448)
@@ -412,7 +412,7 @@ def test_a_real_config_reads() -> None:
 
 
 def test_defaults_match_transformers() -> None:
-    from streamer.internvl_image_processor import GOT_OCR2_DEFAULTS
+    from streamer.multimodal.processors.internvl_image_processor import GOT_OCR2_DEFAULTS
     from streamer.models.internvl import INTERNVL_VISION_DEFAULTS
     theirs = transformers.InternVLVisionConfig().to_dict()
     for key, value in INTERNVL_VISION_DEFAULTS.items():

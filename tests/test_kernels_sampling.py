@@ -179,10 +179,10 @@ def test_engine_triton_sampler_matches_torch_sampler(request, monkeypatch) -> No
     greedy rows and every filter."""
     pytest.importorskip("transformers")  # the checkpoint fixtures are built with it
     llama_dir = request.getfixturevalue("llama_dir")
-    import streamer.sampler
+    import streamer.worker.sampler
 
     # The torch path's CPU shortcuts draw other numbers (heads, inverse CDF); compare with its full path.
-    monkeypatch.setattr(streamer.sampler, "sample_cpu_fast", lambda scaled, batch: None)
+    monkeypatch.setattr(streamer.worker.sampler, "sample_cpu_fast", lambda scaled, batch: None)
     torch_out = _seeded_outputs(llama_dir, monkeypatch, sampling_backend="torch")
     triton_out = _seeded_outputs(llama_dir, monkeypatch, sampling_backend="triton")
     assert triton_out == torch_out
@@ -193,8 +193,8 @@ def test_default_sampler_takes_the_kernel_for_large_steps_on_cuda(monkeypatch) -
     """sampling_backend None: on CUDA the kernel serves steps of >= AUTO_KERNEL_MIN_ROWS rows (where the GPU check
     measured it winning), torch's path the smaller ones; on CPU torch's path always."""
     import streamer_kernels
-    from streamer.model_runner import AUTO_KERNEL_MIN_ROWS, resolve_sampling_backend
-    from streamer.sampler import Sampler, SamplingBatch
+    from streamer.worker.model_runner import AUTO_KERNEL_MIN_ROWS, resolve_sampling_backend
+    from streamer.worker.sampler import Sampler, SamplingBatch
 
     assert resolve_sampling_backend(None, torch.device("cuda")) == AUTO_KERNEL_MIN_ROWS
     assert resolve_sampling_backend("triton", torch.device("cuda")) == 0
@@ -213,7 +213,7 @@ def test_default_sampler_takes_the_kernel_for_large_steps_on_cuda(monkeypatch) -
 
 def test_triton_sampler_needs_a_gpu_or_the_interpreter(monkeypatch) -> None:
     from streamer.config import EngineConfig
-    from streamer.model_runner import resolve_sampling_backend
+    from streamer.worker.model_runner import resolve_sampling_backend
 
     with pytest.raises(ValueError, match="sampling_backend"):
         EngineConfig(sampling_backend="cuda")

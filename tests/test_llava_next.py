@@ -1,5 +1,5 @@
 """LLaVA-NeXT (LlavaNextForConditionalGeneration, llava-v1.6): the "anyres" image processor
-(streamer/llava_next_image_processor.py), the features' layout (models/vlm.py LlavaNextMixin: the base tile, then the
+(streamer/multimodal/processors/llava_next_image_processor.py), the features' layout (models/vlm.py LlavaNextMixin: the base tile, then the
 tiles' grid cropped back to the image's aspect ratio with a newline after each row) and the whole engine path
 (placeholder expansion to each image's own token count, chunked prefill, the server) against transformers on tiny
 random checkpoints: a CLIP tower on 32-pixel tiles of 8-pixel patches (16 features a tile, "default" strategy) over
@@ -189,7 +189,7 @@ WIDE_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008], 
 def test_token_counts_equal_transformers(height: int, width: int, kind: str) -> None:
     """Our count of an image's tokens is LlavaNextProcessor's, for any size (the tiny test model's tiles, and
     llava-v1.6's 336-pixel tiles of 14-pixel patches under both pinpoint lists)."""
-    from streamer.llava_next_image_processor import as_pinpoints, num_image_tokens
+    from streamer.multimodal.processors.llava_next_image_processor import as_pinpoints, num_image_tokens
     pinpoints, tile, patch = {"tiny": (PINPOINTS, TILE, PATCH), "real": (REAL_PINPOINTS, 336, 14),
                               "wide": (WIDE_PINPOINTS, 336, 14)}[kind]
     assert num_image_tokens(height, width, as_pinpoints(pinpoints, tile), tile, tile // patch) == \
@@ -215,7 +215,7 @@ def test_pixels_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> Non
     """Every tile of every image (RGB, RGBA, greyscale; all pinpoints; some upscaled, some downscaled) is
     transformers' PIL backend's, bit for bit, under the config variants (a 40-pixel `size` resizes and crops each
     tile, the base image squashed to 40 x 40 first)."""
-    from streamer.llava_next_image_processor import LlavaNextImageProcessor, as_pinpoints
+    from streamer.multimodal.processors.llava_next_image_processor import LlavaNextImageProcessor, as_pinpoints
     theirs = hf_image_processor(**kwargs)
     theirs.save_pretrained(tmp_path)
     ours = LlavaNextImageProcessor.from_folder(tmp_path, TILE, SIDE, as_pinpoints(PINPOINTS, TILE))
@@ -235,7 +235,7 @@ def test_pixels_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> Non
 def test_features_equal_transformers_and_every_part_counts(llava_next_dir: Path, llm: LLM, monkeypatch) -> None:
     """Our encoder, projector and layout give transformers' pack_image_features output, image by image; that
     check fails with the newline zeroed, with the grid left padded (no unpadding), and with the base tile last."""
-    import streamer.llava_next_image_processor as lnp
+    import streamer.multimodal.processors.llava_next_image_processor as lnp
     model = llm.engine.runner.model
     ims = sized(IMAGE_SIZES, seed=2)
     _, inputs = llm.engine.image_prompts.expand(llm.tokenizer.encode(TWO.replace("<image>\n", "<image>\n" * 3)), ims)
@@ -345,7 +345,7 @@ LLAVA_NEXT_MISTRAL_CONFIG = {
 
 
 def test_a_real_config_reads() -> None:
-    from streamer.llava_next_image_processor import as_pinpoints, num_image_tokens
+    from streamer.multimodal.processors.llava_next_image_processor import as_pinpoints, num_image_tokens
     from streamer.models.config import ModelConfig
     cfg = ModelConfig.from_dict(LLAVA_NEXT_MISTRAL_CONFIG)
     assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.sliding_window, cfg.vocab_size,
@@ -361,7 +361,7 @@ def test_a_real_config_reads() -> None:
 
 
 def test_defaults_match_transformers() -> None:
-    from streamer.llava_next_image_processor import LLAVA_NEXT_DEFAULTS
+    from streamer.multimodal.processors.llava_next_image_processor import LLAVA_NEXT_DEFAULTS
     from streamer.models.vlm import DEFAULT_GRID_PINPOINTS, DEFAULT_VISION_CONFIG
     default = transformers.LlavaNextConfig()
     assert default.image_grid_pinpoints == DEFAULT_GRID_PINPOINTS

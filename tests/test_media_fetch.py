@@ -1,4 +1,4 @@
-"""Media URL fetching without server-side request forgery (streamer/media_fetch.py): loopback and other non-public
+"""Media URL fetching without server-side request forgery (streamer/multimodal/media_fetch.py): loopback and other non-public
 addresses refused however spelled, redirects checked hop by hop, one deadline per fetch, a byte cap, one error text
 for every failure, and the allow-list (EngineConfig.allowed_media_domains). Every connection here goes to a local
 HTTP server on 127.0.0.1; public addresses are only classified, never connected to."""
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from streamer import media_fetch
-from streamer.audio_prompts import load_audio
+from streamer.multimodal import media_fetch
+from streamer.multimodal.audio_prompts import load_audio
 from streamer.config import EngineConfig
-from streamer.media_fetch import MAX_REDIRECTS, FetchPolicy, fetch, is_public_address
-from streamer.multimodal import MAX_IMAGE_BYTES, load_image, load_video
+from streamer.multimodal.media_fetch import MAX_REDIRECTS, FetchPolicy, fetch, is_public_address
+from streamer.multimodal.inputs import MAX_IMAGE_BYTES, load_image, load_video
 
 FAILED = "could not fetch the image URL"
 LOCAL = FetchPolicy(allowed_domains=("127.0.0.1",))
@@ -264,7 +264,7 @@ def test_every_fetch_failure_reads_the_same(server, caplog) -> None:
              (_url(server, "/short"), LOCAL), (_url(server), FetchPolicy()),
              (_url(server, "/loop"), LOCAL), (_url(server, "/to-localhost"), LOCAL)]
     texts = set()
-    with caplog.at_level(logging.DEBUG, logger="streamer.media_fetch"):
+    with caplog.at_level(logging.DEBUG, logger="streamer.multimodal.media_fetch"):
         for url, policy in cases:
             with pytest.raises(ValueError) as e:
                 load_image(url, policy)
@@ -308,7 +308,7 @@ def test_https_connects_to_the_vetted_address_with_sni_and_checks_the_certificat
     server, cert, names = tls_server
     url = f"https://localhost:{_port(server)}/cat.png"
     policy = FetchPolicy(allowed_domains=("localhost",))
-    with caplog.at_level(logging.DEBUG, logger="streamer.media_fetch"):
+    with caplog.at_level(logging.DEBUG, logger="streamer.multimodal.media_fetch"):
         with pytest.raises(ValueError, match=f"^{FAILED}$"):  # self-signed: not trusted by the system's CAs
             load_image(url, policy)
     assert "CERTIFICATE_VERIFY_FAILED" in caplog.text

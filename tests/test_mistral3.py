@@ -1,5 +1,5 @@
 """Mistral 3 (Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2): the Pixtral encoder and Mistral 3's
-projector (streamer/models/pixtral.py), the image processor (streamer/pixtral_image_processor.py) and the whole
+projector (streamer/models/pixtral.py), the image processor (streamer/multimodal/processors/pixtral_image_processor.py) and the whole
 engine path (placeholders expanded into rows closed by [IMG_BREAK] / [IMG_END], chunked prefill, the prefix and
 encoder caches, the chat template, the server) against transformers on a tiny random checkpoint."""
 from __future__ import annotations
@@ -189,7 +189,7 @@ def test_chunked_prefill_equals_transformers(mistral3_dir: Path) -> None:
 def test_image_step_maps_only_image_tokens() -> None:
     """A chunk that cuts an image reads the feature rows of its own [IMG] positions; the row breaks in it take
     none, and a chunk holding only a break encodes nothing."""
-    from streamer.multimodal import ImageInput, image_step
+    from streamer.multimodal.inputs import ImageInput, image_step
     mask = np.array([1, 1, 0, 1, 1, 0], dtype=bool)  # 2 x 2 tokens: [IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]
     img = ImageInput(3, 6, torch.zeros(1), b"a", feature_mask=mask)
     req = types.SimpleNamespace(images=[img])
@@ -296,7 +296,7 @@ def _ours(hf_model, feature_layer: int = -1):
 def test_encoder_and_projector_equal_transformers(hf_model, feature_layer: int) -> None:
     """Images of several sizes in one call (each attending to itself only) give transformers' features, one image
     alone bit for bit; an earlier feature layer reads that layer's states (and builds no layer past it)."""
-    from streamer.pixtral_image_processor import PixtralImageProcessor
+    from streamer.multimodal.processors.pixtral_image_processor import PixtralImageProcessor
     tower, projector = _ours(hf_model, feature_layer)
     assert len(tower.transformer.layers) == (3 if feature_layer == -1 else 1)
     ims = sized([(30, 48), (40, 40), (64, 20), (8, 8)], seed=10)
@@ -335,7 +335,7 @@ def test_swapped_rotary_axes_fail(hf_model) -> None:
 def test_processor_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> None:
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    from streamer.pixtral_image_processor import PixtralImageProcessor
+    from streamer.multimodal.processors.pixtral_image_processor import PixtralImageProcessor
     theirs = PixtralImageProcessorPil(**{"size": {"longest_edge": LONGEST}, **kwargs})
     theirs.save_pretrained(tmp_path)
     ours = PixtralImageProcessor.from_folder(tmp_path, 14 * 2)
@@ -349,7 +349,7 @@ def test_processor_bit_exact_with_transformers(kwargs: dict, tmp_path: Path) -> 
 
 
 def test_processor_errors() -> None:
-    from streamer.pixtral_image_processor import PixtralImageProcessor
+    from streamer.multimodal.processors.pixtral_image_processor import PixtralImageProcessor
     ok = {"image_processor_type": "PixtralImageProcessor"}
     with pytest.raises(ValueError, match="unsupported image processor"):
         PixtralImageProcessor.from_config({"image_processor_type": "CLIPImageProcessor"}, 28)
@@ -405,7 +405,7 @@ def test_a_real_config_reads() -> None:
 def test_defaults_match_transformers() -> None:
     from streamer.models.config import _DEFAULT_TEXT_CONFIG
     from streamer.models.pixtral import MISTRAL3_VISION_CONFIG, PIXTRAL_DEFAULTS, ROPE_THETA
-    from streamer.pixtral_image_processor import PIXTRAL_IMAGE_DEFAULTS
+    from streamer.multimodal.processors.pixtral_image_processor import PIXTRAL_IMAGE_DEFAULTS
     theirs = transformers.PixtralVisionConfig().to_dict()
     assert {k: theirs[k] for k in PIXTRAL_DEFAULTS} == PIXTRAL_DEFAULTS
     assert theirs["rope_parameters"] == {"rope_theta": ROPE_THETA, "rope_type": "axial"}

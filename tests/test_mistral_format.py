@@ -1,4 +1,4 @@
-"""Mistral's own checkpoint format (streamer/mistral_format.py): params.json, consolidated.safetensors in Meta's
+"""Mistral's own checkpoint format (streamer/tokenizer/mistral_format.py): params.json, consolidated.safetensors in Meta's
 rotary layout, and Mistral's real tokenizer files as mistral_common bundles them (tekken.json of Mistral-Nemo /
 Pixtral, the SentencePiece tokenizer.model.v3 / .v7 of Mistral-7B-v0.3 and Mistral-Large-2411). The tekken BPE
 encodes as mistral_common's Tekkenizer; a tiny model written in that format generates the tokens transformers gives
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
-from streamer.mistral_format import tekken_tokenizer
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.mistral_format import tekken_tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 
 mistral_common = pytest.importorskip("mistral_common")
 tf = pytest.importorskip("transformers")

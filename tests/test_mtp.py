@@ -1,5 +1,5 @@
 """Speculative decoding with a checkpoint's own multi-token-prediction layer (speculative_method="mtp";
-streamer/models/mtp.py over streamer/eagle.py's runner): every proposal equals a reference built from
+streamer/models/mtp.py over streamer/spec_decode/eagle.py's runner): every proposal equals a reference built from
 transformers' own DeepSeek-V3 / GLM-4.5 decoder layer loaded with the MTP weights, and greedy output stays
 transformers'. Checkpoints without the layer, and families without one, are refused."""
 from __future__ import annotations

@@ -443,7 +443,7 @@ def test_qwen_vl_equals_transformers(ckpt_root: Path, version: str, monkeypatch)
     assert again[0].num_cached_tokens > 0
     assert_outputs_match(tokens_and_logprobs(again), want[2:3])
     check_freed(chunked)
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
 
     def plain(inputs, merge):  # positions = indices: no M-RoPE
         for im in inputs:

@@ -13,7 +13,7 @@ import pytest
 
 from streamer import LLM, SamplingParams
 from streamer.demo_model import default_model_path
-from streamer.speculative import propose_predicted
+from streamer.spec_decode.ngram import propose_predicted
 from tests.server_utils import LiveServer
 
 PROMPT = "import os\n\ndef list_files(path):\n"

@@ -1,4 +1,4 @@
-"""Prompts given as embeddings (streamer/prompt_embeds.py): the embedding layer's rows for a prompt's tokens give the
+"""Prompts given as embeddings (streamer/engine/prompt_embeds.py): the embedding layer's rows for a prompt's tokens give the
 tokens' output, in every family whose start differs (Gemma's scale, Granite's and Falcon-H1's multipliers, OPT's
 projection, GPT-2's learned positions); a soft prompt gives transformers' output for the same inputs_embeds;
 prefix caching, chunked prefill, truncation and penalties read the rows, not the placeholders; and the server takes
@@ -18,11 +18,11 @@ import tests.test_classic_families  # noqa: F401  (registers the test checkpoint
 import tests.test_more_classic_families  # noqa: F401  (opt)
 import tests.test_recurrent_families  # noqa: F401  (falcon_h1)
 from streamer.llm import LLM
-from streamer.pooling import PoolingParams
-from streamer.prompt_embeds import embeds_input
-from streamer.request import Request
-from streamer.sampler import build_penalties
-from streamer.beam_search import BeamSearchParams
+from streamer.engine.pooling import PoolingParams
+from streamer.engine.prompt_embeds import embeds_input
+from streamer.core.request import Request
+from streamer.worker.sampler import build_penalties
+from streamer.engine.beam_search import BeamSearchParams
 from streamer.sampling_params import SamplingParams
 from tests.server_utils import LiveServer
 
@@ -208,7 +208,7 @@ def test_server_takes_base64_prompt_embeds(llama_dir):
 
 
 def test_async_engine_streams_a_prompt_of_embeddings(llama_dir):
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     (embeds,) = hf_embeds(llama_dir, PROMPTS[:1])
     bf16 = embeds.to(torch.bfloat16)
 
@@ -272,7 +272,7 @@ def _recompressed(raw: bytes) -> bytes:
 
 
 def test_a_compressed_archive_is_refused_before_it_is_inflated():
-    from streamer.prompt_embeds import decode_base64
+    from streamer.engine.prompt_embeds import decode_base64
     raw = _recompressed(_saved(torch.zeros(4096, 1024)))  # 16 MiB of zeros
     assert len(raw) < 200_000
     with pytest.raises(ValueError, match="compressed"):
@@ -282,7 +282,7 @@ def test_a_compressed_archive_is_refused_before_it_is_inflated():
 
 
 def test_rows_past_max_model_len_are_refused_before_they_are_copied():
-    from streamer.prompt_embeds import check_embeds, decode_base64
+    from streamer.engine.prompt_embeds import check_embeds, decode_base64
     view = torch.zeros(1, 64).expand(50_000_000, 64)  # a stride-0 view: 12.8 GB once copied
     t = decode_base64(base64.b64encode(_saved(view)).decode())
     assert t.untyped_storage().nbytes() <= 64 * 4

@@ -1,4 +1,4 @@
-"""Qwen2-Audio (audio clips in prompts: streamer/audio_prompts.py, models/audio_tower.py, models/vlm.py
+"""Qwen2-Audio (audio clips in prompts: streamer/multimodal/audio_prompts.py, models/audio_tower.py, models/vlm.py
 Qwen2AudioMixin) against transformers, which is only a test oracle here: the encoder's rows for clips of several
 lengths, the features and token counts Qwen2AudioProcessor makes, and greedy generation (tokens and logprobs) with
 one clip, two clips in a prompt, a clip past 30 s, chunked prefill cutting through a clip and prefix caching; the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from streamer import LLM, SamplingParams
-from streamer.audio_prompts import AudioPrompts, as_clips, hash_clip
+from streamer.multimodal.audio_prompts import AudioPrompts, as_clips, hash_clip
 from streamer.models.audio_tower import AudioTower, audio_tokens
 from tests.checkpoints import hf_qwen2_audio_greedy, make_qwen2_audio_checkpoint
 from tests.test_multimodal import check_freed

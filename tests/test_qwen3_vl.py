@@ -17,7 +17,7 @@ from PIL import Image
 import streamer.models.qwen_vision as qv
 from streamer import LLM, SamplingParams
 from streamer.models.qwen_vision import QWEN_VISION_DEFAULTS, ROPE_THETA, QwenVisionTower
-from streamer.qwen_image_processor import QwenImageProcessor
+from streamer.multimodal.processors.qwen_image_processor import QwenImageProcessor
 from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs
 
 transformers = pytest.importorskip("transformers")

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from streamer import LLM, SamplingParams
-from streamer.multimodal import VideoData
-from streamer.qwen_video_processor import QWEN3_VIDEO_DEFAULTS, Qwen3VideoProcessor, qwen3_smart_resize
+from streamer.multimodal.inputs import VideoData
+from streamer.multimodal.processors.qwen_video_processor import QWEN3_VIDEO_DEFAULTS, Qwen3VideoProcessor, qwen3_smart_resize
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,7 +102,7 @@ def _prompts() -> list[dict]:
 
 
 def _media(data: dict) -> list[VideoData]:
-    from streamer.multimodal import as_media
+    from streamer.multimodal.inputs import as_media
     return as_media(data)[1]
 
 
@@ -173,7 +173,7 @@ def test_video_equals_transformers(video_dir: Path, case) -> None:
 def test_wrong_positions_timestamps_or_deepstack_fail(video_dir: Path, case, monkeypatch) -> None:
     """The checks above can fail: 1-D positions for the video tokens, other timestamps in the prompt, or no
     DeepStack on video tokens are measurably off transformers."""
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
     from streamer.models import vlm
     _, prompts, _, want = case
     real_place = mm._place_mrope
@@ -238,7 +238,7 @@ def _transformers_expansion(video_dir: Path, prompt: dict, tokenizer) -> list[in
     text = parts[0] + "".join(Qwen3VLProcessor.replace_video_token(me, inputs, i) + part
                               for i, part in enumerate(parts[1:]))
     if data.get("image") is not None:
-        from streamer.qwen_image_processor import QwenImageProcessor
+        from streamer.multimodal.processors.qwen_image_processor import QwenImageProcessor
         _, grid = QwenImageProcessor.from_folder(video_dir)([data["image"]])
         text = text.replace("<|image_pad|>", "<|image_pad|>" * (int(grid.prod()) // 4))
     return tokenizer(text)["input_ids"]
@@ -273,7 +273,7 @@ def test_prompt_is_qwen3vl_processors(video_dir: Path) -> None:
 
 
 def _positions(ids: list[int], inputs) -> np.ndarray:
-    from streamer.multimodal import rope_shifts
+    from streamer.multimodal.inputs import rope_shifts
     pos = np.arange(len(ids))
     out = np.repeat((pos + rope_shifts(SimpleNamespace(images=list(inputs)), pos))[None], 3, axis=0)
     for im in inputs:
@@ -383,7 +383,7 @@ def test_server_takes_video_urls(video_dir: Path) -> None:
     """An mp4 as a data: URL through the real openai client: the answer and the prompt are LLM.chat's, which
     reads the frames decoded at the processor's 2 fps (timestamps from that rate)."""
     openai = pytest.importorskip("openai")
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
     from tests.server_utils import LiveServer
     clip = encode_video(12, 40, 32, rate=8, seed=3)  # 1.5 s at 8 fps -> 3 frames at 2 fps
     content = [{"type": "video_url", "video_url": {"url": data_url(clip)}}, {"type": "text", "text": "What?"}]

@@ -1,4 +1,4 @@
-"""Video input for Qwen2-VL and Qwen2.5-VL: the video processor (streamer/qwen_video_processor.py) against a direct
+"""Video input for Qwen2-VL and Qwen2.5-VL: the video processor (streamer/multimodal/processors/qwen_video_processor.py) against a direct
 numpy transcription of transformers' Qwen2VLVideoProcessor reshaping (its torchvision resize cannot run here), the
 M-RoPE positions against transformers' get_rope_index, greedy tokens and logprobs against transformers' models fed
 the same pixel_values_videos / video_grid_thw / second_per_grid_ts (whole, chunked, from the prefix cache, beside
@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from streamer import LLM, SamplingParams
-from streamer.qwen_video_processor import QWEN_VIDEO_DEFAULTS, QwenVideoProcessor, read_video_processor_config
+from streamer.multimodal.processors.qwen_video_processor import QWEN_VIDEO_DEFAULTS, QwenVideoProcessor, read_video_processor_config
 from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs
 
 transformers = pytest.importorskip("transformers")
@@ -167,7 +167,7 @@ def test_video_equals_transformers(video_dir: Path, monkeypatch) -> None:
     kv = chunked.engine.kv
     kv.check_consistency()
     assert kv.pool.num_free == kv.num_blocks
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
     real = mm._place_mrope
 
     def flat_time(inputs, merge):  # every temporal step at 0: the frames in time lose their order
@@ -285,7 +285,7 @@ def test_numpy_transcription_of_the_layout() -> None:
 
 
 def test_resize_is_pil_bicubic_at_smart_resize() -> None:
-    from streamer.qwen_image_processor import smart_resize
+    from streamer.multimodal.processors.qwen_image_processor import smart_resize
     processor = QwenVideoProcessor.from_config(VIDEO_CONFIG)
     video = frames(2, 50, 70, seed=3)
     h, w = smart_resize(50, 70, 8, 64, 48 * 48)
@@ -366,7 +366,7 @@ def _positions(ids: list[int], inputs) -> np.ndarray:
     """[3, len(ids)]: each prompt token's M-RoPE position as streamer computes it."""
     from types import SimpleNamespace
 
-    from streamer.multimodal import rope_shifts
+    from streamer.multimodal.inputs import rope_shifts
     pos = np.arange(len(ids))
     out = np.repeat((pos + rope_shifts(SimpleNamespace(images=list(inputs)), pos))[None], 3, axis=0)
     for im in inputs:
@@ -462,7 +462,7 @@ def data_url(data: bytes) -> str:
 
 
 def test_decode_video_samples_and_limits(monkeypatch) -> None:
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
     clip = encode_video(20, 32, 24)  # 2 s at 10 fps
     video = mm.load_video(data_url(clip), fps=2.0)
     assert video.frames.shape == (4, 24, 32, 3) and video.frames.dtype == np.uint8
@@ -492,7 +492,7 @@ def test_server_takes_video_urls(ckpt_root: Path, monkeypatch) -> None:
     """The real openai client sends a generated mp4 as a data: URL: the answer is the offline engine's for the
     same decoded frames; a bad video, a model-less feature (no PyAV) are 400s and the server keeps serving."""
     openai = pytest.importorskip("openai")
-    import streamer.multimodal as mm
+    import streamer.multimodal.inputs as mm
     from tests.server_utils import LiveServer
     path = ckpt_root / "qwen2_5_vl_video"
     if not (path / "config.json").exists():

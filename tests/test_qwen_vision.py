@@ -1,5 +1,5 @@
 """Qwen2-VL / Qwen2.5-VL vision: the tower (streamer/models/qwen_vision.py) and the image processor
-(streamer/qwen_image_processor.py) against transformers, which is only a test oracle here."""
+(streamer/multimodal/processors/qwen_image_processor.py) against transformers, which is only a test oracle here."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +12,7 @@ from PIL import Image
 
 import streamer.models.qwen_vision as qv
 from streamer.models.qwen_vision import QWEN_VISION_DEFAULTS, ROPE_THETA, QwenVisionTower
-from streamer.qwen_image_processor import QWEN_IMAGE_DEFAULTS, QwenImageProcessor, smart_resize
+from streamer.multimodal.processors.qwen_image_processor import QWEN_IMAGE_DEFAULTS, QwenImageProcessor, smart_resize
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -241,7 +241,7 @@ def test_processor_older_config_spellings(tmp_path) -> None:
     pixels, grid = ours(images)
     expected = theirs(images, return_tensors="pt")
     assert torch.equal(grid, expected["image_grid_thw"]) and torch.equal(pixels, expected["pixel_values"])
-    # A null field takes the class default here, as in streamer/image_processor.py (transformers 5.24 keeps
+    # A null field takes the class default here, as in streamer/multimodal/processors/image_processor.py (transformers 5.24 keeps
     # the None instead: a null do_rescale turns rescaling off there, a null image_mean fails).
     nulls = QwenImageProcessor.from_config({**config, "image_mean": None, "do_rescale": None, "min_pixels": None})
     assert nulls == QwenImageProcessor.from_config({**config, "min_pixels": 1})

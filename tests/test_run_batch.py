@@ -46,7 +46,7 @@ def test_batch_answers_as_the_server_and_in_order(llama_dir):
     refused request carries the server's 400 body, a malformed line an error and no response; the engine has
     nothing left running or allocated afterwards."""
     from streamer import LLM, SamplingParams
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.app import build_app
 
     prompts = [f"word {i} " * (1 + i % 5) for i in range(12)]

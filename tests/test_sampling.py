@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streamer import LLM, SamplingParams
-from streamer.sampler import PenaltyBatch, apply_penalties, apply_top_k_top_p
+from streamer.worker.sampler import PenaltyBatch, apply_penalties, apply_top_k_top_p
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +205,7 @@ def test_bad_words_bans_what_would_complete_them(llm):
     """A word the greedy output writes (as two tokens) is banned: the output is the same up to the token that would
     complete it, then differs there, and never holds the word's tokens; words of one token never appear; the
     other request of the batch is untouched."""
-    from streamer.sampler import bad_word_bans, bad_words_token_ids
+    from streamer.worker.sampler import bad_word_bans, bad_words_token_ids
     tok = llm.get_tokenizer()  # (vLLM's spelling)
     assert tok is llm.engine.tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
@@ -256,7 +256,7 @@ def test_frequency_penalty_changes_repetitive_output(llm):
 
 
 def _batch(B: int, *, top_k=None, top_p=None, min_p=None, temperature=None, generators=None):
-    from streamer.sampler import SamplingBatch
+    from streamer.worker.sampler import SamplingBatch
     gens = generators or [None] * B
     return SamplingBatch(temperature=torch.ones(B) if temperature is None else temperature, top_k=top_k,
                          top_p=top_p, min_p=min_p, generators=gens, all_greedy=False,
@@ -272,7 +272,7 @@ def _kept(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
 
 
 def test_cpu_fast_paths_sample_only_kept_tokens():
-    from streamer.sampler import CANDIDATE_TIERS, sample_cpu_fast
+    from streamer.worker.sampler import CANDIDATE_TIERS, sample_cpu_fast
     torch.manual_seed(0)
     B, V = 9, 2000
     logits = torch.randn(B, V) * 4  # peaked, like an LM's
@@ -311,7 +311,7 @@ def test_cpu_fast_paths_follow_the_renormalised_distribution(top_k, top_p, min_p
     """Thousands of identical rows in one call: the frequencies match the kept tokens' renormalised
     probabilities (total variation), as the full path's would. Tokens with tied probabilities at the edges
     would be decided by the sort's order; these logits have none."""
-    from streamer.sampler import sample_cpu_fast
+    from streamer.worker.sampler import sample_cpu_fast
     torch.manual_seed(1)
     B, V = 40000, 24
     row = torch.linspace(3.0, -2.0, V)[torch.randperm(V)]  # distinct values, shuffled
@@ -334,7 +334,7 @@ def test_cpu_fast_paths_follow_the_renormalised_distribution(top_k, top_p, min_p
 
 def test_rejection_rows_left_over_go_to_the_full_path(monkeypatch):
     """A row still rejected after MAX_REJECTION_ROUNDS draws is sampled by the full path, not dropped."""
-    import streamer.sampler as sampler
+    import streamer.worker.sampler as sampler
     monkeypatch.setattr(sampler, "MAX_REJECTION_ROUNDS", 1)
     torch.manual_seed(2)
     B, V = 64, 500
@@ -354,7 +354,7 @@ def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
     """A seeded row's tokens depend on its seed alone: a fast path that decided it must not draw for it again in
     the full path (which runs when another row needs it), and it draws as many numbers whatever its batch mates
     ask for; otherwise its generator runs ahead and its later samples change."""
-    from streamer.sampler import Sampler
+    from streamer.worker.sampler import Sampler
     torch.manual_seed(0)
     V = 2000
     peaked, flat = torch.randn(V) * 4, torch.randn(V) * 0.01
@@ -379,7 +379,7 @@ def test_seeded_row_draws_do_not_depend_on_batch_mates(params):
 def test_inverse_cdf_matches_a_full_running_sum(vocab):
     """The two-level search lands where a full cumsum's would. Integer weights keep every sum exact, so the two
     must agree on every row, including rows of mostly zeros and draws at the very start and end."""
-    from streamer.sampler import inverse_cdf
+    from streamer.worker.sampler import inverse_cdf
     g = torch.Generator().manual_seed(vocab)
     rows = 300
     w = torch.randint(0, 6, (rows, vocab), generator=g).float()

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
-from streamer.structured_output import StructuredOutputsParams as SO
+from streamer.engine.structured_output import StructuredOutputsParams as SO
 
 VOCAB_LIMIT = 400  # token ids drawn below this (the test model's vocabulary is larger)
 GRAMMARS = [SO(regex="[a-e]{2,6}!"), SO(choice=["alpha", "beta gamma"]),

@@ -15,12 +15,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from streamer.config import EngineConfig
-from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.lora import LoRAAdapter
-from streamer.multimodal import ImageInput
-from streamer.request import Request, RequestStatus
+from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.engine.lora import LoRAAdapter
+from streamer.multimodal.inputs import ImageInput
+from streamer.core.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler
+from streamer.core.scheduler import Scheduler
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3),
@@ -212,7 +212,7 @@ class EncoderSim(Sim):
     caching; a request ends once its prompt is computed, as the engine finishes it with its embedding."""
 
     def add_encoder(self, prompt_len: int, prio: int) -> None:
-        from streamer.pooling import PoolingParams
+        from streamer.engine.pooling import PoolingParams
         if cdiv(prompt_len, self.cfg.block_size) > self.kv.num_blocks:
             return  # (refused by LLMEngine.validate)
         req = Request(f"r{self.n}", [self.rng.randrange(50_000) for _ in range(prompt_len)], SamplingParams(), 0,

@@ -1,4 +1,4 @@
-"""SentencePiece tokenizer.model files (streamer/sentencepiece_model.py): models trained here with the sentencepiece
+"""SentencePiece tokenizer.model files (streamer/tokenizer/sentencepiece_model.py): models trained here with the sentencepiece
 library (BPE with byte fallback as Llama's, Unigram with nmt_nfkc as T5's, Gemma's settings, an unknown-piece BPE)
 encode to `SentencePieceProcessor.encode`'s ids for any text hypothesis writes and decode back as it does; the
 checkpoint classes frame them as transformers' slow tokenizers do; a tiny Llama whose only tokenizer file is
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamer.sentencepiece_model import CONTROL, USER_DEFINED, SentencePieceModel, build_tokenizer
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.sentencepiece_model import CONTROL, USER_DEFINED, SentencePieceModel, build_tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 

@@ -21,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 
-from streamer.audio import split_audio
+from streamer.multimodal.audio import split_audio
 from streamer.server.audio_api import TranscriptionConfig
 from tests.server_utils import LiveServer, metric
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
@@ -398,7 +398,7 @@ def test_errors(live, english):
 def test_text_model_refuses_audio(llama_dir):
     """A text model's server answers the audio routes with 400 naming the model, before reading the upload (the
     app in process, over a started engine for the tiny llama checkpoint)."""
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.app import build_app
 
     async def main() -> list[httpx.Response]:
@@ -545,7 +545,7 @@ def test_suppress_tokens_from_generation_config(ml_dir, english, tmp_path):
     import json
     import shutil
 
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.app import build_app
     banned = english.tokens[0]
     folder = tmp_path / "suppressing"

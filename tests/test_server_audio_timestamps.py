@@ -113,7 +113,7 @@ def test_long_audio_segments_are_offset(live, oracle):
     audio[int(29.3 * RATE):int(29.7 * RATE)] = 0.0
     r = client(live).audio.transcriptions.create(file=_file(audio), model=live.model_name, language="en",
                                                  response_format="verbose_json")
-    from streamer.audio import split_audio
+    from streamer.multimodal.audio import split_audio
     cuts = np.cumsum([0] + [len(c) for c in split_audio(audio, max_seconds=30.0)])  # (the pieces, as cut)
     bounds = [c / RATE for c in cuts]
     seeks = sorted({s.seek for s in r.segments})
@@ -146,7 +146,7 @@ def test_temperature_fallback(ts_dir, oracle):
 
     import httpx
 
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.app import build_app
     from tests.test_server_audio import wav_bytes
     never = TranscriptionConfig((0.5, 1.0), compression_ratio_threshold=1e9, logprob_threshold=-1e9)
@@ -186,7 +186,7 @@ def test_temperature_fallback(ts_dir, oracle):
     out = asyncio.run(asyncio.wait_for(main(), 600))
     body, temps = out["never"]
     assert temps == [0.0, 0.0] and {s["temperature"] for s in body["segments"]} == {0.0}
-    from streamer.audio import split_audio
+    from streamer.multimodal.audio import split_audio
     first = len(split_audio(audio, max_seconds=30.0)[0])  # (the first piece: greedy, transformers' tokens)
     want = _expected(oracle, audio[:first], 0.0, first / RATE)
     assert [s["tokens"] for s in body["segments"] if s["seek"] == 0] == [w["tokens"] for w in want]

@@ -10,7 +10,7 @@ import pytest
 
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.protocol import APIError, parse_chat
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer_factory import make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
 # A ChatML/Qwen-style template exercising what real ones use: tools + tojson, raise_exception, loop controls,

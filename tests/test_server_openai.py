@@ -269,7 +269,7 @@ def test_logit_bias_and_allowed_token_ids(live):
 def test_bad_words(live):
     """vLLM's bad_words: the greedy output changes where it would have completed the word, and never holds it
     (with async scheduling too: the next step waits for the token its bans depend on)."""
-    from streamer.sampler import bad_words_token_ids
+    from streamer.worker.sampler import bad_words_token_ids
     tok = live.engine.tokenizer
     encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     kw = dict(model="llama", prompt=PROMPT, max_tokens=24, **{**GREEDY, "extra_body": {"ignore_eos": True,

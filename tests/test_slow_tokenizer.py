@@ -1,4 +1,4 @@
-"""Checkpoints with only a slow tokenizer's files (streamer/slow_tokenizer.py): GPT-2 / OPT byte-level BPE
+"""Checkpoints with only a slow tokenizer's files (streamer/tokenizer/slow_tokenizer.py): GPT-2 / OPT byte-level BPE
 (vocab.json + merges.txt), RoBERTa's framing, BERT and MPNet WordPiece (vocab.txt). Their ids equal transformers'
 AutoTokenizer on the same folder (which converts them itself), special tokens included; and a whole checkpoint with
 .bin weights and a slow tokenizer (as facebook/opt-125m ships) generates transformers' text."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 
 pytest.importorskip("transformers")
 
@@ -61,7 +61,7 @@ def _same_ids(folder: Path, pairs: bool = False) -> Tokenizer:
         ids = ours.encode(text, add_special_tokens=False)
         assert ours.decode(ids) == theirs.decode(ids)
     if pairs:
-        from streamer.pooling import encode_pair
+        from streamer.engine.pooling import encode_pair
         texts = [t for t in TEXTS if t]  # (transformers reads an empty second text as no pair)
         for a, b in zip(texts, texts[1:]):
             assert encode_pair(ours, a, b) == theirs(a, b)["input_ids"]

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.speculative import propose_ngram
+from streamer.spec_decode.ngram import propose_ngram
 from tests.checkpoints import hf_greedy
 from tests.server_utils import LiveServer, metric
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from streamer.config import EngineConfig
-from streamer.kv_cache import KVCacheManager, cdiv
-from streamer.request import Request, RequestStatus
+from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.core.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.scheduler import Scheduler
-from streamer.step_time import (AUTO_FACTOR, AUTO_MIN_SECONDS, AUTO_WAIT_SHARE, ItlPolicy, StepPlan, StepShape, StepTimeModel,
+from streamer.core.scheduler import Scheduler
+from streamer.core.step_time import (AUTO_FACTOR, AUTO_MIN_SECONDS, AUTO_WAIT_SHARE, ItlPolicy, StepPlan, StepShape, StepTimeModel,
                                 chunk_pairs, nonneg_least_squares, shape_of)
 from tests import test_scheduler_properties as sched_props
 
@@ -303,7 +303,7 @@ def test_a_whole_image_larger_than_the_budget_still_gets_in():
     """An image that attends both ways cannot be split; with a budget smaller than it, it goes whole into a step's
     first chunk instead of waiting forever."""
     import torch
-    from streamer.multimodal import ImageInput
+    from streamer.multimodal.inputs import ImageInput
     sim = TimedSim(fake_model(0.02, 0.001), target_ms=40)
     [sim.add(16, 400) for _ in range(2)]
     sim.step()
@@ -455,7 +455,7 @@ def test_an_engine_under_an_unmeetable_target_streams_on_and_moves_prefill_a_blo
 
 
 def test_stall_counter():
-    from streamer.metrics import StallCounter
+    from streamer.engine.metrics import StallCounter
     c = StallCounter(window=256, every=16)
     assert c.observe(1.0) == 0  # (no median yet)
     for _ in range(100):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from streamer import LLM, SamplingParams
-from streamer.structured_output import StructuredOutputsParams as SO
-from streamer.structured_output import apply_bitmask, fill_bitmasks
+from streamer.engine.structured_output import StructuredOutputsParams as SO
+from streamer.engine.structured_output import apply_bitmask, fill_bitmasks
 from tests.server_utils import LiveServer
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -110,7 +110,7 @@ def test_bitmask_round_trip():
 def test_bitmask_unpacking_paths_agree():
     """The host path (numpy, CPU) and the device path (torch shifts, GPU) read the same bits; on a machine
     without a GPU the device path runs on CPU tensors."""
-    from streamer.structured_output import unpack_bitmask
+    from streamer.engine.structured_output import unpack_bitmask
     rng = np.random.default_rng(0)
     words = torch.from_numpy(rng.integers(-2 ** 31, 2 ** 31, size=(5, 9), dtype=np.int64).astype(np.int32))
     host = unpack_bitmask(words, 270, on_host=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
 from streamer.config import EngineConfig
-from streamer.speculative import SuffixIndex
+from streamer.spec_decode.ngram import SuffixIndex
 from tests.checkpoints import hf_greedy
 
 

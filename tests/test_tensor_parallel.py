@@ -126,10 +126,10 @@ def test_tp_worker_lost_while_serving_fails_the_step(llama_dir) -> None:
 
 
 def test_tp_worker_that_dies_early_is_reported(llama_dir, monkeypatch) -> None:
-    import streamer.parallel
+    import streamer.worker.parallel
     import torch.distributed
 
-    monkeypatch.setattr(streamer.parallel.sys, "executable", "/bin/false")  # "workers" that exit at once
+    monkeypatch.setattr(streamer.worker.parallel.sys, "executable", "/bin/false")  # "workers" that exit at once
     with pytest.raises(RuntimeError, match=r"worker exited \(code 1\) before connecting"):
         LLM(str(llama_dir), dtype="float32", tensor_parallel_size=2)
     assert not torch.distributed.is_initialized()

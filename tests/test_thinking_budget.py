@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
-from streamer.thinking import BEFORE, CLOSED, INSIDE, ThinkTags
+from streamer.engine.thinking import BEFORE, CLOSED, INSIDE, ThinkTags
 from tests.server_utils import LiveServer
 
 PROMPT = [1, 45, 368, 173, 170, 299, 43]

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import pytest
 
-from streamer.tokenizer import Tokenizer
+from streamer.tokenizer.tokenizer import Tokenizer
 from tests.tokenizer_factory import CHAT_TEMPLATE, CORPUS, make_bytelevel_tokenizer, make_sentencepiece_tokenizer
 
 transformers = pytest.importorskip("transformers")

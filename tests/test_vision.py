@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from streamer.image_processor import ImageProcessor
+from streamer.multimodal.processors.image_processor import ImageProcessor
 from streamer.models.vision import VISION_DEFAULTS, VisionTower
 
 transformers = pytest.importorskip("transformers")

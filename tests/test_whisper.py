@@ -1,4 +1,4 @@
-"""Whisper in the engine (models/whisper.py, streamer/speech.py): greedy tokens equal transformers' on a tiny
+"""Whisper in the engine (models/whisper.py, streamer/multimodal/speech.py): greedy tokens equal transformers' on a tiny
 checkpoint written by transformers, batched with other requests' audio, across chunked prefills and preemptions
 (the encoder runs again on return), with the cross-attention's K / V read through a view of the slots' span or
 gathered; bad prompts are ValueErrors naming the problem; every state slot and KV block comes back."""
@@ -56,7 +56,7 @@ def test_matches_transformers_batched(whisper_dir, monkeypatch):
 def test_chunked_prefill_preemption_and_gathered_slots(whisper_dir, monkeypatch):
     """A long decoder prompt (previous text) prefilled in chunks of 8 tokens, 6 requests on 3 state slots and a KV
     pool too small for all (preemptions: their encoders run again); then with the slots always gathered."""
-    from streamer import model_runner
+    from streamer.worker import model_runner
     audios = _audios(6)
     previous = "<|startofprev|> The quick brown fox"
     llm = LLM(str(whisper_dir), dtype="float32", num_kv_blocks=12, block_size=4, max_num_seqs=3,

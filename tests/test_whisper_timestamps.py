@@ -1,4 +1,4 @@
-"""Whisper's decoding rules (streamer/speech.py DecodeRules, the sampler's SpeechMasks): a prompt without
+"""Whisper's decoding rules (streamer/multimodal/speech.py DecodeRules, the sampler's SpeechMasks): a prompt without
 <|notimestamps|> writes timestamps, and the engine's greedy tokens equal those of transformers' own logits processors
 (WhisperTimeStamp, SuppressTokensAtBegin) on a tiny checkpoint whose vocabulary ends in the 1,501 timestamp tokens;
 sampled outputs keep every rule; segments are read from the timestamps; timestamps never show in the text."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from streamer import LLM, SamplingParams
-from streamer.speech import DecodeRules, Segment, timestamp_segments
+from streamer.multimodal.speech import DecodeRules, Segment, timestamp_segments
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
 
 TIMESTAMPED = "<|startoftranscript|><|en|><|transcribe|>"
@@ -119,7 +119,7 @@ def test_generation_config_rules(stamped_dir, tmp_path):
 
 
 def _ids(folder: Path, text: str) -> list[int]:
-    from streamer.tokenizer import Tokenizer
+    from streamer.tokenizer.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(folder).encode(text, add_special_tokens=False)
 
 
@@ -168,7 +168,7 @@ def test_masks_equal_transformers_processor(slices):
     from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
                                                         WhisperTimeStampLogitsProcessor)
 
-    from streamer.sampler import SpeechMasks, apply_speech_masks
+    from streamer.worker.sampler import SpeechMasks, apply_speech_masks
     eos, no_ts, vocab, prompt = 40, 49, 50 + 60, [41, 42, 43]
     begin = no_ts + 1
     rules = DecodeRules(eos=eos, no_timestamps=no_ts, begin_suppress=(7, eos), timestamps=True, max_initial=5)

@@ -1,4 +1,4 @@
-"""streamer/word_timestamps.py against transformers' own Whisper alignment parts: dynamic time warping (path for
+"""streamer/multimodal/word_timestamps.py against transformers' own Whisper alignment parts: dynamic time warping (path for
 path, ties included), the median filter, and the grouping of tokens into words with punctuation joined (OpenAI's
 marks); token start times follow a diagonal attention; alignment heads from generation_config or the default."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from streamer.word_timestamps import (alignment_heads, dynamic_time_warping, median_filter, split_words,
+from streamer.multimodal.word_timestamps import (alignment_heads, dynamic_time_warping, median_filter, split_words,
                                       token_start_times, word_timestamps)
 
 PREPENDED = "\"'\u201c\u00bf([{-"
@@ -48,7 +48,7 @@ def test_start_times_follow_a_diagonal():
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from streamer.tokenizer import Tokenizer
+    from streamer.tokenizer.tokenizer import Tokenizer
     from tests.tokenizer_factory import make_bytelevel_tokenizer
     return Tokenizer.from_pretrained(make_bytelevel_tokenizer(tmp_path_factory.mktemp("tok")))
 

@@ -107,7 +107,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path)
     file = p / "tokenizer.json" if p.is_dir() else p
     if not file.is_file():
-        from streamer.slow_tokenizer import convert, slow_config
+        from streamer.tokenizer.slow_tokenizer import convert, slow_config
         config = p / "tokenizer_config.json"
         converted = convert(p, slow_config(p, json.loads(config.read_text()) if config.is_file() else {})) \
             if p.is_dir() else None

@@ -17,7 +17,7 @@ the attention backends read them with every token's `causal_limit` at its prompt
   (RoBERTa's) add that row everywhere;
 - heads: BERT's classifier reads the pooler (dense + tanh over the first token) then a linear layer; RoBERTa's, a
   dense + tanh then `out_proj`, over the first token too. An embedding model (`BertModel`) skips the pooler:
-  sentence-transformers pools the final hidden states itself (CLS or mean: streamer/pooling.py).
+  sentence-transformers pools the final hidden states itself (CLS or mean: streamer/engine/pooling.py).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def sep_token_id(model_dir: Path) -> Optional[int]:
         if (model_dir / "tokenizer.json").is_file():
             added = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens") or []
             ids = {t["content"]: t["id"] for t in added}
-        elif (model_dir / "vocab.txt").is_file():  # (a slow tokenizer's vocabulary: streamer/slow_tokenizer.py)
+        elif (model_dir / "vocab.txt").is_file():  # (a slow tokenizer's vocabulary: streamer/tokenizer/slow_tokenizer.py)
             ids = {w: i for i, w in enumerate((model_dir / "vocab.txt").read_text(encoding="utf-8").split("\n"))}
         else:
             ids = json.loads((model_dir / "vocab.json").read_text(encoding="utf-8"))

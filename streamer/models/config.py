@@ -60,7 +60,7 @@ NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which t
 BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
              "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
 # Sequence classifiers (classifiers, reward models, cross-encoder rerankers): the family's decoder with a `score` head
-# [num_labels, hidden] in place of the LM head; they classify the last token's hidden state (streamer/pooling.py) and
+# [num_labels, hidden] in place of the LM head; they classify the last token's hidden state (streamer/engine/pooling.py) and
 # cannot generate.
 SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                         "MistralForSequenceClassification": "MistralForCausalLM",
@@ -418,8 +418,8 @@ class ModelConfig:
         if not path.is_dir():
             raise FileNotFoundError(f"model folder not found: {path}")
         cfg_file = path / "config.json"
-        from streamer.mistral_format import hf_config, is_mistral_folder
-        if is_mistral_folder(path):  # Mistral's own format: params.json (streamer/mistral_format.py)
+        from streamer.tokenizer.mistral_format import hf_config, is_mistral_folder
+        if is_mistral_folder(path):  # Mistral's own format: params.json (streamer/tokenizer/mistral_format.py)
             raw = hf_config(path)
         elif not cfg_file.is_file():
             raise FileNotFoundError(f"config.json not found in model folder {path} (nor Mistral's params.json)")

@@ -11,7 +11,7 @@ own output from the pass before.
   the target's residual streams (3H -> H; by default at the inputs of layers 2, L/2 and L - 3, or the config's
   `eagle_aux_hidden_state_layer_ids`). The layer normalises embedding and feature apart and attends over both
   side by side (q/k/v read 2H); its own head covers `draft_vocab_size` tokens, mapped to the target's by `d2t`.
-The runner side (feeding features, the head's KV cache, the step's passes) is streamer/eagle.py.
+The runner side (feeding features, the head's KV cache, the step's passes) is streamer/spec_decode/eagle.py.
 """
 from __future__ import annotations
 

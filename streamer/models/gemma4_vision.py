@@ -1,6 +1,6 @@
 """Gemma 4's vision encoder (transformers' Gemma4VisionModel) and its projection into the text model (embed_vision).
 
-An image comes as patches at its own size (streamer/gemma4_image_processor.py). Each patch's pixels (rescaled to
+An image comes as patches at its own size (streamer/multimodal/processors/gemma4_image_processor.py). Each patch's pixels (rescaled to
 [-1, 1]) are projected, plus learned x and y position embeddings; encoder layers as Gemma 4's text layers (plain-w
 RMSNorms, four a layer, q / k / v norms, unscaled scores) attend over the whole image, their q and k rotated in two
 halves: the first by the patch's column, the second by its row. The pooler averages each k x k square of patches into

@@ -2,7 +2,7 @@
 InternVLMultiModalProjector compute them (InternVLForConditionalGeneration: the "-hf" checkpoints such as
 OpenGVLab/InternVL3-1B-hf, InternVL3_5-*-HF).
 
-An image comes as tiles of the config's image_size (streamer/internvl_image_processor.py: up to max_patches
+An image comes as tiles of the config's image_size (streamer/multimodal/processors/internvl_image_processor.py: up to max_patches
 tiles by the closest aspect ratio, plus a thumbnail), each encoded on its own: the patch conv, a class token, the
 learned position embeddings (the whole table: tiles are always at image_size, so transformers never interpolates
 it), then layers of norm -> attention (q/k/v, optional RMSNorm over all heads' q and k: `use_qk_norm`) scaled by

@@ -27,7 +27,7 @@ from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, copy_into, in
 
 
 class ParallelContext:
-    """Which shard of each layer this process builds: rank `rank` of `size` (streamer/parallel.py runs one
+    """Which shard of each layer this process builds: rank `rank` of `size` (streamer/worker/parallel.py runs one
     process per rank). Read when layers are built and loaded; a layer keeps its own copy of `size`."""
 
     rank: int = 0

@@ -69,9 +69,9 @@ from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
 from streamer.models.mtp import mtp_class
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
-from streamer.mistral_format import hf_weights as mistral_weights
-from streamer.mistral_format import is_mistral_folder
-from streamer.mistral_format import weight_files as mistral_weight_files
+from streamer.tokenizer.mistral_format import hf_weights as mistral_weights
+from streamer.tokenizer.mistral_format import is_mistral_folder
+from streamer.tokenizer.mistral_format import weight_files as mistral_weight_files
 from streamer.models.bnb import dequantizing_bnb, is_bnb
 from streamer.models.quant import dequantizing
 from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
@@ -83,7 +83,7 @@ logger = logging.getLogger("streamer")
 _MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 _MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
 _MODEL_CLASSES["Gemma4ForCausalLM"] = Gemma4ForCausalLM
-_MODEL_CLASSES[EAGLE1] = _MODEL_CLASSES[EAGLE3] = EagleDraftModel  # speculative heads (streamer/eagle.py) only
+_MODEL_CLASSES[EAGLE1] = _MODEL_CLASSES[EAGLE3] = EagleDraftModel  # speculative heads (streamer/spec_decode/eagle.py) only
 _MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
 _MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM
 _MODEL_CLASSES["CohereForCausalLM"] = CohereForCausalLM
@@ -191,7 +191,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         files = mistral_weight_files(folder) if mistral else weight_files(folder, load_format)
         kv_scales: dict[tuple[int, str], float] = {}
         weights = iter_weights(files)
-        if mistral:  # Mistral's tensor names and rotary layout -> transformers' (streamer/mistral_format.py)
+        if mistral:  # Mistral's tensor names and rotary layout -> transformers' (streamer/tokenizer/mistral_format.py)
             weights = mistral_weights(weights, cfg.num_heads, cfg.num_kv_heads)
         if is_bnb(cfg.quantization):  # (before renames: a model that splits fused tensors needs them whole)
             weights = dequantizing_bnb(weights, cfg.quantization)
@@ -259,7 +259,7 @@ class HeadFromTokens:
     def __init__(self, model: LlamaForCausalLM, folder: Optional[Path] = None) -> None:
         self.model = model
         if folder is not None:  # (first load: the tokens' ids, kept for reloads)
-            from streamer.tokenizer import Tokenizer
+            from streamer.tokenizer.tokenizer import Tokenizer
             tok = Tokenizer.from_pretrained(folder)
             names = model.cfg.raw["classifier_from_token"]
             ids = [tok.token_to_id(t) for t in names]

@@ -4,7 +4,7 @@ and the slot-held recurrent state they share with other recurrent layers (Gated 
 LFM2's short convolution, a conv window and no SSM state: models/lfm2.py).
 
 A Mamba layer keeps no KV cache: each running request holds a fixed-size recurrent state in a slot of the layer's
-state tensors (the slot pool is the KV cache manager's, `streamer/kv_cache.py StateSlotPool`):
+state tensors (the slot pool is the KV cache manager's, `streamer/core/kv_cache.py StateSlotPool`):
 
 - `conv_state[slot]` [conv_dim, d_conv - 1]: the last d_conv - 1 inputs of the causal depthwise conv1d;
 - `ssm_state[slot]` [nheads, head_dim, d_state] (fp32): the SSM recurrence's state.

@@ -6,7 +6,7 @@ At position i the layer reads the embedding of token i + 1 and the target's fina
     x = eh_proj([enorm(embed(t[i + 1])), hnorm(h[i])])  ->  one decoder layer of the target's kind (MLA + MoE for
     DeepSeek)  ->  stream;  logits = shared_head.head(shared_head.norm(stream))
 and predicts token i + 2. Applied again on its own output stream it drafts further (as vLLM does with one layer).
-The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner side is streamer/eagle.py's
+The embedding at position 0 is zeroed, as vLLM's DeepSeek MTP does. The runner side is streamer/spec_decode/eagle.py's
 (`EagleDrafter`): the same fill / keep / propose steps as an EAGLE-1 head.
 
 Qwen3-Next and Qwen3.5 checkpoints store theirs apart, as `mtp.*` (`Qwen3NextMTP`, below): the same shape with other names

@@ -113,7 +113,7 @@ class OPTForCausalLM(LlamaForCausalLM):
         affine = bool(raw.get("layer_norm_elementwise_affine", True))
         self.norm: nn.Module = LayerNorm(hidden, _EPS, affine) if self.has_final_norm else AddOnly()
         width = raw.get("word_embed_proj_dim") or hidden
-        self.output_width = width  # the final hidden states' (what embeddings pool: streamer/pooling.py)
+        self.output_width = width  # the final hidden states' (what embeddings pool: streamer/engine/pooling.py)
         self.project_in: Optional[ReplicatedLinear] = None
         self.project_out: Optional[ReplicatedLinear] = None
         if width != hidden:  # embeddings (and the head) narrower than the layers

@@ -2,7 +2,7 @@
 Mistral3MultiModalProjector compute them (Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2).
 
 Images come at their own resolution (the image processor keeps each one's aspect ratio, both sides multiples of
-patch_size * spatial_merge_size: streamer/pixtral_image_processor.py). Each image goes through the patch conv on
+patch_size * spatial_merge_size: streamer/multimodal/processors/pixtral_image_processor.py). Each image goes through the patch conv on
 its own; the patches of all images are then one sequence, RMS-normed (ln_pre), through blocks of RMSNorm,
 attention with a 2-D rotary embedding (a patch's row angles on one half of each head's frequencies, its column's
 on the other) and a SiLU/GELU-gated MLP. Attention never crosses an image (transformers' block-diagonal mask): SDPA
@@ -11,7 +11,7 @@ over each image's patches, images of equal size batched in one call (qwen_vision
 The projector: RMSNorm, the patch merger (each spatial_merge_size x spatial_merge_size block of an image's patch
 grid unfolded into one vector, then a linear), linear, activation, linear. An image of rows x cols merged tokens
 then takes rows * (cols + 1) prompt positions: each row ends with [IMG_BREAK], the last with [IMG_END]
-(streamer/multimodal.py), whose embeddings stay the tokens' own.
+(streamer/multimodal/inputs.py), whose embeddings stay the tokens' own.
 Like streamer/models/vision.py, the linears are plain modules, not PackableLinear.
 """
 from __future__ import annotations

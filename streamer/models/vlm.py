@@ -5,11 +5,11 @@ families. LLaVA (LlavaForConditionalGeneration: CLIP or SigLIP, a two-layer MLP 
 Qwen3-VL, Mistral 3 (Mistral3ForConditionalGeneration: Pixtral, RMSNorm, a patch merger, a two-layer MLP) and
 InternVL 3 / 3.5 (InternVLForConditionalGeneration: InternViT on 448-pixel tiles, a pixel shuffle, LayerNorm, a
 two-layer MLP); and one audio-language model, Qwen2-Audio (Qwen2AudioForConditionalGeneration: Whisper's encoder
-with an average pool, one linear projection), whose clips ride the images' path (streamer/audio_prompts.py).
+with an average pool, one linear projection), whose clips ride the images' path (streamer/multimodal/audio_prompts.py).
 
 The text model is the family's own class: `vlm_class` subclasses it with the architecture's mixin, which adds the
 encoder and projector, reads the checkpoint's names and turns pixels into features (`encode_images`). The features
-replace the image placeholders' embeddings (ModelRunner, streamer/multimodal.py); from there on the decoder runs
+replace the image placeholders' embeddings (ModelRunner, streamer/multimodal/inputs.py); from there on the decoder runs
 as for text (with Gemma 3's image tokens attending to each other both ways: `bidirectional_images`), except
 Qwen3-VL's DeepStack: more feature sets of each image token, added to the residual stream after the first decoder
 layers (`Qwen3VLMixin`).
@@ -28,7 +28,7 @@ from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.vision import ACTIVATIONS, VisionTower, copy_into_params
 
 if TYPE_CHECKING:
-    from streamer.multimodal import ImageInput
+    from streamer.multimodal.inputs import ImageInput
 
 # LlavaConfig's encoder for a config that names none: CLIP ViT-L/14 at 336 pixels (LLaVA-1.5's).
 DEFAULT_VISION_CONFIG = {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
@@ -175,7 +175,7 @@ class LlavaNextMixin(LlavaMixin):
 
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)
-        from streamer.llava_next_image_processor import as_pinpoints
+        from streamer.multimodal.processors.llava_next_image_processor import as_pinpoints
         spec = self.vision_tower.spec
         self.side = spec.image_size // spec.patch_size
         if self.vision_tower.num_tokens != self.side ** 2:  # (transformers could not lay the tiles out either)
@@ -215,7 +215,7 @@ class LlavaNextMixin(LlavaMixin):
     def pack(self, feats: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         """One image's tile features [1 + rows * cols, side^2, hidden] (base tile first) -> its token rows: the
         base tile's, then the grid's unpadded rows, each followed by the newline."""
-        from streamer.llava_next_image_processor import feature_grid, unpadded
+        from streamer.multimodal.processors.llava_next_image_processor import feature_grid, unpadded
         rows, cols = feature_grid(*size, self.grid_pinpoints, self.tile_size)
         if feats.shape[0] != 1 + rows * cols:
             raise ValueError(f"an image of {size[1]}x{size[0]} (WxH) has {feats.shape[0]} tiles; the model's "
@@ -282,7 +282,7 @@ class Gemma3VisionMixin(VisionLanguageMixin):
 class QwenVLMixin(VisionLanguageMixin):
     """Qwen2-VL / Qwen2.5-VL: the encoder (streamer/models/qwen_vision.py) ends in its own patch merger, which
     projects to the text model's width; images take as many tokens as their size asks, at M-RoPE positions
-    (ModelConfig.mrope_section, streamer/multimodal.py). Videos go through the same encoder (as transformers'
+    (ModelConfig.mrope_section, streamer/multimodal/inputs.py). Videos go through the same encoder (as transformers'
     get_video_features): their grids have t > 1, each temporal slice attending to itself."""
 
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
@@ -333,7 +333,7 @@ class Qwen3VLMixin(QwenVLMixin):
     to the forward as `deepstack`: after decoder layer i < k, feature set i is added to the residual stream at the
     image tokens (transformers' Qwen3VLTextModel._deepstack_process). Only steps with image tokens carry it, and
     they run eagerly; every other step (decode, the compiled and captured graphs) is the text model's own.
-    Videos take the same path: each temporal grid step is an image of one step (streamer/multimodal.py), whose
+    Videos take the same path: each temporal grid step is an image of one step (streamer/multimodal/inputs.py), whose
     rows carry DeepStack features as an image's do (transformers adds them at video tokens too).
     Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is the same over a Qwen3-MoE text model, whose checkpoint
     stacks each layer's experts in two tensors (`rename_weights` cuts them into the per-expert names)."""
@@ -375,7 +375,7 @@ class Mistral3Mixin(VisionLanguageMixin):
     """Mistral 3 (Mistral-Small-3.1 / 3.2): Pixtral's encoder at each image's own resolution, then RMSNorm, a
     patch merger and a two-layer MLP (streamer/models/pixtral.py). An image of rows x cols merged tokens sits in
     the prompt as rows of [IMG] tokens, each row closed by [IMG_BREAK] and the last by [IMG_END]: only the [IMG]
-    positions take features (`ImageInput.feature_mask`, streamer/multimodal.py)."""
+    positions take features (`ImageInput.feature_mask`, streamer/multimodal/inputs.py)."""
 
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
@@ -414,9 +414,9 @@ class Mistral3Mixin(VisionLanguageMixin):
 
 
 class InternVLMixin(VisionLanguageMixin):
-    """InternVL 3 / 3.5: each image cut into tiles of the encoder's image_size (streamer/internvl_image_processor.py),
+    """InternVL 3 / 3.5: each image cut into tiles of the encoder's image_size (streamer/multimodal/processors/internvl_image_processor.py),
     each tile through InternViT and the pixel-shuffle projector (streamer/models/internvl.py) on its own; an image
-    of P tiles takes P * `tile_tokens` image tokens between <img> and </img> (streamer/multimodal.py)."""
+    of P tiles takes P * `tile_tokens` image tokens between <img> and </img> (streamer/multimodal/inputs.py)."""
 
     def __init__(self, cfg: Any, backend_cls: Any, max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)  # type: ignore[call-arg]
@@ -514,7 +514,7 @@ class Gemma4VisionMixin(VisionLanguageMixin):
 class Qwen2AudioMixin(VisionLanguageMixin):
     """Qwen2-Audio (Qwen2AudioForConditionalGeneration): Whisper's encoder with an average pool of 2 (streamer/
     models/audio_tower.py) and one linear projection in front of Qwen2. Its "images" are audio clips
-    (streamer/audio_prompts.py): an `ImageInput` whose pixel_values are the clip's log-mel features, padded to 30 s,
+    (streamer/multimodal/audio_prompts.py): an `ImageInput` whose pixel_values are the clip's log-mel features, padded to 30 s,
     and whose `frames` says how many of them hold the clip; it takes one <|AUDIO|> token per feature row."""
 
     tower_name = "audio_tower"

@@ -34,7 +34,7 @@ def weight_files(folder: Path, load_format: str = "auto") -> list[Path]:
 
 def _safetensors(folder: Path) -> list[Path]:
     """The folder's safetensors files, less Mistral-format `consolidated*` copies of the same weights (repos that ship
-    both formats; a Mistral-format folder reads those through streamer/mistral_format.py)."""
+    both formats; a Mistral-format folder reads those through streamer/tokenizer/mistral_format.py)."""
     files = sorted(folder.glob("*.safetensors"))
     ours = [f for f in files if not f.name.startswith("consolidated")]
     return ours or files

@@ -1,5 +1,5 @@
 """Whisper (WhisperForConditionalGeneration: openai/whisper-tiny .. large-v3, large-v3-turbo, distil-whisper):
-speech to text, an encoder-decoder. The encoder reads 30 s of log-mel features (streamer/audio.py) once per request;
+speech to text, an encoder-decoder. The encoder reads 30 s of log-mel features (streamer/multimodal/audio.py) once per request;
 the decoder is a text decoder whose layers also attend to the encoder's output (cross-attention).
 
 How it fits the engine:
@@ -242,7 +242,7 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
 
     def silence(self) -> torch.Tensor:
         """The log-mel features of silence (what the warm-up steps encode): log10 of the floor, 1e-10, scaled as
-        streamer/audio.py's WhisperFeatures scales every input, (-10 + 4) / 4."""
+        streamer/multimodal/audio.py's WhisperFeatures scales every input, (-10 + 4) / 4."""
         return torch.full((self.encoder.num_mel_bins, self.encoder.frames), -1.5)
 
     def encoder_bytes(self, max_tokens: int) -> int:
@@ -268,7 +268,7 @@ class WhisperForConditionalGeneration(LlamaForCausalLM):
     @torch.inference_mode()
     def cross_attention_scores(self, encoded: torch.Tensor, token_ids: torch.Tensor,
                                heads: list[tuple[int, int]]) -> torch.Tensor:
-        """Teacher-forced, for word timestamps (streamer/word_timestamps.py): the decoder over `token_ids` [L]
+        """Teacher-forced, for word timestamps (streamer/multimodal/word_timestamps.py): the decoder over `token_ids` [L]
         (positions from 0) for one clip's encoder output [positions, width], without a cache or a state slot,
         returning the (layer, head) `heads`' cross-attention scores, q.k / sqrt(head_dim) before the softmax:
         float32 [len(heads), L, positions]. Runs the layers up to the last one named."""

@@ -21,16 +21,16 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamer import prompt_embeds
-from streamer.async_engine import AsyncEngine
-from streamer.audio import AudioBackendMissing
-from streamer.audio_prompts import load_audio
-from streamer.beam_search import BeamSearchAborted
-from streamer.media_fetch import FetchPolicy
-from streamer.multimodal import VideoBackendMissing, load_image, load_video
+from streamer.engine import prompt_embeds
+from streamer.engine.async_engine import AsyncEngine
+from streamer.multimodal.audio import AudioBackendMissing
+from streamer.multimodal.audio_prompts import load_audio
+from streamer.engine.beam_search import BeamSearchAborted
+from streamer.multimodal.media_fetch import FetchPolicy
+from streamer.multimodal.inputs import VideoBackendMissing, load_image, load_video
 from streamer.outputs import StreamOutput
-from streamer.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
-from streamer.thinking import ThinkTags
+from streamer.multimodal.processors.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
+from streamer.engine.thinking import ThinkTags
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
 from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE

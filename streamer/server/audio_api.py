@@ -1,21 +1,21 @@
 """OpenAI's speech-to-text endpoints, /v1/audio/transcriptions and /v1/audio/translations, for a speech model
-(Whisper: models/whisper.py, streamer/speech.py).
+(Whisper: models/whisper.py, streamer/multimodal/speech.py).
 
 A request is a multipart form, as OpenAI's clients send it: `file` (the audio: WAV read by our own code, anything
 else through PyAV), `model`, `language` (ISO-639-1; detected when not given), `prompt` (text before the audio, or
 spellings to follow), `response_format` (json, text, verbose_json, srt, vtt), `temperature`, `stream`,
 `timestamp_granularities[]` (segment, word; verbose_json only).
 
-Audio longer than the model's window (30 s) is cut at its quietest points into pieces (streamer/audio.py
+Audio longer than the model's window (30 s) is cut at its quietest points into pieces (streamer/multimodal/audio.py
 split_audio), transcribed as concurrent requests, and joined in order. Without a `language`, a multilingual model
 names it first: one decoder step after <|startoftranscript|> over the language tokens alone, on the first piece
 (as Whisper detects it). Streaming sends OpenAI's events, `transcript.text.delta` then `transcript.text.done`.
 At temperature 0 a piece whose text repeats itself or whose tokens are unlikely is decoded again, hotter
 (`TranscriptionConfig`: OpenAI's whisper's fallback; not when streaming, whose text is already sent).
-verbose_json, srt and vtt decode with timestamp tokens (streamer/speech.py DecodeRules) and give the segments they
+verbose_json, srt and vtt decode with timestamp tokens (streamer/multimodal/speech.py DecodeRules) and give the segments they
 mark, offset by their piece's start; json and text decode without them (a shorter output). A checkpoint whose
 vocabulary has no timestamp tokens gives one segment per piece. Word timestamps come from the decoder's
-cross-attention (streamer/word_timestamps.py): a teacher-forced pass over each piece's text on the device thread.
+cross-attention (streamer/multimodal/word_timestamps.py): a teacher-forced pass over each piece's text on the device thread.
 """
 from __future__ import annotations
 
@@ -31,19 +31,19 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from streamer.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, decode_audio, split_audio
+from streamer.multimodal.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, decode_audio, split_audio
 from streamer.sampling_params import SamplingParams
 from streamer.server.generation import engine_error
 from streamer.server.protocol import APIError
 from streamer.server.sse import DONE, event, sse_response
 
-from streamer.speech import Segment
-from streamer.word_timestamps import Word, token_start_times, word_timestamps
+from streamer.multimodal.speech import Segment
+from streamer.multimodal.word_timestamps import Word, token_start_times, word_timestamps
 from streamer.threads import to_own_thread
 
 if TYPE_CHECKING:
     from streamer.server.app import OpenAIServer
-    from streamer.speech import SpeechPrompts
+    from streamer.multimodal.speech import SpeechPrompts
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 _FORM_FIELDS = 32
@@ -286,7 +286,7 @@ class AudioAPI:
         piece.no_speech_prob = math.exp(lps[0][no_speech].logprob) if lps and no_speech in lps[0] else None
 
     async def _words(self, piece: Piece, audio: np.ndarray, prefix: list[int], language: Optional[str]) -> None:
-        """The piece's words and when they are spoken (streamer/word_timestamps.py): the alignment heads' scores
+        """The piece's words and when they are spoken (streamer/multimodal/word_timestamps.py): the alignment heads' scores
         for its text after `prefix` (the decoder prompt, without timestamps), on the device thread."""
         import torch
         speech = self.speech

@@ -29,7 +29,7 @@ from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("streamer.server")
 
@@ -175,7 +175,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 async def _run_batch(args: argparse.Namespace, kwargs: dict, lines: list[str], out: IO[str],
                      concurrency: int) -> int:
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.server.batch import run_batch
     engine = AsyncEngine(args.model, **kwargs)
     try:
@@ -302,7 +302,7 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
 async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict) -> int:
     from sse_starlette.sse import AppStatus
 
-    from streamer.async_engine import AsyncEngine
+    from streamer.engine.async_engine import AsyncEngine
     AppStatus.disable_automatic_graceful_drain()  # we drain: streams must finish, not be cut at SIGTERM
     shutdown = _Shutdown(args.shutdown_timeout)
     shutdown.install()  # before loading: a signal during start-up still exits 0

@@ -1,4 +1,4 @@
-"""The pooling endpoints (streamer/pooling.py). POST /v1/embeddings (OpenAI's shape): each input's embedding, from
+"""The pooling endpoints (streamer/engine/pooling.py). POST /v1/embeddings (OpenAI's shape): each input's embedding, from
 the model's final hidden states pooled. POST /classify (vLLM's): each input's label probabilities from a
 sequence-classification model. /score and /rerank (vLLM's and Jina's / Cohere's shapes) rank texts by the cosine
 similarity of their embeddings, or, with a cross-encoder (a classifier with one label), by its score of each pair.
@@ -14,7 +14,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamer.pooling import Classifier, PoolingParams, pair_up
+from streamer.engine.pooling import Classifier, PoolingParams, pair_up
 from streamer.server.generation import engine_error
 from streamer.server.protocol import APIError, _show, get_bool, get_int, get_str, parse_messages, parse_prompts
 

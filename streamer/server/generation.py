@@ -7,7 +7,7 @@ import math
 import time
 from typing import AsyncIterator, Optional
 
-from streamer.async_engine import EngineDeadError, QueueFullError, RequestStream
+from streamer.engine.async_engine import EngineDeadError, QueueFullError, RequestStream
 from streamer.outputs import StreamOutput
 from streamer.server.protocol import APIError, value_error
 

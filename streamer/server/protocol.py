@@ -488,7 +488,7 @@ def _beam_search(body: dict, common: _Common, default_max_tokens: int = 16) -> O
     end where the context does."""
     if not get_bool(body, "use_beam_search", False):
         return None
-    from streamer.beam_search import BeamSearchParams
+    from streamer.engine.beam_search import BeamSearchParams
     p = common.params
     if common.stream:
         raise APIError("use_beam_search cannot be streamed", param="stream")

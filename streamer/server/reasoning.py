@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from streamer.thinking import END, PARSERS, START, TAGS  # (the engine's thinking budget reads the same tags)
+from streamer.engine.thinking import END, PARSERS, START, TAGS  # (the engine's thinking budget reads the same tags)
 
 # Parsers whose tags are special tokens: the output's text keeps special tokens so that the tags are there to read
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from streamer.outputs import Logprob, StreamOutput
-from streamer.thinking import BEFORE, INSIDE, ThinkingBudget, ThinkTags
+from streamer.engine.thinking import BEFORE, INSIDE, ThinkingBudget, ThinkTags
 from streamer.server.reasoning import ReasoningMode
 from streamer.server.harmony import HarmonyParser
 from streamer.server.tool_calls import ForcedToolCalls, make_parser

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from streamer.structured_output import StructuredOutputsParams
+from streamer.engine.structured_output import StructuredOutputsParams
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

@@ -1,0 +1,1 @@
+"""The engine: input processing, the step loop and output processing (LLMEngine), its asyncio front (AsyncEngine), detokenizing, metrics, and what requests add (beam search, structured output, pooling, LoRA, prompt embeddings, thinking budgets)."""

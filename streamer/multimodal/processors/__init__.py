@@ -1,0 +1,1 @@
+"""Image and video processors, one per model family (transformers' outputs, in torch)."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: n-gram and suffix drafts, a draft model, EAGLE / MTP heads."""
