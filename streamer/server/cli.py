@@ -151,7 +151,7 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from streamer.cli import engine_kwargs
+    from streamer.engine_args import engine_kwargs
     from streamer.config import EngineConfig
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     kwargs = engine_kwargs(args)
@@ -211,7 +211,7 @@ def _loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from streamer.cli import engine_kwargs
+    from streamer.engine_args import engine_kwargs
     from streamer.config import EngineConfig
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     api_key = args.api_key or os.environ.get("STREAMER_API_KEY") or None

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from streamer.tokenizer.tokenizer import byte_level_chars
+from streamer.tokenizer.byte_level import byte_level_chars
 
 logger = logging.getLogger("streamer")
 

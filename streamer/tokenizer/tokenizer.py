@@ -19,6 +19,8 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders as _decoders
 
+from streamer.tokenizer.byte_level import byte_level_chars
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -239,19 +241,6 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, pad={self.pad_token_id})")
-
-
-def byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
-    chr(256 + k) in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
 
 
 def _byte_level_table(backend: _HFTokenizer) -> Optional[list[bytes]]:
