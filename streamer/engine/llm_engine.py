@@ -30,7 +30,8 @@ from streamer.engine import prompt_embeds
 from streamer.worker.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
 from streamer.models.config import ENCODER_DECODER_ARCHITECTURES, HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal.audio_prompts import AudioPrompts, as_clips
-from streamer.multimodal.inputs import ImageInput, as_media, image_prompts_for
+from streamer.multimodal.inputs import ImageInput, as_media
+from streamer.multimodal.prompts import image_prompts_for
 from streamer.multimodal.speech import SpeechPrompts
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from streamer.core.request import Request, RequestStatus
