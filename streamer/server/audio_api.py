@@ -35,6 +35,7 @@ from streamer.multimodal.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, decode_audio
 from streamer.sampling_params import SamplingParams
 from streamer.server.generation import engine_error
 from streamer.server.protocol import APIError
+from streamer.server.responding import JSONResponse
 from streamer.server.sse import DONE, event, sse_response
 
 from streamer.multimodal.speech import Segment
@@ -364,12 +365,10 @@ class AudioAPI:
         if fmt == "text":
             return PlainTextResponse(text)
         if fmt == "json":
-            from streamer.server.app import JSONResponse
             return JSONResponse({"text": text, "usage": _usage(duration)})
         segments = self._segments(pieces, prompt_ids)
         if fmt == "srt" or fmt == "vtt":
             return PlainTextResponse(_subtitles(segments, fmt), media_type="text/vtt" if fmt == "vtt" else None)
-        from streamer.server.app import JSONResponse
         body: dict[str, Any] = {"task": "translate" if req.task == "translate" else "transcribe",
                                 "language": language or "en", "duration": duration, "text": text}
         if "word" in req.granularities:

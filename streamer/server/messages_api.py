@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import APIError, _show, dumps, parse_chat
+from streamer.server.responding import collect_choices
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
 
@@ -314,7 +315,6 @@ class MessagesAPI:
         if chat.stream:
             return sse_response(_events(msg_id, gen, fmt, omit), headers=headers,
                                 background=BackgroundTask(gen.close))
-        from streamer.server.app import collect_choices
         choices = await collect_choices(request, gen, fmt)
         if choices is None:
             return Response(status_code=499)

@@ -26,6 +26,7 @@ from streamer.server.generation import Generation, engine_error
 from streamer.sampling_params import MAX_LOGPROBS
 from streamer.server.protocol import REASONING_EFFORTS, APIError, _show, dumps, get_bool, get_int, parse_chat
 from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
+from streamer.server.responding import collect_choices
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
 
@@ -345,7 +346,6 @@ class ResponsesAPI:
         keep = (lambda response: self.store.put(StoredResponse(response, items))) if store else None
         if chat.stream:
             return sse_response(_events(gen, fmt, builder, keep), headers=headers, background=BackgroundTask(gen.close))
-        from streamer.server.app import collect_choices
         choices = await collect_choices(request, gen, fmt)
         if choices is None:
             return Response(status_code=499)
