@@ -19,7 +19,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -125,8 +125,10 @@ def _catch_up(tokens: np.ndarray, rows: np.ndarray, computed: np.ndarray, last: 
 class DraftModel:
     """The draft checkpoint on a ModelRunner of its own (same device, dtype and KV block count as the target)."""
 
-    def __init__(self, config: EngineConfig, target: "ModelRunner") -> None:
-        from streamer.worker.model_runner import ModelRunner
+    def __init__(self, config: EngineConfig, target: "ModelRunner",
+                 make_runner: Callable[..., "ModelRunner"]) -> None:
+        # make_runner: ModelRunner, handed in by the target runner that builds this drafter (model_runner.py imports
+        # the drafters, so they do not import it back)
         from streamer.models.gguf import hf_folder  # a GGUF draft (file, folder or first shard): its converted HF folder
         path = hf_folder(Path(config.speculative_model).expanduser())  # type: ignore[arg-type]
         if not path.is_dir():
@@ -138,7 +140,7 @@ class DraftModel:
             config, model=str(path), tokenizer=None, dtype=str(target.dtype).replace("torch.", ""),
             num_kv_blocks=target.num_blocks, enable_lora=False, quantization=None, cuda_graph_max_batch=0,
             speculative_model=None, num_speculative_tokens=0, tensor_parallel_size=1)
-        self.runner = ModelRunner(draft_config, path, cfg, target.max_model_len)
+        self.runner = make_runner(draft_config, path, cfg, target.max_model_len)
         logger.info("draft model %s: %d layers, proposes %d tokens a step", path, cfg.num_layers,
                     config.num_speculative_tokens)
 

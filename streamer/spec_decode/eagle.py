@@ -27,7 +27,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
@@ -146,8 +146,10 @@ class EagleDrafter:
     """The EAGLE head on a ModelRunner of its own (eager; same device, dtype and KV block count as the target),
     with the kept features: [rows, S, hidden] on the device."""
 
-    def __init__(self, config: EngineConfig, target: "ModelRunner") -> None:
-        from streamer.worker.model_runner import ModelRunner
+    def __init__(self, config: EngineConfig, target: "ModelRunner",
+                 make_runner: Callable[..., "ModelRunner"]) -> None:
+        # make_runner: ModelRunner, handed in by the target runner that builds this drafter (model_runner.py imports
+        # the drafters, so they do not import it back)
         if config.speculative_method == "mtp":  # the target checkpoint's own extra layer
             path, cfg = Path(target.model_dir), mtp_config(target.model_dir, target.model_cfg)
         else:
@@ -160,7 +162,7 @@ class EagleDrafter:
             speculative_model=None, speculative_method=None, num_speculative_tokens=0, tensor_parallel_size=1,
             enforce_eager=True,
             kv_cache_dtype="auto")
-        self.runner = ModelRunner(draft_config, path, cfg, target.max_model_len)
+        self.runner = make_runner(draft_config, path, cfg, target.max_model_len)
         self.model: EagleDraftModel = self.runner.model  # type: ignore[assignment]
         self.model.share_target(target.model)
         self.keep = config.num_speculative_tokens + 1

@@ -36,7 +36,7 @@ from streamer.models.quant import fp8_supported
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.woq import parse_int_quant
 from streamer.multimodal.inputs import EncoderCache, ImageStep
-from streamer.worker.parallel import TensorParallelWorkers
+from streamer.worker.parallel import TensorParallelWorkers, init_process_group, serve_steps
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.core.request import Request
 from streamer.core.step_time import StepShape, shape_of
@@ -44,6 +44,8 @@ from streamer.worker.sampler import (Sampler, SamplerOutput, SamplingBatch, Spee
                               score_tokens)
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     from streamer.spec_decode.draft_model import DraftModel
     from streamer.spec_decode.eagle import EagleDrafter
 
@@ -255,7 +257,8 @@ class ModelRunner:
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
             else:  # NCCL binds each rank to the current device
                 torch.cuda.set_device(self.device)
-            self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device)
+            self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device,
+                                                    run_tensor_parallel_rank)
         self.drafter: Optional["DraftModel | EagleDrafter"] = None
         # Vision-language models: image features by image, kept across a prompt's chunks (streamer/multimodal/inputs.py)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
@@ -264,7 +267,7 @@ class ModelRunner:
             if config.drafts_with_model and tp_rank == 0:
                 from streamer.spec_decode.draft_model import DraftModel
                 from streamer.spec_decode.eagle import EagleDrafter
-                self.drafter = (EagleDrafter if self.eagle else DraftModel)(config, self)
+                self.drafter = (EagleDrafter if self.eagle else DraftModel)(config, self, ModelRunner)
         except BaseException as e:
             failure = self.tp_workers.failure() if self.tp_workers else None
             self.close()  # the workers and the process group go with the engine that failed to start
@@ -1383,3 +1386,21 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
     carries its whole storage)."""
     t = t.detach().cpu()
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def run_tensor_parallel_rank(conn: Connection, rank: int, config: EngineConfig, model_dir: Path,
+                             model_cfg: ModelConfig, max_model_len: int, port: int) -> None:
+    """What a tensor-parallel worker process runs once connected to rank 0 (streamer/worker/parallel.py starts it:
+    rank 0's runner hands this function to TensorParallelWorkers): build this rank's shard, then serve steps."""
+    device = rank_device(config.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # the ranks share the machine's cores: each takes its share rather than all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
+    init_process_group(rank, config.tensor_parallel_size, port, device)
+    try:
+        runner = ModelRunner(config, model_dir, model_cfg, max_model_len, tp_rank=rank)
+    except Exception as e:  # tell rank 0 why, rather than leaving it waiting
+        conn.send(f"{type(e).__name__}: {e}")
+        return
+    serve_steps(conn, runner)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import logging
 import os
 import pickle
@@ -23,7 +24,7 @@ import threading
 import weakref
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -59,7 +60,12 @@ class TensorParallelWorkers:
     survive. Each one connects back to a listener on 127.0.0.1 with a random key."""
 
     def __init__(self, config: "EngineConfig", model_dir: Path, model_cfg: "ModelConfig", max_model_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, run_rank: Callable[..., None]) -> None:
+        """run_rank: what each worker runs once connected, a module-level function (named to the worker by its
+        module and name), called as run_rank(conn, rank, config, model_dir, model_cfg, max_model_len, port)."""
+        entry = f"{run_rank.__module__}:{run_rank.__qualname__}"
+        if getattr(sys.modules.get(run_rank.__module__), run_rank.__qualname__, None) is not run_rank:
+            raise TypeError(f"run_rank must be a module-level function, not {run_rank!r}")
         world = config.tensor_parallel_size
         port = _free_port()
         key = secrets.token_bytes(32)
@@ -70,7 +76,8 @@ class TensorParallelWorkers:
             env = dict(os.environ, STREAMER_TP_KEY=key.hex())
             address = "%s:%d" % listener.address
             for rank in range(1, world):
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "streamer.worker.parallel", address, str(rank)],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "streamer.worker.parallel", entry, address,
+                                                    str(rank)],
                                                    env=env))
             by_rank = {}
             for conn in _accept(listener, self.procs):
@@ -166,10 +173,15 @@ def _shutdown(conns: list[Connection], procs: list[subprocess.Popen]) -> None:
         conn.close()
 
 
-def _worker_main(address: str, rank: int) -> None:
-    """Rank `rank`: connect to rank 0, build this rank's shard, then run every step it sends until it says
-    stop (or goes away)."""
-    from streamer.worker.model_runner import ModelRunner, rank_device
+def _worker_main(entry: str, address: str, rank: int) -> None:
+    """Rank `rank`: import the entry function rank 0 named, connect to rank 0, get the shard's arguments and hand
+    over to the entry function (model_runner.py's `run_tensor_parallel_rank`: it builds the shard and serves steps
+    with `serve_steps`)."""
+    # The entry comes as "module:function" from the runner that started the workers, so this module need not
+    # import the runner (which imports it); imported before connecting, as before, so that a worker whose imports
+    # fail exits before connecting and rank 0 reports it (`_accept`).
+    module, _, name = entry.partition(":")
+    run_rank = getattr(importlib.import_module(module), name)
 
     logging.basicConfig(level=logging.WARNING)
     # Ctrl-C in a terminal reaches every process of the group: rank 0 decides when to stop, and a worker
@@ -179,17 +191,11 @@ def _worker_main(address: str, rank: int) -> None:
     conn = Client((host, int(port_str)), authkey=bytes.fromhex(os.environ.pop("STREAMER_TP_KEY")))
     conn.send(rank)
     config, model_dir, model_cfg, max_model_len, port = conn.recv()
-    device = rank_device(config.device, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:  # the ranks share the machine's cores: each takes its share rather than all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    init_process_group(rank, config.tensor_parallel_size, port, device)
-    try:
-        runner = ModelRunner(config, model_dir, model_cfg, max_model_len, tp_rank=rank)
-    except Exception as e:  # tell rank 0 why, rather than leaving it waiting
-        conn.send(f"{type(e).__name__}: {e}")
-        return
+    run_rank(conn, rank, config, model_dir, model_cfg, max_model_len, port)
+
+
+def serve_steps(conn: Connection, runner: "ModelRunner") -> None:
+    """A worker's loop once its shard is built: run every step rank 0 sends until it says stop (or goes away)."""
     conn.send("ready")
     while True:
         try:
@@ -217,4 +223,4 @@ def _call(runner: "ModelRunner", method: str, *args: object) -> Optional[str]:
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], int(sys.argv[2]))
+    _worker_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
