@@ -11,7 +11,7 @@ import torch
 
 from streamer import LLM
 from streamer.models.config import ModelConfig
-from streamer.models.nemotron_h import nemotron_h_layer_kinds
+from streamer.models.family_configs import nemotron_h_layer_kinds
 from tests.parity import assert_state_freed, greedy, prompts_of_lengths
 from tests.checkpoints import hf_greedy
 from tests.tokenizer_factory import make_bytelevel_tokenizer

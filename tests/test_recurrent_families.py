@@ -280,7 +280,7 @@ def test_hub_configs():
     length) and LFM2-1.2B's (`block_ff_dim` adjusted to 8192, `norm_eps`, `tie_embedding`, `full_attn_idxs`)."""
     from streamer.models.config import ModelConfig
     from streamer.models.lfm2 import lfm2_layer_kinds
-    from streamer.models.mamba2 import _mixer_config
+    from streamer.models.family_configs import mamba2_mixer_config
     codestral = dict(architectures=["Mamba2ForCausalLM"], chunk_size=256, conv_kernel=4, expand=2, head_dim=64,
                      hidden_size=4096, layer_norm_epsilon=1e-5, n_groups=8, num_heads=128, num_hidden_layers=64,
                      residual_in_fp32=True, state_size=128, tie_word_embeddings=False,
@@ -288,7 +288,7 @@ def test_hub_configs():
     cfg = ModelConfig.from_dict(codestral)
     assert (cfg.num_layers, cfg.hidden_size, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (64, 4096, 1e-5, False)
     assert cfg.max_position_embeddings == 262144
-    m = _mixer_config(cfg.raw)
+    m = mamba2_mixer_config(cfg.raw)
     assert (m["mamba_n_heads"], m["mamba_d_head"], m["mamba_n_groups"], m["mamba_d_state"]) == (128, 64, 8, 128)
     assert ModelConfig.from_dict(cfg.raw).raw == cfg.raw  # (normalising twice changes nothing)
     lfm2 = dict(architectures=["Lfm2ForCausalLM"], block_auto_adjust_ff_dim=True, block_ff_dim=12288,

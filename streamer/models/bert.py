@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -32,40 +32,10 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.arcee import UNGATED_PACKED, UpMLP
 from streamer.models.config import ModelConfig
+from streamer.models.family_configs import position_offset
 from streamer.models.layers import GELU_APPROXIMATE, LayerNorm, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.opt import AddOnly
-
-_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-             "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
-             "type_vocab_size": 2, "layer_norm_eps": 1e-12, "pad_token_id": 0}  # (BertConfig's)
-
-
-def position_offset(raw: dict[str, Any]) -> int:
-    """Where position 0's row is: (XLM-)RoBERTa numbers positions from pad_token_id + 1 (create_position_ids_
-    from_input_ids), BERT from 0."""
-    family = raw.get("_encoder_family")
-    if family == "mpnet":  # (MPNet's embeddings fix their padding index at 1, whatever the config's pad_token_id)
-        return 2
-    return int(raw.get("pad_token_id") or 0) + 1 if family == "roberta" else 0
-
-
-def common_config(c: dict[str, Any], family: str) -> dict[str, Any]:
-    """An encoder config in the common names (ModelConfig.from_dict): the LayerNorm eps as the norm eps, biased
-    attention, no KV-head grouping, no LM head, and a context of the position rows left after the offset."""
-    c = {**_DEFAULTS, **c, "_encoder_family": family}
-    if c.get("position_embedding_type", "absolute") != "absolute":
-        raise ValueError(f"position_embedding_type {c['position_embedding_type']!r} is not supported (absolute is)")
-    if c["hidden_act"] not in GELU_APPROXIMATE:
-        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported ({', '.join(GELU_APPROXIMATE)} are)")
-    c["encoder_positions"] = c["max_position_embeddings"]  # (the table's rows)
-    c["max_position_embeddings"] -= position_offset(c)
-    c["num_key_value_heads"] = c["num_attention_heads"]
-    c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
-    c["rms_norm_eps"] = c["layer_norm_eps"]
-    c["attention_bias"] = True
-    c["tie_word_embeddings"] = True  # (no LM head: an encoder only pools)
-    return c
 
 
 def sep_token_id(model_dir: Path) -> Optional[int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -32,22 +32,6 @@ from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP, fused_qkv_parts, renamed_lora_parts, to_ours, to_theirs
 from streamer.models.layers import LayerNorm, ParallelContext, RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
-
-_DEFAULTS = {"vocab_size": 250880, "hidden_size": 64, "n_layer": 2, "n_head": 8, "layer_norm_epsilon": 1e-5,
-             "tie_word_embeddings": True}  # (BloomConfig's)
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A BLOOM config in the common names (ModelConfig.from_dict)."""
-    c = {**_DEFAULTS, **c}
-    if c.get("n_embed") is not None:  # (an older spelling)
-        c["hidden_size"] = c["n_embed"]
-    heads = c.get("num_attention_heads") or c["n_head"]
-    c.update(num_hidden_layers=c.get("num_hidden_layers") or c["n_layer"], num_attention_heads=heads,
-             num_key_value_heads=heads, head_dim=c["hidden_size"] // heads, intermediate_size=4 * c["hidden_size"],
-             layer_norm_eps=c["layer_norm_epsilon"], attention_bias=True)
-    c.setdefault("max_position_embeddings", c.get("seq_length") or 2048)
-    return c
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The model's shape, read from a Hugging Face config.json (both the classic and the transformers-5 spelling)."""
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
+
+from streamer.models.family_configs import FAMILY_CONFIGS, encoder_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM",
@@ -204,23 +205,6 @@ _KEY_ALIASES: dict[str, dict[str, str]] = {
     "GPTNeoXForCausalLM": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
     "NemotronForCausalLM": {"norm_eps": "rms_norm_eps"},
 }
-# Families whose config.json spells the common keys its own way and leaves others to its config class's defaults:
-# architecture -> the module (streamer.models.*) whose `common_config(c)` rewrites it in the common names.
-_OWN_SPELLINGS = {"FalconForCausalLM": "falcon", "GPTJForCausalLM": "gptj", "OPTForCausalLM": "opt",
-                  "BloomForCausalLM": "bloom", "MPTForCausalLM": "mpt", "MptForCausalLM": "mpt",
-                  "WhisperForConditionalGeneration": "whisper", "Qwen3_5ForCausalLM": "qwen3_5",
-                  "Qwen3_5MoeForCausalLM": "qwen3_5", "Gemma4ForCausalLM": "gemma4"}
-
-
-def _nemotron_h(c: dict[str, Any]) -> dict[str, Any]:
-    """A NemotronH config in the common names: its layer count from the layer pattern (transformers 5 writes no
-    num_hidden_layers), `layer_norm_epsilon`, the attention head size (older configs: `attention_head_dim`; else
-    transformers' default, 128)."""
-    from streamer.models.nemotron_h import nemotron_h_layer_kinds  # (imports torch: this module does not)
-    c = dict(c, num_hidden_layers=len(nemotron_h_layer_kinds(c)))
-    c.setdefault("rms_norm_eps", c.get("layer_norm_epsilon", 1e-5))
-    c["head_dim"] = c.get("head_dim") or c.get("attention_head_dim") or 128
-    return c
 
 
 def rope_scaling(legacy: Optional[dict[str, Any]], params: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -454,35 +438,16 @@ class ModelConfig:
                              "[\"Qwen3ForSequenceClassification\"], ...})")
         if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
             family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
-            from streamer.models import bert, modernbert, mpnet, t5  # (common_config; they import torch)
-            if family == "t5":
-                c, arch = t5.common_config(c), "T5EncoderModel"
-            elif family == "modernbert":
-                c, arch = modernbert.common_config(c), "ModernBertModel"
-            elif family == "mpnet":
-                c, arch = mpnet.common_config(c), "MPNetModel"
-            else:
-                c, arch = bert.common_config(c, family), "BertModel"
+            c, arch = encoder_config(c, family)  # (models/family_configs.py)
             num_labels = (len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)) if classifier else None
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
                              f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS) + tuple(ENCODER_ARCHITECTURES))}")
-        if arch == "NemotronHForCausalLM":
-            c = _nemotron_h(c)
         for old, new in _KEY_ALIASES.get(arch, {}).items():  # (an older spelling, unless the newer one is given)
             if c.get(old) is not None and new not in c and new not in (c.get("rope_parameters") or {}):
                 c = dict(c, **{new: c[old]})
-        if arch in _OWN_SPELLINGS:  # (the module's common_config; they import torch: this module does not)
-            c = importlib.import_module(f"streamer.models.{_OWN_SPELLINGS[arch]}").common_config(c)
-        if arch in ("GPTBigCodeForCausalLM", "GPT2LMHeadModel"):  # (GPT-2's spellings; it imports torch)
-            from streamer.models import gpt_bigcode
-            c = gpt_bigcode.common_config(c, multi_query_default=arch == "GPTBigCodeForCausalLM")
-        if arch in ("Mamba2ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):  # (their own spellings)
-            from streamer.models import lfm2, mamba2  # (common_config; they import torch: this module does not)
-            c = (mamba2 if arch == "Mamba2ForCausalLM" else lfm2).common_config(c)
-        if arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):  # (Mamba v1's spellings; mamba1 imports torch)
-            from streamer.models import mamba1
-            c = mamba1.common_config(c)
+        if arch in FAMILY_CONFIGS:  # (a family that spells the common keys its own way: models/family_configs.py)
+            c = FAMILY_CONFIGS[arch](c)
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}

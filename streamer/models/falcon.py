@@ -34,29 +34,6 @@ from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention, LlamaForCausalLM
 
-# FalconConfig's defaults for what a config.json may leave out
-_DEFAULTS = {"vocab_size": 65024, "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
-             "max_position_embeddings": 2048, "tie_word_embeddings": True}
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A Falcon config in the common names (ModelConfig.from_dict), as FalconConfig reads it: `n_embed` (an older
-    spelling, winning over hidden_size), the kv heads of each layout, the MLP width, `bias` on every linear, the
-    LayerNorm eps as `layer_norm_eps`."""
-    c = {**_DEFAULTS, **c}
-    if c.get("n_embed") is not None:
-        c["hidden_size"] = c["n_embed"]
-    heads = c["num_attention_heads"]
-    if c.get("new_decoder_architecture"):
-        c["num_key_value_heads"] = c.get("num_kv_heads") or heads
-    else:  # (transformers builds [q; k; v] per head without multi_query, whatever num_kv_heads says)
-        c["num_key_value_heads"] = 1 if c.get("multi_query", True) else heads
-    c["head_dim"] = c["hidden_size"] // heads
-    c["intermediate_size"] = c.get("ffn_hidden_size") or 4 * c["hidden_size"]
-    c["attention_bias"] = bool(c.get("bias", False))
-    c["layer_norm_eps"] = c.get("layer_norm_epsilon", 1e-5)
-    return c
-
 
 def layer_shape(raw: dict[str, Any]) -> tuple[bool, bool]:
     """(parallel attention and MLP, two norms a layer) of a Falcon config, refusing the combinations transformers'

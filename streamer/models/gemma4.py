@@ -37,19 +37,6 @@ from streamer.models.moe import SparseMoE, unstack_experts
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-# Gemma4TextConfig's defaults, for keys a config.json leaves out (a nested text_config may be written sparse)
-DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512, vocab_size_per_layer_input=262_144,
-    hidden_size_per_layer_input=256, attention_k_eq_v=False, num_kv_shared_layers=0, enable_moe_block=False,
-    use_double_wide_mlp=False, pad_token_id=0, bos_token_id=2, eos_token_id=1)
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    return {**DEFAULTS, **c}  # (a null given stays null: `hidden_size_per_layer_input: null` means no PLE)
-
-
 class Gemma4RMSNorm(GemmaRMSNorm):
     """x / rms(x) * w, in fp32, then cast."""
 

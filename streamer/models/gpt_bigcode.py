@@ -11,14 +11,14 @@ trained it, built from the Llama decoder's parts, with these differences from Ll
 - LayerNorm with a bias (`ln_1`, `ln_2`, `ln_f`; eps `layer_norm_epsilon`), sequential pre-norm layers;
 - the MLP is two biased linears with GELU (`activation_function`, tanh-approximated by default) between them
   (`c_fc`, `mlp.c_proj`; width `n_inner`, default 4 x hidden), no gate;
-- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: `common_config`) and the LM
+- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: models/family_configs.py) and the LM
   head tied to `wte` by default.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -29,25 +29,6 @@ from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_
 from streamer.models.layers import RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.layers import LayerNorm
-
-# GPTBigCodeConfig's defaults for what a config.json may leave out
-_DEFAULTS = {"n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024}
-
-
-def common_config(c: dict[str, Any], multi_query_default: bool = True) -> dict[str, Any]:
-    """A GPTBigCode (or GPT-2: no multi_query by default) config in the common names (ModelConfig.from_dict): sizes,
-    the MLP width (n_inner, default 4 x hidden), one kv head with multi_query, head_dim = hidden / heads."""
-    c = dict(c)
-    for old, new in (("n_embd", "hidden_size"), ("n_head", "num_attention_heads"), ("n_layer", "num_hidden_layers"),
-                     ("n_positions", "max_position_embeddings")):
-        if c.get(new) is None:
-            c[new] = c.get(old, _DEFAULTS[old])
-    if c.get("intermediate_size") is None:
-        c["intermediate_size"] = c.get("n_inner") or 4 * c["hidden_size"]
-    c["num_key_value_heads"] = 1 if c.get("multi_query", multi_query_default) else c["num_attention_heads"]
-    c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
-    c.setdefault("tie_word_embeddings", True)
-    return c
 
 
 class GPTBigCodeBlock(ParallelResidualLayer):

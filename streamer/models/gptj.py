@@ -9,43 +9,22 @@ Pygmalion-6B, ...). The Llama decoder's attention and weight loading, with GPT-J
 - the MLP is two biased linears with GELU (`activation_function`, tanh-approximated `gelu_new` by default) between
   them (`fc_in`, `fc_out`; width `n_inner`, 4 x hidden by default), no gate;
 - the LM head has a bias, and is untied (models/phi.py HeadBias);
-- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: models/gpt_bigcode.py
-  common_config), with GPT-J's defaults.
+- GPT-2's config spellings (`n_embd`, `n_head`, `n_layer`, `n_positions`, `n_inner`: models/family_configs.py
+  gptj_config), with GPT-J's defaults.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
-from streamer.models import gpt_bigcode
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, layer_norm_eps, renamed_lora_parts, to_ours,
                                       to_theirs)
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention
 from streamer.models.phi import HeadBias
-
-# GPTJConfig's defaults for what a config.json may leave out
-_DEFAULTS = {"vocab_size": 50400, "n_positions": 2048, "n_embd": 4096, "n_layer": 28, "n_head": 16, "rotary_dim": 64,
-             "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5}
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A GPT-J config in the common names (ModelConfig.from_dict): GPT-2's spellings, `rotary_dim` as the share of
-    each head that rotates, base 10000 (GPT-J reads no rope_theta nor scaling), no attention biases."""
-    c = gpt_bigcode.common_config({**_DEFAULTS, **c}, multi_query_default=False)
-    rotary, head_dim = c["rotary_dim"], c["head_dim"]
-    if rotary is None or rotary % 2 or not 0 < rotary <= head_dim:
-        # (transformers' rotary_dim null rotates hidden_size dims of each head: it only runs with one head)
-        raise ValueError(f"GPT-J with rotary_dim {rotary!r} is not supported (an even number of dims up to "
-                         f"head_dim {head_dim} is)")
-    # Half a dim over: ModelConfig.rotary_dim truncates head_dim * factor, which rotary / head_dim can fall short of.
-    c["partial_rotary_factor"] = (rotary + 0.5) / head_dim
-    c.update(rope_theta=10000.0, rope_scaling=None, rope_parameters=None, attention_bias=False,
-             layer_norm_eps=c["layer_norm_epsilon"])
-    return c
 
 
 class GPTJBlock(ParallelResidualLayer):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamer_kernels as K
-from streamer.models.lora import add_lora, lora_add_
+from streamer.models.lora_ops import add_lora, lora_add_
 from streamer.models.quant import fp8_linear
 
 if TYPE_CHECKING:

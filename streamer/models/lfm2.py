@@ -40,37 +40,6 @@ from streamer.models.moe import SparseMoE, unfuse_experts
 _MOE_ARCH = "Lfm2MoeForCausalLM"
 
 
-def lfm2_ff_dim(c: dict[str, Any]) -> int:
-    """The MLP's width (Lfm2MLP's adjustment of `block_ff_dim` / `intermediate_size`)."""
-    size = int(c.get("block_ff_dim") or c.get("intermediate_size") or 12288)
-    if c.get("block_auto_adjust_ff_dim", True):
-        size = int(2 * size / 3)
-        mult = c.get("block_ffn_dim_multiplier", 1.0)
-        if mult is not None:
-            size = int(mult * size)
-            of = int(c.get("block_multiple_of", 256))
-            size = of * ((size + of - 1) // of)
-    return size
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """An LFM2 config.json in ModelConfig's names: `norm_eps`, `tie_embedding`, the MLP's actual width as
-    `intermediate_size` (the config's kept as `block_ff_dim`), LFM2's rope base (1e6) when none is given."""
-    c = dict(c)
-    if _MOE_ARCH not in (c.get("architectures") or []):  # (LFM2-MoE's dense MLPs are intermediate_size wide)
-        c["block_ff_dim"] = c.get("block_ff_dim") or c.get("intermediate_size") or 12288
-        c["intermediate_size"] = lfm2_ff_dim(c)
-    else:
-        c.setdefault("intermediate_size", 7168)
-    c["rms_norm_eps"] = c.get("norm_eps", 1e-5)
-    if "tie_embedding" in c:
-        c["tie_word_embeddings"] = c["tie_embedding"]
-    c.setdefault("tie_word_embeddings", True)
-    if "rope_theta" not in c and "rope_theta" not in (c.get("rope_parameters") or {}):
-        c["rope_theta"] = c.get("theta", 1_000_000.0)
-    return c
-
-
 def lfm2_layer_kinds(raw: dict[str, Any], num_layers: int) -> list[str]:
     """"conv" or "attention" per layer."""
     kinds = raw.get("layer_types")

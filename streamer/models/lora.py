@@ -1,4 +1,5 @@
-"""LoRA adapters inside the model: per-layer slot-stacked low-rank weights, and the step's token -> slot map.
+"""LoRA adapters inside the model: per-layer slot-stacked low-rank weights, which layers get them, and an adapter's
+matrices put into them.
 
 Every linear layer that adapters may target (q/k/v, o, gate/up, down) gets two stacked tensors,
 `a` [slots, subs * R, in] and `b` [slots, out, subs * R], where `slots` = max_loras + 1 (slot 0 is all zeros:
@@ -8,25 +9,19 @@ zeros after them, which changes nothing; its scale (alpha / r) is folded into B.
 column layer's B is split along its output rows as the weight is, a row layer's A along its input columns;
 a row layer's LoRA output is added to its partial sum before the all-reduce (it is linear in the input too).
 
-The layer adds `x A_s^T B_s^T` for each token's slot s. Which adapters a step uses is data, so in a compiled
-model the addition is an opaque custom op (`lora_add_`) that reads the step's `LoRAStep` (set by the runner
-around the forward, as the attention metadata is): one pair of matmuls per adapter in use over its tokens,
-or, inside a CUDA graph, `streamer_kernels.lora_add` (each token reads its own slot's weights: fixed launch
-shapes for any mix of slots).
+Adding the adapters' output at forward time (the step's token -> slot map, `add_lora`, the compiled model's
+`lora_add_` op) is models/lora_ops.py's.
 """
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
-import streamer_kernels as K
-
-if TYPE_CHECKING:
-    from streamer.models.layers import PackableLinear
+from streamer.models.layers import ColumnParallelLinear, PackableLinear, RowParallelLinear
+# (the forward-time half, kept importable from here)
+from streamer.models.lora_ops import SMALL_BATCH, LoRAStep, add_lora, lora_add_, lora_context, register  # noqa: F401
 
 # The layers adapters may target, by our parameter's name, and the checkpoint modules each one holds (in Llama's
 # spelling: a family whose checkpoints name them otherwise renames an adapter's modules as it renames its weights,
@@ -38,40 +33,10 @@ LORA_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
                "up_proj": ("up_proj",), "c_fc": ("c_fc",), "c_proj": ("c_proj",), "fc1": ("fc1",), "fc2": ("fc2",)}
 
 
-@dataclass
-class LoRAStep:
-    """Which adapter slot each of the step's tokens uses."""
-
-    token_slots: torch.Tensor  # int64 [T] on the device; 0 = no adapter
-    # (slot, indices of its tokens, or None for all of them), for every slot > 0 in use
-    groups: list[tuple[int, Optional[torch.Tensor]]] = field(default_factory=list)
-    gather: bool = False  # per-token weight gather (graph-safe) instead of the groups
-
-
-_current: Optional[LoRAStep] = None
-SMALL_BATCH = 8  # tokens up to which a CPU half-precision model runs its LoRA matmuls in fp32 (see LoRAWeights)
-
-
-class lora_context:
-    """`with lora_context(step):` the forward inside sees `step` (None: no adapter in use)."""
-
-    def __init__(self, step: Optional[LoRAStep]) -> None:
-        self.step = step
-
-    def __enter__(self) -> None:
-        global _current
-        self.prev, _current = _current, self.step
-
-    def __exit__(self, *exc: Any) -> None:
-        global _current
-        _current = self.prev
-
-
 class LoRAWeights:
     """One layer's adapter slots (see the module docstring)."""
 
-    def __init__(self, layer: "PackableLinear", slots: int, rank: int) -> None:
-        from streamer.models.layers import RowParallelLinear
+    def __init__(self, layer: PackableLinear, slots: int, rank: int) -> None:
         w = layer.weight
         self.row = isinstance(layer, RowParallelLinear)
         self.sub_sizes = [w.shape[0]] if self.row else list(layer.output_sizes)  # type: ignore[attr-defined]
@@ -132,67 +97,18 @@ class LoRAWeights:
             self.b32[slot, rows, cols].copy_(self.b[slot, rows, cols])
 
 
-_lora_layers: list[weakref.ref[LoRAWeights]] = []
-
-
 def attach(model: torch.nn.Module, slots: int, rank: int) -> dict[str, LoRAWeights]:
     """Give every adaptable linear of `model` its slots (before its weights are packed); returns them by the
     layer's module name."""
-    from streamer.models.layers import ColumnParallelLinear, RowParallelLinear
     found: dict[str, LoRAWeights] = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in LORA_LAYERS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)) \
                 and ".experts." not in name:  # (routed experts take no adapters)
             w = LoRAWeights(module, slots, rank)
             module.lora = w
-            _lora_layers.append(weakref.ref(w))
-            module.lora_id = len(_lora_layers) - 1
+            module.lora_id = register(w)
             found[name] = w
     return found
-
-
-def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> None:
-    """y += each token's adapter's x A^T B^T, in place (y [T, out], x [T, in], both 2-D and contiguous)."""
-    step = _current
-    if step is None:
-        return
-    if step.gather:  # (Triton on CUDA: each token reads its adapter's tiles, no per-token copies)
-        K.lora_add(y, x, w.a, w.b, step.token_slots)
-        return
-    if w.twins and x.shape[0] <= SMALL_BATCH:
-        for slot, idx in step.groups:
-            xs = x if idx is None else x.index_select(0, idx)
-            delta = F.linear(xs.float(), w.a32_of[slot]).mm(w.bt32_of[slot]).to(y.dtype)
-            if idx is None:
-                y += delta
-            else:
-                y.index_add_(0, idx, delta)
-        return
-    for slot, idx in step.groups:
-        if idx is None:
-            y.addmm_(F.linear(x, w.a_of[slot]), w.bt_of[slot])
-        else:
-            y.index_add_(0, idx, F.linear(x.index_select(0, idx), w.a_of[slot]).mm(w.bt_of[slot]))
-
-
-# The compiled model's way in (a Library op, as `packed_linear`: less per-call overhead than @custom_op).
-_lib = torch.library.Library("streamer", "FRAGMENT")
-_lib.define("lora_add_(Tensor(a!) y, Tensor x, int layer) -> ()")
-
-
-def _lora_add(y: torch.Tensor, x: torch.Tensor, layer: int) -> None:
-    w = _lora_layers[layer]()
-    assert w is not None, "lora_add_ called for a layer whose model is gone"
-    add_lora(y, x, w)
-
-
-_lib.impl("lora_add_", _lora_add, "CompositeExplicitAutograd")
-lora_add_: Callable[..., None] = torch.ops.streamer.lora_add_.default
-
-
-@torch.library.register_fake("streamer::lora_add_")
-def _(y: torch.Tensor, x: torch.Tensor, layer: int) -> None:
-    return None
 
 
 def place_adapter(model: Any, layers: dict[str, LoRAWeights], slot: Optional[int],

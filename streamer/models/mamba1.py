@@ -37,6 +37,7 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch, MambaStep
 from streamer.models.config import ModelConfig
+from streamer.models.family_configs import mamba_inner_size
 from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import require_silu
 from streamer.models.mamba import (PartsLinear, RecurrentMixer, _float, check_divides, from_span, over_span, per_rank,
@@ -50,32 +51,10 @@ FALCON_MAMBA = "FalconMambaForCausalLM"
 _SCAN_BLOCK_ELEMS = 1 << 24
 
 
-def inner_size(c: dict[str, Any]) -> int:
-    """d_inner: the config's `intermediate_size` when it has one (transformers keeps it over expand x hidden_size:
-    falcon-mamba-7b says expand 16 but intermediate_size 8192), else expand x hidden_size."""
-    return int(c.get("intermediate_size") or int(c.get("expand", 2)) * int(c.get("hidden_size", 768)))
-
-
 def dt_rank(c: dict[str, Any]) -> int:
     """x_proj's dt width: `time_step_rank`, "auto" being ceil(hidden_size / 16)."""
     rank = c.get("time_step_rank", "auto")
     return math.ceil(int(c.get("hidden_size", 768)) / 16) if rank in (None, "auto") else int(rank)
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A Mamba / FalconMamba config.json in ModelConfig's names: no attention (one nominal head of 2; no KV cache is
-    built), `intermediate_size` the mixer's d_inner, norm eps `layer_norm_epsilon`, the head tied unless said
-    otherwise (MambaConfig's default), and no length limit of its own (256K tokens, unless max_model_len says less)."""
-    c = dict(c)
-    c.setdefault("hidden_size", 768)
-    c["intermediate_size"] = inner_size(c)
-    c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"] = 1, 1, 2  # (a 2-wide rotary table, unused)
-    c.setdefault("num_hidden_layers", 32)
-    c.setdefault("vocab_size", 50280)
-    c["rms_norm_eps"] = c.get("layer_norm_epsilon", 1e-5)
-    c.setdefault("max_position_embeddings", 262144)
-    c.setdefault("tie_word_embeddings", True)
-    return c
 
 
 def selective_scan(dA: torch.Tensor, dBx: torch.Tensor) -> torch.Tensor:
@@ -183,7 +162,7 @@ class Mamba1Mixer(RecurrentMixer):
     def __init__(self, hidden_size: int, raw: dict[str, Any], bcdt_eps: Optional[float] = None) -> None:
         """`bcdt_eps`: Falcon-Mamba's RMSNorm eps for B, C and dt (None: Mamba's, no such norm)."""
         super().__init__()
-        channels = split_parts([inner_size(raw)])
+        channels = split_parts([mamba_inner_size(raw)])
         width, self.inner = channels[0]
         self.d_state = int(raw.get("state_size", 16))
         self.d_conv = int(raw.get("conv_kernel", 4))
@@ -314,7 +293,7 @@ class MambaForCausalLM(Mamba2ForCausalLM):
 
     @classmethod
     def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
-        check_divides(tp, intermediate_size=inner_size(cfg.raw))  # (d_inner: the channels and their state)
+        check_divides(tp, intermediate_size=mamba_inner_size(cfg.raw))  # (d_inner: the channels and their state)
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:

@@ -22,40 +22,10 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
+from streamer.models.family_configs import mamba2_mixer_config
 from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import LlamaForCausalLM, require_silu
 from streamer.models.mamba import HybridModel, MambaMixer
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A Mamba2 config.json in ModelConfig's names: it has no attention (one nominal head of 2; no KV cache is built)
-    nor MLP (`intermediate_size`: in_proj's width), its norm eps is `layer_norm_epsilon`, and its length has no
-    limit of its own (no position embeddings: 256K tokens, unless max_model_len says less)."""
-    c = dict(c)
-    c.setdefault("ssm_head_dim", c.get("head_dim", 64))  # (its `head_dim` is the SSM heads')
-    c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"] = 1, 1, 2  # (a 2-wide rotary table, unused)
-    c.setdefault("hidden_size", 4096)
-    # (no MLP: the mixer's in_proj width stands in, for the runner's estimate of a step's activations)
-    inner = int(c.get("num_heads", 128)) * int(c["ssm_head_dim"])
-    c.setdefault("intermediate_size", 2 * inner + 2 * int(c.get("n_groups", 8)) * int(c.get("state_size", 128))
-                 + int(c.get("num_heads", 128)))
-    c.setdefault("num_hidden_layers", 64)
-    c.setdefault("vocab_size", 32768)
-    c["rms_norm_eps"] = c.get("layer_norm_epsilon", 1e-5)
-    c.setdefault("max_position_embeddings", 262144)  # (none in the config: Mamba-Codestral's 256K)
-    c.setdefault("tie_word_embeddings", False)
-    return c
-
-
-def _mixer_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Mamba2Config's mixer settings (as `common_config` left them) in models/mamba.py's names (and Mamba2Config's
-    defaults)."""
-    return {"mamba_n_heads": raw.get("num_heads", 128), "mamba_d_head": raw.get("ssm_head_dim", 64),
-            "mamba_n_groups": raw.get("n_groups", 8), "mamba_d_state": raw.get("state_size", 128),
-            "mamba_d_conv": raw.get("conv_kernel", 4), "mamba_chunk_size": raw.get("chunk_size", 256),
-            "time_step_limit": raw.get("time_step_limit") or (0.0, float("inf")),
-            "mamba_proj_bias": bool(raw.get("use_bias", False)),
-            "mamba_conv_bias": bool(raw.get("use_conv_bias", True))}
 
 
 class Mamba2Block(nn.Module):
@@ -64,7 +34,7 @@ class Mamba2Block(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
-        m = _mixer_config(cfg.raw)
+        m = mamba2_mixer_config(cfg.raw)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mixer = MambaMixer(cfg.hidden_size, m, cfg.rms_norm_eps,
                                 inner=int(m["mamba_n_heads"]) * int(m["mamba_d_head"]))
@@ -79,7 +49,7 @@ class Mamba2ForCausalLM(HybridModel, LlamaForCausalLM):
 
     @classmethod
     def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
-        m = _mixer_config(cfg.raw)
+        m = mamba2_mixer_config(cfg.raw)
         MambaMixer.check_split(tp, "num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
 
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],

@@ -26,40 +26,6 @@ from streamer.models.layers import GELU_APPROXIMATE, LayerNorm, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from streamer.models.opt import AddOnly
 
-_DEFAULTS = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
-             "num_attention_heads": 12, "hidden_activation": "gelu", "max_position_embeddings": 8192,
-             "norm_eps": 1e-5, "norm_bias": False, "attention_bias": False, "mlp_bias": False, "local_attention": 128,
-             "classifier_pooling": "cls", "classifier_bias": False, "classifier_activation": "gelu",
-             "global_attn_every_n_layers": 3}  # (ModernBertConfig's)
-_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A ModernBERT config in the common names (ModelConfig.from_dict): the layer types, each type's rotary base,
-    the norm eps, GELU as the MLP's activation, no LM head."""
-    c = {**_DEFAULTS, **c}
-    n = c["num_hidden_layers"]
-    every = c["global_attn_every_n_layers"]
-    types = c.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(n)]
-    if len(types) != n or not set(types) <= set(_THETA):
-        raise ValueError(f"layer_types must give one of {sorted(_THETA)} for each of the {n} layers")
-    rope = c.pop("rope_parameters", None) or {}
-    theta = {}
-    for kind, old in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-        params = rope.get(kind) or {}
-        if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
-            raise ValueError("ModernBERT with rope scaling is not supported")
-        theta[kind] = float(params.get("rope_theta") or c.get(old) or _THETA[kind])
-    for key in ("hidden_activation", "classifier_activation"):
-        if c[key] not in GELU_APPROXIMATE:
-            raise ValueError(f"{key} {c[key]!r} is not supported ({', '.join(GELU_APPROXIMATE)} are)")
-    if c["classifier_pooling"] not in ("cls", "mean"):
-        raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {c['classifier_pooling']!r}")
-    c.update(layer_types=types, rope_theta=theta["full_attention"], local_rope_theta=theta["sliding_attention"],
-             hidden_act=c["hidden_activation"], rms_norm_eps=c["norm_eps"], num_key_value_heads=c["num_attention_heads"],
-             head_dim=c["hidden_size"] // c["num_attention_heads"], tie_word_embeddings=True)
-    return c
-
 
 class ModernBertLayer(DecoderLayer):
     """Llama's pre-norm layer with LayerNorms, GeGLU, and a global or a two-sided local attention."""

@@ -13,32 +13,20 @@ positions from 2 as RoBERTa's, whole prompts) whose attention adds a relative po
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models import bert
 from streamer.models.config import ModelConfig
+from streamer.models.family_configs import MPNET_NUM_BUCKETS
 from streamer.models.layers import VocabEmbedding
 
-NUM_BUCKETS = 32  # (transformers' compute_position_bias passes 32 whatever relative_attention_num_buckets says)
 MAX_DISTANCE = 128  # (relative_position_bucket's default: every distance from here on shares the last bucket)
-_DEFAULTS = {"vocab_size": 30527, "pad_token_id": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5,
-             "relative_attention_num_buckets": 32}  # (MPNetConfig's, where they differ from BertConfig's)
 
 
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """bert.common_config's, with MPNet's defaults and no token types."""
-    c = bert.common_config({**_DEFAULTS, **c}, "mpnet")
-    if int(c["relative_attention_num_buckets"]) < NUM_BUCKETS:
-        raise ValueError(f"relative_attention_num_buckets {c['relative_attention_num_buckets']} is below the "
-                         f"{NUM_BUCKETS} buckets MPNet's attention reads")
-    c["type_vocab_size"] = 0
-    return c
-
-
-def relative_buckets(distance: torch.Tensor, num_buckets: int = NUM_BUCKETS,
+def relative_buckets(distance: torch.Tensor, num_buckets: int = MPNET_NUM_BUCKETS,
                      max_distance: int = MAX_DISTANCE) -> torch.Tensor:
     """T5's bidirectional bucket of each key-minus-query distance (MPNet's relative_position_bucket, T5's encoder's):
     half the buckets for keys after the query; distances below a quarter of the buckets exact, longer ones in
@@ -85,5 +73,5 @@ class MPNetModel(BucketBias, bert.BertModel):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  max_positions: int) -> None:
         super().__init__(cfg, backend_cls, max_positions)
-        self.init_bucket_bias(int(cfg.raw["relative_attention_num_buckets"]), cfg.num_heads, NUM_BUCKETS,
+        self.init_bucket_bias(int(cfg.raw["relative_attention_num_buckets"]), cfg.num_heads, MPNET_NUM_BUCKETS,
                               MAX_DISTANCE)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -23,25 +23,6 @@ from streamer.models.gpt_neox import GeluMLP, ParallelResidualLayer, renamed_lor
 from streamer.models.layers import LayerNorm, RotaryEmbedding
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.olmo import ClippedAttention
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """An MPT config in the common names (ModelConfig.from_dict), refusing what transformers' MPT ignores."""
-    c = {"d_model": 2048, "n_heads": 16, "n_layers": 24, "expansion_ratio": 4, "max_seq_len": 2048,
-         "layer_norm_epsilon": 1e-5, "no_bias": True, "tie_word_embeddings": True, **c}  # (MptConfig's defaults)
-    attn = {"alibi": True, "alibi_bias_max": 8, "qk_ln": False, "clip_qkv": None, "softmax_scale": None,
-            "attn_type": "multihead_attention", **(c.get("attn_config") or {})}
-    for key, want in (("alibi", True), ("qk_ln", False), ("attn_type", "multihead_attention")):
-        if attn[key] != want:
-            raise ValueError(f"MPT with attn_config.{key} = {attn[key]!r} is not supported ({want!r} is)")
-    for key, want in (("no_bias", True), ("expansion_ratio", 4), ("logit_scale", None)):
-        if c.get(key, want) != want:
-            raise ValueError(f"MPT with {key} = {c[key]!r} is not supported ({want!r} is)")
-    heads, hidden = c["n_heads"], c["d_model"]
-    c.update(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
-             num_hidden_layers=c["n_layers"], intermediate_size=4 * hidden, max_position_embeddings=c["max_seq_len"],
-             layer_norm_eps=c["layer_norm_epsilon"], attention_bias=False, mpt_attn=attn)
-    return c
 
 
 def mpt_alibi_slopes(num_heads: int, bias_max: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ The `time_step_limit` clamp of dt is the config's (NVIDIA's reference code; tran
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,28 +29,12 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
+from streamer.models.family_configs import nemotron_h_layer_kinds, nemotron_h_mixer_config
 from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 from streamer.models.moe import SparseMoE
 from streamer_kernels.reference import expert_activation
-
-_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe",
-          "mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
-          "mlp": "mlp", "moe": "moe"}
-
-
-def nemotron_h_layer_kinds(raw: dict[str, Any]) -> list[str]:
-    """"mamba", "attention", "mlp" or "moe" per layer, from `layers_block_type` / `layer_types` or
-    `hybrid_override_pattern`."""
-    kinds = raw.get("layers_block_type") or raw.get("layer_types") or list(raw.get("hybrid_override_pattern") or "")
-    if not kinds:
-        raise ValueError("a NemotronH config needs hybrid_override_pattern or layers_block_type")
-    bad = [k for k in kinds if k not in _KINDS]
-    if bad:
-        raise ValueError(f"unsupported NemotronH layer type(s) {sorted(set(bad))!r} (supported: M * - E, "
-                         f"or {', '.join(k for k in _KINDS if len(k) > 1)})")
-    return [_KINDS[k] for k in kinds]
 
 
 class Relu2MLP(nn.Module):
@@ -124,20 +108,6 @@ class NemotronHMoE(SparseMoE):
         return out + self.shared_experts(x)
 
 
-def _mixer_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Nemotron-H's Mamba settings (and their older `mamba_*` spellings) in models/mamba.py's names."""
-    def get(*keys: str, default: Any = None) -> Any:
-        return next((raw[k] for k in keys if raw.get(k) is not None), default)
-    return {"mamba_n_heads": get("mamba_num_heads", default=128), "mamba_d_head": get("mamba_head_dim", default=64),
-            "mamba_n_groups": get("n_groups", "mamba_n_groups", default=8),
-            "mamba_d_state": get("ssm_state_size", default=128), "mamba_d_conv": get("conv_kernel", "mamba_d_conv",
-                                                                                     default=4),
-            "mamba_chunk_size": get("chunk_size", "mamba_chunk_size", default=128),
-            "time_step_limit": get("time_step_limit", "mamba_dt_limit", default=(0.0, float("inf"))),
-            "mamba_proj_bias": bool(get("use_bias", default=False)),
-            "mamba_conv_bias": bool(get("use_conv_bias", "mamba_conv_bias", default=True))}
-
-
 class NemotronHBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, index: int = 0) -> None:
@@ -151,7 +121,7 @@ class NemotronHBlock(nn.Module):
         self.mixer: Optional[nn.Module] = None  # an MLP block
         self.mlp: Optional[NemotronHMoE] = None  # a MoE block (named `mlp`: the loader stacks experts under `mlp`)
         if self.kind == "mamba":
-            m = _mixer_config(raw)
+            m = nemotron_h_mixer_config(raw)
             self.mamba = MambaMixer(cfg.hidden_size, m, cfg.rms_norm_eps,
                                     inner=int(m["mamba_n_heads"]) * int(m["mamba_d_head"]))
         elif self.kind == "attention":
@@ -180,7 +150,7 @@ class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
 
     @classmethod
     def check_mixers(cls, cfg: ModelConfig, tp: int) -> None:
-        m = _mixer_config(cfg.raw)
+        m = nemotron_h_mixer_config(cfg.raw)
         MambaMixer.check_split(tp, "mamba_num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
         if "moe" in nemotron_h_layer_kinds(cfg.raw):  # (experts split along their intermediate size)
             for field in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):

@@ -17,7 +17,7 @@ decoder's attention and weight loading, with OPT's differences:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -31,20 +31,6 @@ from streamer.models.llama import Attention, LlamaForCausalLM
 
 POSITION_OFFSET = 2  # OPTLearnedPositionalEmbedding's
 _EPS = 1e-5  # (nn.LayerNorm's default: OPT's configs name no eps)
-# OPTConfig's defaults for what a config.json may leave out
-_DEFAULTS = {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
-             "max_position_embeddings": 2048, "num_attention_heads": 12, "tie_word_embeddings": True}
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """An OPT config in the common names (ModelConfig.from_dict): `ffn_dim` as the MLP width, `enable_bias` as the
-    attention biases, head_dim = hidden / heads, OPTConfig's defaults."""
-    c = {**_DEFAULTS, **c}
-    c["intermediate_size"] = c["ffn_dim"]
-    c["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
-    c["num_key_value_heads"] = c["num_attention_heads"]
-    c["attention_bias"] = bool(c.get("enable_bias", True))
-    return c
 
 
 def opt_activation(cfg: ModelConfig) -> nn.Module:

@@ -13,7 +13,7 @@ The vision side is Qwen3-VL's encoder without DeepStack (models/vlm.py Qwen3VLMi
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -50,11 +50,3 @@ class Qwen35ForCausalLM(Qwen3NextForCausalLM):
         return unstack_experts(super().rename_weights(weights), self.cfg)
 
 
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A Qwen3.5 text config in the common names: Qwen3.5-MoE's gives no intermediate_size (its shared expert's
-    size stands in: no dense MLP reads it)."""
-    if c.get("intermediate_size") is None:
-        c = dict(c, intermediate_size=c.get("shared_expert_intermediate_size") or c.get("moe_intermediate_size"))
-    if c.get("num_experts"):  # (its router always renormalises the top-k weights: no norm_topk_prob)
-        c = dict(c, norm_topk_prob=True)
-    return c

@@ -13,7 +13,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,24 +24,6 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from streamer.models.mpnet import BucketBias
-
-_ACTS = {"relu": ("relu", False), "gated-gelu": ("gelu_new", True)}
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A T5 config in the common names (ModelConfig.from_dict), as T5Config reads it."""
-    c = {"vocab_size": 32128, "d_model": 512, "d_kv": 64, "d_ff": 2048, "num_layers": 6, "num_heads": 8,
-         "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128, "layer_norm_epsilon": 1e-6,
-         "feed_forward_proj": "relu", "n_positions": 512, **c}  # (T5Config's defaults)
-    if c["feed_forward_proj"] not in _ACTS:
-        raise ValueError(f"T5 with feed_forward_proj {c['feed_forward_proj']!r} is not supported "
-                         f"({', '.join(_ACTS)} are)")
-    act, gated = _ACTS[c["feed_forward_proj"]]
-    c.update(hidden_size=c["d_model"], num_attention_heads=c["num_heads"], num_key_value_heads=c["num_heads"],
-             head_dim=c["d_kv"], intermediate_size=c["d_ff"], num_hidden_layers=c["num_layers"],
-             rms_norm_eps=c["layer_norm_epsilon"], hidden_act=act, t5_gated=gated, attention_bias=False,
-             max_position_embeddings=c.get("max_position_embeddings") or c["n_positions"], tie_word_embeddings=True)
-    return c
 
 
 class T5Layer(DecoderLayer):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,21 +41,6 @@ from streamer.models.llama import Attention, LlamaForCausalLM
 # encodes them in batches of this many
 ENCODER_BATCH = 16
 _EPS = 1e-5  # (transformers' Whisper layers are nn.LayerNorm with its default eps)
-
-
-def common_config(c: dict[str, Any]) -> dict[str, Any]:
-    """A WhisperConfig in the common names, sized by its decoder (the model the engine schedules): d_model,
-    decoder_layers / _attention_heads / _ffn_dim, max_target_positions (448 tokens); the LM head tied."""
-    c = dict(c)
-    d = c.get("d_model", 384)
-    heads = c.get("decoder_attention_heads", 6)
-    c.update(hidden_size=d, num_hidden_layers=c.get("decoder_layers", 4), num_attention_heads=heads,
-             num_key_value_heads=heads, head_dim=d // heads, intermediate_size=c.get("decoder_ffn_dim", 1536),
-             max_position_embeddings=c.get("max_target_positions", 448))
-    c.setdefault("tie_word_embeddings", True)
-    c.setdefault("vocab_size", 51865)
-    c.setdefault("hidden_act", c.get("activation_function", "gelu"))
-    return c
 
 
 class EncoderAttention(nn.Module):
