@@ -98,7 +98,7 @@ def test_sharded_checkpoint_and_bf16(make_ckpt, monkeypatch):
     bf16 = make_ckpt("qwen2_bf16", family="qwen2", dtype=torch.bfloat16, seed=6)
     # dtype auto -> bfloat16 from the checkpoint, on a CPU with native bf16 (said to be, on any test machine; one
     # without runs it in float32: tests/test_model_loading.py)
-    monkeypatch.setattr("streamer.model_runner.cpu_native_dtypes", lambda: frozenset({torch.bfloat16}))
+    monkeypatch.setattr("streamer.worker.model_runner.cpu_native_dtypes", lambda: frozenset({torch.bfloat16}))
     llm = LLM(str(bf16))
     assert llm.engine.runner.dtype == torch.bfloat16
     out = _greedy(llm, prompts)

@@ -276,14 +276,14 @@ _AVX2_ONLY = ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu sse sse
     ("", set()),  # no flags line: the conservative answer
 ])
 def test_native_dtypes_from_cpuinfo(cpuinfo, native):
-    from streamer.model_runner import native_dtypes_from_cpuinfo
+    from streamer.worker.model_runner import native_dtypes_from_cpuinfo
     assert native_dtypes_from_cpuinfo(cpuinfo) == native
 
 
 def test_cpu_native_dtypes_reads_proc_cpuinfo_or_answers_none(monkeypatch):
     import io
 
-    from streamer import model_runner
+    from streamer.worker import model_runner
 
     def probe(opener):
         monkeypatch.setattr(model_runner, "open", opener, raising=False)  # (the module's `open`, not builtins')
@@ -310,7 +310,7 @@ def test_auto_dtype_on_cpu_follows_what_the_cpu_computes_natively(make_ckpt, mon
     dtype is always honoured; on a GPU "auto" is the checkpoint's dtype whatever the CPU has."""
     import logging
 
-    from streamer import model_runner
+    from streamer.worker import model_runner
     half = getattr(torch, checkpoint)
     path = make_ckpt(f"llama_{checkpoint}", family="llama", dtype=half, seed=3)
     cfg = json.loads((path / "config.json").read_text())
@@ -340,7 +340,7 @@ def test_auto_dtype_on_cpu_follows_what_the_cpu_computes_natively(make_ckpt, mon
 
 
 def _llm_params(path, native, monkeypatch):
-    from streamer import model_runner
+    from streamer.worker import model_runner
     monkeypatch.setattr(model_runner, "cpu_native_dtypes", lambda: frozenset(native))
     llm = LLM(str(path), device="cpu", enforce_eager=True, num_kv_blocks=16)
     out = llm.generate("hello", SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0]
