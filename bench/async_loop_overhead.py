@@ -4,8 +4,13 @@ Compare two trees side by side by alternating runs:
 
     for t in /path/to/before /path/to/after; do PYTHONPATH=$t python bench/async_loop_overhead.py; done
 """
-import asyncio, json, statistics, time
+import asyncio
+import json
+import statistics
+import time
+
 from streamer import AsyncEngine, SamplingParams
+
 
 async def one(engine, prompt, params):
     n = 0
@@ -19,7 +24,8 @@ async def main():
         await one(engine, list(range(5, 21)), p)
         rates = []
         for _ in range(4):
-            t = time.perf_counter(); n = await one(engine, list(range(5, 21)), p)
+            t = time.perf_counter()
+            n = await one(engine, list(range(5, 21)), p)
             rates.append(n / (time.perf_counter() - t))
         print(json.dumps({"stream_median": statistics.median(rates), "all": [round(r) for r in rates]}))
 

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamer_kernels.aot import _ptxas_usage, compile_only  # noqa: E402
 from streamer_kernels import _utils  # noqa: E402
+from streamer_kernels.aot import _ptxas_usage, compile_only  # noqa: E402
 from streamer_kernels.attention import AttentionConfig, attention_config, unified_attention  # noqa: E402
 
 # (label, config; None = the default for the target)

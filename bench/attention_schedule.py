@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from streamer_kernels.attention import attention_config  # noqa: E402
 from streamer_kernels.aot import _SHARED_MEMORY  # noqa: E402
+from streamer_kernels.attention import attention_config  # noqa: E402
 
 
 def makespan(costs: list[float], slots: int) -> float:

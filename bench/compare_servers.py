@@ -35,10 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from loadavg import wait_for_idle_cpu, wait_for_load  # bench/ is on sys.path: this file runs as a script
+
 from streamer.bench import report
 from streamer.bench.cli import main as bench_main
-
-from loadavg import wait_for_idle_cpu, wait_for_load  # bench/ is on sys.path: this file runs as a script
 
 STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port}"
 VLLM_CMD = ("{venv}/bin/python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "

@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-
 from host_overhead import stub_model  # bench/
 
 

@@ -378,8 +378,14 @@ def bench_moe(timer: Timer, device: torch.device, copy_gbps: float, sweep: bool)
     "graphed": replayed from a CUDA graph, as a decode step runs it (eager timings of small batches are bound by
     the ~20 launches). The sweep: (block_n, block_k, warps, stages) at decode and prefill sizes, graphed."""
     from streamer.models.moe import moe_experts
-    from streamer_kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, MoeConfig, fused_moe, moe_align, moe_align_torch,
-                                      moe_config)
+    from streamer_kernels.moe import (
+        ALIGN_KERNEL_MAX_PAIRS,
+        MoeConfig,
+        fused_moe,
+        moe_align,
+        moe_align_torch,
+        moe_config,
+    )
 
     E, K, H, INTER = (128, 8, 2048, 768) if not DRY else (8, 2, 64, 32)
     dt = torch.bfloat16

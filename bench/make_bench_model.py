@@ -125,8 +125,13 @@ def make_qwen2_audio(out: Path, force: bool = False) -> Path:
     import torch
     from offline_throughput import LLAMA_90M
     from tokenizers import AddedToken, Tokenizer
-    from transformers import (AutoTokenizer, Qwen2AudioConfig, Qwen2AudioForConditionalGeneration,
-                              Qwen2AudioProcessor, WhisperFeatureExtractor)
+    from transformers import (
+        AutoTokenizer,
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        WhisperFeatureExtractor,
+    )
 
     from tests.checkpoints import QWEN2_AUDIO_CHAT_TEMPLATE
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention_sass import loops, opcode, sass_of  # noqa: E402
+
 from streamer_kernels.aot import _ptxas_usage, compile_only  # noqa: E402
 from streamer_kernels.sampling import BLOCK_MAX, top_k_top_p_sample  # noqa: E402
 

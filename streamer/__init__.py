@@ -5,11 +5,18 @@ from typing import TYPE_CHECKING
 
 from streamer.engine.beam_search import BeamSearchParams
 from streamer.engine.lora import LoRARequest
-from streamer.outputs import (ClassificationOutput, CompletionOutput, EmbeddingOutput, Logprob, RequestOutput,
-                              ScoringOutput, StreamOutput)
 from streamer.engine.pooling import PoolingParams
-from streamer.sampling_params import SamplingParams
 from streamer.engine.structured_output import StructuredOutputsParams
+from streamer.outputs import (
+    ClassificationOutput,
+    CompletionOutput,
+    EmbeddingOutput,
+    Logprob,
+    RequestOutput,
+    ScoringOutput,
+    StreamOutput,
+)
+from streamer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "PoolingParams",
@@ -17,8 +24,8 @@ __all__ = ["LLM", "AsyncEngine", "SamplingParams", "StructuredOutputsParams", "L
            "StreamOutput", "EngineConfig", "BeamSearchParams"]
 
 if TYPE_CHECKING:
-    from streamer.engine.async_engine import AsyncEngine
     from streamer.config import EngineConfig
+    from streamer.engine.async_engine import AsyncEngine
     from streamer.llm import LLM
 
 

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from streamer.sampling_params import SamplingParams
 from streamer.engine.structured_output import StructuredOutputsParams
 from streamer.engine_args import add_engine_args, engine_kwargs  # noqa: F401  (also this module's API)
+from streamer.sampling_params import SamplingParams
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +64,7 @@ def _describe_model(model: Optional[str]) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import asyncio
+
     from streamer.engine.async_engine import AsyncEngine
     try:
         params = sampling_params(args)
@@ -145,6 +146,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     rendered with the model's chat template on every turn. `/reset` starts over, `/exit` (or end of input) quits.
     Sampling as a chat client gets it: the model's recommended values (generation_config.json) where no flag says."""
     import asyncio
+
     from streamer.engine.async_engine import AsyncEngine
     from streamer.server.chat_template import ChatTemplate
     from streamer.server.protocol import APIError

@@ -6,17 +6,17 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
+from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.engine.llm_engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
-from streamer.worker.input_batch import StepInputs
-from streamer.multimodal.media_fetch import FetchPolicy
-from streamer.multimodal.inputs import load_image, load_video
-from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.engine.pooling import PoolingParams, encode_pair, pair_up
+from streamer.multimodal.inputs import load_image, load_video
+from streamer.multimodal.media_fetch import FetchPolicy
+from streamer.outputs import ClassificationOutput, EmbeddingOutput, RequestOutput, ScoringOutput
 from streamer.progress import GenerateProgress
 from streamer.sampling_params import SamplingParams
 from streamer.tokenizer.tokenizer import Tokenizer
+from streamer.worker.input_batch import StepInputs
 
 
 def _is_token_list(x: object) -> bool:

@@ -47,8 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
-from streamer_kernels._utils import (cdiv, check_interpreter_consistency, device_sm_count, device_target,
-                                     interpret_mode, next_pow2)
+from streamer_kernels._utils import (
+    cdiv,
+    check_interpreter_consistency,
+    device_sm_count,
+    device_target,
+    interpret_mode,
+    next_pow2,
+)
 
 check_interpreter_consistency()
 

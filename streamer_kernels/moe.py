@@ -17,8 +17,7 @@ import triton
 import triton.language as tl
 
 from streamer_kernels import _utils
-from streamer_kernels._utils import (cdiv, check_interpreter_consistency, empty_output, interpret_mode,
-                                     use_triton)
+from streamer_kernels._utils import cdiv, check_interpreter_consistency, empty_output, interpret_mode, use_triton
 from streamer_kernels.activation import silu_and_mul
 from streamer_kernels.reference import expert_activation
 

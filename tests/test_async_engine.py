@@ -320,6 +320,7 @@ def test_stats_log_line_while_busy_and_quiet_when_idle(llama_dir, caplog):
     """log_stats_interval: vLLM's periodic line (throughputs, queue, KV usage, prefix-cache hit rate) while there is
     work; none while the engine idles; none at all by default."""
     import logging
+
     from streamer.engine.metrics import StatsLogger
 
     def lines():

@@ -15,8 +15,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer.multimodal import audio as A
-from streamer.multimodal.audio import (MAX_AUDIO_BYTES, SAMPLE_RATE, AudioBackendMissing, WhisperFeatureConfig, WhisperFeatures,
-                            as_audio, decode_audio, resample, split_audio)
+from streamer.multimodal.audio import (
+    MAX_AUDIO_BYTES,
+    SAMPLE_RATE,
+    AudioBackendMissing,
+    WhisperFeatureConfig,
+    WhisperFeatures,
+    as_audio,
+    decode_audio,
+    resample,
+    split_audio,
+)
 
 RNG = np.random.default_rng(1234)
 

@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from streamer.bench.datasets import (PromptMaker, count_tokens, file_requests, length_range, load_tokenizer,
-                                     synthetic_requests)
+from streamer.bench.datasets import (
+    PromptMaker,
+    count_tokens,
+    file_requests,
+    length_range,
+    load_tokenizer,
+    synthetic_requests,
+)
 from streamer.bench.testing import make_tokenizer
 
 KINDS = ("bytelevel", "metaspace")

@@ -16,17 +16,18 @@ import torch
 pytest.importorskip("transformers")
 
 from streamer import LLM  # noqa: E402
-from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models import gpt2  # noqa: E402
+from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.gpt2 import GPT2LMHeadModel  # noqa: E402
 from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM  # noqa: E402
 from streamer.models.gpt_neox import GPTNeoXForCausalLM  # noqa: E402
-from streamer.models.layers import build_cos_sin_cache  # noqa: E402
+from streamer.models.layers import (
+    LayerNorm,  # noqa: E402
+    build_cos_sin_cache,  # noqa: E402
+)
 from streamer.models.stablelm import PerHeadLayerNorm  # noqa: E402
-from streamer.models.layers import LayerNorm  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy, random_prompts,  # noqa: E402
-                         reference_cache)
+from tests.parity import PREFILL_MODES, assert_matches_transformers, greedy, random_prompts, reference_cache  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 from streamer import LLM, AsyncEngine, PoolingParams, SamplingParams  # noqa: E402
-from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.engine.pooling import Classifier, encode_pair, pair_up  # noqa: E402
+from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.tokenizer.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, [7, 8], list(range(60, 100)), [3]]

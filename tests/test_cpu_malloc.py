@@ -52,8 +52,8 @@ def test_user_settings_win():
 
 
 def test_cpu_engine_applies_it(llama_dir):
-    from streamer.worker import cpu_malloc
     from streamer.config import EngineConfig
     from streamer.engine.llm_engine import LLMEngine
+    from streamer.worker import cpu_malloc
     LLMEngine(EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=64))
     assert cpu_malloc._applied == (platform.libc_ver()[0] == "glibc" and cpu_malloc.keep_freed_memory())

@@ -26,8 +26,8 @@ from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.deepseek import DeepseekMoE, MLAttention, Routing, deinterleave, softmax_scale  # noqa: E402
 from streamer.models.layers import RotaryEmbedding  # noqa: E402
 from streamer.models.woq import int4_supported, kernel_group, quantize_rtn  # noqa: E402
-from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 from tests.checkpoints import hf_greedy  # noqa: E402
+from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 
 MAX_NEW = 12
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
@@ -309,8 +309,8 @@ def test_cache_bytes_per_token_at_real_sizes(name, over, mha_bytes, latent_bytes
     """The runner's KV cache bytes per token (all layers, bf16) for the real models, built on the meta device: the
     latent cache (one kv head of 576, stored as K and V) against every head's K and V."""
     from streamer.attention.torch_backend import TorchAttentionBackend
-    from streamer.worker.model_runner import ModelRunner
     from streamer.models.deepseek import DeepseekForCausalLM
+    from streamer.worker.model_runner import ModelRunner
     cfg = ModelConfig.from_dict(_v3_config(**over))
     got = {}
     for latent in (True, False):

@@ -20,11 +20,20 @@ from streamer import LLM  # noqa: E402
 from streamer.models.cohere import CohereLayerNorm, cohere2_layer_types  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.gemma3 import GemmaRMSNorm  # noqa: E402
-from streamer.models.layers import ParallelContext, silu_and_mul  # noqa: E402
-from streamer.models.layers import LayerNorm  # noqa: E402
+from streamer.models.layers import (  # noqa: E402
+    LayerNorm,  # noqa: E402
+    ParallelContext,
+    silu_and_mul,
+)
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_logprobs_match, assert_matches_transformers,  # noqa: E402
-                         greedy, random_prompts, reference_cache)
+from tests.parity import (  # noqa: E402
+    PREFILL_MODES,
+    assert_logprobs_match,
+    assert_matches_transformers,
+    greedy,
+    random_prompts,
+    reference_cache,
+)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -26,8 +26,7 @@ from streamer.models.layers import ParallelContext, RotaryEmbedding  # noqa: E40
 from streamer.models.llama import Attention  # noqa: E402
 from streamer.models.olmo3 import Olmo3ForCausalLM, olmo3_layer_types, olmo3_rope  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy,  # noqa: E402
-                         random_prompts, reference_cache)
+from tests.parity import PREFILL_MODES, assert_matches_transformers, greedy, random_prompts, reference_cache  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------- tiny checkpoints
@@ -392,6 +391,7 @@ def test_apertus_loads_without_xielu_constants(ckpt, refs, tmp_path) -> None:
     """A checkpoint without act_fn.beta / act_fn.eps (older writers kept them out of the state dict) loads with
     their defaults; the learned alpha_p / alpha_n are required."""
     import shutil
+
     from safetensors.torch import load_file, save_file
     src = ckpt("apertus")
     for drop, ok in (((".act_fn.beta", ".act_fn.eps"), True), ((".act_fn.alpha_p",), False)):
@@ -414,6 +414,7 @@ def test_hunyuan_ntk_alpha_rope_as_transformers() -> None:
     """Hunyuan-7B's rope_scaling (older spelling): the stretched base gives transformers' inverse frequencies; a
     dynamic NTK scaling without alpha is refused."""
     from transformers.models.hunyuan_v1_dense.modeling_hunyuan_v1_dense import HunYuanDenseV1RotaryEmbedding
+
     from streamer.models.hunyuan_dense import ntk_alpha_rope
     c = {"architectures": ["HunYuanDenseV1ForCausalLM"], "hidden_size": 256, "intermediate_size": 128,
          "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "num_hidden_layers": 2,

@@ -243,8 +243,8 @@ def test_wrong_heads_refused(target, tmp_path) -> None:
     (head / "config.json").write_text(json.dumps(dict(cfg, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 2]})))
     with pytest.raises(ValueError, match="3 distinct"):  # (the target would return two streams)
         LLM(str(target), dtype="float32", speculative_model=str(head), num_speculative_tokens=K)
-    from streamer.spec_decode.eagle import check_target
     from streamer.models.gpt2 import GPT2LMHeadModel
+    from streamer.spec_decode.eagle import check_target
     with pytest.raises(ValueError, match="Llama layer loop; GPT2LMHeadModel is not"):
         check_target(object.__new__(GPT2LMHeadModel), "GPT2LMHeadModel")
 

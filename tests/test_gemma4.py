@@ -23,8 +23,7 @@ from streamer import LLM, SamplingParams  # noqa: E402
 from streamer.models import gemma4  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, checkpoint_variant, greedy,  # noqa: E402
-                          prompts_of_lengths)
+from tests.parity import PREFILL_MODES, assert_matches_transformers, checkpoint_variant, greedy, prompts_of_lengths  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 MAX_NEW = 8
@@ -216,6 +215,7 @@ def test_prompt_embeds_refused_with_per_layer_embeddings(refs) -> None:
 def _make_conditional_generation(out_dir: Path, text_dir: Path) -> Path:
     """A Gemma4ForConditionalGeneration checkpoint (a tiny vision tower) over the "gemma4" text model's weights."""
     import transformers as tf
+
     from tests.tokenizer_factory import make_bytelevel_tokenizer
     text_cfg = tf.AutoConfig.from_pretrained(text_dir)
     cfg = tf.Gemma4Config(text_config=text_cfg.to_dict(),

@@ -272,6 +272,7 @@ def test_matches_hf_original(ckpt, tmp_path, name):
     sliding window), the oracle is the HF checkpoint the GGUF was written from: the same prompt logprobs and greedy
     tokens in fp32."""
     import transformers
+
     from tests.parity import assert_logprobs_match
     hf_dir = ckpt(name)
     path = _gguf(ckpt, tmp_path, name)
@@ -318,6 +319,7 @@ def test_tokenizer_matches_transformers_gguf(ckpt, tmp_path, name, pre):
     tokenizer and like the original tokenizer.json, decodes back, and carries the special tokens and the chat
     template."""
     import transformers
+
     from streamer.tokenizer.tokenizer import Tokenizer
     path = _gguf(ckpt, tmp_path, name)
     ours = Tokenizer.from_pretrained(sgguf.hf_folder(path))

@@ -20,8 +20,7 @@ from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.deepseek import DeepseekMoE, Routing  # noqa: E402
 from streamer.models.layers import RotaryEmbedding  # noqa: E402
 from streamer.models.llama import MLP  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy,  # noqa: E402
-                         random_prompts, reference_cache)
+from tests.parity import PREFILL_MODES, assert_matches_transformers, greedy, random_prompts, reference_cache  # noqa: E402
 
 MAX_NEW = 12
 CASES: dict[str, dict[str, Any]] = {

@@ -2,13 +2,11 @@
 queue by default, and the Anthropic-style `x-api-key` header."""
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from streamer import LLM, SamplingParams
 from streamer.worker.sampler import PenaltyBatch, Sampler, SamplingBatch, apply_penalties
-from tests.server_utils import LiveServer
 
 
 def _batch(B: int, V: int, *, banned=None, penalties=None, temperature: float = 1.0) -> SamplingBatch:

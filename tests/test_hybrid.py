@@ -4,17 +4,17 @@ others decode, preemption), the state slots all back in their pool at the end, a
 recurrence."""
 from __future__ import annotations
 
-
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamer import LLM, SamplingParams
 from streamer.core.kv_cache import KVCacheManager, StateSlotPool
-from streamer.models.mamba import ssd_scan
 from streamer.core.request import Request
-from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
+from streamer.models.mamba import ssd_scan
 from tests.checkpoints import hf_greedy
+from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 
 MAX_NEW = 10
 

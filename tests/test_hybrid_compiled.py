@@ -25,6 +25,7 @@ def test_compiled_nemotron_h_has_no_graph_break(ckpt_root):
     """Nemotron-H: Mamba2 + NoPE attention + relu2 MLP + MoE layers (ungated relu2 experts through the opaque
     expert op: a per-expert loop over the step's experts would break the graph at its host sync)."""
     import torch._dynamo.utils as dyn
+
     from tests.test_nemotron_h import make_nemotron_h
     path = ckpt_root / "nemotron_h"
     breaks = sum(dyn.counters["graph_break"].values())

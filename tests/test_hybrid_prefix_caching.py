@@ -14,7 +14,8 @@ import random
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
 import tests.test_recurrent_families  # noqa: F401
@@ -22,8 +23,8 @@ from streamer import LLM
 from streamer.config import EngineConfig
 from streamer.core.kv_cache import KVCacheManager
 from streamer.core.request import Request
-from streamer.sampling_params import SamplingParams
 from streamer.core.scheduler import Scheduler, SchedulerOutput
+from streamer.sampling_params import SamplingParams
 from tests.checkpoints import hf_greedy
 from tests.parity import assert_state_freed, greedy_params, prompts_of_lengths
 from tests.test_nemotron_h import make_nemotron_h

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streamer.engine.llm_engine
 import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
@@ -30,8 +31,8 @@ import tests.test_recurrent_families  # noqa: F401
 from streamer import LLM
 from streamer.core.kv_cache import KVCacheManager, cdiv
 from streamer.core.request import Request, RequestStatus
-from streamer.sampling_params import SamplingParams
 from streamer.core.scheduler import SPEC_CHECKPOINT_BLOCKS, Scheduler
+from streamer.sampling_params import SamplingParams
 from tests.parity import assert_state_freed, family_checkpoints, family_references, greedy_params, prompts_of_lengths
 from tests.test_eagle import Reference, assert_proposals_match, make_head, spy_proposals
 from tests.test_hybrid_prefix_caching import StateSim

@@ -15,14 +15,15 @@ import random
 from typing import Optional
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamer.config import EngineConfig
-from streamer.worker.input_batch import InputBatch, StepInputs
 from streamer.core.kv_cache import KVCacheManager, cdiv
 from streamer.core.request import Request, RequestStatus
-from streamer.sampling_params import SamplingParams
 from streamer.core.scheduler import Scheduler, SchedulerOutput
+from streamer.sampling_params import SamplingParams
+from streamer.worker.input_batch import InputBatch, StepInputs
 
 VOCAB = 1000
 MAX_LEN = 200

@@ -14,10 +14,18 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 from streamer import LLM, LoRARequest, SamplingParams  # noqa: E402
-from streamer.models.layers import PackableLinear  # noqa: E402
 from streamer.models import woq  # noqa: E402
-from streamer.models.woq import (INT8_KERNEL_ROWS, Int8Weight, Unpacked, kernel_group, pack_int4, pack_int8,  # noqa: E402
-                                 quantize_rtn, quantize_rtn_int8)
+from streamer.models.layers import PackableLinear  # noqa: E402
+from streamer.models.woq import (  # noqa: E402
+    INT8_KERNEL_ROWS,
+    Int8Weight,
+    Unpacked,
+    kernel_group,
+    pack_int4,
+    pack_int8,
+    quantize_rtn,
+    quantize_rtn_int8,
+)
 from tests.checkpoints import hf_greedy  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, list(range(60, 100))]

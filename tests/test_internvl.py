@@ -17,13 +17,15 @@ from PIL import Image
 
 from streamer import LLM, SamplingParams
 from tests.checkpoints import _hf_greedy_with_logprobs, _vlm_tokenizer, hf_config
-from tests.server_utils import LiveServer
 from tests.parity import assert_outputs_match, tokens_and_logprobs
+from tests.server_utils import LiveServer
 from tests.test_multimodal import _conversation, _data_url, check_freed, tokens
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import (  # noqa: E402
-    GotOcr2ImageProcessorPil, get_optimal_tiled_canvas)
+    GotOcr2ImageProcessorPil,
+    get_optimal_tiled_canvas,
+)
 from transformers.models.internvl.processing_internvl import InternVLProcessor  # noqa: E402
 
 TILE, PATCH, MAX_PATCHES = 32, 4, 6  # 8 x 8 patches a tile, pixel-shuffled to 4 x 4: 16 image tokens a tile
@@ -412,8 +414,8 @@ def test_a_real_config_reads() -> None:
 
 
 def test_defaults_match_transformers() -> None:
-    from streamer.multimodal.processors.internvl_image_processor import GOT_OCR2_DEFAULTS
     from streamer.models.internvl import INTERNVL_VISION_DEFAULTS
+    from streamer.multimodal.processors.internvl_image_processor import GOT_OCR2_DEFAULTS
     theirs = transformers.InternVLVisionConfig().to_dict()
     for key, value in INTERNVL_VISION_DEFAULTS.items():
         got = theirs[key]

@@ -14,8 +14,14 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from streamer_kernels import reference  # noqa: E402
-from streamer_kernels.moe import (ALIGN_KERNEL_MAX_PAIRS, MoeConfig, fused_moe, max_padded_pairs, moe_align,  # noqa: E402
-                                  moe_align_torch)
+from streamer_kernels.moe import (  # noqa: E402
+    ALIGN_KERNEL_MAX_PAIRS,
+    MoeConfig,
+    fused_moe,
+    max_padded_pairs,
+    moe_align,
+    moe_align_torch,
+)
 
 SETTINGS = settings(max_examples=max_examples(20, 12), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -149,9 +155,10 @@ def test_fused_moe_on_a_model_layer_matches_the_cpu_op() -> None:
 def test_an_unbuildable_kernel_falls_back_to_the_torch_path(monkeypatch, caplog) -> None:
     """Triton failing to build the kernels (an old compiler, too little shared memory) costs speed, not service:
     the op warns once and runs the experts one at a time; any other error still surfaces."""
+    from triton.runtime.errors import OutOfResources
+
     import streamer_kernels
     from streamer.models import moe as moe_mod
-    from triton.runtime.errors import OutOfResources
 
     g = torch.Generator().manual_seed(5)
     x, w13 = torch.randn(6, 16, generator=g), torch.randn(3, 24, 16, generator=g)

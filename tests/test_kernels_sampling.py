@@ -110,7 +110,9 @@ def test_sampler_matches_reference(batch, vocab, dtype, scale, use_k, use_p, use
     temperature = torch.where(torch.rand(batch, generator=g) < 0.2, torch.zeros(batch), temperature)
     top_k, top_p, min_p = _params(use_k, use_p, use_min_p, batch, vocab, g)
     noise = torch.empty(batch, vocab).exponential_(generator=g)
-    to = (lambda t: None if t is None else t.to(DEVICE))
+
+    def to(t):
+        return None if t is None else t.to(DEVICE)
     _check(logits.to(DEVICE), temperature.to(DEVICE), to(top_k), to(top_p), to(min_p), noise.to(DEVICE))
 
 

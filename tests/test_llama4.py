@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 from streamer import LLM  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.llama4 import Llama4Attention, Llama4Layers, Llama4MoE  # noqa: E402
-from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 from tests.checkpoints import hf_config  # noqa: E402
+from tests.parity import assert_logprobs_match, greedy, random_prompts, reference_cache  # noqa: E402
 
 MAX_NEW = 10
 CASES: dict[str, dict[str, Any]] = {

@@ -345,8 +345,8 @@ LLAVA_NEXT_MISTRAL_CONFIG = {
 
 
 def test_a_real_config_reads() -> None:
-    from streamer.multimodal.processors.llava_next_image_processor import as_pinpoints, num_image_tokens
     from streamer.models.config import ModelConfig
+    from streamer.multimodal.processors.llava_next_image_processor import as_pinpoints, num_image_tokens
     cfg = ModelConfig.from_dict(LLAVA_NEXT_MISTRAL_CONFIG)
     assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.sliding_window, cfg.vocab_size,
             cfg.rope_theta, cfg.torch_dtype) == ("MistralForCausalLM", 4096, 32, 8, None, 32064, 1e6, "float16")
@@ -361,8 +361,8 @@ def test_a_real_config_reads() -> None:
 
 
 def test_defaults_match_transformers() -> None:
-    from streamer.multimodal.processors.llava_next_image_processor import LLAVA_NEXT_DEFAULTS
     from streamer.models.vlm import DEFAULT_GRID_PINPOINTS, DEFAULT_VISION_CONFIG
+    from streamer.multimodal.processors.llava_next_image_processor import LLAVA_NEXT_DEFAULTS
     default = transformers.LlavaNextConfig()
     assert default.image_grid_pinpoints == DEFAULT_GRID_PINPOINTS
     assert (default.image_token_index, default.vision_feature_layer, default.vision_feature_select_strategy,

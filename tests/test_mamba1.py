@@ -7,14 +7,21 @@ against a plain recurrence; each family's distinctive parts shown to matter (cha
 change, and the engine follows); the Hub checkpoints' shapes; refusals."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from streamer import LLM
 from tests.checkpoints import hf_greedy, register_family
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, assert_state_freed, checkpoint_variant,
-                          family_checkpoints, family_references, greedy, prompts_of_lengths)
+from tests.parity import (
+    PREFILL_MODES,
+    assert_matches_transformers,
+    assert_state_freed,
+    checkpoint_variant,
+    family_checkpoints,
+    family_references,
+    greedy,
+    prompts_of_lengths,
+)
 
 MAX_NEW = 8
 # A single token (the decode path from a fresh state: in a whole-prefill batch, a one-token row between prefill chunks,

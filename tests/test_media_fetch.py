@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from streamer.config import EngineConfig
 from streamer.multimodal import media_fetch
 from streamer.multimodal.audio_prompts import load_audio
-from streamer.config import EngineConfig
-from streamer.multimodal.media_fetch import MAX_REDIRECTS, FetchPolicy, fetch, is_public_address
 from streamer.multimodal.inputs import MAX_IMAGE_BYTES, load_image, load_video
+from streamer.multimodal.media_fetch import MAX_REDIRECTS, FetchPolicy, fetch, is_public_address
 
 FAILED = "could not fetch the image URL"
 LOCAL = FetchPolicy(allowed_domains=("127.0.0.1",))

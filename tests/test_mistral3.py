@@ -17,8 +17,8 @@ from PIL import Image
 
 from streamer import LLM, SamplingParams
 from tests.checkpoints import _hf_greedy_with_logprobs, _vlm_tokenizer, hf_config
-from tests.server_utils import LiveServer
 from tests.parity import assert_outputs_match, tokens_and_logprobs
+from tests.server_utils import LiveServer
 from tests.test_multimodal import _conversation, _data_url, check_freed, tokens
 
 transformers = pytest.importorskip("transformers")

@@ -24,8 +24,7 @@ mistral_common = pytest.importorskip("mistral_common")
 tf = pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
-from mistral_common.protocol.instruct.messages import (AssistantMessage, SystemMessage,  # noqa: E402
-                                                       UserMessage)
+from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMessage, UserMessage  # noqa: E402
 from mistral_common.protocol.instruct.request import ChatCompletionRequest  # noqa: E402
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer  # noqa: E402
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer  # noqa: E402
@@ -260,8 +259,8 @@ def test_weight_updates_are_refused_by_name(ckpts):
 def test_vllms_mistral_switches(ckpts):
     """vLLM's command line for these models (--tokenizer-mode / --config-format / --load-format mistral) runs as
     it is; on a folder without params.json the switches are refused by name."""
-    from streamer.config import EngineConfig
     from streamer.cli import build_parser
+    from streamer.config import EngineConfig
     args = build_parser().parse_args(["serve", str(ckpts[1]), "--tokenizer-mode", "mistral", "--config-format",
                                       "mistral", "--load-format", "mistral"])
     from streamer.cli import engine_kwargs

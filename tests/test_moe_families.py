@@ -31,8 +31,14 @@ from streamer.models.llama import MLP, Attention  # noqa: E402
 from streamer.models.moe import SparseMoE, unfuse_experts  # noqa: E402
 from streamer.models.qwen2_moe import Qwen2MoeSparseMoE, qwen2_moe_sparse, qwen2_moe_window  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_logprobs_match, assert_matches_transformers,  # noqa: E402
-                         greedy, random_prompts, reference_cache)
+from tests.parity import (  # noqa: E402
+    PREFILL_MODES,
+    assert_logprobs_match,
+    assert_matches_transformers,
+    greedy,
+    random_prompts,
+    reference_cache,
+)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

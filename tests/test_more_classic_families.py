@@ -23,8 +23,7 @@ from streamer.models.layers import LayerNorm, build_cos_sin_cache  # noqa: E402
 from streamer.models.loader import _MODEL_CLASSES  # noqa: E402
 from streamer.models.nemotron import LayerNorm1P  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
-from tests.parity import (PREFILL_MODES, assert_matches_transformers, greedy, random_prompts,  # noqa: E402
-                          reference_cache)
+from tests.parity import PREFILL_MODES, assert_matches_transformers, greedy, random_prompts, reference_cache  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -412,6 +411,7 @@ def test_shipped_configs(name) -> None:
     (Falcon's fused query_key_value of 71 heads and one kv head, or of 8 groups of 16 and 29 heads, split as they
     load; OPT-350m's projections) with nothing missing."""
     import transformers as tf
+
     from streamer.attention.torch_backend import TorchAttentionBackend
     raw = SHIPPED[name]
     cfg, hf = ModelConfig.from_dict(raw), _hf_config(raw)

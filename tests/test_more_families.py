@@ -10,8 +10,8 @@ import torch
 from streamer import LLM, SamplingParams
 from streamer.models.config import ModelConfig
 from streamer.models.layers import ParallelContext, RotaryEmbedding
-from streamer.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm
 from streamer.models.llama import rope_layers
+from streamer.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm
 from streamer.models.smollm3 import sliding_layers
 from streamer_kernels import reference
 from tests.checkpoints import hf_greedy

@@ -13,8 +13,8 @@ from PIL import Image
 
 from streamer import LLM, PoolingParams, SamplingParams
 from tests.checkpoints import hf_llava_greedy, make_llava_checkpoint
-from tests.server_utils import LiveServer
 from tests.parity import assert_outputs_match, tokens_and_logprobs
+from tests.server_utils import LiveServer
 
 TOKENS = 16  # image tokens per image: (32 / 8) ** 2 patches (CLIP's class token dropped; SigLIP has none)
 PROMPT = "USER: <image>\nWhat is in the picture? ASSISTANT:"
@@ -385,8 +385,8 @@ def test_a_real_gemma3_config_reads_with_the_defaults() -> None:
     import torch
 
     from streamer.models.config import ModelConfig
-    from streamer.models.vlm import Gemma3Projector
     from streamer.models.vision import VisionTower
+    from streamer.models.vlm import Gemma3Projector
     cfg = ModelConfig.from_dict(GEMMA3_4B_CONFIG)
     assert (cfg.architecture, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.vocab_size, cfg.tie_word_embeddings, cfg.eos_token_id, cfg.torch_dtype) == \

@@ -12,8 +12,8 @@ import torch
 from streamer import LLM
 from streamer.models.config import ModelConfig
 from streamer.models.family_configs import nemotron_h_layer_kinds
-from tests.parity import assert_state_freed, greedy, prompts_of_lengths
 from tests.checkpoints import hf_greedy
+from tests.parity import assert_state_freed, greedy, prompts_of_lengths
 from tests.tokenizer_factory import make_bytelevel_tokenizer
 
 MAX_NEW = 10

@@ -17,13 +17,13 @@ import torch
 import tests.test_classic_families  # noqa: F401  (registers the test checkpoint families: gpt2)
 import tests.test_more_classic_families  # noqa: F401  (opt)
 import tests.test_recurrent_families  # noqa: F401  (falcon_h1)
-from streamer.llm import LLM
+from streamer.core.request import Request
+from streamer.engine.beam_search import BeamSearchParams
 from streamer.engine.pooling import PoolingParams
 from streamer.engine.prompt_embeds import embeds_input
-from streamer.core.request import Request
-from streamer.worker.sampler import build_penalties
-from streamer.engine.beam_search import BeamSearchParams
+from streamer.llm import LLM
 from streamer.sampling_params import SamplingParams
+from streamer.worker.sampler import build_penalties
 from tests.server_utils import LiveServer
 
 PROMPTS = [list(range(40, 77)), [5, 9, 200, 3, 17, 88, 120]]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from streamer import LLM, SamplingParams
-from streamer.multimodal.audio_prompts import AudioPrompts, as_clips, hash_clip
 from streamer.models.audio_tower import AudioTower, audio_tokens
+from streamer.multimodal.audio_prompts import AudioPrompts, as_clips, hash_clip
 from tests.checkpoints import hf_qwen2_audio_greedy, make_qwen2_audio_checkpoint
 from tests.test_multimodal import check_freed
 from tests.test_server_audio import wav_bytes

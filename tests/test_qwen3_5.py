@@ -17,8 +17,14 @@ from safetensors.torch import load_file, save_file
 from streamer import LLM, SamplingParams
 from streamer.models.config import ModelConfig
 from tests.checkpoints import hf_greedy
-from tests.parity import (assert_outputs_match, assert_state_freed, greedy, logprob_gap, prompts_of_lengths,
-                          tokens_and_logprobs)
+from tests.parity import (
+    assert_outputs_match,
+    assert_state_freed,
+    greedy,
+    logprob_gap,
+    prompts_of_lengths,
+    tokens_and_logprobs,
+)
 
 transformers = pytest.importorskip("transformers")
 

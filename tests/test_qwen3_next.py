@@ -17,8 +17,8 @@ from streamer.models.qwen3_next import (
     qwen3_next_layer_types,
     recurrent_gated_delta_step,
 )
-from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 from tests.checkpoints import hf_greedy
+from tests.parity import assert_state_freed, greedy, greedy_params, prompts_of_lengths
 
 MAX_NEW = 8
 

@@ -18,12 +18,16 @@ from PIL import Image
 
 from streamer import LLM, SamplingParams
 from streamer.multimodal.inputs import VideoData
-from streamer.multimodal.processors.qwen_video_processor import QWEN3_VIDEO_DEFAULTS, Qwen3VideoProcessor, qwen3_smart_resize
+from streamer.multimodal.processors.qwen_video_processor import (
+    QWEN3_VIDEO_DEFAULTS,
+    Qwen3VideoProcessor,
+    qwen3_smart_resize,
+)
 
 transformers = pytest.importorskip("transformers")
 
-from tests.test_qwen_video import QWEN_VL_VIDEO_TEMPLATE, data_url, encode_video, frames, pil  # noqa: E402
 from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs  # noqa: E402
+from tests.test_qwen_video import QWEN_VL_VIDEO_TEMPLATE, data_url, encode_video, frames, pil  # noqa: E402
 
 # Qwen3-VL's processor settings at a tiny scale: 4-pixel patches (8 x 8 pixels a token), a budget over all frames
 VIDEO_CONFIG = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 4, "merge_size": 2,

@@ -17,7 +17,11 @@ import torch
 from PIL import Image
 
 from streamer import LLM, SamplingParams
-from streamer.multimodal.processors.qwen_video_processor import QWEN_VIDEO_DEFAULTS, QwenVideoProcessor, read_video_processor_config
+from streamer.multimodal.processors.qwen_video_processor import (
+    QWEN_VIDEO_DEFAULTS,
+    QwenVideoProcessor,
+    read_video_processor_config,
+)
 from tests.parity import assert_outputs_match, logprob_gap, tokens_and_logprobs
 
 transformers = pytest.importorskip("transformers")

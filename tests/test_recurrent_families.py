@@ -8,14 +8,20 @@ afterwards; and for each family a distinctive part of it shown to matter (change
 change)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from streamer import LLM
 from tests.checkpoints import hf_greedy, register_family
-from tests.parity import (assert_logprobs_match, assert_state_freed, checkpoint_variant, family_checkpoints,
-                          family_references, greedy, prompts_of_lengths)
+from tests.parity import (
+    assert_logprobs_match,
+    assert_state_freed,
+    checkpoint_variant,
+    family_checkpoints,
+    family_references,
+    greedy,
+    prompts_of_lengths,
+)
 
 MAX_NEW = 8
 # A single token (the decode path from a fresh state), fewer than the conv window, within one SSD chunk (8), several
@@ -279,8 +285,8 @@ def test_hub_configs():
     """The Hub's config.json spellings: Mamba-Codestral-7B's (SSM `num_heads` / `head_dim`, no attention, no MLP, no
     length) and LFM2-1.2B's (`block_ff_dim` adjusted to 8192, `norm_eps`, `tie_embedding`, `full_attn_idxs`)."""
     from streamer.models.config import ModelConfig
-    from streamer.models.lfm2 import lfm2_layer_kinds
     from streamer.models.family_configs import mamba2_mixer_config
+    from streamer.models.lfm2 import lfm2_layer_kinds
     codestral = dict(architectures=["Mamba2ForCausalLM"], chunk_size=256, conv_kernel=4, expand=2, head_dim=64,
                      hidden_size=4096, layer_norm_epsilon=1e-5, n_groups=8, num_heads=128, num_hidden_layers=64,
                      residual_in_fp32=True, state_size=128, tie_word_embeddings=False,

@@ -11,16 +11,16 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamer.config import EngineConfig
 from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.core.request import Request, RequestStatus
+from streamer.core.scheduler import Scheduler
 from streamer.engine.lora import LoRAAdapter
 from streamer.multimodal.inputs import ImageInput
-from streamer.core.request import Request, RequestStatus
 from streamer.sampling_params import SamplingParams
-from streamer.core.scheduler import Scheduler
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 3),

@@ -12,10 +12,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.server_utils import LiveServer
 from streamer.server.audio_api import TranscriptionConfig
-from tests.test_server_audio import (MAX_POSITIONS, NO_FALLBACK, RATE, Oracle, _assert_error, _clock, _file, _post,
-                                     client)
+from tests.server_utils import LiveServer
+from tests.test_server_audio import (
+    MAX_POSITIONS,
+    NO_FALLBACK,
+    RATE,
+    Oracle,
+    _assert_error,
+    _clock,
+    _file,
+    _post,
+    client,
+)
 from tests.whisper_checkpoints import hf_greedy, make_whisper, tone
 
 AUDIO = tone(2.5, 300.0, seed=4)

@@ -237,7 +237,7 @@ def test_streams_dropped_mid_way_leak_nothing(live):
         seen = 0
         async with a.messages.stream(model=live.model_name, max_tokens=400, messages=[
                 {"role": "user", "content": f"story {i}"}], extra_body={"ignore_eos": True, "temperature": 1.0}) as s:
-            async for e in s:
+            async for _ in s:
                 seen += 1
                 if seen == 3 + i % 4:
                     break

@@ -159,9 +159,10 @@ def test_server_mixed_load_with_disconnects_leaks_nothing(llama_dir):
     """40 concurrent requests on a server with drafts on and a small pool: grammars, n > 1, stop strings,
     logprobs, plain ones; a third of the streams are dropped after their first chunk. Every request that stays
     gets a complete, well-formed answer, and afterwards the pool is whole and nothing is left running."""
-    import httpx
     import json as _json
     import re
+
+    import httpx
 
     from tests.server_utils import sse_events
     bodies = []
@@ -205,7 +206,7 @@ def test_server_mixed_load_with_disconnects_leaks_nothing(llama_dir):
                 return await asyncio.gather(*(one(c, i, b) for i, b in enumerate(bodies)))
 
         results = asyncio.run(asyncio.wait_for(main(), 300))
-        for i, (body, res) in enumerate(zip(bodies, results)):
+        for body, res in zip(bodies, results):
             if res is None:
                 continue
             texts, finish = res

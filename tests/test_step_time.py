@@ -7,15 +7,26 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamer.config import EngineConfig
 from streamer.core.kv_cache import KVCacheManager, cdiv
 from streamer.core.request import Request, RequestStatus
-from streamer.sampling_params import SamplingParams
 from streamer.core.scheduler import Scheduler
-from streamer.core.step_time import (AUTO_FACTOR, AUTO_MIN_SECONDS, AUTO_WAIT_SHARE, ItlPolicy, StepPlan, StepShape, StepTimeModel,
-                                chunk_pairs, nonneg_least_squares, shape_of)
+from streamer.core.step_time import (
+    AUTO_FACTOR,
+    AUTO_MIN_SECONDS,
+    AUTO_WAIT_SHARE,
+    ItlPolicy,
+    StepPlan,
+    StepShape,
+    StepTimeModel,
+    chunk_pairs,
+    nonneg_least_squares,
+    shape_of,
+)
+from streamer.sampling_params import SamplingParams
 from tests import test_scheduler_properties as sched_props
 
 
@@ -257,7 +268,7 @@ def test_an_unmeetable_target_still_moves_prefill_one_block_a_step():
     [sim.add(16, 400) for _ in range(3)]
     sim.step()
     big = sim.add(160, 2)
-    for k in range(10):
+    for _ in range(10):
         out = sim.step()
         assert next(s for s in out.scheduled if s.req is big).num_tokens == 16
     assert big.num_computed_tokens == 160
@@ -303,6 +314,7 @@ def test_a_whole_image_larger_than_the_budget_still_gets_in():
     """An image that attends both ways cannot be split; with a budget smaller than it, it goes whole into a step's
     first chunk instead of waiting forever."""
     import torch
+
     from streamer.multimodal.inputs import ImageInput
     sim = TimedSim(fake_model(0.02, 0.001), target_ms=40)
     [sim.add(16, 400) for _ in range(2)]

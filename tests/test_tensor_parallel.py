@@ -126,8 +126,9 @@ def test_tp_worker_lost_while_serving_fails_the_step(llama_dir) -> None:
 
 
 def test_tp_worker_that_dies_early_is_reported(llama_dir, monkeypatch) -> None:
-    import streamer.worker.parallel
     import torch.distributed
+
+    import streamer.worker.parallel
 
     monkeypatch.setattr(streamer.worker.parallel.sys, "executable", "/bin/false")  # "workers" that exit at once
     with pytest.raises(RuntimeError, match=r"worker exited \(code 1\) before connecting"):

@@ -235,7 +235,8 @@ def test_an_mtp_layer_drafts_with_its_new_weights(make_ckpt, tmp_path):
     """speculative_method="mtp": the checkpoint's own MTP layer (a drafter of its own, sharing the target's
     embeddings) loads its new weights too: its proposals are the new layer's."""
     from tests.test_eagle import assert_proposals_match, spy_proposals
-    from tests.test_mtp import K, MAX_NEW, PROMPTS as MTP_PROMPTS, Reference, with_mtp_layer
+    from tests.test_mtp import MAX_NEW, K, Reference, with_mtp_layer
+    from tests.test_mtp import PROMPTS as MTP_PROMPTS
     old = with_mtp_layer(make_ckpt("upd_deepseek_v3_a", family="deepseek_v3"), tmp_path / "a", seed=3)
     new = with_mtp_layer(make_ckpt("upd_deepseek_v3_b", family="deepseek_v3", seed=1), tmp_path / "b", seed=4)
     params = SamplingParams(max_tokens=MAX_NEW, min_tokens=MAX_NEW, temperature=0.0)

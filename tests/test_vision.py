@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from streamer.multimodal.processors.image_processor import ImageProcessor
 from streamer.models.vision import VISION_DEFAULTS, VisionTower
+from streamer.multimodal.processors.image_processor import ImageProcessor
 
 transformers = pytest.importorskip("transformers")
 

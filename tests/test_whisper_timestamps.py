@@ -165,8 +165,10 @@ def test_masks_equal_transformers_processor(slices):
     and the masked (GPU) way."""
     import torch
     from transformers import GenerationConfig
-    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
-                                                        WhisperTimeStampLogitsProcessor)
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
 
     from streamer.worker.sampler import SpeechMasks, apply_speech_masks
     eos, no_ts, vocab, prompt = 40, 49, 50 + 60, [41, 42, 43]

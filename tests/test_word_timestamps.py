@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from streamer.multimodal.word_timestamps import (alignment_heads, dynamic_time_warping, median_filter, split_words,
-                                      token_start_times, word_timestamps)
+from streamer.multimodal.word_timestamps import (
+    alignment_heads,
+    dynamic_time_warping,
+    median_filter,
+    split_words,
+    token_start_times,
+    word_timestamps,
+)
 
 PREPENDED = "\"'\u201c\u00bf([{-"
 APPENDED = "\"'.\u3002,\uff0c!\uff01?\uff1f:\uff1a\u201d)]}\u3001"

@@ -94,8 +94,10 @@ def hf_greedy(folder: Path, audio: np.ndarray, prompt_ids: list[int], max_tokens
     the prompt says <|notimestamps|>), on the checkpoint's generation config."""
     import torch
     from transformers import GenerationConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
-    from transformers.generation.logits_process import (SuppressTokensAtBeginLogitsProcessor,
-                                                        WhisperTimeStampLogitsProcessor)
+    from transformers.generation.logits_process import (
+        SuppressTokensAtBeginLogitsProcessor,
+        WhisperTimeStampLogitsProcessor,
+    )
     model = WhisperForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
     fe = WhisperFeatureExtractor.from_pretrained(folder)
     feats = torch.from_numpy(fe(audio, sampling_rate=16000, return_tensors="np").input_features)

@@ -32,8 +32,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from train_demo_model import (MLP, RMSNorm, TinyLlama, encode_stream, is_validation, rope_cos_sin,  # noqa: E402
-                              rotate_half, stdlib_files)
+from train_demo_model import (  # noqa: E402
+    MLP,
+    RMSNorm,
+    TinyLlama,
+    encode_stream,
+    is_validation,
+    rope_cos_sin,
+    rotate_half,
+    stdlib_files,
+)
 
 AUX = [1, 2, 3]  # the demo model's 4 layers: EAGLE-3's default (2, L // 2, L - 3) would read layer 2 twice
 

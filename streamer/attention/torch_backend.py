@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
-from streamer.worker.compile_cache import healing
 from streamer.core.kv_cache import cdiv
+from streamer.worker.compile_cache import healing
 from streamer_kernels.reference import quantize_fp8, relative_bias
 
 logger = logging.getLogger("streamer")

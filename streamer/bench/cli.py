@@ -14,10 +14,19 @@ from urllib.parse import urlsplit
 from tokenizers import Tokenizer
 
 from streamer.bench import report
-from streamer.bench.datasets import (AUDIO_RATE, AnyTokenizer, SampleRequest, add_audio, add_images, audio_requests,
-                                     file_requests, load_tokenizer, synthetic_requests)
-from streamer.bench.metrics import summarize
 from streamer.bench.client import HttpClient
+from streamer.bench.datasets import (
+    AUDIO_RATE,
+    AnyTokenizer,
+    SampleRequest,
+    add_audio,
+    add_images,
+    audio_requests,
+    file_requests,
+    load_tokenizer,
+    synthetic_requests,
+)
+from streamer.bench.metrics import summarize
 from streamer.bench.remote_tokenizer import RemoteTokenizer, RemoteTokenizerError
 from streamer.bench.runner import BenchError, RunConfig, RunOutput, ServedModel, list_models, run
 

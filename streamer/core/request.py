@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from streamer.sampling_params import SamplingParams
 from streamer.engine.thinking import ThinkingBudget
+from streamer.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -28,10 +28,9 @@ from typing import Optional
 
 from streamer.config import EngineConfig
 from streamer.core.kv_cache import KVCacheManager
-from streamer.engine.lora import LoRASlots
 from streamer.core.request import Request, RequestStatus
 from streamer.core.step_time import ItlPolicy, StepPlan, StepShape, StepTimeModel
-
+from streamer.engine.lora import LoRASlots
 
 # Hybrid models with prefix caching and speculative decoding: verify chunks stop at every this many blocks, where
 # the recurrent state is then checkpointed (Scheduler.draft_limit)

@@ -14,18 +14,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
-from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.config import EngineConfig
+from streamer.core.scheduler import SchedulerOutput
+from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.engine.llm_engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings, WeightsArg, new_weights
-from streamer.multimodal.inputs import ImagePrompts
-from streamer.worker.input_batch import StepInputs
 from streamer.engine.lora import LoRARequest
 from streamer.engine.metrics import EngineMetrics, StatsLogger
-from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
 from streamer.engine.pooling import Classifier, PoolingParams, encode_pair
+from streamer.multimodal.inputs import ImagePrompts
+from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput
 from streamer.sampling_params import SamplingParams
-from streamer.core.scheduler import SchedulerOutput
 from streamer.threads import to_own_thread
+from streamer.worker.input_batch import StepInputs
 
 T = TypeVar("T")
 logger = logging.getLogger("streamer")
@@ -584,7 +584,7 @@ class AsyncEngine:
             if nxt is not None:  # the step queued behind the failed one: its outcome no longer matters
                 nxt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
             err = EngineDeadError(f"the engine has failed: {exc!r}")
-            for rid, (_, queue) in list(self._streams.items()):
+            for _, queue in list(self._streams.values()):
                 queue.put_nowait(err)
             self._streams.clear()
             if self._idle is not None:

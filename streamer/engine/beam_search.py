@@ -6,7 +6,6 @@ length_penalty (transformers' score)."""
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 

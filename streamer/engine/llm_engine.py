@@ -17,32 +17,39 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from streamer.config import EngineConfig
-from streamer.engine.detokenizer import IncrementalDetokenizer
-from streamer.spec_decode.draft_model import DraftPlan, plan_drafts
-from streamer.spec_decode.eagle import EagleDrafter, plan_fill, plan_passes
-from streamer.engine.generation_config import sampling_defaults
-from streamer.worker.input_batch import InputBatch, StepInputs
 from streamer.core.kv_cache import KVCacheManager, cdiv
-from streamer.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
-from streamer.engine.pooling import (Classifier, DenseProjection, PoolingParams, default_pooling, embedding_width,
-                              finish_pooled, st_max_seq_length)
+from streamer.core.request import Request, RequestStatus
+from streamer.core.scheduler import Scheduler, SchedulerOutput
+from streamer.core.step_time import shape_of
 from streamer.engine import prompt_embeds
-from streamer.worker.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
+from streamer.engine.detokenizer import IncrementalDetokenizer
+from streamer.engine.generation_config import sampling_defaults
+from streamer.engine.lora import LoRAAdapter, LoRARegistry, LoRARequest
+from streamer.engine.pooling import (
+    Classifier,
+    DenseProjection,
+    PoolingParams,
+    default_pooling,
+    embedding_width,
+    finish_pooled,
+    st_max_seq_length,
+)
+from streamer.engine.structured_output import Grammar, GrammarCompiler
+from streamer.engine.thinking import ThinkTags
 from streamer.models.config import ENCODER_DECODER_ARCHITECTURES, HYBRID_ARCHITECTURES, ModelConfig
 from streamer.multimodal.audio_prompts import AudioPrompts, as_clips
 from streamer.multimodal.inputs import ImageInput, as_media
 from streamer.multimodal.prompts import image_prompts_for
 from streamer.multimodal.speech import SpeechPrompts
 from streamer.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
-from streamer.core.request import Request, RequestStatus
-from streamer.worker.sampler import bad_words_token_ids
 from streamer.sampling_params import SamplingParams
-from streamer.core.scheduler import Scheduler, SchedulerOutput
+from streamer.spec_decode.draft_model import DraftPlan, plan_drafts
+from streamer.spec_decode.eagle import EagleDrafter, plan_fill, plan_passes
 from streamer.spec_decode.ngram import SuffixIndex, ngram_match, propose_ngram, propose_predicted
-from streamer.core.step_time import shape_of
-from streamer.engine.structured_output import Grammar, GrammarCompiler
-from streamer.engine.thinking import ThinkTags
 from streamer.tokenizer.tokenizer import Tokenizer
+from streamer.worker.input_batch import InputBatch, StepInputs
+from streamer.worker.model_runner import ModelRunner, PromptLogprobsOut, RunnerOutput
+from streamer.worker.sampler import bad_words_token_ids
 
 logger = logging.getLogger("streamer")
 _MAX_DRAFT_BACKOFF = 16  # steps (LLMEngine._settle_backoff)

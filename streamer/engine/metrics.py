@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 import numpy as np
 
 if TYPE_CHECKING:
-    from streamer.engine.llm_engine import TokenTimings
     from streamer.core.request import Request
+    from streamer.engine.llm_engine import TokenTimings
 
 Labels = tuple[tuple[str, str], ...]
 

@@ -50,9 +50,9 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import (
     ColumnParallelLinear,
     ParallelContext,
+    ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM

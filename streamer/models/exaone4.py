@@ -22,7 +22,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import Attention, LlamaForCausalLM, MLP, require_silu
+from streamer.models.llama import MLP, Attention, LlamaForCausalLM, require_silu
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

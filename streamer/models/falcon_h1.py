@@ -31,7 +31,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.layers import RMSNorm, RotaryEmbedding
-from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
+from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm, require_silu
 from streamer.models.mamba import HybridModel, MambaMixer
 
 

@@ -321,7 +321,8 @@ def _to_torch(t: Any, float_dtype: torch.dtype) -> torch.Tensor:
 
 def _check_dequantizable(types: set[Any]) -> None:
     """Fail before writing anything on a type the `gguf` package cannot dequantize (a block of zeros tells)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize
     for qtype in types - {Q.F32, Q.F16, Q.BF16}:
         try:

@@ -24,11 +24,17 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, fused_qkv_parts, gelu_approximate,
-                                      renamed_lora_parts, to_ours, to_theirs)
-from streamer.models.layers import RotaryEmbedding, VocabEmbedding
+from streamer.models.gpt_neox import (
+    GeluMLP,
+    ParallelResidualLayer,
+    fused_qkv_parts,
+    gelu_approximate,
+    renamed_lora_parts,
+    to_ours,
+    to_theirs,
+)
+from streamer.models.layers import LayerNorm, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
-from streamer.models.layers import LayerNorm
 
 
 class GPTBigCodeBlock(ParallelResidualLayer):

@@ -32,9 +32,9 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import ColumnParallelLinear, LayerNorm, RotaryEmbedding, RowParallelLinear, gelu_approximate
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
-from streamer.models.layers import LayerNorm, gelu_approximate
+
 
 def layer_norm_eps(cfg: ModelConfig) -> float:
     eps = cfg.raw.get("layer_norm_eps")

@@ -20,8 +20,14 @@ import torch
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, layer_norm_eps, renamed_lora_parts, to_ours,
-                                      to_theirs)
+from streamer.models.gpt_neox import (
+    GeluMLP,
+    ParallelResidualLayer,
+    layer_norm_eps,
+    renamed_lora_parts,
+    to_ours,
+    to_theirs,
+)
 from streamer.models.layers import LayerNorm, RotaryEmbedding, gelu_approximate
 from streamer.models.llama import Attention
 from streamer.models.phi import HeadBias

@@ -23,9 +23,9 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
+from streamer.models.hunyuan_dense import HunYuanAttention, ntk_alpha_rope
 from streamer.models.layers import RMSNorm, RotaryEmbedding
 from streamer.models.llama import MLP, DecoderLayer, LlamaForCausalLM
-from streamer.models.hunyuan_dense import HunYuanAttention, ntk_alpha_rope
 from streamer.models.moe import SparseMoE, unfuse_experts
 
 

@@ -22,8 +22,19 @@ from streamer.models.quant import fp8_linear
 
 if TYPE_CHECKING:
     from streamer.models.config import ModelConfig
-from streamer.models.woq import (Int4Weight, Int8Weight, Unpacked, copy_into, int4_supported, int8_supported,
-                                 kernel_group, pack_int4, pack_int8, quantize_rtn, quantize_rtn_int8)
+from streamer.models.woq import (
+    Int4Weight,
+    Int8Weight,
+    Unpacked,
+    copy_into,
+    int4_supported,
+    int8_supported,
+    kernel_group,
+    pack_int4,
+    pack_int8,
+    quantize_rtn,
+    quantize_rtn_int8,
+)
 
 
 class ParallelContext:

@@ -21,8 +21,8 @@ from streamer.attention.base import (
 )
 from streamer.attention.op import paged_attention, register_layer
 from streamer.models.config import ModelConfig
-from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, INT4_PARTS, SparseMoE
 from streamer.models.layers import (
+    GELU_APPROXIMATE,
     ColumnParallelLinear,
     KernelSwitch,
     ParallelContext,
@@ -30,12 +30,11 @@ from streamer.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
-    GELU_APPROXIMATE,
     default_weight_loader,
     rank_rows_loader,
     silu_and_mul,
 )
-
+from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, INT4_PARTS, SparseMoE
 
 _FROM_CONFIG: Any = object()
 
@@ -390,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weights(self) -> set[str]:
         names: set[str] = set()
-        for name, param in self.named_parameters():
+        for name, _ in self.named_parameters():
             owner_name, attr = name.rsplit(".", 1)
             owner = self.get_submodule(owner_name)
             if isinstance(owner, SparseMoE) and attr in INT4_PARTS:

@@ -4,77 +4,77 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 import re
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
+from streamer.models.apertus import ApertusForCausalLM
+from streamer.models.arcee import ArceeForCausalLM
 from streamer.models.bert import BertModel
 from streamer.models.bloom import BloomForCausalLM
-from streamer.models.mpt import MptForCausalLM
-from streamer.models.modernbert import ModernBertModel
-from streamer.models.mpnet import MPNetModel
-from streamer.models.t5 import T5EncoderModel
-from streamer.models.whisper import WhisperForConditionalGeneration
-from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
-from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
+from streamer.models.bnb import dequantizing_bnb, is_bnb
 from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
 from streamer.models.deepseek import DeepseekForCausalLM
+from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
+from streamer.models.ernie4_5 import Ernie4_5ForCausalLM
+from streamer.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from streamer.models.exaone4 import Exaone4ForCausalLM
+from streamer.models.falcon import FalconForCausalLM
 from streamer.models.falcon_h1 import FalconH1ForCausalLM
 from streamer.models.gemma import GemmaForCausalLM
-from streamer.models.starcoder2 import Starcoder2ForCausalLM
 from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
 from streamer.models.gemma4 import Gemma4ForCausalLM
 from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
-from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.gpt2 import GPT2LMHeadModel
 from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM
 from streamer.models.gpt_neox import GPTNeoXForCausalLM
-from streamer.models.phi import PhiForCausalLM
-from streamer.models.stablelm import StableLmForCausalLM
-from streamer.models.falcon import FalconForCausalLM
+from streamer.models.gpt_oss import GptOssForCausalLM
 from streamer.models.gptj import GPTJForCausalLM
-from streamer.models.opt import OPTForCausalLM
-from streamer.models.olmo import OlmoForCausalLM
-from streamer.models.nemotron import NemotronForCausalLM
 from streamer.models.granite import GraniteForCausalLM
 from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
-from streamer.models.llama import LlamaForCausalLM
+from streamer.models.granite_moe import GraniteMoeForCausalLM
+from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
+from streamer.models.hunyuan_moe import HunYuanMoEV1ForCausalLM
+from streamer.models.layers import ColumnParallelLinear, PackableLinear
 from streamer.models.lfm2 import Lfm2ForCausalLM
+from streamer.models.llama import LlamaForCausalLM
 from streamer.models.llama4 import Llama4ForCausalLM
 from streamer.models.mamba1 import MambaForCausalLM
 from streamer.models.mamba2 import Mamba2ForCausalLM
-from streamer.models.nemotron_h import NemotronHForCausalLM
-from streamer.models.vlm import vlm_class
-from streamer.models.olmo2 import Olmo2ForCausalLM
-from streamer.models.olmoe import OlmoeForCausalLM
-from streamer.models.qwen2_moe import Qwen2MoeForCausalLM
-from streamer.models.granite_moe import GraniteMoeForCausalLM
-from streamer.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
-from streamer.models.hunyuan_moe import HunYuanMoEV1ForCausalLM
-from streamer.models.phimoe import PhimoeForCausalLM
-from streamer.models.olmo3 import Olmo3ForCausalLM
-from streamer.models.exaone4 import Exaone4ForCausalLM
-from streamer.models.ernie4_5 import Ernie4_5ForCausalLM
-from streamer.models.seed_oss import SeedOssForCausalLM
-from streamer.models.arcee import ArceeForCausalLM
-from streamer.models.apertus import ApertusForCausalLM
-from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
 from streamer.models.ministral import Ministral3ForCausalLM, MinistralForCausalLM
-from streamer.models.qwen3_next import Qwen3NextForCausalLM
-from streamer.models.qwen3_5 import Qwen35ForCausalLM
-from streamer.models.smollm3 import SmolLM3ForCausalLM
-from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
-from streamer.models.mtp import mtp_class
-from streamer.models.layers import ColumnParallelLinear, PackableLinear
+from streamer.models.modernbert import ModernBertModel
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
+from streamer.models.mpnet import MPNetModel
+from streamer.models.mpt import MptForCausalLM
+from streamer.models.mtp import mtp_class
+from streamer.models.nemotron import NemotronForCausalLM
+from streamer.models.nemotron_h import NemotronHForCausalLM
+from streamer.models.olmo import OlmoForCausalLM
+from streamer.models.olmo2 import Olmo2ForCausalLM
+from streamer.models.olmo3 import Olmo3ForCausalLM
+from streamer.models.olmoe import OlmoeForCausalLM
+from streamer.models.opt import OPTForCausalLM
+from streamer.models.phi import PhiForCausalLM
+from streamer.models.phimoe import PhimoeForCausalLM
+from streamer.models.quant import dequantizing
+from streamer.models.qwen2_moe import Qwen2MoeForCausalLM
+from streamer.models.qwen3_5 import Qwen35ForCausalLM
+from streamer.models.qwen3_next import Qwen3NextForCausalLM
+from streamer.models.seed_oss import SeedOssForCausalLM
+from streamer.models.smollm3 import SmolLM3ForCausalLM
+from streamer.models.stablelm import StableLmForCausalLM
+from streamer.models.starcoder2 import Starcoder2ForCausalLM
+from streamer.models.t5 import T5EncoderModel
+from streamer.models.vlm import vlm_class
+from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
+from streamer.models.whisper import WhisperForConditionalGeneration
+from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 from streamer.tokenizer.mistral_format import hf_weights as mistral_weights
 from streamer.tokenizer.mistral_format import is_mistral_folder
 from streamer.tokenizer.mistral_format import weight_files as mistral_weight_files
-from streamer.models.bnb import dequantizing_bnb, is_bnb
-from streamer.models.quant import dequantizing
-from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 
 logger = logging.getLogger("streamer")
 

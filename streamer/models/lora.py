@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from streamer.models.layers import ColumnParallelLinear, PackableLinear, RowParallelLinear
+
 # (the forward-time half, kept importable from here)
 from streamer.models.lora_ops import SMALL_BATCH, LoRAStep, add_lora, lora_add_, lora_context, register  # noqa: F401
 

@@ -31,8 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamer.attention.base import DecodeBatch, MambaStep, PrefillBatch, current_metadata
-from streamer.models.layers import (ColumnParallelLinear, ParallelContext, RowParallelLinear, _check_shape,
-                                    rank_rows_loader)
+from streamer.models.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    _check_shape,
+    rank_rows_loader,
+)
 
 if TYPE_CHECKING:
     from streamer.models.config import ModelConfig

@@ -40,9 +40,17 @@ from streamer.models.config import ModelConfig
 from streamer.models.family_configs import mamba_inner_size
 from streamer.models.layers import RMSNorm, RotaryEmbedding, RowParallelLinear
 from streamer.models.llama import require_silu
-from streamer.models.mamba import (PartsLinear, RecurrentMixer, _float, check_divides, from_span, over_span, per_rank,
-                                   split_conv,
-                                   split_parts)
+from streamer.models.mamba import (
+    PartsLinear,
+    RecurrentMixer,
+    _float,
+    check_divides,
+    from_span,
+    over_span,
+    per_rank,
+    split_conv,
+    split_parts,
+)
 from streamer.models.mamba2 import Mamba2ForCausalLM
 
 FALCON_MAMBA = "FalconMambaForCausalLM"

@@ -26,8 +26,7 @@ from torch import nn
 
 import streamer_kernels as K
 from streamer.models.layers import ParallelContext
-from streamer.models.woq import (Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4,
-                                 quantize_rtn)
+from streamer.models.woq import Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4, quantize_rtn
 from streamer_kernels.reference import expert_activation
 
 logger = logging.getLogger("streamer")

@@ -28,8 +28,8 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
-from streamer.models.layers import ColumnParallelLinear, RMSNorm, VocabEmbedding
 from streamer.models.gemma3 import GemmaRMSNorm
+from streamer.models.layers import ColumnParallelLinear, RMSNorm, VocabEmbedding
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM

@@ -21,7 +21,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig, rope_scaling
 from streamer.models.layers import ParallelContext, RotaryEmbedding, VocabEmbedding
-from streamer.models.llama import Attention, LlamaForCausalLM, MLP, require_silu
+from streamer.models.llama import MLP, Attention, LlamaForCausalLM, require_silu
 from streamer.models.olmo2 import Olmo2DecoderLayer, Olmo2RMSNorm
 
 DEFAULT_THETA = 500_000.0

@@ -20,11 +20,17 @@ from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.config import ModelConfig
-from streamer.models.gpt_neox import (GeluMLP, ParallelResidualLayer, gelu_approximate, layer_norm_eps,
-                                      renamed_lora_parts, to_ours, to_theirs)
-from streamer.models.layers import RotaryEmbedding
+from streamer.models.gpt_neox import (
+    GeluMLP,
+    ParallelResidualLayer,
+    gelu_approximate,
+    layer_norm_eps,
+    renamed_lora_parts,
+    to_ours,
+    to_theirs,
+)
+from streamer.models.layers import LayerNorm, RotaryEmbedding
 from streamer.models.llama import Attention, LlamaForCausalLM
-from streamer.models.layers import LayerNorm
 
 # checkpoint name fragment -> ours
 _PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".self_attn.q_layernorm.", ".self_attn.q_norm."),

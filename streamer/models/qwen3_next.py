@@ -33,9 +33,17 @@ from streamer.attention.op import paged_attention
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ColumnParallelLinear, ParallelContext, RotaryEmbedding, RowParallelLinear
-from streamer.models.llama import Attention, LlamaForCausalLM, MLP, add_and_norm, require_silu
-from streamer.models.mamba import (HybridModel, RecurrentMixer, check_divides, from_span, over_span, per_rank,
-                                   split_conv, split_parts)
+from streamer.models.llama import MLP, Attention, LlamaForCausalLM, add_and_norm, require_silu
+from streamer.models.mamba import (
+    HybridModel,
+    RecurrentMixer,
+    check_divides,
+    from_span,
+    over_span,
+    per_rank,
+    split_conv,
+    split_parts,
+)
 from streamer.models.moe import SparseMoE
 
 

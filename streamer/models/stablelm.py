@@ -26,9 +26,8 @@ from streamer.attention.base import AttentionBackend, AttentionSpec
 from streamer.models.cohere import head_rows_loader
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import ParallelResidualLayer, layer_norm_eps
-from streamer.models.layers import RotaryEmbedding
+from streamer.models.layers import LayerNorm, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM
-from streamer.models.layers import LayerNorm
 
 
 class PerHeadLayerNorm(nn.Module):

@@ -33,8 +33,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, CrossStep, DecodeBatch, current_metadata
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_neox import GeluMLP
-from streamer.models.layers import gelu_approximate
-from streamer.models.layers import ColumnParallelLinear, LayerNorm, VocabEmbedding
+from streamer.models.layers import ColumnParallelLinear, LayerNorm, VocabEmbedding, gelu_approximate
 from streamer.models.llama import Attention, LlamaForCausalLM
 
 # Clips encoded at once: large-v3's MLP activation is 1500 x 5120 per clip, so a step that admits many requests

@@ -26,9 +26,8 @@ dequantized to the compute dtype as it loads.
 from __future__ import annotations
 
 import functools
-
-from dataclasses import dataclass, fields
 import logging
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch

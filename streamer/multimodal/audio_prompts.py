@@ -21,10 +21,17 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.multimodal.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, WhisperFeatureConfig, WhisperFeatures, as_audio, decode_audio
 from streamer.models.audio_tower import audio_tokens
-from streamer.multimodal.media_fetch import FetchPolicy
+from streamer.multimodal.audio import (
+    MAX_AUDIO_BYTES,
+    SAMPLE_RATE,
+    WhisperFeatureConfig,
+    WhisperFeatures,
+    as_audio,
+    decode_audio,
+)
 from streamer.multimodal.inputs import ImageInput, hash_pixels, read_url, token_runs
+from streamer.multimodal.media_fetch import DEFAULT_POLICY, FetchPolicy
 
 MIN_FRAMES = 3  # the fewest mel frames that make a feature row (audio_tokens(3) == 1): 0.02 s at 16 kHz
 
@@ -117,7 +124,7 @@ def as_clips(value: Any) -> list[np.ndarray]:
         raise ValueError(f"multi_modal_data['audio']: {e}") from None
 
 
-def load_audio(url: str, policy: FetchPolicy = FetchPolicy()) -> np.ndarray:
+def load_audio(url: str, policy: FetchPolicy = DEFAULT_POLICY) -> np.ndarray:
     """A chat message's clip: a data: URL (base64; `input_audio` parts become one) or an http(s) URL `policy` lets
     the server fetch (streamer/multimodal/media_fetch.py); decoded to 16 kHz mono. ValueError for anything else or anything
     that is not audio."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.multimodal.media_fetch import FetchPolicy, fetch
+from streamer.multimodal.media_fetch import DEFAULT_POLICY, FetchPolicy, fetch
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -630,7 +630,7 @@ class EncoderCache:
 
 
 # ---------------------------------------------------------------------------------------------- fetching images
-def load_image(url: str, policy: FetchPolicy = FetchPolicy()) -> "Image":
+def load_image(url: str, policy: FetchPolicy = DEFAULT_POLICY) -> "Image":
     """An image from a chat message's `image_url`: a data: URL (base64) or an http(s) URL `policy` lets the server
     fetch (streamer/multimodal/media_fetch.py). ValueError for anything else or anything that is not an image."""
     return decode_image(read_url(url, policy, "image", MAX_IMAGE_BYTES, "image/png"))
@@ -659,7 +659,7 @@ class VideoBackendMissing(ValueError):
     """PyAV (the optional `av` package) is not installed: videos from URLs cannot be decoded."""
 
 
-def load_video(url: str, policy: FetchPolicy = FetchPolicy(), fps: float = 2.0,
+def load_video(url: str, policy: FetchPolicy = DEFAULT_POLICY, fps: float = 2.0,
                max_frames: int = MAX_VIDEO_FRAMES) -> VideoData:
     """A video from a chat message's `video_url`: a data: URL (base64) or an http(s) URL `policy` lets the server
     fetch, decoded with PyAV and sampled at `fps` frames a second (`decode_video`). ValueError for anything else."""

@@ -136,6 +136,10 @@ class FetchPolicy:
         return any(h == d or (h.endswith("." + d) and _ip(d) is None) for d in self.allowed_domains)
 
 
+
+DEFAULT_POLICY = FetchPolicy()  # (frozen: one shared default is safe)
+
+
 class _Refused(Exception):
     """A fetch failed; the reason is for the debug log only."""
 
@@ -174,7 +178,7 @@ def fetch(url: str, policy: FetchPolicy, what: str, limit: int) -> bytes:
 def _parse(url: str) -> SplitResult:
     try:
         parts = urlsplit(url)
-        parts.port  # (ValueError for a port out of range or not a number)
+        _ = parts.port  # (ValueError for a port out of range or not a number)
     except ValueError as e:
         raise _Refused(f"malformed URL: {e}") from None
     if parts.scheme not in ("http", "https"):

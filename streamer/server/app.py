@@ -23,34 +23,46 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamer.engine import prompt_embeds
 from streamer.engine.async_engine import AsyncEngine
+from streamer.engine.beam_search import BeamSearchAborted
+from streamer.engine.thinking import ThinkTags
 from streamer.multimodal.audio import AudioBackendMissing
 from streamer.multimodal.audio_prompts import load_audio
-from streamer.engine.beam_search import BeamSearchAborted
-from streamer.multimodal.media_fetch import FetchPolicy
 from streamer.multimodal.inputs import VideoBackendMissing, load_image, load_video
-from streamer.outputs import StreamOutput
+from streamer.multimodal.media_fetch import FetchPolicy
 from streamer.multimodal.processors.qwen_video_processor import DEFAULT_FPS as DEFAULT_VIDEO_FPS
-from streamer.engine.thinking import ThinkTags
+from streamer.outputs import StreamOutput
+from streamer.server.audio_api import AudioAPI, TranscriptionConfig
 from streamer.server.chat_template import ChatTemplate
 from streamer.server.embeddings import classify, embeddings, rerank, score
-from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
-from streamer.server.messages_api import MessagesAPI
-from streamer.server.responses_api import ResponsesAPI
 from streamer.server.generation import Generation, engine_error
-from streamer.server.responding import JSONResponse, _ClientGone, collect_choices, run_unless_disconnected
-from streamer.server.protocol import (APIError, ChatRequest, CompletionRequest, PromptInput, _show,
-                                      parse_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
-                                      message_audios, message_images, message_videos)
-from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
-from streamer.server.sse import sse_response, stream_events
-from streamer.server.audio_api import AudioAPI, TranscriptionConfig
-from streamer.server.structured import strict_tool_tag
-from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
-from streamer.server.reasoning import PARSERS as REASONING_PARSERS
-from streamer.server.reasoning import ReasoningMode, reasoning_mode
 from streamer.server.harmony import REASONING_PARSER as HARMONY_REASONING_PARSER
 from streamer.server.harmony import TOOL_PARSER as HARMONY_TOOL_PARSER
 from streamer.server.harmony import is_harmony_model
+from streamer.server.messages_api import MessagesAPI
+from streamer.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    PromptInput,
+    _show,
+    message_audios,
+    message_images,
+    message_videos,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from streamer.server.reasoning import KEEPS_SPECIAL_TOKENS as REASONING_KEEPS_SPECIAL_TOKENS
+from streamer.server.reasoning import PARSERS as REASONING_PARSERS
+from streamer.server.reasoning import ReasoningMode, reasoning_mode
+from streamer.server.responding import JSONResponse, _ClientGone, collect_choices, run_unless_disconnected
+from streamer.server.response_store import DEFAULT_MAX_COUNT as DEFAULT_RESPONSES_STORE_SIZE
+from streamer.server.responses import ChatFormat, Choice, CompletionFormat, Format
+from streamer.server.responses_api import ResponsesAPI
+from streamer.server.sse import sse_response, stream_events
+from streamer.server.structured import strict_tool_tag
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 from streamer.threads import to_own_thread
 

@@ -32,19 +32,18 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from streamer.multimodal.audio import MAX_AUDIO_BYTES, SAMPLE_RATE, decode_audio, split_audio
+from streamer.multimodal.speech import Segment
+from streamer.multimodal.word_timestamps import Word, token_start_times, word_timestamps
 from streamer.sampling_params import SamplingParams
 from streamer.server.generation import engine_error
 from streamer.server.protocol import APIError
 from streamer.server.responding import JSONResponse
 from streamer.server.sse import DONE, event, sse_response
-
-from streamer.multimodal.speech import Segment
-from streamer.multimodal.word_timestamps import Word, token_start_times, word_timestamps
 from streamer.threads import to_own_thread
 
 if TYPE_CHECKING:
-    from streamer.server.app import OpenAIServer
     from streamer.multimodal.speech import SpeechPrompts
+    from streamer.server.app import OpenAIServer
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 _FORM_FIELDS = 32

@@ -23,8 +23,7 @@ import uvicorn
 
 from streamer.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_RESPONSES_STORE_SIZE, CORSConfig, build_app
 from streamer.server.audio_api import TranscriptionConfig
-from streamer.server.connections import (HttpLimits, connections_arg, header_bytes_arg, seconds_arg,
-                                         uvicorn_config)
+from streamer.server.connections import HttpLimits, connections_arg, header_bytes_arg, seconds_arg, uvicorn_config
 from streamer.server.reasoning import PARSERS as REASONING_PARSERS
 from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -151,8 +150,8 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from streamer.engine_args import engine_kwargs
     from streamer.config import EngineConfig
+    from streamer.engine_args import engine_kwargs
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     kwargs = engine_kwargs(args)
     if kwargs.get("enforce_eager") is None:
@@ -211,8 +210,8 @@ def _loop_factory() -> Optional[Callable[[], asyncio.AbstractEventLoop]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from streamer.engine_args import engine_kwargs
     from streamer.config import EngineConfig
+    from streamer.engine_args import engine_kwargs
     logging.getLogger("streamer").setLevel(args.log_level.upper())
     api_key = args.api_key or os.environ.get("STREAMER_API_KEY") or None
     kwargs = dict(engine_kwargs(args), max_waiting=args.max_waiting,

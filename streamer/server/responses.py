@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from streamer.outputs import Logprob, StreamOutput
 from streamer.engine.thinking import BEFORE, INSIDE, ThinkingBudget, ThinkTags
-from streamer.server.reasoning import ReasoningMode
+from streamer.outputs import Logprob, StreamOutput
 from streamer.server.harmony import HarmonyParser
+from streamer.server.reasoning import ReasoningMode
 from streamer.server.tool_calls import ForcedToolCalls, make_parser
 
 _MIN_LOGPROB = -9999.0  # -inf is not JSON; vLLM clamps the same way

@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from streamer.server.generation import Generation, engine_error
 from streamer.sampling_params import MAX_LOGPROBS
+from streamer.server.generation import Generation, engine_error
 from streamer.server.protocol import REASONING_EFFORTS, APIError, _show, dumps, get_bool, get_int, parse_chat
-from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
 from streamer.server.responding import collect_choices
+from streamer.server.response_store import DEFAULT_MAX_COUNT, ResponseStore, StoredResponse
 from streamer.server.responses import ChatFormat, Choice
 from streamer.server.sse import sse_response
 

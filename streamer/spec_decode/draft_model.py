@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from streamer.config import EngineConfig
-from streamer.worker.input_batch import StepInputs, to_device
 from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from streamer.worker.input_batch import StepInputs, to_device
 
 if TYPE_CHECKING:
     from streamer.worker.model_runner import ModelRunner
@@ -129,7 +129,9 @@ class DraftModel:
                  make_runner: Callable[..., "ModelRunner"]) -> None:
         # make_runner: ModelRunner, handed in by the target runner that builds this drafter (model_runner.py imports
         # the drafters, so they do not import it back)
-        from streamer.models.gguf import hf_folder  # a GGUF draft (file, folder or first shard): its converted HF folder
+        from streamer.models.gguf import (
+            hf_folder,  # a GGUF draft (file, folder or first shard): its converted HF folder
+        )
         path = hf_folder(Path(config.speculative_model).expanduser())  # type: ignore[arg-type]
         if not path.is_dir():
             raise FileNotFoundError(f"speculative_model not found: {config.speculative_model} (a Hugging Face "

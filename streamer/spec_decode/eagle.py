@@ -34,12 +34,12 @@ import torch
 
 from streamer.attention.base import forward_context
 from streamer.config import EngineConfig
-from streamer.spec_decode.draft_model import DraftPlan, _forward_step, placement
-from streamer.worker.input_batch import StepInputs, to_device
 from streamer.models.config import ModelConfig
 from streamer.models.eagle import EAGLE1, EAGLE3, EAGLE3_NAMES, EagleDraftModel, default_aux_layers
 from streamer.models.llama import LlamaForCausalLM
 from streamer.models.mtp import MTP_FAMILIES
+from streamer.spec_decode.draft_model import DraftPlan, _forward_step, placement
+from streamer.worker.input_batch import StepInputs, to_device
 
 if TYPE_CHECKING:
     from streamer.worker.model_runner import ModelRunner

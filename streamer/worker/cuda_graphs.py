@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from streamer.attention.base import AttentionMetadata, MambaStep, forward_context
-from streamer.worker.input_batch import StepInputs, to_device
 from streamer.models.lora import LoRAStep, lora_context
+from streamer.worker.input_batch import StepInputs, to_device
 
 logger = logging.getLogger("streamer")
 

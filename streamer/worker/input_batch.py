@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from streamer.core.kv_cache import KVCacheManager
-from streamer.multimodal.inputs import ImageStep, image_step, rope_shifts
-from streamer.engine.pooling import POOL_CODE
 from streamer.core.request import Request
 from streamer.core.scheduler import SchedulerOutput
+from streamer.engine.pooling import POOL_CODE
 from streamer.engine.structured_output import fill_bitmasks
+from streamer.multimodal.inputs import ImageStep, image_step, rope_shifts
 
 if TYPE_CHECKING:
     from streamer.spec_decode.draft_model import DraftPlan

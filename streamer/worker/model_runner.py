@@ -17,31 +17,44 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.attention.base import (FP8_KV_DTYPE, AttentionMetadata, CrossStep, DecodeBatch, MambaStep,
-                                     PrefillBatch, forward_context)
+from streamer.attention.base import (
+    FP8_KV_DTYPE,
+    AttentionMetadata,
+    CrossStep,
+    DecodeBatch,
+    MambaStep,
+    PrefillBatch,
+    forward_context,
+)
 from streamer.attention.torch_backend import decode_table, thread_splits
-from streamer.worker.compile_cache import healing
 from streamer.config import EngineConfig
-from streamer.worker.cpu_malloc import keep_freed_memory
-from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.core.kv_cache import cdiv
+from streamer.core.request import Request
+from streamer.core.step_time import StepShape, shape_of
 from streamer.engine.lora import LoRAAdapter
 from streamer.models import lora
 from streamer.models.bert import sep_token_id
 from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
-from streamer.models.loader import (_MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model,
-                                    reload_weights)
-from streamer.models.quant import fp8_supported
+from streamer.models.loader import _MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model, reload_weights
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
+from streamer.models.quant import fp8_supported
 from streamer.models.woq import parse_int_quant
 from streamer.multimodal.inputs import EncoderCache, ImageStep
-from streamer.worker.parallel import TensorParallelWorkers, init_process_group, serve_steps
+from streamer.worker.compile_cache import healing
+from streamer.worker.cpu_malloc import keep_freed_memory
+from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
-from streamer.core.request import Request
-from streamer.core.step_time import StepShape, shape_of
-from streamer.worker.sampler import (Sampler, SamplerOutput, SamplingBatch, SpeechMasks, bad_word_bans, build_penalties,
-                              score_tokens)
+from streamer.worker.parallel import TensorParallelWorkers, init_process_group, serve_steps
+from streamer.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    SpeechMasks,
+    bad_word_bans,
+    build_penalties,
+    score_tokens,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -502,6 +515,7 @@ class ModelRunner:
         (1 token, then a dynamic token dimension; decode-only steps) and the CPU decode attention's (a lone
         request, a batch)."""
         import time
+
         import torch._inductor.config as inductor_config
         t = time.perf_counter()
         # No freezing: on CPU the linears are opaque ops over oneDNN-prepacked weights (`_compile`), so no weight is

@@ -30,9 +30,9 @@ import torch
 
 if TYPE_CHECKING:
     from streamer.config import EngineConfig
-    from streamer.worker.model_runner import ModelRunner
-    from streamer.worker.input_batch import StepInputs
     from streamer.models.config import ModelConfig
+    from streamer.worker.input_batch import StepInputs
+    from streamer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Callable, Optional
 
 import torch
 
-from streamer.worker.input_batch import to_device
 from streamer.core.request import Request
 from streamer.engine.structured_output import apply_bitmask
+from streamer.worker.input_batch import to_device
 
 
 @dataclass

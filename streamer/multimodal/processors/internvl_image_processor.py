@@ -22,8 +22,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.multimodal.processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessor, read_processor_config, \
-    size_dict, to_rgb
+from streamer.multimodal.processors.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ImageProcessor,
+    read_processor_config,
+    size_dict,
+    to_rgb,
+)
 
 # GotOcr2ImageProcessorPil's class defaults (a field left out of the config, or null there, takes these);
 # tests/test_internvl.py checks them.

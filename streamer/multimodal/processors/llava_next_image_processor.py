@@ -25,8 +25,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.multimodal.processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ImageProcessor, read_processor_config, \
-    resize_output_size, size_dict, to_rgb
+from streamer.multimodal.processors.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    ImageProcessor,
+    read_processor_config,
+    resize_output_size,
+    size_dict,
+    to_rgb,
+)
 
 Pinpoints = tuple[tuple[int, int], ...]  # (height, width) resolutions
 

@@ -20,7 +20,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.multimodal.processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, read_processor_config, to_rgb
+from streamer.multimodal.processors.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    read_processor_config,
+    to_rgb,
+)
 from streamer.multimodal.processors.qwen_image_processor import value_table
 
 KINDS = ("PixtralImageProcessor", "PixtralImageProcessorFast", "PixtralImageProcessorPil")

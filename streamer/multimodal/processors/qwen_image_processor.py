@@ -21,7 +21,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from streamer.multimodal.processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, read_processor_config, to_rgb
+from streamer.multimodal.processors.image_processor import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    read_processor_config,
+    to_rgb,
+)
 
 KINDS = ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil")
 # The class defaults (transformers' Qwen2VLImageProcessorPil); a field left out of the config, or null, takes these.
