@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import uvicorn
 
 from streamer.engine.async_engine import AsyncEngine
-from streamer.server.app import DEFAULT_MAX_BODY_BYTES, build_app
+from streamer.server.app import build_app
 from streamer.server.connections import HttpLimits, uvicorn_config
 
 ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
@@ -19,7 +19,7 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 
 class LiveServer:
     def __init__(self, model_dir: Path, *, api_key: Optional[str] = None, served_model_name: Any = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, loras: Optional[dict[str, str]] = None,
+                 max_body_bytes: Optional[int] = None, loras: Optional[dict[str, str]] = None,
                  allow_lora_updates: bool = False, allow_weight_updates: bool = False, transcription: Any = None,
                  http_limits: Optional[HttpLimits] = None, **engine_kwargs: Any) -> None:
         """loras: {name: PEFT folder} registered before serving (as `--lora-modules`). transcription: build_app's

@@ -111,3 +111,33 @@ def test_server_chat_truncation_takes_long_texts(live):
             "truncate_prompt_tokens": 30})
     assert r.status_code == 200, r.text[:300]
     assert r.json()["usage"]["prompt_tokens"] == 30
+
+
+def test_auto_body_limit_is_what_the_model_can_take(llama_dir):
+    """With no --max-body-bytes, a text-only model's limit is the most a request could need (between 1 and 8 MiB):
+    an 8 MB prompt is refused (413) by its Content-Length, before its body is read, and a body within it is served."""
+    from streamer.server.app import DEFAULT_MAX_BODY_BYTES, MIN_AUTO_BODY_BYTES
+    with LiveServer(llama_dir) as server:
+        engine = server.engine
+        limit = server.app.state.server.max_body_bytes
+        need = 12 * engine.max_model_len * engine.tokenizer.max_token_chars
+        assert limit == min(max(need, MIN_AUTO_BODY_BYTES), DEFAULT_MAX_BODY_BYTES)
+        assert limit < 8_000_000  # (this model: 8 MB is far past what it takes)
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            body = b'{"model": "m", "max_tokens": 2, "prompt": "' + b"x" * 8_000_000 + b'"}'
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 413, r.text[:300]
+            assert r.json()["error"]["code"] == "request_too_large"
+            near = "x" * (limit - 1000)  # within the limit: read, then refused as too long for the model (400)
+            r = http.post("/v1/completions", json={"model": server.model_name, "prompt": near, "max_tokens": 2})
+            assert r.status_code == (400 if len(near) > need // 12 else 200), r.text[:300]
+            ok = http.post("/v1/completions", json={"model": server.model_name, "prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200, ok.text[:300]
+
+
+def test_auto_body_limit_keeps_8_mib_for_prompt_embeds(llama_dir):
+    from streamer.server.app import DEFAULT_MAX_BODY_BYTES
+    with LiveServer(llama_dir, enable_prompt_embeds=True) as server:
+        assert server.app.state.server.max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    with LiveServer(llama_dir, max_body_bytes=3 << 20) as server:  # an explicit limit is kept
+        assert server.app.state.server.max_body_bytes == 3 << 20

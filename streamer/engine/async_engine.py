@@ -240,6 +240,11 @@ class AsyncEngine:
         return self._core.image_prompts
 
     @property
+    def takes_media(self) -> bool:
+        """Whether prompts may carry images, video or audio (which make large request bodies)."""
+        return self._core.image_prompts is not None or self._core.speech is not None
+
+    @property
     def classifier(self) -> Optional[Classifier]:
         """A sequence-classification model's labels and activations (None: the model is no classifier)."""
         return self._core.classifier

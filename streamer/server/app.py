@@ -68,7 +68,21 @@ from streamer.threads import to_own_thread
 
 logger = logging.getLogger("streamer.server")
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # the default for models that take media or prompt_embeds, and the auto limit's cap
+MIN_AUTO_BODY_BYTES = 1 << 20
+
+
+def auto_max_body_bytes(engine: AsyncEngine) -> int:
+    """--max-body-bytes when none is given. A text-only model: the most a request to it could need, so that a body
+    far past what the model can take is refused by its Content-Length before a byte of it is read (reading and
+    parsing 8 MB costs the event loop ~20 ms that every other request waits through): max_model_len tokens of
+    the longest text a token spells, at 12 bytes a character (an escaped surrogate pair, JSON's worst case), at
+    least 1 MiB (batches, tools, schemas) and at most 8 MiB. A model that takes media, or a server with
+    prompt_embeds: 8 MiB (base64 images and tensors)."""
+    if engine.takes_media or engine.config.enable_prompt_embeds:
+        return DEFAULT_MAX_BODY_BYTES
+    text = 12 * engine.max_model_len * engine.tokenizer.max_token_chars
+    return min(max(text, MIN_AUTO_BODY_BYTES), DEFAULT_MAX_BODY_BYTES)
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -85,7 +99,8 @@ def default_served_name(engine: AsyncEngine) -> str:
 class OpenAIServer:
     """The endpoints. Every client mistake is an APIError, answered as a 4xx before any SSE byte."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str | Sequence[str]], max_body_bytes: int,
+    def __init__(self, engine: AsyncEngine, served_model_name: Optional[str | Sequence[str]],
+                 max_body_bytes: Optional[int],
                  tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
         self.engine = engine
         # Several names (vLLM's `--served-model-name a b`): requests may use any; the first is the one reported.
@@ -95,7 +110,7 @@ class OpenAIServer:
         self.model_aliases = {*self.served_names, engine.model_name}
         if engine.metrics is not None:  # label metrics with the name clients use, as vLLM does
             engine.metrics.model_name = self.model_name
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = auto_max_body_bytes(engine) if max_body_bytes is None else max_body_bytes
         self.return_tokens_as_token_ids = False  # vLLM's --return-tokens-as-token-ids
         # Hold "auto" tool calls to their tools' schemas as if every tool were strict (server/structured.py)
         self.enforce_strict_tool_calling = False
@@ -798,7 +813,7 @@ class _App(Starlette):
 
 def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               served_model_name: Optional[str | Sequence[str]] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
+              max_body_bytes: Optional[int] = None, tool_call_parser: Optional[str] = None,
               allow_lora_updates: bool = False, reasoning_parser: Optional[str] = None,
               allow_weight_updates: bool = False,
               responses_store_size: int = DEFAULT_RESPONSES_STORE_SIZE,
@@ -807,7 +822,8 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
               enforce_strict_tool_calling: bool = False,
               transcription: Optional[TranscriptionConfig] = None) -> Starlette:
     """The app for a started engine. `app.state.server` is the OpenAIServer (and `.engine` the engine,
-    `.responses` the Responses API and its store). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
+    `.responses` the Responses API and its store). max_body_bytes: larger bodies get 413 (None: what the model can
+    take, `auto_max_body_bytes`). allow_lora_updates: serve vLLM's /v1/load_lora_adapter and
     /v1/unload_lora_adapter. allow_weight_updates: serve SGLang's /update_weights_from_disk, /pause_generation and /continue_generation. responses_store_size: how many responses /v1/responses keeps (0: none). cors: the
     browser origins allowed (None: no CORS headers). return_tokens_as_token_ids: logprobs name tokens
     "token_id:{id}" unless a request says otherwise. log_requests: log each request's prompt (the first

@@ -70,8 +70,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="bound on queued requests (each holds its prompt's tokens in memory); past it the server "
                         f"answers 429 with Retry-After (default: {DEFAULT_MAX_WAITING})")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413, refused by their Content-Length before they are read "
+                        "(default: for a text-only model, the most a request to it could need: max_model_len x "
+                        "its longest token x 12 bytes, between 1 MiB and 8 MiB; for a model that takes media, or "
+                        f"with --enable-prompt-embeds, {DEFAULT_MAX_BODY_BYTES >> 20} MiB)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:{id}" (exact where token texts are not); a request\'s '
                         "return_tokens_as_token_ids overrides it")
