@@ -83,6 +83,9 @@ class EngineConfig:
     # the GPU check measured it winning), torch below and on CPU.
     sampling_backend: Optional[str] = None
     enforce_eager: Optional[bool] = None  # None: compile on CUDA, eager on CPU; True/False forces it
+    # A compiled model on CPU: serve at once, eagerly, while a thread compiles it (a cold compile is ~1 min on a
+    # 2-core box), then switch (`streamer serve`'s default; not for TP, hybrid, quantized or speculative models).
+    compile_in_background: bool = False
     cpu_weight_packing: bool = True  # eager CPU: linear weights in oneDNN's prepacked layout (20-40% faster)
     max_waiting: Optional[int] = None  # bound on the waiting queue (server returns 429 past it)
     # Schedule and prepare step N+1 while step N runs (its sampled tokens are read on the device), and detokenize

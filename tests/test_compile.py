@@ -34,6 +34,49 @@ def test_compiled_matches_eager_without_recompiling(llama_dir):
     assert torch.is_inference_mode_enabled() is False
 
 
+def test_background_compile_serves_eagerly_then_compiled(llama_dir):
+    """`compile_in_background` (serve's default on CPU): the engine answers at once, eagerly, while a thread
+    compiles the model, then runs compiled; the same tokens all along, and no other thread compiles meanwhile."""
+    from streamer.worker import compile_cache
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7, 8], list(range(3, 40)), [9])]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), dtype="float32", enforce_eager=True)
+           .generate(prompts, params)]
+    llm = LLM(str(llama_dir), dtype="float32", enforce_eager=False, compile_in_background=True)
+    runner = llm.engine.runner
+    while_compiling = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert runner.compile_done.wait(900), "the background compile never finished"
+    assert runner.compiled and runner.forward is not runner.model
+    assert compile_cache.may_compile()  # (released: other threads compile again)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    lone = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # (a lone decode: the inline graph)
+    assert while_compiling == ref and after == ref and lone == ref[0]
+
+
+def test_compile_hold_lets_only_the_compiling_thread_compile():
+    import threading
+
+    from streamer.worker import compile_cache
+    seen: dict[str, bool] = {}
+    compile_cache.hold_compiles()
+    try:
+        assert not compile_cache.may_compile()
+
+        def compiler() -> None:
+            compile_cache.claim_compiles()
+            seen["compiler"] = compile_cache.may_compile()
+            t = threading.Thread(target=lambda: seen.setdefault("other", compile_cache.may_compile()))
+            t.start()
+            t.join()
+        t = threading.Thread(target=compiler)
+        t.start()
+        t.join()
+        assert seen == {"compiler": True, "other": False} and not compile_cache.may_compile()
+    finally:
+        compile_cache.release_compiles()
+    assert compile_cache.may_compile()
+
+
 def test_failed_compilation_falls_back_to_eager(llama_dir, monkeypatch, caplog):
     """Without a working compiler (or on an Inductor bug) the engine still starts, eagerly, and says why."""
     def broken_compile(model, **kwargs):

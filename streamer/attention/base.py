@@ -17,6 +17,7 @@ backend after loading (`KVScales`: the checkpoint's calibrated k_scale / v_scale
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol
 
@@ -174,8 +175,13 @@ class AttentionSpec:
 
 # --------------------------------------------------------------------------------------------- forward context
 # The runner publishes each step's metadata here instead of passing it through the model: the model's
-# signature stays (input_ids, positions, kv_caches), so a compiled graph never guards on per-step ints.
-_current: Optional[AttentionMetadata] = None
+# signature stays (input_ids, positions, kv_caches), so a compiled graph never guards on per-step ints. Per
+# thread: a background compile's warm-up steps run beside the device thread's (ModelRunner).
+class _Current(threading.local):
+    meta: Optional[AttentionMetadata] = None
+
+
+_current = _Current()
 
 
 class forward_context:
@@ -183,16 +189,15 @@ class forward_context:
         self.meta = meta
 
     def __enter__(self) -> AttentionMetadata:
-        global _current
-        self._prev, _current = _current, self.meta
+        self._prev, _current.meta = _current.meta, self.meta
         return self.meta
 
     def __exit__(self, *exc) -> None:
-        global _current
-        _current = self._prev
+        _current.meta = self._prev
 
 
 def current_metadata() -> AttentionMetadata:
-    if _current is None:
+    meta = _current.meta
+    if meta is None:
         raise RuntimeError("attention called outside a forward_context")
-    return _current
+    return meta

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from streamer.attention.base import FP8_KV_DTYPE, AttentionMetadata, AttentionSpec, DecodeBatch, KVScales
 from streamer.core.kv_cache import cdiv
-from streamer.worker.compile_cache import healing
+from streamer.worker.compile_cache import healing, may_compile
 from streamer_kernels.reference import quantize_fp8, relative_bias
 
 logger = logging.getLogger("streamer")
@@ -174,7 +174,7 @@ def run_decode_kernel(compile: bool, *args) -> torch.Tensor:
     unrolls the head loops: 25% faster than all-dynamic), dynamic in batch size, context blocks and pool size.
     If compiling fails (no C++ toolchain, an Inductor bug), it says so once and runs eagerly from then on."""
     global _compiled_decode, _compile_failed
-    if not compile or _compile_failed:
+    if not compile or _compile_failed or not may_compile():
         return paged_decode_eager(*args)
     if _compiled_decode is None:
         _compiled_decode = torch.compile(paged_decode, dynamic=False, fullgraph=True)

@@ -14,6 +14,7 @@ the real criterion of what takes adapters, so it stays, rather than a duck-typed
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -37,7 +38,11 @@ class LoRAStep:
     gather: bool = False  # per-token weight gather (graph-safe) instead of the groups
 
 
-_current: Optional[LoRAStep] = None
+class _Current(threading.local):  # (per thread: a background compile's warm-up runs beside the device thread)
+    step: Optional[LoRAStep] = None
+
+
+_current = _Current()
 SMALL_BATCH = 8  # tokens up to which a CPU half-precision model runs its LoRA matmuls in fp32 (see LoRAWeights)
 
 
@@ -48,12 +53,10 @@ class lora_context:
         self.step = step
 
     def __enter__(self) -> None:
-        global _current
-        self.prev, _current = _current, self.step
+        self.prev, _current.step = _current.step, self.step
 
     def __exit__(self, *exc: Any) -> None:
-        global _current
-        _current = self.prev
+        _current.step = self.prev
 
 
 _lora_layers: list[weakref.ref[LoRAWeights]] = []  # every layer's slots, by the layer's `lora_id`
@@ -67,7 +70,7 @@ def register(w: LoRAWeights) -> int:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, w: LoRAWeights) -> None:
     """y += each token's adapter's x A^T B^T, in place (y [T, out], x [T, in], both 2-D and contiguous)."""
-    step = _current
+    step = _current.step
     if step is None:
         return
     if step.gather:  # (Triton on CUDA: each token reads its adapter's tiles, no per-token copies)

@@ -70,6 +70,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="bound on queued requests (each holds its prompt's tokens in memory); past it the server "
                         f"answers 429 with Retry-After (default: {DEFAULT_MAX_WAITING})")
+    g.add_argument("--wait-for-compile", action="store_true",
+                   help="on CPU, answer only once the model is compiled (default: serve at once, eagerly, while a "
+                        "thread compiles it, then switch; the log says when; benchmarks want this flag)")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="larger request bodies get 413, refused by their Content-Length before they are read "
                         "(default: for a text-only model, the most a request to it could need: max_model_len x "
@@ -226,6 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # A server runs for long: compile the model on every device (on CPU this costs ~15-60 s at the first
         # start, less from the on-disk cache, and buys 20-30% per decode step; `--enforce-eager` opts out).
         kwargs["enforce_eager"] = False
+    # On CPU, answer while compiling (eagerly, then compiled); --wait-for-compile: not before it is done.
+    kwargs["compile_in_background"] = not args.wait_for_compile
     for flag, value in (("--max-waiting", args.max_waiting), ("--responses-store-size", args.responses_store_size)):
         if value is not None and value < 0:
             print(f"streamer serve: error: {flag} must be >= 0", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from typing import Callable, Optional, TypeVar
 
 logger = logging.getLogger("streamer")
@@ -40,3 +41,29 @@ def healing(fn: Callable[[], T], what: str) -> T:
             if broken is None:
                 raise
             logger.warning("%s: removed an unloadable file from Inductor's cache (%s); compiling again", what, broken)
+
+
+# While the model compiles in a background thread (ModelRunner, CPU serving), kernels that compile on their first
+# call (the CPU decode attention) run eagerly in every other thread instead of stalling the device thread: only
+# the compiling thread compiles. None: no background compile; -1: one is starting (no thread may compile yet).
+_compiler: Optional[int] = None
+
+
+def may_compile() -> bool:
+    return _compiler is None or _compiler == threading.get_ident()
+
+
+def hold_compiles() -> None:
+    """No thread compiles until `claim_compiles` (called by the background thread) or `release_compiles`."""
+    global _compiler
+    _compiler = -1
+
+
+def claim_compiles() -> None:
+    global _compiler
+    _compiler = threading.get_ident()
+
+
+def release_compiles() -> None:
+    global _compiler
+    _compiler = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -41,7 +43,7 @@ from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import fp8_supported
 from streamer.models.woq import parse_int_quant
 from streamer.multimodal.inputs import EncoderCache, ImageStep
-from streamer.worker.compile_cache import healing
+from streamer.worker.compile_cache import claim_compiles, healing, hold_compiles, release_compiles
 from streamer.worker.cpu_malloc import keep_freed_memory
 from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
@@ -393,7 +395,14 @@ class ModelRunner:
         for module in self.model.modules():  # (an opaque op compiled or not: the GPU's grouped GEMMs either way)
             if isinstance(module, SparseMoE):
                 module.fused_kernel = self.attention_backend == "triton"
-        if self.compiled:
+        # Set when the model's compiled graphs are all ready (at once unless it compiles in the background).
+        self.compile_done = threading.Event()
+        background = self.compiled and self._compiles_in_background()
+        if background:  # serve eagerly now, on the compiled path's layers (their ops run eagerly too)
+            self._prepare_compiled_path()
+            self.compiled = False
+            hold_compiles()  # (the eager warm-up below compiles no kernel: the background thread will)
+        elif self.compiled:
             self.forward = self._compile()
         else:
             self._use_eager()
@@ -403,6 +412,52 @@ class ModelRunner:
                 self.warmup()
             finally:
                 self._warming_up = False
+        if background:
+            threading.Thread(target=self._compile_in_background, name="streamer-compile", daemon=True).start()
+        else:
+            self.compile_done.set()
+
+    def _compiles_in_background(self) -> bool:
+        """CPU serving (`compile_in_background`): answer at once, eagerly, while a thread compiles the model (a cold
+        compile is ~1 min on a 2-core box), then switch. Not for what has more than the plain model's graphs to
+        build or keep in step (tensor-parallel ranks, hybrid and encoder-decoder models, quantized weights, a
+        draft model)."""
+        c = self.config
+        return (c.compile_in_background and self.device.type == "cpu" and self.tp_size == 1 and not self.hybrid
+                and not self.cross and c.quantization is None and not self.fp8 and not c.speculative_model
+                and not c.num_speculative_tokens)
+
+    def _compile_in_background(self) -> None:
+        """The model compiled and its warm-up shapes run through it, on the scratch block, beside the device
+        thread's eager steps; then the device thread's next step runs compiled. A failure leaves it eager."""
+        import time
+
+        import torch._inductor.config as inductor_config
+        claim_compiles()
+        t = time.perf_counter()
+        # Tracing and code generation hold the GIL for long stretches, and each torch op of the device thread's
+        # eager step waits up to the switch interval to get it back: 5 ms by default, ~seconds a step.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.0002))
+        try:
+            compiled = torch.compile(self.model, dynamic=True, fullgraph=True)
+            with torch.inference_mode(), inductor_config.patch(freezing=False):
+                for i, (q_lens, seq_lens) in enumerate(self._warmup_shapes()):
+                    logger.info("compiling in the background (serving eagerly meanwhile): shape %d of %d, %.0f s",
+                                i + 1, len(self._warmup_shapes()), time.perf_counter() - t)
+                    step = self._scratch_step(q_lens, seq_lens)
+                    healing(lambda: self._forward_with(compiled, step, compiled=True), "torch.compile")
+        except Exception as e:
+            logger.warning("background compile failed (%s: %s); serving eagerly", type(e).__name__,
+                           str(e).splitlines()[0] if str(e) else "")
+            return
+        finally:
+            sys.setswitchinterval(switch)
+            release_compiles()
+        self.forward = compiled  # (before `compiled`: a step that reads the flag then runs the graph)
+        self.compiled = True
+        logger.info("compiled in the background in %.1f s: serving compiled", time.perf_counter() - t)
+        self.compile_done.set()
 
     def _use_eager(self) -> None:
         self.compiled, self.forward = False, self.model
@@ -526,15 +581,17 @@ class ModelRunner:
                     time.perf_counter() - t)
 
     def _warmup_steps(self) -> None:
-        bs = self.block_size
-        # (query tokens per request, context length per request): a lone request's decode (inline in the
-        # model's graph), a decode batch and prefill chunks (the general graph; decode rows go through the
-        # separately compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise
-        # distinct (3 requests, 5 blocks, ...): Dynamo would otherwise assume that sizes equal at tracing time
-        # stay equal, and recompile when they are not.
-        steps = [([1], [10 * bs]), ([1, 1, 1], [1, 5 * bs, 1]), ([16], [16]), ([16, 1], [16, 10 * bs])]
-        for q_lens, seq_lens in steps:
+        for q_lens, seq_lens in self._warmup_shapes():
             self._run_model(self._scratch_step(q_lens, seq_lens))
+
+    def _warmup_shapes(self) -> list[tuple[list[int], list[int]]]:
+        """(query tokens per request, context length per request): a lone request's decode (inline in the model's
+        graph), a decode batch and prefill chunks (the general graph; decode rows go through the separately
+        compiled kernel: a lone one, split across threads, and a batch). Sizes are pairwise distinct (3 requests,
+        5 blocks, ...): Dynamo would otherwise assume that sizes equal at tracing time stay equal, and recompile
+        when they are not."""
+        bs = self.block_size
+        return [([1], [10 * bs]), ([1, 1, 1], [1, 5 * bs, 1]), ([16], [16]), ([16, 1], [16, 10 * bs])]
 
     def _scratch_step(self, q_lens: list[int], seq_lens: list[int]) -> StepInputs:
         """A step of rows computing q_lens[i] tokens with seq_lens[i] tokens of context (capped at max_model_len),
@@ -599,6 +656,11 @@ class ModelRunner:
     def _compile(self):
         """torch.compile the whole model with attention as an opaque custom op and a dynamic token dimension;
         a lone request's decode on the torch backend attends inside the graph instead (see `_decode_inputs`)."""
+        self._prepare_compiled_path()
+        return torch.compile(self.model, dynamic=True, fullgraph=True)
+
+    def _prepare_compiled_path(self) -> None:
+        """The layers as the compiled model has them: attention and (on CPU) the linears as opaque ops."""
         for attn in attention_layers(self.model):
             attn.use_op = True
         packing = self._cpu_packing()
@@ -619,7 +681,6 @@ class ModelRunner:
         # Two graphs per engine (a lone decode, everything else), and the cache is per code object: a process
         # that builds several engines (tests, benchmarks) outgrows the default limit of 8.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(self.model, dynamic=True, fullgraph=True)
 
     def _kv_dtype(self) -> torch.dtype:
         if self.config.kv_cache_dtype == "auto":
@@ -939,12 +1000,15 @@ class ModelRunner:
         return gen  # type: ignore[return-value]
 
     def _decode_inputs(self, step: StepInputs) -> Optional[DecodeBatch]:
+        return self._decode_batch(step, self.compiled)
+
+    def _decode_batch(self, step: StepInputs, compiled: bool) -> Optional[DecodeBatch]:
         """A lone request's decode step, for a compiled model that attends inline (torch backend): the attention
         metadata become graph inputs, so there is no per-layer op call, Python or guard check, and the decode maths
         fuses with the model's (single stream: 63 -> ~88 tok/s on the 90M bench model). Its context is split
         across the threads. Batches go through the general graph: its per-layer op call (~0.3 ms) is small next
         to a batch's step, and one more decode graph would add a minute of compile time on the 2-core box."""
-        if not (self.compiled and self.attention_backend == "torch") or step.num_tokens != 1:
+        if not (compiled and self.attention_backend == "torch") or step.num_tokens != 1:
             return None
         dev = self.device
         state_slots = None
@@ -1056,11 +1120,23 @@ class ModelRunner:
                 positions = to_device(rows, dev)
             with forward_context(self._metadata(step)):
                 return self.model(input_ids, positions, self.kv_caches, inputs_embeds=embeds, **extra)
-        decode = self._decode_inputs(step)
+        return self._forward_with(self.forward, step, input_ids=input_ids, positions=positions)
+
+    def _forward_with(self, forward: Any, step: StepInputs, compiled: Optional[bool] = None,
+                      input_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+        """A text step through `forward` (the model, or its compiled graphs; `compiled`: which, None: the
+        runner's own). A background compile's warm-up steps come here with their own inputs."""
+        dev = self.device
+        if input_ids is None:
+            input_ids = to_device(step.input_ids, dev)
+        if positions is None:
+            positions = to_device(self._rope_positions(step), dev)
+        decode = self._decode_inputs(step) if compiled is None else self._decode_batch(step, compiled)
         if decode is not None:
-            return self.forward(input_ids, positions, self.kv_caches, decode)
+            return forward(input_ids, positions, self.kv_caches, decode)
         with forward_context(self._metadata(step)):  # (a hybrid model's other steps: eagerly)
-            return (self.model if self.hybrid else self.forward)(input_ids, positions, self.kv_caches)
+            return (self.model if self.hybrid else forward)(input_ids, positions, self.kv_caches)
 
     def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> tuple[torch.Tensor, dict[str, Any]]:
         """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now
