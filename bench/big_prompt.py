@@ -34,7 +34,7 @@ def free_port() -> int:
 def start(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     tree = Path(args.tree).resolve() if args.tree else ROOT
-    argv = [sys.executable, "-m", "streamer", "serve", "--port", str(port), "--dtype", "float32",
+    argv = [sys.executable, "-m", "streamer", "serve", "--port", str(port), "--dtype", "float32", "--wait-for-compile",
             "--disable-log-stats", "--log-level", "warning"]
     if args.model:
         argv += ["--model", args.model]

@@ -40,7 +40,7 @@ from loadavg import wait_for_idle_cpu, wait_for_load  # bench/ is on sys.path: t
 from streamer.bench import report
 from streamer.bench.cli import main as bench_main
 
-STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port}"
+STREAMER_CMD = "{python} -m streamer serve {model} --host 127.0.0.1 --port {port} --wait-for-compile"
 VLLM_CMD = ("{venv}/bin/python -m vllm.entrypoints.openai.api_server --model {model} --dtype bfloat16 "
             "--max-model-len 2048 --host 127.0.0.1 --port {port}")
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}
@@ -163,7 +163,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--vllm-cmd", default=VLLM_CMD)
     p.add_argument("--server", action="append", default=[], metavar="NAME=CMD",
                    help="one more server to measure (a template like --streamer-cmd), e.g. "
-                        "'streamer-nocache={python} -m streamer serve {model} --port {port} --no-prefix-caching'")
+                        "'streamer-nocache={python} -m streamer serve {model} --port {port} --no-prefix-caching --wait-for-compile'")
     p.add_argument("--no-streamer", action="store_true", help="leave out the --streamer-cmd server")
     p.add_argument("--concurrency", help="comma-separated --max-concurrency values C or C:NUM_PROMPTS, one "
                                          "workload each (--num-prompts: NUM_PROMPTS, else "
