@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
-from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
+from streamer.models import registry
+from streamer.models.config import ModelConfig
 from streamer.models.layers import ParallelContext, RMSNorm, RotaryEmbedding
 from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 from streamer.models.moe import SparseMoE, unfuse_experts
@@ -46,7 +47,8 @@ class OlmoeAttention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding) -> None:
         if ParallelContext.size > 1:
-            raise ValueError(f"OLMoE does not support tensor parallelism: {NO_TENSOR_PARALLEL['OlmoeForCausalLM']}")
+            raise ValueError(f"OLMoE does not support tensor parallelism: "
+                             f"{registry.entry('OlmoeForCausalLM').no_tensor_parallel}")
         super().__init__(cfg, backend_cls, rotary)
         self.q_norm = FlatRMSNorm(self.q_size, cfg.rms_norm_eps)
         self.k_norm = FlatRMSNorm(self.kv_size, cfg.rms_norm_eps)
