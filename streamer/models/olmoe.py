@@ -8,7 +8,7 @@ pre-norm decoder, with OLMoE's differences:
 - `attention_bias` puts biases on q/k/v and o_proj;
 - every MLP is sparse (models/moe.py): softmax over all `num_experts` router logits, top `num_experts_per_tok`,
   *not* renormalised (`norm_topk_prob` false in the released models), the weights cast to the model's dtype;
-- rms_norm_eps defaults to 1e-5 (config._ARCH_DEFAULTS).
+- rms_norm_eps defaults to 1e-5 (its registry entry's `defaults`, models/registry.py).
 
 The Hub's checkpoints store one tensor per expert (`mlp.experts.E.{gate,up,down}_proj`); transformers 5's fused
 layout loads too (models/moe.unfuse_experts).

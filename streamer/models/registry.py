@@ -85,7 +85,7 @@ class Served:
 class ModelEntry:
     """A model class, what it supports, and how its config.json is read."""
 
-    architecture: str  # ModelConfig.architecture: config.json's name (for every model but two EAGLE spellings)
+    architecture: str  # ModelConfig.architecture, and a config.json name it serves
     module: str  # its file, under streamer/models/
     cls: str = ""  # the class in it ("": named as the architecture)
     kind: str = DECODER
@@ -164,12 +164,6 @@ class VisionLanguage:
         return getattr(importlib.import_module(f"streamer.models.{self.module}"), self.mixin)
 
 
-def _pooling(family: str, backbone: bool = True) -> tuple[Served, ...]:
-    """A decoder family's bare backbone (`{family}Model`, embeddings) and sequence classifier."""
-    return ((Served(f"{family}Model", EMBED),) if backbone else ()) + (
-        Served(f"{family}ForSequenceClassification", CLASSIFY),)
-
-
 def _d(**defaults: Any) -> Mapping[str, Any]:
     return MappingProxyType(defaults)
 
@@ -180,14 +174,18 @@ _DEEPSEEK_MTP = "model.layers.{n}.eh_proj.weight"
 
 _MODEL_LIST: tuple[ModelEntry, ...] = (
     # ------------------------------------------------------------------ dense text (most: models/llama.py's options)
-    ModelEntry("LlamaForCausalLM", "llama", served=_pooling("Llama"), vlm_text=("llama",)),
-    ModelEntry("MistralForCausalLM", "llama", "LlamaForCausalLM", served=_pooling("Mistral"), vlm_text=("mistral",),
-               attention_bias=False),
-    ModelEntry("Qwen2ForCausalLM", "llama", "LlamaForCausalLM", served=_pooling("Qwen2"),
+    # (a bare backbone, `*Model`, serves embeddings; a `*ForSequenceClassification`, a score head over the last token)
+    ModelEntry("LlamaForCausalLM", "llama", vlm_text=("llama",),
+               served=(Served("LlamaModel", EMBED), Served("LlamaForSequenceClassification", CLASSIFY))),
+    ModelEntry("MistralForCausalLM", "llama", "LlamaForCausalLM", vlm_text=("mistral",), attention_bias=False,
+               served=(Served("MistralModel", EMBED), Served("MistralForSequenceClassification", CLASSIFY))),
+    ModelEntry("Qwen2ForCausalLM", "llama", "LlamaForCausalLM",
+               served=(Served("Qwen2Model", EMBED), Served("Qwen2ForSequenceClassification", CLASSIFY)),
                # (Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level)
                vlm_text=("qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen2_vl", "qwen2_5_vl"),
                attention_bias=True, o_proj_bias=False, sliding_window_flag="use_sliding_window"),
-    ModelEntry("Qwen3ForCausalLM", "llama", "LlamaForCausalLM", served=_pooling("Qwen3"),
+    ModelEntry("Qwen3ForCausalLM", "llama", "LlamaForCausalLM",
+               served=(Served("Qwen3Model", EMBED), Served("Qwen3ForSequenceClassification", CLASSIFY)),
                vlm_text=("qwen3", "qwen3_vl_text"),  # (Qwen3-VL's: interleaved M-RoPE and DeepStack, models/vlm.py)
                qk_norm=True, sliding_window_flag="use_sliding_window"),
     ModelEntry("Phi3ForCausalLM", "llama", "LlamaForCausalLM", attention_bias=False),
@@ -269,8 +267,8 @@ _MODEL_LIST: tuple[ModelEntry, ...] = (
                vlm_text=("qwen3_5_moe_text",), config=qwen3_5_config, defaults=_d(partial_rotary_factor=0.25)),
     ModelEntry("FalconH1ForCausalLM", "falcon_h1", **_HYBRID),
     ModelEntry("Lfm2ForCausalLM", "lfm2", **_HYBRID, config=lfm2_config),
-    ModelEntry("Lfm2MoeForCausalLM", "lfm2", "Lfm2ForCausalLM", **_HYBRID, config=lfm2_config),  # (its sparse layers
-    # by cfg.architecture)
+    ModelEntry("Lfm2MoeForCausalLM", "lfm2", "Lfm2ForCausalLM", **_HYBRID,
+               config=lfm2_config),  # (its sparse layers by cfg.architecture)
     ModelEntry("Mamba2ForCausalLM", "mamba2", **_HYBRID, config=mamba2_config),
     ModelEntry("MambaForCausalLM", "mamba1", **_HYBRID, config=mamba1_config),
     ModelEntry("FalconMambaForCausalLM", "mamba1", "MambaForCausalLM", **_HYBRID,
@@ -283,10 +281,12 @@ _MODEL_LIST: tuple[ModelEntry, ...] = (
     # ------------------------------------------------------------------ encoders (embeddings, classifiers)
     # BERT and (XLM-)RoBERTa: one class; a masked-LM checkpoint serves as an embedding model (its LM head skipped)
     ModelEntry("BertModel", "bert", kind=ENCODER, no_tensor_parallel=_ENCODER_NO_TP, config=bert_config, served=(
-        Served("BertForSequenceClassification", CLASSIFY), Served("BertForMaskedLM", EMBED),
-        Served("RobertaModel", EMBED, roberta_config), Served("RobertaForSequenceClassification", CLASSIFY,
-                                                              roberta_config),
-        Served("RobertaForMaskedLM", EMBED, roberta_config), Served("XLMRobertaModel", EMBED, roberta_config),
+        Served("BertForSequenceClassification", CLASSIFY),
+        Served("BertForMaskedLM", EMBED),
+        Served("RobertaModel", EMBED, roberta_config),
+        Served("RobertaForSequenceClassification", CLASSIFY, roberta_config),
+        Served("RobertaForMaskedLM", EMBED, roberta_config),
+        Served("XLMRobertaModel", EMBED, roberta_config),
         Served("XLMRobertaForSequenceClassification", CLASSIFY, roberta_config),
         Served("XLMRobertaForMaskedLM", EMBED, roberta_config))),
     ModelEntry("ModernBertModel", "modernbert", kind=ENCODER, no_tensor_parallel=_ENCODER_NO_TP,
