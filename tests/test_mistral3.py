@@ -403,8 +403,8 @@ def test_a_real_config_reads() -> None:
 
 
 def test_defaults_match_transformers() -> None:
-    from streamer.models.config import _DEFAULT_TEXT_CONFIG
     from streamer.models.pixtral import MISTRAL3_VISION_CONFIG, PIXTRAL_DEFAULTS, ROPE_THETA
+    from streamer.models.registry import VISION_LANGUAGE
     from streamer.multimodal.processors.pixtral_image_processor import PIXTRAL_IMAGE_DEFAULTS
     theirs = transformers.PixtralVisionConfig().to_dict()
     assert {k: theirs[k] for k in PIXTRAL_DEFAULTS} == PIXTRAL_DEFAULTS
@@ -413,7 +413,7 @@ def test_defaults_match_transformers() -> None:
     vision = default.vision_config.to_dict()
     assert {k: vision[k] for k in MISTRAL3_VISION_CONFIG} == MISTRAL3_VISION_CONFIG
     text = default.text_config.to_dict()
-    mine = _DEFAULT_TEXT_CONFIG["Mistral3ForConditionalGeneration"]
+    mine = dict(VISION_LANGUAGE["Mistral3ForConditionalGeneration"].default_text_config)
     assert {k: text.get(k, text.get("rope_parameters", {}).get(k)) for k in mine} == mine
     assert default.image_token_index == 10
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil

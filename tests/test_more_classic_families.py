@@ -20,8 +20,8 @@ from streamer import LLM  # noqa: E402
 from streamer.models import falcon  # noqa: E402
 from streamer.models.config import ModelConfig  # noqa: E402
 from streamer.models.layers import LayerNorm, build_cos_sin_cache  # noqa: E402
-from streamer.models.loader import _MODEL_CLASSES  # noqa: E402
 from streamer.models.nemotron import LayerNorm1P  # noqa: E402
+from streamer.models.registry import model_class  # noqa: E402
 from tests.checkpoints import hf_greedy, register_family  # noqa: E402
 from tests.parity import PREFILL_MODES, assert_matches_transformers, greedy, random_prompts, reference_cache  # noqa: E402
 
@@ -429,7 +429,7 @@ def test_shipped_configs(name) -> None:
     small = dict(raw, **{"n_layer" if "n_layer" in raw else "num_hidden_layers": 2})
     cfg, hf = ModelConfig.from_dict(small), _hf_config(small)
     with torch.device("meta"):
-        ours = _MODEL_CLASSES[cfg.architecture](cfg, TorchAttentionBackend, 64)
+        ours = model_class(cfg.architecture)(cfg, TorchAttentionBackend, 64)
         theirs = tf.AutoModelForCausalLM.from_config(hf)
     assert ours.layers[0].self_attn.num_kv_heads == cfg.num_kv_heads
     loaded = ours.load_weights(ours.rename_weights(theirs.state_dict().items()))
@@ -454,4 +454,4 @@ def test_unsupported_refused(raw, match) -> None:
     with pytest.raises(ValueError, match=match):
         cfg = ModelConfig.from_dict(dict(raw, num_hidden_layers=1, n_layer=1))
         with torch.device("meta"):
-            _MODEL_CLASSES[cfg.architecture](cfg, TorchAttentionBackend, 64)
+            model_class(cfg.architecture)(cfg, TorchAttentionBackend, 64)

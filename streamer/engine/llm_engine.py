@@ -36,7 +36,8 @@ from streamer.engine.pooling import (
 )
 from streamer.engine.structured_output import Grammar, GrammarCompiler
 from streamer.engine.thinking import ThinkTags
-from streamer.models.config import ENCODER_DECODER_ARCHITECTURES, HYBRID_ARCHITECTURES, ModelConfig
+from streamer.models import registry
+from streamer.models.config import ModelConfig
 from streamer.multimodal.audio_prompts import AudioPrompts, as_clips
 from streamer.multimodal.inputs import ImageInput, as_media
 from streamer.multimodal.prompts import image_prompts_for
@@ -210,7 +211,7 @@ class LLMEngine:
                                                config)
         long_rope = self.runner.model.long_rope
         self.long_rope_threshold = long_rope[0] if long_rope else None
-        hybrid = self.model_config.architecture in HYBRID_ARCHITECTURES
+        hybrid = registry.entry(self.model_config.architecture).recurrent_state
         # An encoder-decoder model (Whisper): each prompt's audio, encoded once (streamer/multimodal/speech.py)
         self.encoder_decoder = self.runner.cross
         self.speech = SpeechPrompts(self.model_dir, self.runner.model) if self.encoder_decoder else None
@@ -325,7 +326,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ images (streamer/multimodal/inputs.py)
     def _check_multimodal(self) -> None:
-        if self.model_config.architecture in ENCODER_DECODER_ARCHITECTURES and self.config.num_speculative_tokens:
+        if registry.entry(self.model_config.architecture).kind == registry.ENCODER_DECODER and \
+                self.config.num_speculative_tokens:
             raise ValueError("speculative decoding does not run with an encoder-decoder model (Whisper)")
         if self.model_config.multimodal is None:
             return

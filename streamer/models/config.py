@@ -4,126 +4,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from streamer.models.family_configs import FAMILY_CONFIGS, encoder_config
+from streamer.models import registry
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM",
-                           "Qwen3MoeForCausalLM",
-                           "GemmaForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM", "Starcoder2ForCausalLM",
-                           "MixtralForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Llama4ForCausalLM",
-                           "Glm4ForCausalLM", "Glm4MoeForCausalLM", "SmolLM3ForCausalLM",
-                           "Olmo3ForCausalLM", "Exaone4ForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM",
-                           "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM",
-                           "MinistralForCausalLM", "Ministral3ForCausalLM",
-                           "Qwen2MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
-                           "GraniteMoeSharedForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
-                           "PhimoeForCausalLM",
-                           "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
-                           "Lfm2MoeForCausalLM",
-                           "MambaForCausalLM", "FalconMambaForCausalLM",
-                           "GPTNeoXForCausalLM", "PhiForCausalLM", "StableLmForCausalLM", "GPTBigCodeForCausalLM",
-                           "GPT2LMHeadModel", "FalconForCausalLM", "GPTJForCausalLM", "OPTForCausalLM",
-                           "BloomForCausalLM", "MPTForCausalLM", "MptForCausalLM",
-                           "OlmoForCausalLM", "NemotronForCausalLM",
-                           "WhisperForConditionalGeneration")
-# Hybrid models (Mamba2: models/granite_hybrid.py, nemotron_h.py; Gated DeltaNet: qwen3_next.py): per-request
-# recurrent state besides the KV cache, so prefix caching resumes only from checkpoints of that state
-# (kv_cache.StateCheckpoints), and no speculative decoding (no rollback). Under tensor parallelism their recurrent layers split by heads (channels), each rank's state slots
-# holding its heads' state (models/mamba.py). Pure recurrent models (mamba2.py, mamba1.py) are among them: no
-# attention layer, so no KV cache at all.
-HYBRID_ARCHITECTURES = ("GraniteMoeHybridForCausalLM", "BambaForCausalLM", "Qwen3NextForCausalLM",
-                        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                        "NemotronHForCausalLM", "Mamba2ForCausalLM", "FalconH1ForCausalLM", "Lfm2ForCausalLM",
-                        "Lfm2MoeForCausalLM",
-                        "MambaForCausalLM", "FalconMambaForCausalLM")
-# Encoder-decoder models (models/whisper.py): the encoder runs once per request, its output held in the request's
-# state slot as the decoder's cross-attention K / V. Slots as the hybrid models' (eager, no speculative decoding, no
-# tensor parallelism); no prefix caching (a prefix's KV depends on the audio).
-ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
-# Multi-head latent attention (models/deepseek.py): K and V come out of a low-rank latent, not a k/v projection.
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-# Families whose layers cannot be split over tensor-parallel ranks (yet): refused before any worker starts.
-NO_TENSOR_PARALLEL = {"Olmo2ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "Olmo3ForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "OlmoeForCausalLM": "its q/k norms span all heads, which tensor parallelism splits over ranks",
-                      "BertModel": "not implemented for encoders (small models: one device serves them)",
-                      "ModernBertModel": "not implemented for encoders (small models: one device serves them)",
-                      "MPNetModel": "not implemented for encoders (small models: one device serves them)",
-                      "T5EncoderModel": "not implemented for encoders (small models: one device serves them)",
-                      "WhisperForConditionalGeneration": "not implemented for Whisper (its largest model fits one "
-                                                         "device)"}
-# Bare backbones (what `AutoModel.save_pretrained` writes, e.g. some embedding checkpoints): the decoder of the family,
-# without an LM head of its own (logits, if asked for, come from the embedding matrix: serve them for embeddings).
-BACKBONES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
-             "Qwen3Model": "Qwen3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
-# Sequence classifiers (classifiers, reward models, cross-encoder rerankers): the family's decoder with a `score` head
-# [num_labels, hidden] in place of the LM head; they classify the last token's hidden state (streamer/engine/pooling.py) and
-# cannot generate.
-SEQUENCE_CLASSIFIERS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
-                        "MistralForSequenceClassification": "MistralForCausalLM",
-                        "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-                        "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-
-# BERT-family encoders (models/bert.py): embedding models and sequence classifiers whose tokens attend both ways.
-# The checkpoint's architecture -> (family, sequence classifier?); the BERT and RoBERTa families are served by one
-# model class, "BertModel"; ModernBERT (models/modernbert.py) by "ModernBertModel", MPNet (models/mpnet.py) by
-# "MPNetModel". A masked-LM checkpoint (`*ForMaskedLM`, as some sentence-transformers models are saved) serves as an
-# embedding model: its LM head is skipped.
-ENCODER_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
-                         "BertForMaskedLM": ("bert", False),
-                         "RobertaModel": ("roberta", False), "RobertaForSequenceClassification": ("roberta", True),
-                         "RobertaForMaskedLM": ("roberta", False),
-                         "XLMRobertaModel": ("roberta", False),
-                         "XLMRobertaForSequenceClassification": ("roberta", True),
-                         "XLMRobertaForMaskedLM": ("roberta", False),
-                         "ModernBertModel": ("modernbert", False),
-                         "ModernBertForSequenceClassification": ("modernbert", True),
-                         "MPNetModel": ("mpnet", False), "MPNetForMaskedLM": ("mpnet", False),
-                         "MPNetForSequenceClassification": ("mpnet", True),
-                         "T5EncoderModel": ("t5", False)}
-
-ENCODER_MODELS = ("BertModel", "ModernBertModel", "MPNetModel", "T5EncoderModel")  # (the model classes they load as: ModelConfig.architecture)
-
-# Vision-language checkpoints (a vision encoder + projector in front of one of the text families above): the
-# architecture -> the text families (by text_config.model_type) it may wrap.
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                            "Gemma3ForConditionalGeneration",
-                            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                            "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration", "InternVLForConditionalGeneration",
-                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
-                            "Gemma4ForConditionalGeneration",
-                            "Qwen2AudioForConditionalGeneration")  # (audio, not images: models/vlm.py)
-_TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               # Qwen2-VL's text model is Qwen2's with M-RoPE; older configs keep its fields at the top level
-               "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
-               "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM",
-               # Qwen3-VL's: Qwen3's (q/k norms) with interleaved M-RoPE and DeepStack (models/vlm.py)
-               "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM",  # (InternVL3.5's MoE models)
-               # Qwen3.5's: Qwen3-Next's hybrid (models/qwen3_5.py) with interleaved M-RoPE, no DeepStack
-               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-               "ministral3": "Ministral3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}  # (Ministral 3's Mistral3ForConditionalGeneration)
-_VISION_TYPES = {"LlavaForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
-                 "LlavaNextForConditionalGeneration": ("clip_vision_model", "siglip_vision_model"),
-                 "Gemma3ForConditionalGeneration": ("siglip_vision_model",),
-                 "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_vision"),
-                 "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_vision"),
-                 "Mistral3ForConditionalGeneration": ("pixtral",),
-                 "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_vision"),
-                 "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_vision", "qwen3_vl",
-                                                        "qwen3_vl_vision"),
-                 "InternVLForConditionalGeneration": ("internvl_vision",),
-                 "Qwen3_5ForConditionalGeneration": ("qwen3_5_vision", "qwen3_5"),
-                 "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe_vision", "qwen3_5_moe", "qwen3_5_vision"),
-                 "Gemma4ForConditionalGeneration": ("gemma4_vision",),
-                 "Qwen2AudioForConditionalGeneration": ("qwen2_audio_encoder",)}  # (its audio_config's)
-# What transformers' config classes default to: real LLaVA configs (llava-1.5) leave the text model's sizes out.
+# A vision-language checkpoint's text model (by text_config.model_type: registry.TEXT_MODEL_TYPES names its
+# architecture) with what transformers' config classes default to: real LLaVA configs (llava-1.5) leave its sizes out.
 _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, max_position_embeddings=2048),
@@ -139,71 +25,6 @@ _TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
                         rope_local_base_freq=10_000.0, tie_word_embeddings=True),
     "qwen3_vl_text": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                           num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=128000),
-}
-# The image token each architecture's config defaults to.
-_IMAGE_TOKEN = {"LlavaForConditionalGeneration": 32000, "LlavaNextForConditionalGeneration": 32000,
-                "Gemma3ForConditionalGeneration": 262144,
-                "Qwen2VLForConditionalGeneration": 151655, "Qwen2_5_VLForConditionalGeneration": 151655,
-                "Mistral3ForConditionalGeneration": 10, "Qwen3VLForConditionalGeneration": 151655,
-                "Qwen3VLMoeForConditionalGeneration": 151655, "InternVLForConditionalGeneration": 151667,
-                "Qwen3_5ForConditionalGeneration": 248056, "Qwen3_5MoeForConditionalGeneration": 248056,
-                "Gemma4ForConditionalGeneration": 258_880,
-                "Qwen2AudioForConditionalGeneration": 151646}  # (its <|AUDIO|>: audio_token_index)
-# The text config an architecture's config class builds when config.json has none (a given one takes its
-# model_type's class defaults: _TEXT_DEFAULTS).
-_DEFAULT_TEXT_CONFIG: dict[str, dict[str, Any]] = {
-    "Mistral3ForConditionalGeneration": dict(
-        model_type="mistral", head_dim=128, hidden_size=5120, intermediate_size=32768, max_position_embeddings=131072,
-        num_attention_heads=32, num_hidden_layers=40, num_key_value_heads=8, rms_norm_eps=1e-05,
-        rope_theta=1000000000.0, sliding_window=None, vocab_size=131072),
-    "InternVLForConditionalGeneration": dict(model_type="qwen2"),  # (Qwen2Config's defaults)
-    "Qwen2AudioForConditionalGeneration": dict(model_type="qwen2"),
-}
-
-# Vision-language checkpoints served as their text model alone (vision weights skipped, images refused): the
-# architecture -> its text model's. Llama 4 (Scout, Maverick) is released as Llama4ForConditionalGeneration; Gemma 4's
-# are served so only without a vision_config (with one, its images are supported: MULTIMODAL_ARCHITECTURES).
-TEXT_ONLY_ARCHITECTURES = {"Llama4ForConditionalGeneration": "Llama4ForCausalLM",
-                           "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
-
-# Families whose attention projections never have biases, whatever attention_bias says (as in transformers).
-NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Ministral3ForCausalLM")
-# Families whose attention_bias puts biases on q/k/v only, never on o_proj (Qwen2's are always there).
-NO_O_PROJ_BIAS = ("Qwen2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM")
-# transformers' config defaults that differ from Llama's, for keys a config.json leaves out.
-_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "Glm4ForCausalLM": dict(partial_rotary_factor=0.5, attention_bias=True),
-    "Glm4MoeForCausalLM": dict(partial_rotary_factor=0.5),
-    "GemmaForCausalLM": dict(tie_word_embeddings=True, head_dim=256),
-    "CohereForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True),
-    "Cohere2ForCausalLM": dict(tie_word_embeddings=True),
-    "Starcoder2ForCausalLM": dict(tie_word_embeddings=True),
-    "Qwen3NextForCausalLM": dict(partial_rotary_factor=0.25),
-    "Qwen3_5ForCausalLM": dict(partial_rotary_factor=0.25),
-    "Qwen3_5MoeForCausalLM": dict(partial_rotary_factor=0.25),
-    "SmolLM3ForCausalLM": dict(rope_theta=2_000_000.0, tie_word_embeddings=True),
-    "Olmo3ForCausalLM": dict(rope_theta=500_000.0, rms_norm_eps=1e-5),
-    "Exaone4ForCausalLM": dict(rms_norm_eps=1e-5),
-    "Ernie4_5ForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, head_dim=128, rms_norm_eps=1e-5),
-    "SeedOssForCausalLM": dict(attention_bias=True, head_dim=128),
-    "ArceeForCausalLM": dict(rms_norm_eps=1e-5),
-    "ApertusForCausalLM": dict(rms_norm_eps=1e-5),
-    "HunYuanDenseV1ForCausalLM": dict(rms_norm_eps=1e-5),
-    "OlmoeForCausalLM": dict(rms_norm_eps=1e-5),
-    "HunYuanMoEV1ForCausalLM": dict(rms_norm_eps=1e-5),
-    "PhimoeForCausalLM": dict(rope_theta=1_000_000.0, rms_norm_eps=1e-5),
-    "Ernie4_5_MoeForCausalLM": dict(rope_theta=500_000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
-    "BambaForCausalLM": dict(partial_rotary_factor=0.5),  # (hard-coded by transformers' BambaConfig)
-    "GPTNeoXForCausalLM": dict(partial_rotary_factor=0.25, attention_bias=True),
-    "PhiForCausalLM": dict(partial_rotary_factor=0.5),
-    "StableLmForCausalLM": dict(partial_rotary_factor=0.25),
-    "NemotronForCausalLM": dict(partial_rotary_factor=0.5, rms_norm_eps=1e-5),  # (rms_norm_eps: its LayerNorms')
-}
-
-# Older spellings of common config keys, per family: GPT-NeoX's rotary share and base; Nemotron's norm eps.
-_KEY_ALIASES: dict[str, dict[str, str]] = {
-    "GPTNeoXForCausalLM": {"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
-    "NemotronForCausalLM": {"norm_eps": "rms_norm_eps"},
 }
 
 
@@ -352,7 +173,8 @@ class ModelConfig:
     num_labels: Optional[int] = None  # a sequence classifier's labels (its score head's rows); None: not one
     # DeepSeek's latent attention; num_kv_heads and head_dim are then the KV cache's (MLADims.cache_geometry)
     mla: Optional[MLADims] = None
-    # The vision-language architecture whose text model this is, served alone (TEXT_ONLY_ARCHITECTURES); None else
+    # The vision-language architecture whose text model this is, served alone (a registry `Served` GENERATE name);
+    # None else
     text_only_of: Optional[str] = None
     # "mtp": build the checkpoint's multi-token-prediction layer as a speculative head (models/mtp.py), not the model
     draft_head: Optional[str] = None
@@ -369,7 +191,7 @@ class ModelConfig:
     @property
     def multimodal_architecture(self) -> Optional[str]:
         mm = self.multimodal
-        return None if mm is None else next(a for a in mm["architectures"] if a in MULTIMODAL_ARCHITECTURES)
+        return None if mm is None else next(a for a in mm["architectures"] if a in registry.VISION_LANGUAGE)
 
     @property
     def image_token_id(self) -> Optional[int]:
@@ -379,7 +201,7 @@ class ModelConfig:
         for key in ("image_token_index", "image_token_id", "audio_token_index", "audio_token_id"):
             if mm.get(key) is not None:
                 return int(mm[key])
-        return _IMAGE_TOKEN[arch]
+        return registry.VISION_LANGUAGE[arch].image_token
 
     @property
     def rotary_dim(self) -> int:
@@ -393,7 +215,9 @@ class ModelConfig:
     def bidirectional(self) -> bool:
         """An encoder: every token attends to its whole prompt (BERT-family models, EmbeddingGemma)."""
         # (Gemma 4's "vision": only image tokens see each other both ways, models/vlm.py)
-        return self.architecture in ENCODER_MODELS or self.raw.get("use_bidirectional_attention") in (True, "all")
+        model = registry.MODELS.get(self.architecture)
+        return (model is not None and model.bidirectional) or self.raw.get("use_bidirectional_attention") in (True,
+                                                                                                          "all")
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "ModelConfig":
@@ -414,40 +238,48 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
+        """config.json's dict, read as the registry's model for its `architectures` (models/registry.py)."""
         archs = c.get("architectures") or []
-        text_only = next((a for a in archs if a in TEXT_ONLY_ARCHITECTURES), None)
-        if text_only is not None and (text_only not in MULTIMODAL_ARCHITECTURES or not c.get("vision_config")):
-            return cls._text_only(c, text_only)
-        if any(a in MULTIMODAL_ARCHITECTURES for a in archs):
+        # a vision-language checkpoint served as its text model (Gemma 4's only without a vision_config)
+        hit = _first_served(archs, lambda e, s: s.task == registry.GENERATE and s.name != e.architecture)
+        if hit is not None and (hit[1].name not in registry.VISION_LANGUAGE or not c.get("vision_config")):
+            return cls._text_only(c, hit[1].name, hit[0].architecture)
+        if any(a in registry.VISION_LANGUAGE for a in archs):
             return cls._multimodal(c)
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and any(a in BACKBONES for a in archs):
-            arch = next(BACKBONES[a] for a in archs if a in BACKBONES)
-            c = dict(c, tie_word_embeddings=True)
+        hit = _first_served(archs, lambda e, s: s.task == registry.GENERATE)
+        if hit is None:  # a decoder family's bare backbone: its LM head, if asked for, is the embedding matrix
+            hit = _first_served(archs, lambda e, s: s.task == registry.EMBED and e.kind == registry.DECODER)
+            if hit is not None:
+                c = dict(c, tie_word_embeddings=True)
         num_labels = None
-        if arch is None and any(a in SEQUENCE_CLASSIFIERS for a in archs):
-            arch = next(SEQUENCE_CLASSIFIERS[a] for a in archs if a in SEQUENCE_CLASSIFIERS)
-            c = dict(c, tie_word_embeddings=True)  # no LM head to load
-            # (transformers writes id2label, not num_labels, and neither for its default of 2)
-            num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
-            if c.get("classifier_from_token") is not None:  # (a causal LM's head rows as its score head)
-                num_labels = len(head_from_tokens(c)[0])
+        if hit is None:  # a decoder family's sequence classifier: a score head in place of the LM head
+            hit = _first_served(archs, lambda e, s: s.task == registry.CLASSIFY and e.kind == registry.DECODER)
+            if hit is not None:
+                c = dict(c, tie_word_embeddings=True)  # no LM head to load
+                # (transformers writes id2label, not num_labels, and neither for its default of 2)
+                num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
+                if c.get("classifier_from_token") is not None:  # (a causal LM's head rows as its score head)
+                    num_labels = len(head_from_tokens(c)[0])
         if c.get("classifier_from_token") is not None and num_labels is None:
             raise ValueError("classifier_from_token makes a causal LM's head rows a sequence classifier's score head: "
                              "give a *ForSequenceClassification architecture too (hf_overrides: {\"architectures\": "
                              "[\"Qwen3ForSequenceClassification\"], ...})")
-        if arch is None and any(a in ENCODER_ARCHITECTURES for a in archs):
-            family, classifier = next(ENCODER_ARCHITECTURES[a] for a in archs if a in ENCODER_ARCHITECTURES)
-            c, arch = encoder_config(c, family)  # (models/family_configs.py)
-            num_labels = (len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)) if classifier else None
-        if arch is None:
+        if hit is None:  # an encoder (BERT-style): embeddings, or a classifier
+            hit = _first_served(archs, lambda e, s: e.kind == registry.ENCODER)
+            if hit is not None and hit[1].task == registry.CLASSIFY:
+                num_labels = len(c.get("id2label") or {}) or int(c.get("num_labels") or 2)
+        if hit is None:
+            supported = (name for name, e, s in registry.names() if e is None or s.task != registry.DRAFT)
             raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(SEQUENCE_CLASSIFIERS) + tuple(ENCODER_ARCHITECTURES))}")
-        for old, new in _KEY_ALIASES.get(arch, {}).items():  # (an older spelling, unless the newer one is given)
+                             f"{', '.join(dict.fromkeys(supported))}")
+        model, served = hit
+        arch = model.architecture
+        for old, new in model.aliases.items():  # (an older spelling, unless the newer one is given)
             if c.get(old) is not None and new not in c and new not in (c.get("rope_parameters") or {}):
                 c = dict(c, **{new: c[old]})
-        if arch in FAMILY_CONFIGS:  # (a family that spells the common keys its own way: models/family_configs.py)
-            c = FAMILY_CONFIGS[arch](c)
+        to_common = served.config or model.config
+        if to_common is not None:  # (a family that spells the common keys its own way: models/family_configs.py)
+            c = to_common(c)
         num_heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         rope = c.get("rope_parameters") or {}
@@ -463,19 +295,18 @@ class ModelConfig:
                 scaling["original_max_position_embeddings"] = c["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", length)
             scaling.setdefault("max_position_embeddings", length)
-        defaults = _ARCH_DEFAULTS.get(arch, {})
+        defaults = model.defaults
         partial = float(c.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                         or defaults.get("partial_rotary_factor", 1.0))
         eos = c.get("eos_token_id")
-        mla = MLADims.from_dict(c) if arch in MLA_ARCHITECTURES else None
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        attention_bias = is_qwen2 or (arch not in NO_ATTENTION_BIAS and bool(
-            c.get("attention_bias", defaults.get("attention_bias", arch == "GptOssForCausalLM"))))
+        mla = MLADims.from_dict(c) if model.mla else None
+        attention_bias = model.attention_bias if model.attention_bias is not None else bool(
+            c.get("attention_bias", defaults.get("attention_bias", False)))
         sliding = c.get("sliding_window")
-        if is_qwen2 or arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM"):
+        if model.sliding_window_flag is not None:
             # Qwen (and SmolLM3) configs carry a sliding_window value that only applies when use_sliding_window is
             # set (SmolLM3: on its layer_types' sliding layers only, models/smollm3.py).
-            sliding = sliding if c.get("use_sliding_window", False) else None
+            sliding = sliding if c.get(model.sliding_window_flag, False) else None
         mla_kv_heads, mla_head_dim = mla.cache_geometry(num_heads) if mla else (0, 0)
         return cls(
             architecture=arch,
@@ -492,13 +323,11 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)),
             rope_theta=float(c.get("rope_theta", rope.get("rope_theta", defaults.get("rope_theta", 10000.0)))),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", defaults.get(
-                "tie_word_embeddings", arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")))),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
             attention_bias=attention_bias,
-            o_proj_bias=attention_bias and arch not in NO_O_PROJ_BIAS,
+            o_proj_bias=attention_bias and model.o_proj_bias,
             # (GLM-4.5's with use_qk_norm)
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or (
-                arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm"))),
+            qk_norm=model.qk_norm is True or (isinstance(model.qk_norm, str) and bool(c.get(model.qk_norm))),
             sliding_window=sliding,
             torch_dtype=str(c.get("torch_dtype") or c.get("dtype") or "float32"),
             bos_token_id=c.get("bos_token_id"),
@@ -511,12 +340,12 @@ class ModelConfig:
         )
 
     @classmethod
-    def _text_only(cls, c: dict[str, Any], arch: str) -> "ModelConfig":
+    def _text_only(cls, c: dict[str, Any], arch: str, text_arch: str) -> "ModelConfig":
         """A vision-language config served as its text model: text_config (with the outer config's say on the
         dtype, quantization, tying and special tokens), marked `text_only_of`."""
         if not c.get("text_config"):
             raise ValueError(f"{arch} config.json has no text_config")
-        text = {**c["text_config"], "architectures": [TEXT_ONLY_ARCHITECTURES[arch]]}
+        text = {**c["text_config"], "architectures": [text_arch]}
         for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
                     "bos_token_id"):
             if c.get(key) is not None:
@@ -529,25 +358,26 @@ class ModelConfig:
     def _multimodal(cls, c: dict[str, Any]) -> "ModelConfig":
         """A LLaVA-style config: the text model's own config (nested, with the defaults real configs leave out)
         plus the outer one under `multimodal`."""
-        arch = next(a for a in c["architectures"] if a in MULTIMODAL_ARCHITECTURES)
+        arch = next(a for a in c["architectures"] if a in registry.VISION_LANGUAGE)
+        vl = registry.VISION_LANGUAGE[arch]
         # (older Qwen2-VL configs keep the text model's fields at the top level)
         text = dict(c.get("text_config") or ({k: v for k, v in c.items() if k != "vision_config"}
-                                             if arch.startswith(("Qwen2VL", "Qwen2_5")) else
-                                             _DEFAULT_TEXT_CONFIG.get(arch, {})))
+                                             if vl.flat_config else vl.default_text_config))
         model_type = text.get("model_type", "llama")
-        if model_type not in _TEXT_ARCHS:
+        text_arch = registry.TEXT_MODEL_TYPES.get(model_type)
+        if text_arch is None:
             raise ValueError(f"unsupported text model {model_type!r} in a vision-language checkpoint; supported: "
-                             f"{', '.join(_TEXT_ARCHS)}")
-        text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [_TEXT_ARCHS[model_type]]}
+                             f"{', '.join(registry.TEXT_MODEL_TYPES)}")
+        text = {**_TEXT_DEFAULTS.get(model_type, {}), **text, "architectures": [text_arch]}
         if model_type == "qwen3_vl_moe_text":  # (its router always renormalises the top-k weights)
             text["norm_topk_prob"] = True
-        if arch == "InternVLForConditionalGeneration":  # (InternVLConfig ties the head unless a config says not)
-            text.setdefault("tie_word_embeddings", True)
+        for key, value in vl.text_config_defaults.items():  # (InternVLConfig ties the head unless a config says not)
+            text.setdefault(key, value)
         for key in ("torch_dtype", "dtype", "quantization_config", "tie_word_embeddings", "eos_token_id",
                     "bos_token_id"):
             if c.get(key) is not None:  # the outer config's say for the whole model
                 text[key] = c[key]
-        kinds = _VISION_TYPES[arch]
+        kinds = vl.encoders
         vision = (c.get("vision_config") or c.get("audio_config") or {}).get("model_type", kinds[0])
         if vision not in kinds:
             raise ValueError(f"unsupported vision encoder {vision!r} for {arch}; supported: {', '.join(kinds)}")
@@ -556,10 +386,17 @@ class ModelConfig:
         rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
         if rope.get("mrope_section"):
             cfg.mrope_section = [int(x) for x in rope["mrope_section"]]
-        elif arch.startswith("Qwen3VL"):  # (Qwen3VLTextRotaryEmbedding's default)
-            cfg.mrope_section = [24, 20, 20]
-        elif arch.startswith("Qwen3_5"):  # (Qwen3_5TextRotaryEmbedding's)
-            cfg.mrope_section = [11, 11, 10]
-        # (transformers' Qwen3-VL and Qwen3.5 rotary embeddings interleave whatever mrope_interleaved says)
-        cfg.mrope_interleaved = arch.startswith(("Qwen3VL", "Qwen3_5"))
+        elif vl.mrope_section is not None:  # (Qwen3VLTextRotaryEmbedding's default, Qwen3_5TextRotaryEmbedding's)
+            cfg.mrope_section = list(vl.mrope_section)
+        cfg.mrope_interleaved = vl.mrope_interleaved
         return cfg
+
+
+def _first_served(archs: list[str], want: Callable[[registry.ModelEntry, registry.Served], bool],
+                  ) -> Optional[tuple[registry.ModelEntry, registry.Served]]:
+    """The first of config.json's architectures that a registry model serves as `want` asks."""
+    for name in archs:
+        hit = registry.served(name)
+        if hit is not None and want(*hit):
+            return hit
+    return None

@@ -25,9 +25,9 @@ from streamer.models.config import ModelConfig
 from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import DecoderLayer, LlamaForCausalLM
 
+# (the registry's two draft heads; EAGLE-3's other spelling, LlamaForCausalLMEagle3, is served as EAGLE3)
 EAGLE1 = "EagleLlamaForCausalLM"
 EAGLE3 = "Eagle3LlamaForCausalLM"
-EAGLE3_NAMES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ ERNIE's differences:
 - one switch, `use_bias`, puts biases on every projection: q, k, v, o and the MLP's gate, up and down (the released
   checkpoints have none); `attention_bias` / `mlp_bias` are not read;
 - transformers' config defaults differ from Llama's: rotary base 500,000, a tied LM head, head_dim 128 (not
-  hidden_size / heads), rms_norm_eps 1e-5 (models/config.py _ARCH_DEFAULTS).
+  hidden_size / heads), rms_norm_eps 1e-5 (its registry entry's `defaults`, models/registry.py).
 `BiasedMLPDecoderLayer` (Llama's layer, biases optional everywhere) is also Seed-OSS's (models/seed_oss.py).
 """
 from __future__ import annotations

@@ -9,8 +9,8 @@ versions; the "-PT" checkpoints, in transformers' layout). Llama's pre-norm deco
   by the unbiased probabilities, renormalised (sum clamped at `moe_norm_min`), then cast to the model's dtype;
 - `moe_num_shared_experts` shared experts (one dense SwiGLU, that many times `moe_intermediate_size` wide) are added
   to the routed experts' output;
-- rms_norm_eps defaults to 1e-5 (these defaults: config._ARCH_DEFAULTS); `use_bias` (biases on every linear, none
-  in the released models) is refused;
+- rms_norm_eps defaults to 1e-5 (these defaults: its registry entry's `defaults`); `use_bias` (biases on every
+  linear, none in the released models) is refused;
 - the multi-token-prediction weights (`mtp_*`) are skipped, as transformers does.
 
 The Hub's checkpoints store one tensor per expert (`mlp.experts.E.{gate,up,down}_proj`) and the correction bias as

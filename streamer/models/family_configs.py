@@ -3,15 +3,16 @@
 Most families write the common keys (hidden_size, num_attention_heads, rms_norm_eps, ...) themselves; the ones
 here spell them their own way or leave them to their transformers config class's defaults. Each function takes the
 raw config.json dict and returns a new one with the common names filled in (the family's own keys kept: its model
-file reads them from `ModelConfig.raw`).
+file reads them from `ModelConfig.raw`). A family's registry entry (models/registry.py, `ModelEntry.config`) names
+its function.
 
-This module imports no model file (they all import ModelConfig from models/config.py, which calls this one) and,
-at import time, not torch either: models/config.py stays importable without torch. The model files that read the
-same settings (the Mamba mixers' sizes, Nemotron-H's layer kinds, BERT's position offset, ...) import them from here.
+This module imports no model file and, at import time, not torch either: models/config.py and models/registry.py
+stay importable without torch. The model files that read the same settings (the Mamba mixers' sizes, Nemotron-H's
+layer kinds, BERT's position offset, ...) import them from here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 
 def _gelu_names() -> Any:
@@ -20,7 +21,7 @@ def _gelu_names() -> Any:
     return GELU_APPROXIMATE
 
 
-# --- encoders (ModelConfig.from_dict's ENCODER_ARCHITECTURES) ---
+# --- encoders (the registry's ENCODER models) ---
 
 _BERT_DEFAULTS = {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                   "intermediate_size": 3072, "hidden_act": "gelu", "max_position_embeddings": 512,
@@ -36,8 +37,8 @@ def position_offset(raw: dict[str, Any]) -> int:
     return int(raw.get("pad_token_id") or 0) + 1 if family == "roberta" else 0
 
 
-def bert_config(c: dict[str, Any], family: str) -> dict[str, Any]:
-    """BERT / RoBERTa / XLM-RoBERTa (models/bert.py): the LayerNorm eps as the norm eps, biased attention, no KV-head
+def bert_config(c: dict[str, Any], family: str = "bert") -> dict[str, Any]:
+    """BERT (or RoBERTa / XLM-RoBERTa / MPNet: `family`; models/bert.py): the LayerNorm eps as the norm eps, biased attention, no KV-head
     grouping, no LM head, and a context of the position rows left after the offset; BertConfig's defaults."""
     c = {**_BERT_DEFAULTS, **c, "_encoder_family": family}
     if c.get("position_embedding_type", "absolute") != "absolute":
@@ -127,19 +128,10 @@ def t5_config(c: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-# encoder family (ModelConfig.from_dict's ENCODER_ARCHITECTURES) -> its config function and the model class it loads
-# as (ModelConfig.architecture); any other family (bert, roberta) is BERT's, told its family.
-_ENCODERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str]] = {
-    "t5": (t5_config, "T5EncoderModel"), "modernbert": (modernbert_config, "ModernBertModel"),
-    "mpnet": (mpnet_config, "MPNetModel")}
-
-
-def encoder_config(c: dict[str, Any], family: str) -> tuple[dict[str, Any], str]:
-    """An encoder family's config in the common names, and the architecture it loads as."""
-    if family in _ENCODERS:
-        to_common, arch = _ENCODERS[family]
-        return to_common(c), arch
-    return bert_config(c, family), "BertModel"
+def roberta_config(c: dict[str, Any]) -> dict[str, Any]:
+    """RoBERTa / XLM-RoBERTa (served by BERT's class, models/bert.py): BERT's, positions numbered from
+    pad_token_id + 1."""
+    return bert_config(c, "roberta")
 
 
 # --- GPT-2-style decoders ---
@@ -432,17 +424,3 @@ def nemotron_h_mixer_config(raw: dict[str, Any]) -> dict[str, Any]:
             "time_step_limit": get("time_step_limit", "mamba_dt_limit", default=(0.0, float("inf"))),
             "mamba_proj_bias": bool(get("use_bias", default=False)),
             "mamba_conv_bias": bool(get("use_conv_bias", "mamba_conv_bias", default=True))}
-
-
-# Decoder architecture -> the function that rewrites its config.json in the common names (ModelConfig.from_dict
-# applies it before reading them; the other decoders write the common names themselves).
-FAMILY_CONFIGS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "FalconForCausalLM": falcon_config, "GPTJForCausalLM": gptj_config, "OPTForCausalLM": opt_config,
-    "BloomForCausalLM": bloom_config, "MPTForCausalLM": mpt_config, "MptForCausalLM": mpt_config,
-    "WhisperForConditionalGeneration": whisper_config, "Qwen3_5ForCausalLM": qwen3_5_config,
-    "Qwen3_5MoeForCausalLM": qwen3_5_config, "Gemma4ForCausalLM": gemma4_config,
-    "GPTBigCodeForCausalLM": gpt_bigcode_config, "GPT2LMHeadModel": gpt2_config,
-    "Mamba2ForCausalLM": mamba2_config, "Lfm2ForCausalLM": lfm2_config, "Lfm2MoeForCausalLM": lfm2_config,
-    "MambaForCausalLM": mamba1_config, "FalconMambaForCausalLM": mamba1_config,
-    "NemotronHForCausalLM": nemotron_h_config,
-}

@@ -6,143 +6,40 @@ import dataclasses
 import logging
 import re
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from streamer.models.apertus import ApertusForCausalLM
-from streamer.models.arcee import ArceeForCausalLM
-from streamer.models.bert import BertModel
-from streamer.models.bloom import BloomForCausalLM
+from streamer.models import registry
 from streamer.models.bnb import dequantizing_bnb, is_bnb
-from streamer.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
-from streamer.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, head_from_tokens
-from streamer.models.deepseek import DeepseekForCausalLM
-from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel
-from streamer.models.ernie4_5 import Ernie4_5ForCausalLM
-from streamer.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
-from streamer.models.exaone4 import Exaone4ForCausalLM
-from streamer.models.falcon import FalconForCausalLM
-from streamer.models.falcon_h1 import FalconH1ForCausalLM
-from streamer.models.gemma import GemmaForCausalLM
-from streamer.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM
-from streamer.models.gemma4 import Gemma4ForCausalLM
-from streamer.models.glm4 import Glm4ForCausalLM, Glm4MoeForCausalLM
-from streamer.models.gpt2 import GPT2LMHeadModel
-from streamer.models.gpt_bigcode import GPTBigCodeForCausalLM
-from streamer.models.gpt_neox import GPTNeoXForCausalLM
-from streamer.models.gpt_oss import GptOssForCausalLM
-from streamer.models.gptj import GPTJForCausalLM
-from streamer.models.granite import GraniteForCausalLM
-from streamer.models.granite_hybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
-from streamer.models.granite_moe import GraniteMoeForCausalLM
-from streamer.models.hunyuan_dense import HunYuanDenseV1ForCausalLM
-from streamer.models.hunyuan_moe import HunYuanMoEV1ForCausalLM
+from streamer.models.config import ModelConfig, head_from_tokens
 from streamer.models.layers import ColumnParallelLinear, PackableLinear
-from streamer.models.lfm2 import Lfm2ForCausalLM
-from streamer.models.llama import LlamaForCausalLM
-from streamer.models.llama4 import Llama4ForCausalLM
-from streamer.models.mamba1 import MambaForCausalLM
-from streamer.models.mamba2 import Mamba2ForCausalLM
-from streamer.models.ministral import Ministral3ForCausalLM, MinistralForCausalLM
-from streamer.models.modernbert import ModernBertModel
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
-from streamer.models.mpnet import MPNetModel
-from streamer.models.mpt import MptForCausalLM
-from streamer.models.mtp import mtp_class
-from streamer.models.nemotron import NemotronForCausalLM
-from streamer.models.nemotron_h import NemotronHForCausalLM
-from streamer.models.olmo import OlmoForCausalLM
-from streamer.models.olmo2 import Olmo2ForCausalLM
-from streamer.models.olmo3 import Olmo3ForCausalLM
-from streamer.models.olmoe import OlmoeForCausalLM
-from streamer.models.opt import OPTForCausalLM
-from streamer.models.phi import PhiForCausalLM
-from streamer.models.phimoe import PhimoeForCausalLM
 from streamer.models.quant import dequantizing
-from streamer.models.qwen2_moe import Qwen2MoeForCausalLM
-from streamer.models.qwen3_5 import Qwen35ForCausalLM
-from streamer.models.qwen3_next import Qwen3NextForCausalLM
-from streamer.models.seed_oss import SeedOssForCausalLM
-from streamer.models.smollm3 import SmolLM3ForCausalLM
-from streamer.models.stablelm import StableLmForCausalLM
-from streamer.models.starcoder2 import Starcoder2ForCausalLM
-from streamer.models.t5 import T5EncoderModel
-from streamer.models.vlm import vlm_class
 from streamer.models.weight_files import iter_weights, open_weights, tensor_names, weight_files
-from streamer.models.whisper import WhisperForConditionalGeneration
 from streamer.models.woq import IntQuant, group_order, int_weights, parse_int_quant
 from streamer.tokenizer.mistral_format import hf_weights as mistral_weights
 from streamer.tokenizer.mistral_format import is_mistral_folder
 from streamer.tokenizer.mistral_format import weight_files as mistral_weight_files
 
+if TYPE_CHECKING:
+    from streamer.models.llama import LlamaForCausalLM
+
 logger = logging.getLogger("streamer")
 
-# Most supported families are a Llama with options (qkv bias, q/k norms, a sliding window, fused checkpoint tensors,
-# partial rotary); the others subclass its parts.
-_MODEL_CLASSES: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
-_MODEL_CLASSES["Gemma3ForCausalLM"] = Gemma3ForCausalLM
-_MODEL_CLASSES["Gemma4ForCausalLM"] = Gemma4ForCausalLM
-_MODEL_CLASSES[EAGLE1] = _MODEL_CLASSES[EAGLE3] = EagleDraftModel  # speculative heads (streamer/spec_decode/eagle.py) only
-_MODEL_CLASSES["Gemma2ForCausalLM"] = Gemma2ForCausalLM
-_MODEL_CLASSES["GemmaForCausalLM"] = GemmaForCausalLM
-_MODEL_CLASSES["CohereForCausalLM"] = CohereForCausalLM
-_MODEL_CLASSES["Cohere2ForCausalLM"] = Cohere2ForCausalLM
-_MODEL_CLASSES["Starcoder2ForCausalLM"] = Starcoder2ForCausalLM
-_MODEL_CLASSES["GptOssForCausalLM"] = GptOssForCausalLM
-_MODEL_CLASSES["GraniteForCausalLM"] = GraniteForCausalLM
-_MODEL_CLASSES["Olmo2ForCausalLM"] = Olmo2ForCausalLM
-_MODEL_CLASSES["OlmoeForCausalLM"] = OlmoeForCausalLM
-_MODEL_CLASSES["Qwen2MoeForCausalLM"] = Qwen2MoeForCausalLM
-_MODEL_CLASSES["GraniteMoeForCausalLM"] = GraniteMoeForCausalLM
-_MODEL_CLASSES["GraniteMoeSharedForCausalLM"] = GraniteMoeForCausalLM
-_MODEL_CLASSES["Ernie4_5_MoeForCausalLM"] = Ernie4_5_MoeForCausalLM
-_MODEL_CLASSES["HunYuanMoEV1ForCausalLM"] = HunYuanMoEV1ForCausalLM
-_MODEL_CLASSES["PhimoeForCausalLM"] = PhimoeForCausalLM
-_MODEL_CLASSES["Olmo3ForCausalLM"] = Olmo3ForCausalLM
-_MODEL_CLASSES["Exaone4ForCausalLM"] = Exaone4ForCausalLM
-_MODEL_CLASSES["Ernie4_5ForCausalLM"] = Ernie4_5ForCausalLM
-_MODEL_CLASSES["SeedOssForCausalLM"] = SeedOssForCausalLM
-_MODEL_CLASSES["ArceeForCausalLM"] = ArceeForCausalLM
-_MODEL_CLASSES["ApertusForCausalLM"] = ApertusForCausalLM
-_MODEL_CLASSES["HunYuanDenseV1ForCausalLM"] = HunYuanDenseV1ForCausalLM
-_MODEL_CLASSES["MinistralForCausalLM"] = MinistralForCausalLM
-_MODEL_CLASSES["Ministral3ForCausalLM"] = Ministral3ForCausalLM
-_MODEL_CLASSES["DeepseekV2ForCausalLM"] = DeepseekForCausalLM
-_MODEL_CLASSES["DeepseekV3ForCausalLM"] = DeepseekForCausalLM
-_MODEL_CLASSES["Llama4ForCausalLM"] = Llama4ForCausalLM
-_MODEL_CLASSES["Glm4ForCausalLM"] = Glm4ForCausalLM
-_MODEL_CLASSES["Glm4MoeForCausalLM"] = Glm4MoeForCausalLM
-_MODEL_CLASSES["SmolLM3ForCausalLM"] = SmolLM3ForCausalLM
-_MODEL_CLASSES["GraniteMoeHybridForCausalLM"] = GraniteMoeHybridForCausalLM
-_MODEL_CLASSES["BambaForCausalLM"] = BambaForCausalLM
-_MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
-_MODEL_CLASSES["Qwen3_5ForCausalLM"] = _MODEL_CLASSES["Qwen3_5MoeForCausalLM"] = Qwen35ForCausalLM
-_MODEL_CLASSES["NemotronHForCausalLM"] = NemotronHForCausalLM
-_MODEL_CLASSES["Mamba2ForCausalLM"] = Mamba2ForCausalLM
-_MODEL_CLASSES["MambaForCausalLM"] = MambaForCausalLM
-_MODEL_CLASSES["FalconMambaForCausalLM"] = MambaForCausalLM  # (its B / C / dt norms by cfg.architecture)
-_MODEL_CLASSES["FalconH1ForCausalLM"] = FalconH1ForCausalLM
-_MODEL_CLASSES["Lfm2ForCausalLM"] = Lfm2ForCausalLM
-_MODEL_CLASSES["Lfm2MoeForCausalLM"] = Lfm2ForCausalLM  # (its sparse layers by cfg.architecture)
-_MODEL_CLASSES["GPTNeoXForCausalLM"] = GPTNeoXForCausalLM
-_MODEL_CLASSES["PhiForCausalLM"] = PhiForCausalLM
-_MODEL_CLASSES["StableLmForCausalLM"] = StableLmForCausalLM
-_MODEL_CLASSES["GPTBigCodeForCausalLM"] = GPTBigCodeForCausalLM
-_MODEL_CLASSES["GPT2LMHeadModel"] = GPT2LMHeadModel
-_MODEL_CLASSES["FalconForCausalLM"] = FalconForCausalLM
-_MODEL_CLASSES["GPTJForCausalLM"] = GPTJForCausalLM
-_MODEL_CLASSES["OPTForCausalLM"] = OPTForCausalLM
-_MODEL_CLASSES["BloomForCausalLM"] = BloomForCausalLM
-_MODEL_CLASSES["MPTForCausalLM"] = MptForCausalLM  # (MosaicML's own checkpoints' spelling)
-_MODEL_CLASSES["MptForCausalLM"] = MptForCausalLM  # (transformers')
-_MODEL_CLASSES["OlmoForCausalLM"] = OlmoForCausalLM
-_MODEL_CLASSES["NemotronForCausalLM"] = NemotronForCausalLM
-_MODEL_CLASSES["BertModel"] = BertModel  # (BERT, RoBERTa, XLM-RoBERTa encoders)
-_MODEL_CLASSES["ModernBertModel"] = ModernBertModel
-_MODEL_CLASSES["MPNetModel"] = MPNetModel
-_MODEL_CLASSES["T5EncoderModel"] = T5EncoderModel
-_MODEL_CLASSES["WhisperForConditionalGeneration"] = WhisperForConditionalGeneration
+
+def model_class(cfg: ModelConfig) -> type:
+    """The class a config builds: its registry entry's (models/registry.py; only that model's file is imported),
+    as the checkpoint's multi-token-prediction head (models/mtp.py), or with a vision encoder in front
+    (models/vlm.py)."""
+    cls = registry.model_class(cfg.architecture)
+    if cfg.draft_head == "mtp":  # the checkpoint's multi-token-prediction layer, as a speculative head
+        from streamer.models.mtp import mtp_class
+        cls = mtp_class(cls)
+    if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
+        from streamer.models.vlm import vlm_class
+        cls = vlm_class(cfg.multimodal_architecture, cls)
+    return cls
 
 
 def _dummy_init(model: torch.nn.Module, seed: int) -> None:
@@ -171,11 +68,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         logger.warning("%s: config.json ties the LM head to the embeddings, but the checkpoint stores a different "
                        "lm_head.weight: using that (as transformers does)", folder)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    model_cls = _MODEL_CLASSES[cfg.architecture]
-    if cfg.draft_head == "mtp":  # the checkpoint's multi-token-prediction layer, as a speculative head
-        model_cls = mtp_class(model_cls)
-    if cfg.multimodal is not None:  # the text family's model with a vision encoder in front
-        model_cls = vlm_class(cfg.multimodal_architecture, model_cls)
+    model_cls = model_class(cfg)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -34,12 +34,6 @@ from streamer.models.llama import LlamaForCausalLM
 from streamer.models.nemotron_h import NemotronHForCausalLM
 from streamer.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
 
-# family -> a tensor only a checkpoint with the MTP layer has ({n}: the number of decoder layers)
-MTP_FAMILIES = {"DeepseekV3ForCausalLM": "model.layers.{n}.eh_proj.weight",
-                "Glm4MoeForCausalLM": "model.layers.{n}.eh_proj.weight",
-                "Qwen3NextForCausalLM": "mtp.fc.weight",
-                "Qwen3_5ForCausalLM": "mtp.fc.weight", "Qwen3_5MoeForCausalLM": "mtp.fc.weight",
-                "NemotronHForCausalLM": "mtp.layers.0.eh_proj.weight"}
 _OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")  # the head's tensors beside its decoder layer
 
 

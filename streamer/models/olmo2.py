@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
-from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
+from streamer.models import registry
+from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.layers import ParallelContext, RotaryEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM
@@ -40,7 +41,8 @@ class Olmo2Attention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding) -> None:
         if ParallelContext.size > 1:
-            raise ValueError(f"OLMo 2 does not support tensor parallelism: {NO_TENSOR_PARALLEL['Olmo2ForCausalLM']}")
+            raise ValueError(f"OLMo 2 does not support tensor parallelism: "
+                             f"{registry.entry('Olmo2ForCausalLM').no_tensor_parallel}")
         super().__init__(cfg, backend_cls, rotary)  # (cfg.qk_norm is off: no per-head norms)
         self.q_norm = Olmo2RMSNorm(self.q_size, cfg.rms_norm_eps, flat=True)
         self.k_norm = Olmo2RMSNorm(self.kv_size, cfg.rms_norm_eps, flat=True)

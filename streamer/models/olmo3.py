@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec
-from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig, rope_scaling
+from streamer.models import registry
+from streamer.models.config import ModelConfig, rope_scaling
 from streamer.models.layers import ParallelContext, RotaryEmbedding, VocabEmbedding
 from streamer.models.llama import MLP, Attention, LlamaForCausalLM, require_silu
 from streamer.models.olmo2 import Olmo2DecoderLayer, Olmo2RMSNorm
@@ -71,7 +72,8 @@ class Olmo3Attention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding, sliding_window: Optional[int]) -> None:
         if ParallelContext.size > 1:
-            raise ValueError(f"OLMo 3 does not support tensor parallelism: {NO_TENSOR_PARALLEL['Olmo3ForCausalLM']}")
+            raise ValueError(f"OLMo 3 does not support tensor parallelism: "
+                             f"{registry.entry('Olmo3ForCausalLM').no_tensor_parallel}")
         super().__init__(cfg, backend_cls, rotary, sliding_window=sliding_window)
         self.q_norm = Olmo2RMSNorm(self.q_size, cfg.rms_norm_eps, flat=True)
         self.k_norm = Olmo2RMSNorm(self.kv_size, cfg.rms_norm_eps, flat=True)

@@ -8,7 +8,7 @@ pre-norm decoder, with OLMoE's differences:
 - `attention_bias` puts biases on q/k/v and o_proj;
 - every MLP is sparse (models/moe.py): softmax over all `num_experts` router logits, top `num_experts_per_tok`,
   *not* renormalised (`norm_topk_prob` false in the released models), the weights cast to the model's dtype;
-- rms_norm_eps defaults to 1e-5 (config._ARCH_DEFAULTS).
+- rms_norm_eps defaults to 1e-5 (its registry entry's `defaults`, models/registry.py).
 
 The Hub's checkpoints store one tensor per expert (`mlp.experts.E.{gate,up,down}_proj`); transformers 5's fused
 layout loads too (models/moe.unfuse_experts).
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
-from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
+from streamer.models import registry
+from streamer.models.config import ModelConfig
 from streamer.models.layers import ParallelContext, RMSNorm, RotaryEmbedding
 from streamer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 from streamer.models.moe import SparseMoE, unfuse_experts
@@ -46,7 +47,8 @@ class OlmoeAttention(Attention):
     def __init__(self, cfg: ModelConfig, backend_cls: Callable[[AttentionSpec], AttentionBackend],
                  rotary: RotaryEmbedding) -> None:
         if ParallelContext.size > 1:
-            raise ValueError(f"OLMoE does not support tensor parallelism: {NO_TENSOR_PARALLEL['OlmoeForCausalLM']}")
+            raise ValueError(f"OLMoE does not support tensor parallelism: "
+                             f"{registry.entry('OlmoeForCausalLM').no_tensor_parallel}")
         super().__init__(cfg, backend_cls, rotary)
         self.q_norm = FlatRMSNorm(self.q_size, cfg.rms_norm_eps)
         self.k_norm = FlatRMSNorm(self.kv_size, cfg.rms_norm_eps)

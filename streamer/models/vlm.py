@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamer.models import registry
 from streamer.models.gemma3 import GemmaRMSNorm
 from streamer.models.vision import ACTIVATIONS, VisionTower, copy_into_params
 
@@ -548,17 +549,9 @@ class Qwen2AudioMixin(VisionLanguageMixin):
         return out
 
 
-_MIXINS = {"LlavaForConditionalGeneration": LlavaMixin, "LlavaNextForConditionalGeneration": LlavaNextMixin,
-           "Gemma3ForConditionalGeneration": Gemma3VisionMixin,
-           "Qwen2VLForConditionalGeneration": QwenVLMixin, "Qwen2_5_VLForConditionalGeneration": QwenVLMixin,
-           "Qwen3VLForConditionalGeneration": Qwen3VLMixin, "Qwen3VLMoeForConditionalGeneration": Qwen3VLMixin,
-           "Mistral3ForConditionalGeneration": Mistral3Mixin, "InternVLForConditionalGeneration": InternVLMixin,
-           "Qwen3_5ForConditionalGeneration": Qwen3VLMixin, "Qwen3_5MoeForConditionalGeneration": Qwen3VLMixin,
-           "Qwen2AudioForConditionalGeneration": Qwen2AudioMixin, "Gemma4ForConditionalGeneration": Gemma4VisionMixin}
-
-
 @functools.cache
 def vlm_class(architecture: str, text_cls: type) -> type:
-    """The text family's model class with the vision-language architecture's encoder and projector."""
-    mixin = _MIXINS[architecture]
+    """The text family's model class with the vision-language architecture's encoder and projector (its mixin: the
+    registry's `VisionLanguage.mixin`)."""
+    mixin = registry.VISION_LANGUAGE[architecture].mixin_class()
     return type(f"{architecture.removesuffix('ForConditionalGeneration')}{text_cls.__name__}", (mixin, text_cls), {})

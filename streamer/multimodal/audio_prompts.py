@@ -21,7 +21,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from streamer.models.audio_tower import audio_tokens
 from streamer.multimodal.audio import (
     MAX_AUDIO_BYTES,
     SAMPLE_RATE,
@@ -72,6 +71,7 @@ class AudioPrompts:
         if len(runs) != len(clips):
             raise ValueError(f"the prompt has {len(runs)} audio placeholder(s) ({self.audio_placeholder}) but "
                              f"{len(clips)} audio clip(s) were given")
+        from streamer.models.audio_tower import audio_tokens  # (Qwen2-Audio's model file: imported when it runs)
         out: list[int] = []
         inputs: list[ImageInput] = []
         prev = 0

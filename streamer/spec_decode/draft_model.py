@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from streamer.config import EngineConfig
-from streamer.models.config import HYBRID_ARCHITECTURES, ModelConfig
+from streamer.models import registry
+from streamer.models.config import ModelConfig
 from streamer.worker.input_batch import StepInputs, to_device
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class DraftModel:
 def _check_compatible(path: Path, cfg: ModelConfig, config: EngineConfig, target: "ModelRunner") -> None:
     """The draft must speak the target's tokens: a vocabulary no larger than the target's (embedding tables are
     often padded, e.g. Qwen2.5-0.5B's 151,936 rows for 7B's 152,064) and, where both ship one, the same one."""
-    if cfg.architecture in HYBRID_ARCHITECTURES:
+    if registry.entry(cfg.architecture).recurrent_state:
         raise ValueError(f"speculative_model {path}: {cfg.architecture} (a hybrid attention + Mamba model) cannot "
                          "draft: its recurrent state would go through the proposals the target rejects")
     if cfg.vocab_size > target.model_cfg.vocab_size:

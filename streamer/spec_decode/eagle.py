@@ -34,10 +34,10 @@ import torch
 
 from streamer.attention.base import forward_context
 from streamer.config import EngineConfig
+from streamer.models import registry
 from streamer.models.config import ModelConfig
-from streamer.models.eagle import EAGLE1, EAGLE3, EAGLE3_NAMES, EagleDraftModel, default_aux_layers
+from streamer.models.eagle import EAGLE1, EAGLE3, EagleDraftModel, default_aux_layers
 from streamer.models.llama import LlamaForCausalLM
-from streamer.models.mtp import MTP_FAMILIES
 from streamer.spec_decode.draft_model import DraftPlan, _forward_step, placement
 from streamer.worker.input_batch import StepInputs, to_device
 
@@ -60,7 +60,7 @@ class EagleFill:
 def is_eagle_checkpoint(path: Path) -> bool:
     """An EAGLE head: an EAGLE-3 architecture name, or (EAGLE-1) an `fc` fusing layer in its weights."""
     raw = _read_config(path)
-    if any(a in EAGLE3_NAMES or a == EAGLE1 for a in raw.get("architectures") or []):
+    if _eagle_version(raw) is not None:
         return True
     from streamer.models.weight_files import tensor_names, weight_files
     try:
@@ -73,7 +73,7 @@ def is_eagle_checkpoint(path: Path) -> bool:
 def eagle_config(path: Path) -> ModelConfig:
     """The head's config, as one of our two EAGLE architectures."""
     raw = _read_config(path)
-    version = EAGLE3 if any(a in EAGLE3_NAMES for a in raw.get("architectures") or []) else EAGLE1
+    version = _eagle_version(raw) or EAGLE1
     cfg = ModelConfig.from_dict(dict(raw, architectures=["LlamaForCausalLM"], tie_word_embeddings=False))
     return dataclasses.replace(cfg, architecture=version)
 
@@ -81,7 +81,7 @@ def eagle_config(path: Path) -> ModelConfig:
 def target_aux_layers(path: Path, target_cfg: ModelConfig) -> tuple[int, ...]:
     """The target layers whose input streams an EAGLE-3 head reads (empty for EAGLE-1)."""
     raw = _read_config(path)
-    if not any(a in EAGLE3_NAMES for a in raw.get("architectures") or []):
+    if _eagle_version(raw) != EAGLE3:
         return ()
     ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
@@ -97,14 +97,25 @@ def mtp_config(path: Path, target_cfg: ModelConfig) -> ModelConfig:
     """The MTP head's config: the target's, as its family's head; ValueError if the checkpoint has no MTP layer."""
     from streamer.models.weight_files import tensor_names, weight_files
     arch = target_cfg.architecture
-    if arch not in MTP_FAMILIES:
-        raise ValueError(f"speculative_method='mtp' drafts with the MTP layer of {', '.join(MTP_FAMILIES)} "
+    marker = registry.entry(arch).mtp  # (the registry's: a tensor only a checkpoint with the MTP layer has)
+    if marker is None:
+        families = [name for name, model in registry.MODELS.items() if model.mtp is not None]
+        raise ValueError(f"speculative_method='mtp' drafts with the MTP layer of {', '.join(families)} "
                          f"checkpoints; {arch} has none")
-    wanted = MTP_FAMILIES[arch].format(n=target_cfg.num_layers)
+    wanted = marker.format(n=target_cfg.num_layers)
     if not any(wanted in tensor_names(f) for f in weight_files(path)):
         raise ValueError(f"speculative_method='mtp': checkpoint {path} has no multi-token-prediction layer "
                          f"({wanted} not found)")
     return dataclasses.replace(target_cfg, draft_head="mtp", multimodal=None)  # (a vision model's: its text side)
+
+
+def _eagle_version(raw: dict) -> Optional[str]:
+    """The EAGLE architecture (EAGLE1 or EAGLE3: a registry draft head) a config.json names; None if none."""
+    for name in raw.get("architectures") or []:
+        hit = registry.served(name)
+        if hit is not None and hit[1].task == registry.DRAFT:
+            return hit[0].architecture
+    return None
 
 
 def _read_config(path: Path) -> dict:

@@ -34,11 +34,10 @@ from streamer.core.kv_cache import cdiv
 from streamer.core.request import Request
 from streamer.core.step_time import StepShape, shape_of
 from streamer.engine.lora import LoRAAdapter
-from streamer.models import lora
-from streamer.models.bert import sep_token_id
-from streamer.models.config import NO_TENSOR_PARALLEL, ModelConfig
+from streamer.models import lora, registry
+from streamer.models.config import ModelConfig
 from streamer.models.layers import PackableLinear, ParallelContext, cpu_packing_supported
-from streamer.models.loader import _MODEL_CLASSES, NamedTensors, checkpoint_tensor_shapes, load_model, reload_weights
+from streamer.models.loader import NamedTensors, checkpoint_tensor_shapes, load_model, reload_weights
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, SparseMoE
 from streamer.models.quant import fp8_supported
 from streamer.models.woq import parse_int_quant
@@ -307,6 +306,7 @@ class ModelRunner:
                                 config.load_format, config.seed, keep_int4=config.quantization in (None, "int4", "int8"))
         self._use_eagle()
         if hasattr(self.model, "sep_token_id"):  # BERT reads a pair's token types from its separator (models/bert.py)
+            from streamer.models.bert import sep_token_id
             self.model.sep_token_id = sep_token_id(model_dir)
             if self.model.sep_token_id is None and model_cfg.raw.get("type_vocab_size", 1) > 1:
                 logger.warning("no separator token found in %s: every token is read as type 0 (a pair's second "
@@ -477,18 +477,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def _check_tp(self) -> None:
         tp = self.tp_size
-        why = NO_TENSOR_PARALLEL.get(self.model_cfg.architecture)
-        if why:
-            raise ValueError(f"{self.model_cfg.architecture} does not support tensor parallelism: {why}")
+        model = registry.entry(self.model_cfg.architecture)
+        if model.no_tensor_parallel:
+            raise ValueError(f"{model.architecture} does not support tensor parallelism: {model.no_tensor_parallel}")
         if self.device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
-        cfg = self.model_cfg
-        check = getattr(_MODEL_CLASSES.get(cfg.architecture), "check_tensor_parallel", None)
-        if check is not None:  # the model's own rules (hybrids: their recurrent layers' heads too)
-            check(cfg, tp)
-        elif cfg.num_heads % tp or (cfg.num_kv_heads % tp and tp % cfg.num_kv_heads):
-            raise ValueError(f"tensor_parallel_size {tp} does not split the model's {cfg.num_heads} attention "
-                             f"heads / {cfg.num_kv_heads} kv heads evenly")
+        # (the registry entry's rule: the attention heads, or the model's own check, hybrids' recurrent layers too)
+        model.check_tensor_parallel(self.model_cfg, tp)
 
     def _use_cuda_graphs(self) -> bool:
         # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
