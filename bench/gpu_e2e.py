@@ -242,7 +242,7 @@ def step_time_row(engine: Any, run: Any, batches: list[int]) -> dict[str, Any]:
     (prompts whole, then decodes, at two batch sizes) after it has been fitted on every step before: the median and
     90th percentile of |predicted - measured| / measured."""
     errors: list[float] = []
-    observe = engine._observe_step
+    observe = engine.core.observe_step
 
     def watched(sched: Any) -> None:
         predicted = sched.predicted
@@ -250,12 +250,12 @@ def step_time_row(engine: Any, run: Any, batches: list[int]) -> dict[str, Any]:
         if predicted > 0:
             errors.append(abs(predicted - engine.last_step[1]) / max(engine.last_step[1], 1e-9))
 
-    engine._observe_step = watched
+    engine.core.observe_step = watched
     try:
         for batch in (min(batches), min(32, max(batches))):
             run(batch, 16)
     finally:
-        engine._observe_step = observe
+        engine.core.observe_step = observe
     model = engine.scheduler.step_model
     err = sorted(errors)
     med = err[len(err) // 2] if err else float("nan")

@@ -9,7 +9,7 @@ each draft spoilt (replaced by another token) with probability `spoil`; a spoilt
 it with it. This measures the engine's side of speculative decoding (verify steps, snapshots, rollbacks and the
 recomputed tokens after them) at a known acceptance, not any drafter. A row with the real n-gram lookup shows what
 its misses cost. Every row checks that the output is identical to plain greedy decoding. On a hybrid, the rows
-with many misses run again without the engine's draft backoff (LLMEngine._settle_backoff).
+with many misses run again without the engine's draft backoff (EngineCore._settle_backoff).
 
 Prints per model: tok/s, the ratio to plain decoding, drafts accepted / proposed, rollbacks and steps, best of
 --rounds. Prefix caching is off unless --prefix-caching (the prompts repeat across rows and rounds: on, they hit).
@@ -27,7 +27,7 @@ SPOILS = (0.0, 0.1, 0.3, 1.0)
 
 
 class Oracle:
-    """streamer.engine.llm_engine.propose_ngram's stand-in: the next k tokens of the reference continuation that `tokens`
+    """streamer.engine.engine_core.propose_ngram's stand-in: the next k tokens of the reference continuation that `tokens`
     starts, each spoilt with probability `spoil`."""
 
     def __init__(self, sequences: list[list[int]], spoil: float, vocab: int) -> None:
@@ -45,7 +45,7 @@ class Oracle:
 
 def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: int, rounds: int,
               caching: bool) -> list[tuple]:
-    import streamer.engine.llm_engine
+    import streamer.engine.engine_core
     from streamer import LLM, SamplingParams
     load = "dummy" if dummy else "auto"
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -72,13 +72,13 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
     spec = LLM(path, load_format=load, dtype=dtype, enable_prefix_caching=caching, num_speculative_tokens=k,
                prompt_lookup_min=2)
     spec.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=4))
-    real, backoff = streamer.engine.llm_engine.propose_ngram, streamer.engine.llm_engine._MAX_DRAFT_BACKOFF
+    real, backoff = streamer.engine.engine_core.propose_ngram, streamer.engine.engine_core._MAX_DRAFT_BACKOFF
     hybrid = spec.engine.kv.snapshots is not None
     # (spoil, backoff on): None = the real n-gram lookup; a hybrid's misses also run without the backoff
     runs = [(None, True)] + [(x, True) for x in SPOILS] + ([(x, False) for x in SPOILS if x >= 0.3] if hybrid else [])
     for spoil, on in runs:
-        streamer.engine.llm_engine.propose_ngram = real if spoil is None else Oracle(sequences, spoil, vocab)
-        streamer.engine.llm_engine._MAX_DRAFT_BACKOFF = backoff if on else 0
+        streamer.engine.engine_core.propose_ngram = real if spoil is None else Oracle(sequences, spoil, vocab)
+        streamer.engine.engine_core._MAX_DRAFT_BACKOFF = backoff if on else 0
         e = spec.engine
         before = (e.num_draft_tokens, e.num_accepted_tokens, e.num_steps,
                   e.kv.snapshots.num_rollbacks if e.kv.snapshots is not None else 0)
@@ -89,7 +89,7 @@ def run_model(path: str, dummy: bool, dtype: str, tokens: int, batch: int, k: in
         name = ("n-gram lookup" if spoil is None else f"oracle, spoil {spoil:.1f}") + ("" if on else ", no backoff")
         rows.append((name, s, base_s / s, f"{accepted}/{drafts}", rollbacks if e.kv.snapshots is not None else "-",
                      steps, outs == ref))
-    streamer.engine.llm_engine.propose_ngram, streamer.engine.llm_engine._MAX_DRAFT_BACKOFF = real, backoff
+    streamer.engine.engine_core.propose_ngram, streamer.engine.engine_core._MAX_DRAFT_BACKOFF = real, backoff
     spec.close()
     return rows
 

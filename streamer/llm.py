@@ -8,7 +8,9 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from streamer.config import EngineConfig
 from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from streamer.engine.llm_engine import LLMEngine, LoRAType, PromptType, SeqState, WeightsArg
+from streamer.engine.input_processor import LoRAType, PromptType
+from streamer.engine.llm_engine import LLMEngine, WeightsArg
+from streamer.engine.output_processor import SeqState
 from streamer.engine.pooling import PoolingParams, encode_pair, pair_up
 from streamer.multimodal.inputs import load_image, load_video
 from streamer.multimodal.media_fetch import FetchPolicy

@@ -5,7 +5,7 @@ import sys
 import time
 from typing import IO, Iterable, Optional
 
-from streamer.engine.llm_engine import SeqUpdate
+from streamer.engine.output_processor import SeqUpdate
 
 BAR_WIDTH = 24
 MIN_INTERVAL = 0.1  # seconds between redraws

@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import streamer.engine.llm_engine
+import streamer.engine.engine_core
 import tests.test_mamba1  # noqa: F401  (registers the test checkpoint families)
 import tests.test_recurrent_families  # noqa: F401
 from streamer import LLM
@@ -64,7 +64,7 @@ def refs(ckpt):
 
 
 class OracleDrafts:
-    """In place of n-gram lookup (streamer.engine.llm_engine.propose_ngram): the next k tokens of the reference continuation
+    """In place of n-gram lookup (streamer.engine.engine_core.propose_ngram): the next k tokens of the reference continuation
     of whichever sequence the tokens start, each spoilt with probability `spoil` (a spoilt draft is rejected, and
     everything after it with it)."""
 
@@ -88,7 +88,7 @@ class OracleDrafts:
 def spec_llm(path: Path, monkeypatch, sequences: list[list[int]], spoil: float = 0.35,
              **engine_args) -> tuple[LLM, OracleDrafts]:
     oracle = OracleDrafts(sequences, spoil)
-    monkeypatch.setattr(streamer.engine.llm_engine, "propose_ngram", oracle)
+    monkeypatch.setattr(streamer.engine.engine_core, "propose_ngram", oracle)
     return LLM(str(path), dtype="float32", num_speculative_tokens=K, **engine_args), oracle
 
 
@@ -103,14 +103,14 @@ def test_greedy_with_drafts_matches_transformers(ckpt, refs, family, monkeypatch
     llm, oracle = spec_llm(path, monkeypatch, [p + r for p, r in zip(PROMPTS, want)])
     e = llm.engine
     counts = []  # (drafts, accepted) of each verification, and whether it recomputed accepted tokens too
-    verify = e._verify
+    verify = e.output._verify
 
     def spy(state, sampled, result, row, now):
         gap = len(state.req.all_token_ids) - 1 - e.kv.snapshots.taken[state.req.request_id][1]
         update = verify(state, sampled, result, row, now)
         counts.append((len(sampled) - 1, len(update.new_token_ids) - 1, gap))
         return update
-    monkeypatch.setattr(e, "_verify", spy)
+    monkeypatch.setattr(e.output, "_verify", spy)
     assert generate(llm, PROMPTS) == want
     # Every outcome happened: all drafts accepted, some, none; and verifications that started from a rolled-back
     # state, recomputing accepted tokens before the new drafts.
@@ -159,10 +159,10 @@ def test_drafts_that_keep_missing_back_off(ckpt, refs, monkeypatch):
     req = Request("x", [5, 6, 7], SamplingParams(max_tokens=4), 4, block_size=4)
     backoffs = []
     for _ in range(9):
-        e._settle_backoff(req, 0, 3)
+        e.core._settle_backoff(req, 0, 3)
         backoffs.append(req.draft_backoff)
     assert backoffs == [0, 0, 1, 2, 4, 8, 16, 16, 16]
-    e._settle_backoff(req, 1, 3)
+    e.core._settle_backoff(req, 1, 3)
     assert req.draft_misses == 0
     assert_state_freed(llm)
 
@@ -416,7 +416,7 @@ def test_live_server_streams_verified_runs(ckpt, refs, monkeypatch):
 
     from tests.server_utils import LiveServer, metric
     path, want = ckpt("granitemoehybrid"), refs("granitemoehybrid")
-    monkeypatch.setattr(streamer.engine.llm_engine, "propose_ngram", OracleDrafts([p + r for p, r in zip(PROMPTS, want)], 0.35))
+    monkeypatch.setattr(streamer.engine.engine_core, "propose_ngram", OracleDrafts([p + r for p, r in zip(PROMPTS, want)], 0.35))
     extra = {"min_tokens": MAX_NEW, "return_token_ids": True}
     with LiveServer(path, num_speculative_tokens=K) as server:
         async def main():

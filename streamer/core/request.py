@@ -112,7 +112,7 @@ class Request:
         # A draft model's KV: how many leading positions of this sequence it holds (streamer/spec_decode/draft_model.py).
         self.num_draft_computed = 0
         # Hybrid models: verify steps in a row that accepted no draft, and steps left to decode without drafts
-        # (LLMEngine._settle_backoff)
+        # (EngineCore._settle_backoff)
         self.draft_misses = 0
         self.draft_backoff = 0
         # LongRoPE models: the sequence's KV is computed with the long factors (see Scheduler). Part of the blocks'

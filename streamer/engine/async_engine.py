@@ -17,9 +17,11 @@ from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 from streamer.config import EngineConfig
 from streamer.core.scheduler import SchedulerOutput
 from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from streamer.engine.llm_engine import LLMEngine, LoRAType, PromptType, SeqUpdate, TokenTimings, WeightsArg, new_weights
+from streamer.engine.input_processor import LoRAType, PromptType
+from streamer.engine.llm_engine import LLMEngine, WeightsArg, new_weights
 from streamer.engine.lora import LoRARequest
 from streamer.engine.metrics import EngineMetrics, StatsLogger
+from streamer.engine.output_processor import SeqUpdate, TokenTimings
 from streamer.engine.pooling import Classifier, PoolingParams, encode_pair
 from streamer.multimodal.inputs import ImagePrompts
 from streamer.outputs import ClassificationOutput, CompletionOutput, EmbeddingOutput, RequestOutput, StreamOutput

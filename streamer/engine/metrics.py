@@ -10,7 +10,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from streamer.core.request import Request
-    from streamer.engine.llm_engine import TokenTimings
+    from streamer.engine.output_processor import TokenTimings
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -233,7 +233,7 @@ class EngineMetrics:
         return self.registry.render()
 
     def observe_timings(self, t: "TokenTimings") -> None:
-        """The engine's token latencies since the last call (streamer/engine/llm_engine.py TokenTimings)."""
+        """The engine's token latencies since the last call (streamer/engine/output_processor.py TokenTimings)."""
         for seconds in t.ttft:
             self.ttft.observe(seconds)
         stalls = 0
