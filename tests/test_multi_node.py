@@ -174,11 +174,21 @@ def _assert_all_gone(procs: list, what: str) -> None:
 # ---------------------------------------------------------------------------------------------------- loopback
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_two_nodes_on_loopback_match_one_process(make_ckpt, family) -> None:
+    """Greedy tokens (and streamed text) through the openai client equal the single-process engine's; a dense
+    Llama and a MoE (every expert split along its width); SIGTERM on the head stops both nodes cleanly."""
     model = make_ckpt(f"{family}_tp", family=family, seed=3)
     want_tokens, want_text = _reference(model)
     with two_nodes(model) as (head, node, url):
+        if family == "llama":  # idle past the heartbeat timeout (5 s): heartbeats, not steps, keep the ranks in touch
+            time.sleep(7)
         got_tokens, got_text = _greedy_over_http(url)
         assert _health(url) == 200
+        everyone = head.tree() + node.tree()
+        # SIGTERM on the head drains it and stops the node's rank: everyone exits 0
+        head.proc.send_signal(signal.SIGTERM)
+        assert head.proc.wait(120) == 0, head.stderr
+        assert node.proc.wait(BOUND_S) == 0, node.stderr
+        _assert_all_gone(everyone, "after the head stopped")
     assert got_tokens == want_tokens
     assert got_text == want_text
 
@@ -309,3 +319,69 @@ def test_two_nodes_in_network_namespaces_then_the_link_drops(llama_dir) -> None:
         finally:
             pool.shutdown(wait=False)
     assert "was silent" in head.stderr and "was silent" in node.stderr, (head.stderr, node.stderr)
+
+
+# ---------------------------------------------------------------------------------------------------- flags
+@pytest.mark.parametrize("args,message", [
+    (["--headless", "-tp", "2"], "--headless runs the ranks of another node"),
+    (["--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"],
+     "node 0 runs the engine"),
+    (["-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"], "start that node with --headless"),
+    (["--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+      "--nproc-per-node", "2"], "does not split into 2 node(s) of 2 rank(s)"),
+    (["--headless", "-tp", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"],
+     "tensor_parallel_size 3 does not split over nnodes 2"),
+    (["--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1"], "node_rank"),
+    (["--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "1"], "need --master-addr"),
+    (["--headless", "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+      "--master-port", "70000"], "master_port"),
+])
+def test_bad_multi_node_flags_are_one_line_and_exit_2(llama_dir, args, message) -> None:
+    r = subprocess.run([sys.executable, "-m", "streamer", "serve", str(llama_dir), *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_layout_places_ranks_by_node() -> None:
+    from streamer.worker.rendezvous import interface_of, node_layout, route_source
+    one = node_layout(4, "cpu")
+    assert (one.nproc_per_node, one.multi_node, one.host()) == (4, False, "127.0.0.1")
+    second = node_layout(4, "cpu", nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    assert (second.nproc_per_node, second.first_rank, second.master_port) == (2, 2, 29501)
+    assert second.host() == "127.0.0.1"  # its address on the route to the head
+    head = node_layout(4, "cpu", nnodes=2, master_addr="127.0.0.1", master_port=1234, dist_host="127.0.0.2")
+    assert (head.host(), head.master_port) == ("127.0.0.2", 1234)
+    assert route_source("127.0.0.1", 1) == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+
+
+def test_step_listener_survives_stray_clients_and_refuses_bad_ranks() -> None:
+    """A client without the key, one that hangs up at once, and a rank the group has no room for are turned away;
+    the real ranks still join."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client, Listener
+
+    from streamer.worker.parallel import _accept
+    from streamer.worker.rendezvous import node_layout
+    key = os.urandom(32)
+    with Listener(("127.0.0.1", 0), authkey=key) as listener:
+        pool = ThreadPoolExecutor(1)
+        joined = pool.submit(_accept, listener, [], node_layout(2, "cpu"))
+        with pytest.raises(AuthenticationError):
+            Client(listener.address, authkey=b"not the key")
+        with socket.create_connection(listener.address):
+            pass
+        wrong = Client(listener.address, authkey=key)
+        wrong.send(("steps", 5, 2, "nowhere"))
+        assert "there is no rank 5" in wrong.recv()
+        steps = Client(listener.address, authkey=key)
+        steps.send(("steps", 1, 2, "here"))
+        watch = Client(listener.address, authkey=key)
+        watch.send(("watch", 1, 2, "here"))
+        got = joined.result(60)
+        assert list(got) == [1] and got[1][2] == "here"
+        for c in (wrong, steps, watch, got[1][0], got[1][1]):
+            c.close()
+        pool.shutdown()

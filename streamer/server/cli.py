@@ -240,6 +240,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return launched
     if args.headless:
         return _serve_headless(args, kwargs)
+    if kwargs.get("node_rank"):
+        print(f"streamer serve: error: --node-rank {kwargs['node_rank']} runs no engine: start that node with "
+              "--headless (node 0 runs the engine and the server)", file=sys.stderr)
+        return 2
     if kwargs.get("enforce_eager") is None:
         # A server runs for long: compile the model on every device (on CPU this costs ~15-60 s at the first
         # start, less from the on-disk cache, and buys 20-30% per decode step; `--enforce-eager` opts out).

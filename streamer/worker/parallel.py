@@ -236,12 +236,14 @@ def _accept(listener: Listener, procs: list[subprocess.Popen],
         while not complete():
             try:
                 conn = listener.accept()
-            except AuthenticationError:  # (a stray client without the key)
-                logger.warning("a connection to the tensor-parallel step listener failed authentication")
+            except (AuthenticationError, EOFError, ConnectionError) as e:  # (a stray client without the key)
+                logger.warning("a connection to the tensor-parallel step listener failed: %r", e)
                 continue
             except OSError:  # the listener closed: rank 0 gave up
                 return
             try:
+                if not conn.poll(60):  # (one that has the key but says nothing holds up no one for long)
+                    raise EOFError
                 kind, rank, their_world, there = conn.recv()
             except (EOFError, OSError, ValueError, TypeError):
                 conn.close()
