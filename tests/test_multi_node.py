@@ -172,11 +172,19 @@ def _assert_all_gone(procs: list, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- loopback
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+# family -> its checkpoint (the names test_tensor_parallel.py and test_hybrid_tp.py build them under)
+CHECKPOINTS = {"llama": ("llama_tp", {"family": "llama", "seed": 3}),
+               "qwen3_moe": ("qwen3_moe_tp", {"family": "qwen3_moe", "seed": 3}),
+               "bamba": ("bamba", {"family": "bamba"})}
+
+
+@pytest.mark.parametrize("family", list(CHECKPOINTS))
 def test_two_nodes_on_loopback_match_one_process(make_ckpt, family) -> None:
-    """Greedy tokens (and streamed text) through the openai client equal the single-process engine's; a dense
-    Llama and a MoE (every expert split along its width); SIGTERM on the head stops both nodes cleanly."""
-    model = make_ckpt(f"{family}_tp", family=family, seed=3)
+    """Greedy tokens (and streamed text) through the openai client equal the single-process engine's: a dense
+    Llama, a MoE (every expert split along its width) and a hybrid (Mamba2 heads split, attention layers between);
+    SIGTERM on the head stops both nodes cleanly."""
+    name, kw = CHECKPOINTS[family]
+    model = make_ckpt(name, **kw)
     want_tokens, want_text = _reference(model)
     with two_nodes(model) as (head, node, url):
         if family == "llama":  # idle past the heartbeat timeout (5 s): heartbeats, not steps, keep the ranks in touch
