@@ -99,6 +99,20 @@ class EngineConfig:
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
     # (streamer/worker/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
     tensor_parallel_size: int = 1
+    # Tensor parallelism over several machines (docs/multi-node.md; vLLM's flags): node n of `nnodes` runs ranks
+    # n*P .. n*P+P-1 (P = `nproc_per_node`; default the GPUs a node has, or tensor_parallel_size / nnodes on CPU).
+    # The engine runs on node 0 (the head), which hosts the rendezvous store at master_addr:master_port; the other
+    # nodes run `streamer serve --headless`. `dist_host`: this node's routable address, which its step listener and
+    # ranks bind to (default: master_addr on the head, the address on the route to it elsewhere). "torchrun" as
+    # `distributed_launcher`: torchrun started every rank (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)
+    # and they meet at its store.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    nproc_per_node: Optional[int] = None
+    dist_host: Optional[str] = None
+    distributed_launcher: str = "streamer"
     # Structured outputs: when the grammar admits only one continuation (a JSON key, `":"`, the rest of an enum
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
@@ -281,6 +295,7 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        self._check_nodes()
         if self.speculative_method not in (None, "mtp", "suffix"):
             raise ValueError(f"speculative_method must be 'mtp', 'suffix' or None, got {self.speculative_method!r}")
         if self.speculative_method is not None and self.speculative_model is not None:
@@ -295,6 +310,26 @@ class EngineConfig:
         if self.chat_template is not None:
             from streamer.server.chat_template import load_chat_template
             load_chat_template(self.chat_template)  # a missing file or a broken template fails here, not per request
+
+    def _check_nodes(self) -> None:
+        """The multi-node fields (docs/multi-node.md)."""
+        for name, least in (("nnodes", 1), ("node_rank", 0), ("nproc_per_node", 1), ("master_port", 1)):
+            v = getattr(self, name)
+            if not (v is None and name in ("nproc_per_node", "master_port")) and (not _is_int(v) or v < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {v!r}")
+        if self.master_port is not None and self.master_port > 65535:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be in 0..nnodes-1, got {self.node_rank} of {self.nnodes}")
+        for name in ("master_addr", "dist_host"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a host name or address, got {v!r}")
+        if self.distributed_launcher not in ("streamer", "torchrun"):
+            raise ValueError(f"distributed_launcher must be 'streamer' or 'torchrun', got {self.distributed_launcher!r}")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split over nnodes "
+                             f"{self.nnodes}")
 
     def _check_suffix(self) -> None:
         """The suffix_decoding_* fields (checked whatever the method: a bad value is an error, not ignored)."""

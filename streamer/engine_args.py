@@ -89,6 +89,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer over this many processes (one GPU each on CUDA)")
     g.add_argument("--seed", type=int, default=0)
+    n = p.add_argument_group("tensor parallelism over several machines (docs/multi-node.md)")
+    n.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
+    n.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's place among them: 0 runs the engine and the server (the head); the others "
+                        "run with --headless")
+    n.add_argument("--master-addr", default=None, metavar="HOST",
+                   help="the head's address, routable from every node (its rendezvous store and step listener)")
+    n.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                   help="the head's rendezvous store's port (default: 29501)")
+    n.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="ranks on each node (default: the GPUs it has; on CPU, --tensor-parallel-size / --nnodes)")
+    n.add_argument("--dist-host", default=None, metavar="HOST",
+                   help="this node's routable address, which its ranks bind to (default: --master-addr on the head, "
+                        "the address on the route to it elsewhere)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) in place of the checkpoint's")
@@ -157,7 +171,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "state_checkpoints", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
-                "tensor_parallel_size", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node",
+                "dist_host", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",

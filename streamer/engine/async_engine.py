@@ -40,6 +40,10 @@ def _text_of(prompt: dict) -> str:
     return text if isinstance(text, str) and "prompt_token_ids" not in prompt else ""
 
 
+class RankLostError(RuntimeError):
+    """A tensor-parallel rank's process, node or link is gone (the message says which rank)."""
+
+
 class EngineDeadError(RuntimeError):
     """The device thread failed: no request can make progress any more."""
 
@@ -151,6 +155,9 @@ class AsyncEngine:
         self._paused = False
         self._quiet: Optional[asyncio.Event] = None
         self._resumed: Optional[asyncio.Event] = None
+        # Tensor parallelism: which rank was lost (the engine then fails), set from the ranks' monitor
+        self.rank_lost: Optional[str] = None
+        self._rank_lost: Optional[asyncio.Event] = None
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> "AsyncEngine":
@@ -167,6 +174,10 @@ class AsyncEngine:
         self._idle.set()
         self._quiet, self._resumed = asyncio.Event(), asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="streamer-engine-loop")
+        self._rank_lost = asyncio.Event()
+        workers = self.engine.runner.tp_workers
+        if workers is not None:  # a lost rank fails the engine at once, even while a step waits in a collective
+            workers.watch(lambda why: loop.call_soon_threadsafe(self._on_rank_lost, why))
         if self.config.log_stats_interval > 0:
             self._stats_task = asyncio.create_task(self._log_stats(self.config.log_stats_interval),
                                                    name="streamer-stats-log")
@@ -201,7 +212,8 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.abort_now(rid)
         if self._device is not None:
-            self._device.shutdown(wait=True, cancel_futures=True)
+            # (after a lost rank the device thread may wait in a collective until its timeout: not for it)
+            self._device.shutdown(wait=self.rank_lost is None, cancel_futures=True)
             self._device = None
         if self.engine is not None:
             self.engine.close()
@@ -584,20 +596,49 @@ class AsyncEngine:
                         await self._wakeup.wait()  # type: ignore[union-attr]
                 inflight = nxt
         except asyncio.CancelledError:
+            if self._dead is not None:  # (failed from outside: `_on_rank_lost`)
+                for pending in (inflight, nxt):
+                    if pending is not None:
+                        pending[2].add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         except BaseException as exc:  # the device thread (or the step) failed: fail everyone, loudly
             logger.exception("engine step failed; the engine is now dead")
-            self._dead = exc
             if nxt is not None:  # the step queued behind the failed one: its outcome no longer matters
                 nxt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
-            err = EngineDeadError(f"the engine has failed: {exc!r}")
-            for _, queue in list(self._streams.values()):
-                queue.put_nowait(err)
-            self._streams.clear()
-            if self._idle is not None:
-                self._idle.set()
-            if self._quiet is not None:  # (a pause_generation waiting for the loop: it reports the failure)
-                self._quiet.set()
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine is dead: every open stream ends with EngineDeadError, new requests get it (503)."""
+        if self._dead is None:
+            self._dead = exc
+        err = EngineDeadError(f"the engine has failed: {exc}" if isinstance(exc, RankLostError)
+                              else f"the engine has failed: {exc!r}")
+        for _, queue in list(self._streams.values()):
+            queue.put_nowait(err)
+        self._streams.clear()
+        if self._idle is not None:
+            self._idle.set()
+        if self._quiet is not None:  # (a pause_generation waiting for the loop: it reports the failure)
+            self._quiet.set()
+
+    def _on_rank_lost(self, why: str) -> None:
+        """A tensor-parallel rank was lost (its process or node died, or its link dropped): the engine fails now,
+        whether or not a step is stuck waiting for that rank in a collective."""
+        if self.rank_lost is not None:
+            return
+        self.rank_lost = why
+        if self._dead is None:
+            self._fail(RankLostError(why))
+            if self._task is not None:
+                self._task.cancel()  # (it may be awaiting a step that never ends)
+        if self._rank_lost is not None:
+            self._rank_lost.set()
+
+    async def wait_rank_lost(self) -> str:
+        """Return once a tensor-parallel rank is lost (the engine is dead by then): which one, and how."""
+        assert self._rank_lost is not None, "the engine is not started"
+        await self._rank_lost.wait()
+        return self.rank_lost  # type: ignore[return-value]
 
     def _dispatch(self, updates: list[SeqUpdate]) -> None:
         now = time.monotonic()

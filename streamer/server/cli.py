@@ -16,6 +16,8 @@ import os
 import signal
 import ssl
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable, Iterator, Optional
 
@@ -34,6 +36,10 @@ logger = logging.getLogger("streamer.server")
 
 
 LOG_STATS_SECONDS = 10.0
+# A lost tensor-parallel rank: the server answers 503 for this long (in-flight requests have failed at once), then
+# exits with status 1; whatever still holds it then (a step stuck in a collective) is cut this long after.
+RANK_LOST_GRACE_S = 1.5
+RANK_LOST_EXIT_S = 4.0
 # The waiting queue's default bound: a flood gets 429s (and Retry-After) instead of a queue growing without end.
 DEFAULT_MAX_WAITING = 4096
 
@@ -124,6 +130,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transcription-no-speech-threshold", default="0.6", metavar="P",
                    help="/v1/audio: a piece whose <|nospeech|> probability is above P and whose tokens are unlikely "
                         "is silence: no text, no segment (OpenAI's whisper's rule; '' turns it off)")
+    g.add_argument("--headless", action="store_true",
+                   help="run this node's tensor-parallel ranks only (no engine, no HTTP server): a node of a "
+                        "multi-node group, with its --node-rank (1..--nnodes-1) and the head's --master-addr / "
+                        "--master-port (docs/multi-node.md)")
     g.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="also log every HTTP request (uvicorn's access log)")
@@ -225,6 +235,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         print("streamer serve: error: --enable-auto-tool-choice needs --tool-call-parser (as vLLM's)", file=sys.stderr)
         return 2
+    launched = _torchrun(args, kwargs)
+    if launched is not None:
+        return launched
+    if args.headless:
+        return _serve_headless(args, kwargs)
+    if kwargs.get("node_rank"):
+        print(f"streamer serve: error: --node-rank {kwargs['node_rank']} runs no engine: start that node with "
+              "--headless (node 0 runs the engine and the server)", file=sys.stderr)
+        return 2
     if kwargs.get("enforce_eager") is None:
         # A server runs for long: compile the model on every device (on CPU this costs ~15-60 s at the first
         # start, less from the on-disk cache, and buys 20-30% per decode step; `--enforce-eager` opts out).
@@ -251,6 +270,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
+
+
+def _torchrun(args: argparse.Namespace, kwargs: dict) -> Optional[int]:
+    """Under torchrun (its RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set, WORLD_SIZE > 1), every
+    process it started runs `serve` alike: rank 0 goes on to serve (the engine meets the others at torchrun's store),
+    the others become its tensor-parallel ranks here (the exit status returned). None: rank 0, or no torchrun."""
+    from streamer.worker.rendezvous import torchrun_env
+    placement = torchrun_env()
+    if placement is None or placement["world"] == 1:
+        return None
+    if kwargs.get("tensor_parallel_size", 1) == 1:
+        kwargs["tensor_parallel_size"] = placement["world"]
+    kwargs["distributed_launcher"] = "torchrun"
+    if placement["rank"] == 0:
+        return None
+    from streamer.config import EngineConfig
+    from streamer.engine.llm_engine import resolve_model_dir
+    from streamer.worker.model_runner import run_tensor_parallel_rank
+    from streamer.worker.parallel import entry_of, layout_of, run_rank_process
+    from streamer.worker.rendezvous import route_source
+    try:
+        layout = layout_of(EngineConfig.from_kwargs(args.model, **kwargs))
+        model_dir = str(resolve_model_dir(args.model)) if args.model else None
+    except (TypeError, ValueError, OSError) as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 2
+    env = os.environ
+    spec = {"rank": placement["rank"], "world": layout.world, "local_rank": placement["local_rank"],
+            "local_world": layout.nproc_per_node, "master": [layout.master_addr, layout.master_port],
+            "host": layout.dist_host or route_source(env["MASTER_ADDR"], int(env["MASTER_PORT"])),
+            "torchrun": True, "model_dir": model_dir}
+    return run_rank_process(entry_of(run_tensor_parallel_rank), spec)
+
+
+def _serve_headless(args: argparse.Namespace, kwargs: dict) -> int:
+    """`serve --headless`: this node's tensor-parallel ranks, for the head's engine (no HTTP server)."""
+    from streamer.config import EngineConfig
+    from streamer.engine.llm_engine import resolve_model_dir
+    from streamer.worker.model_runner import run_tensor_parallel_rank
+    from streamer.worker.parallel import entry_of, layout_of
+    from streamer.worker.rendezvous import run_node
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        layout = layout_of(EngineConfig.from_kwargs(args.model, **kwargs))
+        if layout.nnodes == 1 or layout.node_rank == 0:
+            raise ValueError("--headless runs the ranks of another node than the head: give it --nnodes > 1 and "
+                             "its --node-rank (1..nnodes-1); node 0 runs the engine and the server")
+        model_dir = str(resolve_model_dir(args.model)) if args.model else None
+    except (TypeError, ValueError, OSError) as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 2
+    return run_node(layout, entry_of(run_tensor_parallel_rank), model_dir)
 
 
 def transcription_config(args: argparse.Namespace) -> TranscriptionConfig:
@@ -324,6 +395,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return 1
         if shutdown.requested:
             return 0
+        if engine.config.tensor_parallel_size > 1:
+            asyncio.ensure_future(_exit_on_rank_loss(engine, shutdown))
         cors = (CORSConfig(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                            args.allow_credentials) if args.allowed_origins else None)
         app = build_app(engine, api_key=api_key, served_model_name=args.served_model_name,
@@ -358,12 +431,36 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return int(e.code or 1)
         finally:
             announce.cancel()
-        return 0
+        return 1 if engine.rank_lost is not None else 0
     finally:
         await engine.stop()  # whatever outlived the drain is aborted here
         logger.info("engine stopped")
         if shutdown.server is not None:
             await _let_requests_end(shutdown.server)
+
+
+async def _exit_on_rank_loss(engine: "AsyncEngine", shutdown: "_Shutdown") -> None:
+    """A lost tensor-parallel rank ends the server: the engine has failed the in-flight requests and /health
+    answers 503; after RANK_LOST_GRACE_S the server stops and the process exits 1 (cut RANK_LOST_EXIT_S after the
+    loss if something still holds it), leaving restarts to whatever supervises it."""
+    procs = list(engine.engine.runner.tp_workers.procs) if engine.engine.runner.tp_workers else []
+    why = await engine.wait_rank_lost()
+    logger.error("%s: in-flight requests failed; /health answers 503; exiting", why)
+    threading.Thread(target=_exit_after, args=(RANK_LOST_EXIT_S, procs), name="streamer-exit", daemon=True).start()
+    await asyncio.sleep(RANK_LOST_GRACE_S)
+    if shutdown.server is not None:
+        shutdown.server.should_exit = True
+        await asyncio.sleep(1.0)
+        shutdown.server.force_exit = True
+
+
+def _exit_after(seconds: float, procs: list) -> None:
+    time.sleep(seconds)
+    for p in procs:  # (this node's other ranks: no orphans)
+        if p.poll() is None:
+            p.kill()
+    print("streamer serve: exiting after the loss of a tensor-parallel rank", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 @contextlib.contextmanager

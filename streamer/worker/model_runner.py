@@ -46,7 +46,8 @@ from streamer.worker.compile_cache import claim_compiles, healing, hold_compiles
 from streamer.worker.cpu_malloc import keep_freed_memory
 from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
-from streamer.worker.parallel import TensorParallelWorkers, init_process_group, serve_steps
+from streamer.worker.parallel import TensorParallelWorkers, layout_of, serve_steps
+from streamer.worker.rendezvous import RankGroup, init_process_group
 from streamer.worker.sampler import (
     Sampler,
     SamplerOutput,
@@ -250,25 +251,28 @@ def kv_cache_geometry(model: torch.nn.Module) -> list[Optional[tuple[int, int]]]
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
-                 tp_rank: int = 0) -> None:
-        """tp_rank > 0: a tensor-parallel worker's shard (streamer/worker/parallel.py), which only runs forwards."""
+                 tp_rank: int = 0, local_rank: Optional[int] = None) -> None:
+        """tp_rank > 0: a tensor-parallel worker's shard (streamer/worker/parallel.py), which only runs forwards;
+        local_rank: its place among its node's ranks (its GPU), when they span several nodes."""
         self.config = config
         # (DeepSeek: the KV cache's geometry follows the latent-or-MHA switch; every rank applies it alike)
         self.model_cfg = model_cfg = model_cfg.with_mla_cache(config.mla_latent_cache)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
-        self.device = rank_device(config.device, tp_rank) if self.tp_size > 1 else resolve_device(config.device)
+        self.device = (rank_device(config.device, tp_rank if local_rank is None else local_rank) if self.tp_size > 1
+                       else resolve_device(config.device))
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries are reused, not page-faulted in afresh
         self.tp_workers: Optional[TensorParallelWorkers] = None
         self._threads_before = 0
         self._warming_up = False
         if self.tp_size > 1 and tp_rank == 0:
-            self._check_tp()
-            if self.device.type == "cpu":  # the ranks share the cores (workers do the same); restored by close()
+            local_ranks = layout_of(config).nproc_per_node  # (ValueError for flags that do not fit)
+            self._check_tp(local_ranks)
+            if self.device.type == "cpu":  # this node's ranks share its cores (workers do the same); close() restores
                 self._threads_before = torch.get_num_threads()
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.tp_size))
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
             else:  # NCCL binds each rank to the current device
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device,
@@ -475,13 +479,14 @@ class ModelRunner:
                 module.pack_for_cpu()
 
     # ------------------------------------------------------------------ set-up
-    def _check_tp(self) -> None:
+    def _check_tp(self, local_ranks: int) -> None:
         tp = self.tp_size
         model = registry.entry(self.model_cfg.architecture)
         if model.no_tensor_parallel:
             raise ValueError(f"{model.architecture} does not support tensor parallelism: {model.no_tensor_parallel}")
-        if self.device.type == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+        if self.device.type == "cuda" and local_ranks > torch.cuda.device_count():
+            raise ValueError(f"{local_ranks} tensor-parallel ranks on this node need {local_ranks} GPUs; "
+                             f"{torch.cuda.device_count()} visible")
         # (the registry entry's rule: the attention heads, or the model's own check, hybrids' recurrent layers too)
         model.check_tensor_parallel(self.model_cfg, tp)
 
@@ -1357,6 +1362,16 @@ class ModelRunner:
         """Queue the step's work on the device and start copying its sampled tokens back; `result()` waits for
         them. On CPU the work is done when this returns; on CUDA the device thread can go on to queue the next
         step (async scheduling) while this one runs."""
+        try:
+            return self._launch(step)
+        except Exception as e:
+            # A rank lost mid-step fails a collective with the transport's words: say which rank it was.
+            why = self.tp_workers.lost(2.0) if self.tp_workers is not None else None
+            if why is None:
+                raise
+            raise RuntimeError(why) from e
+
+    def _launch(self, step: StepInputs) -> "PendingStep":
         dev = self.device
         drafts = self.drafter.propose(step.draft) if step.draft is not None else None  # type: ignore[union-attr]
         hidden, features = self._split(self._run_model(step, drafts))
@@ -1473,19 +1488,21 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
-def run_tensor_parallel_rank(conn: Connection, rank: int, config: EngineConfig, model_dir: Path,
-                             model_cfg: ModelConfig, max_model_len: int, port: int) -> None:
+def run_tensor_parallel_rank(conn: Connection, group: RankGroup, config: EngineConfig, model_dir: Path,
+                             model_cfg: ModelConfig, max_model_len: int) -> bool:
     """What a tensor-parallel worker process runs once connected to rank 0 (streamer/worker/parallel.py starts it:
-    rank 0's runner hands this function to TensorParallelWorkers): build this rank's shard, then serve steps."""
-    device = rank_device(config.device, rank)
+    rank 0's runner hands this function to TensorParallelWorkers): build this rank's shard, then serve steps.
+    True once rank 0 stopped it (False: it failed, or rank 0 went away)."""
+    device = rank_device(config.device, group.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the ranks share the machine's cores: each takes its share rather than all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
-    init_process_group(rank, config.tensor_parallel_size, port, device)
+    else:  # the node's ranks share its cores: each takes its share rather than all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+    init_process_group(group, device)
     try:
-        runner = ModelRunner(config, model_dir, model_cfg, max_model_len, tp_rank=rank)
+        runner = ModelRunner(config, model_dir, model_cfg, max_model_len, tp_rank=group.rank,
+                             local_rank=group.local_rank)
     except Exception as e:  # tell rank 0 why, rather than leaving it waiting
         conn.send(f"{type(e).__name__}: {e}")
-        return
-    serve_steps(conn, runner)
+        return False
+    return serve_steps(conn, runner)
