@@ -215,9 +215,10 @@ class ModelConfig:
     def bidirectional(self) -> bool:
         """An encoder: every token attends to its whole prompt (BERT-family models, EmbeddingGemma)."""
         # (Gemma 4's "vision": only image tokens see each other both ways, models/vlm.py)
+        if self.raw.get("use_bidirectional_attention") in (True, "all"):
+            return True
         model = registry.MODELS.get(self.architecture)
-        return (model is not None and model.bidirectional) or self.raw.get("use_bidirectional_attention") in (True,
-                                                                                                          "all")
+        return model is not None and model.bidirectional
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "ModelConfig":
