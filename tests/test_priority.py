@@ -71,7 +71,7 @@ def test_aging_bounds_the_wait(llama_dir, monkeypatch, aging):
     step) it counts as arriving 3 * 4 s later, so it is served soon after that."""
     clock = FakeClock()
     import streamer.core.scheduler as sched_mod
-    import streamer.engine.llm_engine as engine_mod
+    import streamer.engine.input_processor as engine_mod  # (it stamps arrival times)
     monkeypatch.setattr(engine_mod.time, "monotonic", clock)
     monkeypatch.setattr(sched_mod.time, "monotonic", clock)
     llm = LLM(str(llama_dir), dtype="float32", scheduling_policy="priority", max_num_seqs=1,
