@@ -207,6 +207,7 @@ def test_serve_without_model_uses_the_demo_model():
 
 @pytest.mark.parametrize("flag,value,field", [("--cuda-graph-max-batch", "-1", "cuda_graph_max_batch"),
                                               ("--block-size", "0", "block_size"),
+                                              ("--max-body-bytes", "0", "--max-body-bytes"),
                                               ("--chat-template", "/no/such/template.jinja", "chat_template"),
                                               ("--chat-template", "{% for m in messages %}", "chat_template"),
                                               ("--ssl-keyfile", "/no/key.pem", "--ssl-certfile"),

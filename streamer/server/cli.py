@@ -254,6 +254,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if value is not None and value < 0:
             print(f"streamer serve: error: {flag} must be >= 0", file=sys.stderr)
             return 2
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        print("streamer serve: error: --max-body-bytes must be >= 1", file=sys.stderr)
+        return 2
     try:
         _check_tls(args)
         args.lora_modules = [parse_lora_module(m) for m in args.lora_modules or []]
