@@ -414,6 +414,10 @@ class ModelRunner:
             self._warming_up = True
             try:
                 self.warmup()
+            except BaseException:
+                if background:  # (no thread will claim the hold)
+                    release_compiles()
+                raise
             finally:
                 self._warming_up = False
         if background:
@@ -446,9 +450,10 @@ class ModelRunner:
         try:
             compiled = torch.compile(self.model, dynamic=True, fullgraph=True)
             with torch.inference_mode(), inductor_config.patch(freezing=False):
-                for i, (q_lens, seq_lens) in enumerate(self._warmup_shapes()):
+                shapes = self._warmup_shapes()
+                for i, (q_lens, seq_lens) in enumerate(shapes):
                     logger.info("compiling in the background (serving eagerly meanwhile): shape %d of %d, %.0f s",
-                                i + 1, len(self._warmup_shapes()), time.perf_counter() - t)
+                                i + 1, len(shapes), time.perf_counter() - t)
                     step = self._scratch_step(q_lens, seq_lens)
                     healing(lambda: self._forward_with(compiled, step, compiled=True), "torch.compile")
         except Exception as e:
