@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
 import re
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,31 @@ import uvicorn
 from streamer.engine.async_engine import AsyncEngine
 from streamer.server.app import build_app
 from streamer.server.connections import HttpLimits, uvicorn_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class PipedProcess:
+    """A subprocess run from the repository, its stdout lines queued (`stdout`) and its stderr kept (`stderr`),
+    each pipe drained by a thread so that the process never blocks on a full one."""
+
+    def __init__(self, cmd: list[str], env: Optional[dict[str, str]] = None) -> None:
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+        self.stdout: "queue.Queue[str]" = queue.Queue()
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout.put), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_lines.append), daemon=True).start()
+
+    @staticmethod
+    def _pump(pipe, sink) -> None:
+        for line in pipe:
+            sink(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.stderr_lines)
+
 
 ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "num_kv_blocks": 256}
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ openai = pytest.importorskip("openai")
 psutil = pytest.importorskip("psutil")
 
 from streamer import LLM, SamplingParams  # noqa: E402
+from tests.server_utils import PipedProcess  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 17, 33, 9, 100], [40, 41, 42] * 9, list(range(60, 100))]
@@ -43,32 +43,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Proc:
+class Proc(PipedProcess):
     """A process whose output is collected; `url` once it prints where it serves."""
 
     def __init__(self, cmd: list[str]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env)
-        self.lines: "queue.Queue[str]" = queue.Queue()
-        self.err: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.err.append), daemon=True).start()
-
-    @staticmethod
-    def _pump(pipe, sink) -> None:
-        for line in pipe:
-            sink(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.err)
+        super().__init__(cmd, {"OMP_NUM_THREADS": "1"})
 
     def wait_url(self, others: tuple["Proc", ...] = (), timeout: float = 300) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                line = self.lines.get(timeout=0.2)
+                line = self.stdout.get(timeout=0.2)
             except queue.Empty:
                 for p in (self, *others):
                     if p.proc.poll() is not None:

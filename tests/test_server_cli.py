@@ -17,28 +17,15 @@ from typing import Optional
 import httpx
 import pytest
 
+from tests.server_utils import PipedProcess
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-class ServeProcess:
+class ServeProcess(PipedProcess):
     def __init__(self, *args: str, env: Optional[dict[str, str]] = None) -> None:
-        cmd = [sys.executable, "-m", "streamer", "serve", *args]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-        self.stdout: "queue.Queue[str]" = queue.Queue()
-        self.stderr_lines: list[str] = []
-        threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout.put), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_lines.append), daemon=True).start()
+        super().__init__([sys.executable, "-m", "streamer", "serve", *args], env)
         self.url = ""
-
-    @staticmethod
-    def _pump(pipe, sink) -> None:
-        for line in pipe:
-            sink(line)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.stderr_lines)
 
     def wait_url(self, timeout: float = 180) -> str:
         """The URL the server prints once it listens (`--port 0` picks a free port)."""
