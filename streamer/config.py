@@ -72,6 +72,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of total GPU memory the engine may use
     num_kv_blocks: Optional[int] = None  # override the computed pool size (tests, benchmarks)
     enable_prefix_caching: bool = True
+    # Log what the prefix cache stores and evicts (core/kv_events.py) for a router: the data-parallel one, or
+    # subscribers of --kv-events-config. Off: no cost.
+    kv_events: bool = False
     # Hybrid / recurrent models' prefix caching: slots for checkpoints of the recurrent state at block boundaries
     # (kv_cache.StateCheckpoints); None: one per max_num_seqs, within half the memory budget with the requests'.
     state_checkpoints: Optional[int] = None

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from streamer.config import EngineConfig
 from streamer.core.kv_cache import KVCacheManager, cdiv
+from streamer.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from streamer.core.request import Request, RequestStatus
 from streamer.core.scheduler import Scheduler
 from streamer.engine.lora import LoRAAdapter
@@ -40,8 +41,9 @@ class Sim:
                            max_loras=max(max_loras, 1))
         self.adapters = [None] + [LoRAAdapter(f"a{i}", Path("."), 1, {}) for i in range(3)]
         self.cfg = cfg
-        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.kv = KVCacheManager(num_blocks, block_size, caching, kv_events=True)
         self.sched = Scheduler(cfg, self.kv, max_model_len=10_000)
+        self.mirror: set[bytes] = set()  # the cache's contents as a router rebuilds them from its KV events
         self.slots: dict[int, int] = {}
         self.live: list[Request] = []
         self.finished: list[Request] = []
@@ -106,6 +108,7 @@ class Sim:
                     self.live.remove(req)
                     self.finished.append(req)
         self.sched.check_invariants()
+        self.check_events()
         self.check_lora(out)
         shared = {}
         for rid, blocks in self.kv.req_blocks.items():
@@ -115,6 +118,22 @@ class Sim:
             if len(owners) > 1 and self.kv.pool.block_hash[b] is None:  # (a reset unhashes blocks shared then)
                 assert set(owners) <= self.owners_at_reset.get(b, set()), \
                     "a block is shared without being a cached prefix"
+
+    def check_events(self) -> None:
+        """Replaying the KV events (BlockStored / BlockRemoved / AllBlocksCleared) gives exactly the hashes the
+        prefix cache can find now."""
+        for e in self.kv.take_events():
+            if isinstance(e, BlockStored):
+                assert len(e.token_ids) == len(e.block_hashes) * e.block_size
+                assert not self.mirror & set(e.block_hashes), "a block stored twice without its removal"
+                self.mirror.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                assert set(e.block_hashes) <= self.mirror, "a block removed that was never stored"
+                self.mirror.difference_update(e.block_hashes)
+            else:
+                assert isinstance(e, AllBlocksCleared)
+                self.mirror.clear()
+        assert self.mirror == set(self.kv.pool.cached), "the KV events disagree with the prefix cache"
 
     def check_lora(self, out) -> None:
         """Every running request with an adapter holds a slot with that adapter in it; slot users add up."""
@@ -153,6 +172,7 @@ class Sim:
             for b in blocks:
                 self.owners_at_reset.setdefault(b, set()).add(rid)
         self.kv.reset_prefix_cache()
+        self.check_events()
         assert not self.kv.pool.cached and all(h is None for h in self.kv.pool.block_hash)
         if self.kv.checkpoints is not None:
             assert not self.kv.checkpoints.lru

@@ -12,6 +12,7 @@ import logging
 from collections import OrderedDict
 from typing import Iterable, Optional
 
+from streamer.core.kv_events import BlockStored, EventLog, KVEvent
 from streamer.core.request import Request
 
 logger = logging.getLogger("streamer")
@@ -29,6 +30,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks in use or waiting in the LRU
         self.num_evictions = 0
+        self.events: Optional[EventLog] = None  # attached to publish what is stored and evicted (kv_events.py)
 
     @property
     def num_free(self) -> int:
@@ -54,6 +56,8 @@ class BlockPool:
             if h is not None:  # evict: the block's old content is no longer findable
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    if self.events is not None:
+                        self.events.removed(h)
                 self.block_hash[b] = None
                 self.num_evictions += 1
             self.ref_cnt[b] = 1
@@ -71,10 +75,13 @@ class BlockPool:
                 if self.block_hash[b] is None:
                     self.free.move_to_end(b, last=False)
 
-    def cache(self, b: int, block_hash: bytes) -> None:
+    def cache(self, b: int, block_hash: bytes) -> bool:
+        """Make block b findable by its hash; False when that content is already cached (in another block)."""
         if block_hash not in self.cached and self.block_hash[b] is None:
             self.cached[block_hash] = b
             self.block_hash[b] = block_hash
+            return True
+        return False
 
     def reset_prefix_cache(self) -> None:
         """Nothing cached is findable any more; blocks in use stay their requests' (whose later full blocks are
@@ -84,6 +91,8 @@ class BlockPool:
             if self.ref_cnt[b] == 0:
                 self.free.move_to_end(b, last=False)  # (reused before the cached blocks that come back later)
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
 
 
 class StateSlotPool:
@@ -250,8 +259,10 @@ class StateSnapshots:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 state_slots: int = 0, checkpoint_slots: int = 0, snapshot_slots: int = 0) -> None:
-        """state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks. With prefix
+                 state_slots: int = 0, checkpoint_slots: int = 0, snapshot_slots: int = 0,
+                 kv_events: bool = False) -> None:
+        """kv_events: log what the prefix cache stores and evicts, for `take_events` (core/kv_events.py).
+        state_slots > 0: a hybrid model's Mamba state slots, held by requests beside their blocks. With prefix
         caching, checkpoint_slots more follow them (after one scratch slot): `StateCheckpoints`; with speculative
         decoding, snapshot_slots after those: `StateSnapshots`."""
         self.state = StateSlotPool(state_slots) if state_slots > 0 else None
@@ -265,6 +276,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        if kv_events and enable_prefix_caching:
+            self.pool.events = EventLog()
         self.req_blocks: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks of a request registered in the cache
         self.prefix_queries = 0  # tokens looked up
@@ -384,10 +397,31 @@ class KVCacheManager:
     def _cache_full_blocks(self, req: Request, blocks: list[int], num_tokens: int) -> None:
         done = self._num_cached_blocks.get(req.request_id, 0)
         full = min(num_tokens // self.block_size, len(req.block_hashes))
-        for i in range(done, full):
-            self.pool.cache(blocks[i], req.block_hashes[i])
+        stored = [i for i in range(done, full) if self.pool.cache(blocks[i], req.block_hashes[i])]
+        if stored and self.pool.events is not None:
+            self._log_stored(req, stored)
         if full > done:
             self._num_cached_blocks[req.request_id] = full
+
+    def _log_stored(self, req: Request, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices newly stored for `req`."""
+        bs, hashes, tokens = self.block_size, req.block_hashes, req.all_token_ids
+        lora = req.lora.uid if req.lora is not None else None
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.pool.events.stored(BlockStored(  # type: ignore[union-attr]
+                hashes[first:last + 1], hashes[first - 1] if first else None,
+                list(tokens[first * bs:(last + 1) * bs]), bs, lora))
+
+    def take_events(self) -> list[KVEvent]:
+        """What the prefix cache stored and evicted since the last call ([] unless built with kv_events)."""
+        return self.pool.events.take() if self.pool.events is not None else []
 
     def _checkpoint(self, req: Request) -> None:
         """A running request whose computed tokens end a block: its state (after the steps so far) is the state

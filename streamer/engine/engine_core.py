@@ -52,7 +52,7 @@ class EngineCore:
                                  config.enable_prefix_caching and not self.encoder,
                                  state_slots=self.runner.num_state_slots,
                                  checkpoint_slots=self.runner.num_checkpoint_slots,
-                                 snapshot_slots=self.runner.num_snapshot_slots)
+                                 snapshot_slots=self.runner.num_snapshot_slots, kv_events=config.kv_events)
         self.prefix_caching = self.kv.enable_prefix_caching  # (off for a hybrid model without checkpoint slots)
         self.scheduler = Scheduler(config, self.kv, max_model_len, long_rope_threshold=self.long_rope_threshold)
         self.batch = InputBatch(config.max_num_seqs, max_model_len, self.runner.max_blocks_per_req,
