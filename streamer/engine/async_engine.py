@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Optional, TypeVar
 
 from streamer.config import EngineConfig
+from streamer.core.kv_events import KVEvent
 from streamer.core.scheduler import SchedulerOutput
 from streamer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from streamer.engine.input_processor import LoRAType, PromptType
@@ -158,6 +159,9 @@ class AsyncEngine:
         # Tensor parallelism: which rank was lost (the engine then fails), set from the ranks' monitor
         self.rank_lost: Optional[str] = None
         self._rank_lost: Optional[asyncio.Event] = None
+        # With config.kv_events: called on the loop after each step with what the prefix cache stored and evicted
+        # in it (core/kv_events.py), for the data-parallel router's reports and the --kv-events-config publisher
+        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = []
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> "AsyncEngine":
@@ -585,6 +589,8 @@ class AsyncEngine:
                     result = (pending.result() if pending.ready
                               else await loop.run_in_executor(self._waiter, pending.result))
                     self._dispatch(core.process(sched, result))
+                    if self.kv_event_sinks:
+                        self._publish_kv_events()
                 elif nxt is None:
                     if self._paused:  # (nothing in flight now: pause_generation may return)
                         self._quiet.set()  # type: ignore[union-attr]
@@ -606,6 +612,12 @@ class AsyncEngine:
             if nxt is not None:  # the step queued behind the failed one: its outcome no longer matters
                 nxt[2].add_done_callback(lambda f: f.cancelled() or f.exception())
             self._fail(exc)
+
+    def _publish_kv_events(self) -> None:
+        events = self._core.kv.take_events()
+        if events:
+            for sink in self.kv_event_sinks:
+                sink(events)
 
     def _fail(self, exc: BaseException) -> None:
         """The engine is dead: every open stream ends with EngineDeadError, new requests get it (503)."""
