@@ -102,6 +102,11 @@ class EngineConfig:
     # Ranks of tensor parallelism: one process (and on CUDA one GPU) per rank, each holding 1/N of every layer
     # (streamer/worker/parallel.py). Compiled as usual, async scheduling as usual; for now without CUDA graphs.
     tensor_parallel_size: int = 1
+    # Pipeline stages (docs/multi-node.md): the decoder layers split into this many contiguous stages, each stage a
+    # tensor-parallel group of its own ranks (world = tensor_parallel_size * pipeline_parallel_size, rank =
+    # stage * T + its place in the stage); hidden states pass from stage to stage and back to rank 0, which samples,
+    # with up to this many batches (of different requests) in flight.
+    pipeline_parallel_size: int = 1
     # Tensor parallelism over several machines (docs/multi-node.md; vLLM's flags): node n of `nnodes` runs ranks
     # n*P .. n*P+P-1 (P = `nproc_per_node`; default the GPUs a node has, or tensor_parallel_size / nnodes on CPU).
     # The engine runs on node 0 (the head), which hosts the rendezvous store at master_addr:master_port; the other
@@ -298,6 +303,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        pp = self.pipeline_parallel_size
+        if not _is_int(pp) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
         self._check_nodes()
         if self.speculative_method not in (None, "mtp", "suffix"):
             raise ValueError(f"speculative_method must be 'mtp', 'suffix' or None, got {self.speculative_method!r}")
@@ -308,8 +316,8 @@ class EngineConfig:
             what = "speculative_model" if self.speculative_model is not None else "speculative_method"
             if self.num_speculative_tokens < 1:
                 raise ValueError(f"{what} needs num_speculative_tokens >= 1 (the tokens it drafts a step)")
-            if tp > 1:
-                raise ValueError(f"{what} does not run with tensor_parallel_size > 1 yet")
+            if tp > 1 or pp > 1:
+                raise ValueError(f"{what} does not run with tensor_parallel_size or pipeline_parallel_size > 1 yet")
         if self.chat_template is not None:
             from streamer.server.chat_template import load_chat_template
             load_chat_template(self.chat_template)  # a missing file or a broken template fails here, not per request
@@ -330,9 +338,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a host name or address, got {v!r}")
         if self.distributed_launcher not in ("streamer", "torchrun"):
             raise ValueError(f"distributed_launcher must be 'streamer' or 'torchrun', got {self.distributed_launcher!r}")
-        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split over nnodes "
-                             f"{self.nnodes}")
+        if self.nnodes > 1 and self.world_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size} ranks) does not split "
+                             f"over nnodes {self.nnodes}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _check_suffix(self) -> None:
         """The suffix_decoding_* fields (checked whatever the method: a bad value is an error, not ignored)."""

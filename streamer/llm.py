@@ -1,6 +1,7 @@
 """Offline batch generation: `LLM(model).generate(prompts, params)`."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -289,6 +290,9 @@ class LLM:
         running the model would hold a second OpenMP team, and with more OpenMP threads than cores libgomp stops
         letting idle workers spin: every step ~3x slower, streamer/threads.py.) Otherwise step by step."""
         engine = self.engine
+        if engine.pipeline_depth > 1:
+            self._run_pipelined(progress)
+            return
         if not engine.async_scheduling:
             while engine.has_unfinished():
                 updates = engine.step()
@@ -319,6 +323,27 @@ class LLM:
                         raise RuntimeError("requests are left that can never be scheduled")
                     return
                 inflight = nxt
+
+    def _run_pipelined(self, progress: Optional[GenerateProgress]) -> None:
+        """With P pipeline stages: up to P steps of different requests in flight (AsyncEngine._run_pipelined):
+        launched here (rank 0's stage), their hidden states taken back and sampled on a waiter thread, in order."""
+        engine = self.engine
+        inflight: collections.deque[tuple[Any, Future]] = collections.deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="streamer-wait") as waiter:
+            while True:
+                while len(inflight) < engine.pipeline_depth:
+                    step = engine.schedule()
+                    if step is None:
+                        break
+                    inflight.append((step[0], waiter.submit(engine.runner.launch(step[1]).result)))
+                if not inflight:
+                    if engine.has_unfinished():
+                        raise RuntimeError("requests are left that can never be scheduled")
+                    return
+                sched, result = inflight.popleft()
+                updates = engine.process(sched, result.result())
+                if progress is not None:
+                    progress.update(updates)
 
     def _output(self, rid: str, states: list[SeqState]) -> RequestOutput:
         first = states[0].req

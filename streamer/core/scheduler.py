@@ -143,6 +143,10 @@ class Scheduler:
         self.itl: Optional[ItlPolicy] = None
         self.step_gap = 0.0  # the loop's own time between two steps (delivery), smoothed: part of every gap
         self.clock = time.monotonic  # (arrival times' clock)
+        # Pipeline parallelism: up to this many steps in flight, each of other requests (a request's next step
+        # needs the token its step in flight samples): the ids in steps not yet landed (`landed`)
+        self.pipeline_depth = config.pipeline_parallel_size
+        self.in_flight: set[str] = set()
 
     def use_itl_budget(self) -> None:
         """Plan steps against the inter-token budget from now on (the config's max_itl_ms; 0 leaves it off)."""
@@ -175,6 +179,7 @@ class Scheduler:
             self._release_lora(req)
         else:
             self.waiting.remove(req)
+        self.in_flight.discard(req.request_id)
         req.status = status
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
@@ -213,6 +218,18 @@ class Scheduler:
         return len(running)
 
     # ------------------------------------------------------------------ one step
+    def landed(self, out: SchedulerOutput) -> None:
+        """A pipelined step's results are processed: its requests may be scheduled again."""
+        for s in out.scheduled:
+            self.in_flight.discard(s.req.request_id)
+
+    def _seats(self) -> int:
+        """How many requests a step may hold: max_num_seqs, or with P pipeline stages 1/P of the requests (at
+        least one), so that P steps of different requests can be in flight at once."""
+        if self.pipeline_depth == 1:
+            return self.config.max_num_seqs
+        return max(1, -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.config.scheduling_policy == "priority":
@@ -228,8 +245,12 @@ class Scheduler:
         pool_dry = False
         i = 0
         long_rope = self.long_rope_threshold
-        while i < len(self.running) and budget > 0:
+        busy, seats = self.in_flight, self._seats()
+        while i < len(self.running) and budget > 0 and len(planned) < seats:
             req = self.running[i]
+            if busy and req.request_id in busy:  # (pipelined: its step in flight)
+                i += 1
+                continue
             if long_rope is not None and not req.long_rope and len(req.all_token_ids) > long_rope:
                 # Outgrew the short factors: recompute everything with the long ones, in fresh blocks (its blocks
                 # stay cached under their short-factor hashes, and may be shared).
@@ -273,8 +294,9 @@ class Scheduler:
                 else:
                     plan.take(req.num_computed_tokens, n)
         if not pool_dry:  # admitting now would only preempt again next step
-            budget = self._admit(planned, budget, plan)
-        for req in deferred:  # (no preemption for these: they rank below what was admitted)
+            budget = self._admit(planned, budget, plan, seats)
+        for req in deferred[:max(seats - len(planned), 0)]:  # (no preemption for these: they rank below what
+            # was admitted)
             known = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
             n = self._chunk(plan, req, req.num_computed_tokens, min(known, budget))
             if n > 1 and self.kv.checkpoints is not None:
@@ -296,6 +318,8 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
         if self.kv.snapshots is not None:
             self.kv.snapshot_states([(s.req, s.start) for s in out.scheduled if s.num_drafts])
+        if self.pipeline_depth > 1:
+            busy.update(s.req.request_id for s in out.scheduled)
         out.budget = plan.budget
         return out
 
@@ -307,7 +331,10 @@ class Scheduler:
         spec = self.config.num_speculative_tokens > 0
         tokens, decodes, prompts, streamed = 0, 0, 0, False
         oldest = self.waiting.peek().arrival_time if len(self.waiting) else math.inf
+        busy = self.in_flight
         for req in self.running:
+            if busy and req.request_id in busy:
+                continue
             known = len(req.all_token_ids) + req.num_pending - req.num_computed_tokens
             if known <= 1:
                 n = known + (len(req.draft_token_ids) if spec else 0)
@@ -374,10 +401,13 @@ class Scheduler:
         return (req.num_output_tokens + req.num_pending >= req.max_tokens
                 or req.num_scheduled_tokens >= self.max_model_len)
 
-    def _admit(self, planned: list[tuple[Request, int]], budget: int, plan: StepPlan) -> int:
+    def _admit(self, planned: list[tuple[Request, int]], budget: int, plan: StepPlan, seats: int) -> int:
         no_lora_slot: list[Request] = []  # passed over: their adapter finds no free slot this step
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(planned) < seats):
             req = self.waiting.peek()
+            if req.request_id in self.in_flight:  # preempted while its step is in flight (pipelined): after it
+                break
             if req.lora is not None:
                 slot = self.lora_slots.acquire(req.lora)  # type: ignore[union-attr]
                 if slot is None:

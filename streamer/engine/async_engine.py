@@ -9,6 +9,7 @@ it runs (its inputs are fresh arrays; tokens not yet known on the host are read 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -177,7 +178,8 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         self._quiet, self._resumed = asyncio.Event(), asyncio.Event()
-        self._task = asyncio.create_task(self._run(), name="streamer-engine-loop")
+        self._task = asyncio.create_task(self._run() if self.engine.pipeline_depth == 1 else self._run_pipelined(),
+                                         name="streamer-engine-loop")
         self._rank_lost = asyncio.Event()
         workers = self.engine.runner.tp_workers
         if workers is not None:  # a lost rank fails the engine at once, even while a step waits in a collective
@@ -618,6 +620,51 @@ class AsyncEngine:
         if events:
             for sink in self.kv_event_sinks:
                 sink(events)
+
+    async def _run_pipelined(self) -> None:
+        """The step pipeline with P pipeline stages: up to P steps (each of other requests: the scheduler's
+        `in_flight`) are launched on the device thread, which runs rank 0's stage of each and goes on to the next
+        while later stages compute; the waiter thread takes each step's final hidden states back, in order, and
+        samples; then the loop processes its tokens and launches the next step (worker/pipeline.py)."""
+        loop = asyncio.get_running_loop()
+        core = self._core
+        depth = core.pipeline_depth
+        inflight: collections.deque[tuple[SchedulerOutput, asyncio.Future]] = collections.deque()
+        try:
+            while True:
+                while len(inflight) < depth and not self._paused and core.has_unfinished():
+                    step = core.schedule()
+                    if step is None:
+                        break
+                    launched = loop.run_in_executor(self._device, core.runner.launch, step[1])
+                    inflight.append((step[0], loop.create_task(self._pipeline_result(launched))))
+                if inflight:
+                    sched, result = inflight.popleft()
+                    self._dispatch(core.process(sched, await result))
+                    if self.kv_event_sinks:
+                        self._publish_kv_events()
+                elif self._paused:
+                    self._quiet.set()  # type: ignore[union-attr]
+                    await self._resumed.wait()  # type: ignore[union-attr]
+                elif core.has_unfinished():
+                    await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)
+                else:
+                    self._wakeup.clear()  # type: ignore[union-attr]
+                    await self._wakeup.wait()  # type: ignore[union-attr]
+        except asyncio.CancelledError:
+            for _, result in inflight:
+                result.cancel()
+            raise
+        except BaseException as exc:
+            logger.exception("engine step failed; the engine is now dead")
+            for _, result in inflight:
+                result.cancel()
+            self._fail(exc)
+
+    async def _pipeline_result(self, launched: asyncio.Future) -> Any:
+        """A launched step's result, waited for on the waiter thread (one at a time: steps come back in order)."""
+        pending = await launched
+        return await asyncio.get_running_loop().run_in_executor(self._waiter, pending.result)
 
     def _fail(self, exc: BaseException) -> None:
         """The engine is dead: every open stream ends with EngineDeadError, new requests get it (503)."""

@@ -138,7 +138,7 @@ class EngineCore:
         """May the next step be scheduled while `running` still runs? Not when a row of it applies penalties,
         bad_words or Whisper's rules, follows a grammar or may have to close its reasoning: the next step's
         penalties, bans, token mask or forced token need the token it samples, on the host."""
-        return (self.async_scheduling and not running.sampling.penalized and running.sampling.grammar is None
+        return (self.async_scheduling and self.config.pipeline_parallel_size == 1 and not running.sampling.penalized and running.sampling.grammar is None
                 and not running.sampling.worded and not running.sampling.speech and not any(r.think.pins_next  # type: ignore[union-attr]
                                                             for _, r in running.sampling.thinking)
                 and not self.config.num_speculative_tokens)  # drafts are proposed from the tokens known

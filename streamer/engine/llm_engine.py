@@ -262,7 +262,14 @@ class LLMEngine:
         self.core.record(result)
         updates = self.output.process(result)
         self.core.observe_step(sched)
+        if self.pipeline_depth > 1:
+            self.scheduler.landed(sched)
         return updates
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps that may be in flight at once: the pipeline stages (1: none, or async scheduling's overlap)."""
+        return self.config.pipeline_parallel_size
 
     @staticmethod
     def undelivered(state: SeqState) -> Optional[SeqUpdate]:

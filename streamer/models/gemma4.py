@@ -30,7 +30,13 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.gemma3 import GemmaMLP, GemmaRMSNorm, gemma_layer_types
-from streamer.models.layers import ColumnParallelLinear, ReplicatedLinear, RotaryEmbedding, VocabEmbedding
+from streamer.models.layers import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RotaryEmbedding,
+    VocabEmbedding,
+    tp_all_reduce,
+)
 from streamer.models.llama import Attention, LlamaForCausalLM
 from streamer.models.moe import SparseMoE, unstack_experts
 
@@ -174,7 +180,7 @@ class Gemma4MoE(SparseMoE):
         weights, ids = self.route(x if stream is None else stream)
         out = self.run_experts(x, weights, ids)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            tp_all_reduce(out)
         return out
 
 

@@ -9,6 +9,7 @@ the identity, so tensor parallelism only adds the collective, not a rewrite.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -43,6 +44,44 @@ class ParallelContext:
 
     rank: int = 0
     size: int = 1
+    # The ranks this one all-reduces with: its pipeline stage's (None: every rank, one stage). Read at each
+    # all-reduce (`tp_all_reduce`), not kept by the layers.
+    group: Any = None
+    # Pipeline parallelism: this rank's stage of `num_stages` (models/llama.py builds only its layers)
+    stage: int = 0
+    num_stages: int = 1
+
+
+def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
+    """The decoder layers [lo, hi) that pipeline stage `stage` of `num_stages` runs: contiguous, the first stages
+    one layer more when they do not divide (rank 0's stage also embeds and samples, but the last normalizes, and
+    a layer costs far more than either)."""
+    base, extra = divmod(num_layers, num_stages)
+    lo = stage * base + min(stage, extra)
+    return lo, lo + base + (stage < extra)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def stage_holds(name: str, layers: tuple[int, int], first: bool, last: bool) -> bool:
+    """Whether a pipeline stage holds the weight `name` (a checkpoint's name or the model's own): a decoder layer's
+    if it is one of its `layers`; the embeddings and the LM head on the first stage (which samples); the final norm
+    on the last; anything else on every stage."""
+    m = _LAYER_INDEX.search(name)
+    if m is not None:
+        return layers[0] <= int(m.group(1)) < layers[1]
+    bare = name.removeprefix("model.")
+    if bare.startswith(("embed_tokens.", "lm_head.")):
+        return first
+    if bare.startswith("norm."):
+        return last
+    return True
+
+
+def tp_all_reduce(t: torch.Tensor) -> None:
+    """Sum `t` in place over this rank's tensor-parallel group (its pipeline stage's ranks)."""
+    torch.distributed.all_reduce(t, group=ParallelContext.group)
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -363,7 +402,7 @@ class RowParallelLinear(PackableLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, None)
         if self.tp_size > 1 and self.reduce:  # each rank multiplied its slice of the input features: sum them
-            torch.distributed.all_reduce(y)
+            tp_all_reduce(y)
         return y if self.bias is None or (not self.reduce and self.tp_rank) else y + self.bias
 
 

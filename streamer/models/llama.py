@@ -33,6 +33,8 @@ from streamer.models.layers import (
     default_weight_loader,
     rank_rows_loader,
     silu_and_mul,
+    stage_holds,
+    stage_layers,
 )
 from streamer.models.moe import EXPERT_PROJ, EXPERT_WEIGHT, INT4_PARTS, SparseMoE
 
@@ -206,6 +208,10 @@ class DecoderLayer(nn.Module):
 LayerHook = Callable[[int, torch.Tensor, Optional[torch.Tensor]], tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
+class MissingLayer(nn.Module):
+    """Another pipeline stage's decoder layer: nothing here (no weights, no KV cache)."""
+
+
 class LlamaForCausalLM(nn.Module):
     decoder_layer: type[nn.Module] = DecoderLayer  # built as decoder_layer(cfg, backend_cls, rotary, index)
     # checkpoint name fragment -> (our packed parameter fragment, shard id)
@@ -225,11 +231,20 @@ class LlamaForCausalLM(nn.Module):
             rotary.use_mrope(cfg.mrope_section, interleaved=cfg.mrope_interleaved)
         # (sequence length past which positions take the long LongRoPE table, that table's row offset)
         self.long_rope = (rotary.long_threshold, rotary.long_offset) if rotary.long_threshold else None
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i)
-                                    for i in self.layer_indices(cfg))
+        # Pipeline parallelism (ParallelContext.stage): a stage builds only its layers (the others are empty
+        # placeholders, so that layer i stays self.layers[i]); the first stage embeds and holds the LM head (rank 0
+        # samples), the last one the final norm.
+        stage, stages = ParallelContext.stage, ParallelContext.num_stages
+        self.pp_first, self.pp_last = stage == 0, stage == stages - 1
+        indices = list(self.layer_indices(cfg))
+        self.pp_layers = stage_layers(len(indices), stage, stages) if stages > 1 else (0, len(indices))
+        lo, hi = self.pp_layers
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if self.pp_first else None
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, backend_cls, rotary, i) if lo <= k < hi else MissingLayer()
+                                    for k, i in enumerate(indices))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = (None if cfg.tie_word_embeddings or not self.pp_first
+                        else VocabEmbedding(cfg.vocab_size, cfg.hidden_size))
         # A sequence classifier's head (its config ties the embeddings: there is no LM head); the runner applies it
         # to the pooled last-token hidden states.
         self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False) if cfg.num_labels else None
@@ -262,12 +277,16 @@ class LlamaForCausalLM(nn.Module):
         states in each row: [T, hidden * (1 + len(aux_layers))] (the runner splits them)."""
         residual = None
         aux = []
-        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+        layers = self.layers
+        lo, hi = self.pp_layers or (0, len(layers))
+        for i in range(lo, hi):
             if i in self.aux_layers:
                 aux.append(x if residual is None else x + residual)
-            x, residual = layer(positions, x, residual, kv, decode)
+            x, residual = layers[i](positions, x, residual, kv_caches[i], decode)
             if after_layer is not None:
                 x, residual = after_layer(i, x, residual)
+        if not self.pp_last:  # the residual stream for the next pipeline stage (its first layer adds the same way)
+            return x if residual is None else x + residual
         out = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
@@ -288,6 +307,9 @@ class LlamaForCausalLM(nn.Module):
 
     packed_head: Optional[torch.Tensor] = None
     aux_layers: tuple[int, ...] = ()  # see run_layers
+    # Pipeline parallelism: this stage's decoder layers [lo, hi) (None: all), whether it is the first / the last
+    pp_layers: Optional[tuple[int, int]] = None
+    pp_first = pp_last = True
     long_rope: Optional[tuple[int, int]] = None
     bidirectional_images = False  # (vision-language models: models/vlm.py)
     bidirectional = False  # every token attends to its whole prompt (an encoder: models/bert.py)
@@ -333,12 +355,16 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{frag}.", f".{ours}."), shard
         return name, None
 
+    def holds(self, name: str) -> bool:
+        """Whether this pipeline stage holds the weight `name` (every weight with one stage)."""
+        return ParallelContext.num_stages == 1 or stage_holds(name, self.pp_layers, self.pp_first, self.pp_last)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters; returns the names of the parameters that were filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
-            if ckpt_name.endswith(self.ignored_suffixes):
+            if ckpt_name.endswith(self.ignored_suffixes) or not self.holds(ckpt_name):
                 continue
             if ckpt_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints still store a copy of the embedding
@@ -390,6 +416,8 @@ class LlamaForCausalLM(nn.Module):
     def expected_weights(self) -> set[str]:
         names: set[str] = set()
         for name, _ in self.named_parameters():
+            if not self.holds(name):  # (built by a subclass on every stage, but not this stage's to load)
+                continue
             owner_name, attr = name.rsplit(".", 1)
             owner = self.get_submodule(owner_name)
             if isinstance(owner, SparseMoE) and attr in INT4_PARTS:

@@ -28,7 +28,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.gpt_oss import FUSED
-from streamer.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader
+from streamer.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader, tp_all_reduce
 from streamer.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, rope_layers
 from streamer.models.moe import SparseMoE
 
@@ -161,7 +161,7 @@ class Llama4MoE(SparseMoE):
         if k > 1:
             routed = routed.view(tokens, k, -1).sum(dim=1)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(routed)
+            tp_all_reduce(routed)
         return self.shared_expert(x) + routed
 
 

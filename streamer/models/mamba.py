@@ -37,6 +37,7 @@ from streamer.models.layers import (
     RowParallelLinear,
     _check_shape,
     rank_rows_loader,
+    tp_all_reduce,
 )
 
 if TYPE_CHECKING:
@@ -504,6 +505,6 @@ class MambaMixer(RecurrentMixer):
         if self.group_ranks > 1:
             shares = ms.new_zeros(t, self.total_groups)
             shares[:, self.group_index] = ms[:, 0, 0]
-            torch.distributed.all_reduce(shares)
+            tp_all_reduce(shares)
             ms = shares[:, self.group_index, None, None] / self.group_ranks
         return (g * torch.rsqrt(ms + self.eps)).view(t, -1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamer_kernels as K
-from streamer.models.layers import ParallelContext
+from streamer.models.layers import ParallelContext, tp_all_reduce
 from streamer.models.woq import Int4Weight, Unpacked, copy_into, int4_supported, kernel_group, pack_int4, quantize_rtn
 from streamer_kernels.reference import expert_activation
 
@@ -422,7 +422,7 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         out = self.run_experts(x, weights, ids)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
+            tp_all_reduce(out)
         if self.w2_bias is not None:  # after the all-reduce: every rank holds all of it
             out = out + (weights.unsqueeze(-1) * self.w2_bias[ids]).sum(dim=1).to(out.dtype)
         return out

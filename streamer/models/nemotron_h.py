@@ -30,7 +30,7 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.family_configs import nemotron_h_layer_kinds, nemotron_h_mixer_config
-from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear
+from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, tp_all_reduce
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 from streamer.models.moe import SparseMoE
@@ -102,7 +102,7 @@ class NemotronHMoE(SparseMoE):
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         out = self.run_experts(h, weights, ids)
         if self.tp_size > 1:  # every rank summed its slice of each expert
-            torch.distributed.all_reduce(out)
+            tp_all_reduce(out)
         if self.fc2_latent_proj is not None:
             out = self.fc2_latent_proj(out)
         return out + self.shared_experts(x)

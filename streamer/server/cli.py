@@ -283,8 +283,8 @@ def _torchrun(args: argparse.Namespace, kwargs: dict) -> Optional[int]:
     placement = torchrun_env()
     if placement is None or placement["world"] == 1:
         return None
-    if kwargs.get("tensor_parallel_size", 1) == 1:
-        kwargs["tensor_parallel_size"] = placement["world"]
+    if kwargs.get("tensor_parallel_size", 1) == 1:  # (the stages take the rest)
+        kwargs["tensor_parallel_size"] = max(placement["world"] // kwargs.get("pipeline_parallel_size", 1), 1)
     kwargs["distributed_launcher"] = "torchrun"
     if placement["rank"] == 0:
         return None
@@ -398,7 +398,7 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return 1
         if shutdown.requested:
             return 0
-        if engine.config.tensor_parallel_size > 1:
+        if engine.config.world_size > 1:
             asyncio.ensure_future(_exit_on_rank_loss(engine, shutdown))
         cors = (CORSConfig(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                            args.allow_credentials) if args.allowed_origins else None)

@@ -47,6 +47,7 @@ from streamer.worker.cpu_malloc import keep_freed_memory
 from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.worker.parallel import TensorParallelWorkers, layout_of, serve_steps
+from streamer.worker.pipeline import PipelineLinks
 from streamer.worker.rendezvous import RankGroup, init_process_group
 from streamer.worker.sampler import (
     Sampler,
@@ -252,22 +253,25 @@ def kv_cache_geometry(model: torch.nn.Module) -> list[Optional[tuple[int, int]]]
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
                  tp_rank: int = 0, local_rank: Optional[int] = None) -> None:
-        """tp_rank > 0: a tensor-parallel worker's shard (streamer/worker/parallel.py), which only runs forwards;
-        local_rank: its place among its node's ranks (its GPU), when they span several nodes."""
+        """tp_rank > 0: another rank's shard (streamer/worker/parallel.py; its rank among all, every stage's), which
+        only runs forwards; local_rank: its place among its node's ranks (its GPU), when they span several nodes."""
         self.config = config
         # (DeepSeek: the KV cache's geometry follows the latent-or-MHA switch; every rank applies it alike)
         self.model_cfg = model_cfg = model_cfg.with_mla_cache(config.mla_latent_cache)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
+        # tp_rank: this process's rank among all (stage * T + its place in the stage); world: T x P processes
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
-        self.device = (rank_device(config.device, tp_rank if local_rank is None else local_rank) if self.tp_size > 1
-                       else resolve_device(config.device))
+        self.pp_size, self.world_size = config.pipeline_parallel_size, config.world_size
+        self.device = (rank_device(config.device, tp_rank if local_rank is None else local_rank)
+                       if self.world_size > 1 else resolve_device(config.device))
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large temporaries are reused, not page-faulted in afresh
         self.tp_workers: Optional[TensorParallelWorkers] = None
         self._threads_before = 0
         self._warming_up = False
-        if self.tp_size > 1 and tp_rank == 0:
+        self.pp: Optional[PipelineLinks] = None
+        if self.world_size > 1 and tp_rank == 0:
             local_ranks = layout_of(config).nproc_per_node  # (ValueError for flags that do not fit)
             self._check_tp(local_ranks)
             if self.device.type == "cpu":  # this node's ranks share its cores (workers do the same); close() restores
@@ -277,6 +281,8 @@ class ModelRunner:
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device,
                                                     run_tensor_parallel_rank)
+        if self.pp_size > 1:  # (every rank alike, once the process group started)
+            self.pp = PipelineLinks.build(tp_rank, self.tp_size, self.pp_size)
         self.drafter: Optional["DraftModel | EagleDrafter"] = None
         # Vision-language models: image features by image, kept across a prompt's chunks (streamer/multimodal/inputs.py)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
@@ -295,7 +301,12 @@ class ModelRunner:
 
     def _build(self, model_dir: Path) -> None:
         config, model_cfg, max_model_len = self.config, self.model_cfg, self.max_model_len
-        ParallelContext.rank, ParallelContext.size = self.tp_rank, self.tp_size  # read while the layers are built
+        # read while the layers are built: the place in the stage, the stage (PipelineLinks.enter)
+        ParallelContext.rank, ParallelContext.size = self.tp_rank % self.tp_size, self.tp_size
+        if self.pp is not None:
+            self.pp.enter()
+        else:
+            PipelineLinks.leave()
         self.dtype = resolve_dtype(config.dtype, model_cfg, self.device)
         self.block_size = config.block_size
         backend_cls = resolve_backend(config.attention_backend, self.device)
@@ -362,7 +373,8 @@ class ModelRunner:
         logger.info("KV cache: %d blocks = %d tokens (block_size %d, %s, %s)", self.num_blocks,
                     self.num_blocks * self.block_size, self.block_size, str(self.kv_dtype).replace("torch.", ""),
                     self.device)
-        if self._cpu_packing() and not self.model.bidirectional:  # (an encoder only pools: no LM head to run)
+        if self._cpu_packing() and not self.model.bidirectional and getattr(self.model, "pp_first", True):
+            # (an encoder only pools: no LM head to run; a later pipeline stage has none)
             self.model.pack_head_for_cpu()
         self.graphs: Optional[DecodeGraphs] = None
         if self.tp_workers is not None:
@@ -431,7 +443,7 @@ class ModelRunner:
         build or keep in step (tensor-parallel ranks, hybrid and encoder-decoder models, quantized weights, a
         draft model)."""
         c = self.config
-        return (c.compile_in_background and self.device.type == "cpu" and self.tp_size == 1 and not self.hybrid
+        return (c.compile_in_background and self.device.type == "cpu" and self.world_size == 1 and not self.hybrid
                 and not self.cross and c.quantization is None and not self.fp8 and not c.speculative_model
                 and not c.num_speculative_tokens)
 
@@ -487,18 +499,21 @@ class ModelRunner:
     def _check_tp(self, local_ranks: int) -> None:
         tp = self.tp_size
         model = registry.entry(self.model_cfg.architecture)
-        if model.no_tensor_parallel:
+        if model.no_tensor_parallel and tp > 1:
             raise ValueError(f"{model.architecture} does not support tensor parallelism: {model.no_tensor_parallel}")
         if self.device.type == "cuda" and local_ranks > torch.cuda.device_count():
             raise ValueError(f"{local_ranks} tensor-parallel ranks on this node need {local_ranks} GPUs; "
                              f"{torch.cuda.device_count()} visible")
         # (the registry entry's rule: the attention heads, or the model's own check, hybrids' recurrent layers too)
-        model.check_tensor_parallel(self.model_cfg, tp)
+        if tp > 1:
+            model.check_tensor_parallel(self.model_cfg, tp)
+        if self.pp_size > 1:
+            model.check_pipeline_parallel(self.model_cfg, self.pp_size)
 
     def _use_cuda_graphs(self) -> bool:
         # The Triton backend reads every per-step value from device memory; the torch backend plans on the host.
         # (Tensor-parallel workers would have to replay the same graphs: not yet.)
-        return (self.device.type == "cuda" and self.attention_backend == "triton" and self.tp_size == 1
+        return (self.device.type == "cuda" and self.attention_backend == "triton" and self.world_size == 1
                 and not self.cross and self.config.enforce_eager is not True and self.config.cuda_graph_max_batch > 0)
 
     def enable_decode_graphs(self, sizes: list[int], capture: bool = True) -> None:
@@ -564,6 +579,10 @@ class ModelRunner:
             if self.config.enforce_eager is False:
                 logger.info("%s: running eagerly (enforce_eager=False ignored)", "encoder-decoder model" if self.cross
                             else "hybrid model on the Triton attention backend")
+            return False
+        if self.pp_size > 1:  # (a later stage's forward starts from the hidden states, which no graph takes yet)
+            if self.config.enforce_eager is False:
+                logger.info("pipeline parallelism: running eagerly (enforce_eager=False ignored)")
             return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
@@ -736,7 +755,7 @@ class ModelRunner:
             logger.warning("%s for max_num_seqs=%d sequences (%.1f MiB each) exceeds half the memory "
                            "budget: %d slots, so at most %d sequences run at once", self._state_name(),
                            self.config.max_num_seqs, per_slot / 2 ** 20, n, n)
-        if self.tp_size > 1:  # every rank must hold the same slots: the smallest budget decides
+        if self.world_size > 1:  # every rank must hold the same slots: the smallest budget decides
             counts = torch.tensor([n, checkpoints], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN)
             n, checkpoints = (int(c) for c in counts.tolist())
@@ -773,7 +792,7 @@ class ModelRunner:
         useful = self.config.max_num_seqs * self.max_blocks_per_req
         # (no KV per block, a model without attention layers: as many as the sequences can fill, up to 256K)
         n = min(budget // per_block, useful) if per_block else min(useful, 1 << 18)
-        if self.tp_size > 1:  # every rank must hold the same blocks: the smallest budget decides
+        if self.world_size > 1:  # every rank must hold the same blocks: the smallest budget decides
             t = torch.tensor([n], dtype=torch.int64, device=self.device)
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             n = int(t.item())
@@ -1057,6 +1076,30 @@ class ModelRunner:
         return input_ids
 
     def _run_model(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The step's final hidden states (on rank 0 of several pipeline stages: once they came back); on another
+        rank its stage's output."""
+        out = self._run_stage(step, drafts)
+        if self.pp is not None and self.tp_rank == 0:
+            out = self._pipeline_result(step)
+        return out
+
+    def _pipeline_result(self, step: StepInputs) -> torch.Tensor:
+        """Rank 0: the last stage's final hidden states of `step` (steps come back in the order they were sent)."""
+        return self.pp.recv_back(step.num_tokens, self.model_cfg.hidden_size,  # type: ignore[union-attr]
+                                 self.dtype, self.device)
+
+    def _run_stage(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's part of the step's forward: the whole model, or its pipeline stage's layers (their output
+        sent on to the next stage, or from the last back to rank 0)."""
+        out = self._run_stage_model(step, drafts)
+        if self.pp is not None:
+            if self.pp.last:
+                self.pp.send_back(out)
+            else:
+                self.pp.send_next(out)
+        return out
+
+    def _run_stage_model(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.tp_workers is not None:  # the other ranks run the same forward, meeting ours at each all-reduce
             self.tp_workers.send(step)
         for slot, adapter in step.lora_loads:  # queued in order behind the steps that still use the slot
@@ -1070,7 +1113,7 @@ class ModelRunner:
                 return self._forward(step, drafts)
         try:
             # (a rank alone may retry a step: a tensor-parallel one would meet the others at its collectives twice)
-            return healing(run, "torch.compile") if self.compiled and self.tp_size == 1 else run()
+            return healing(run, "torch.compile") if self.compiled and self.world_size == 1 else run()
         except Exception as e:
             # No C++ toolchain, or an Inductor bug: serve eagerly rather than not at all. Compilation fails before
             # the graph runs, so running the same step eagerly keeps every rank's collectives in step. (A worker
@@ -1116,6 +1159,11 @@ class ModelRunner:
 
     def _forward(self, step: StepInputs, drafts: Optional[torch.Tensor]) -> torch.Tensor:
         dev = self.device
+        if self.pp is not None and not self.pp.first:  # a later pipeline stage: from the stage before's output
+            hidden = self.pp.recv_prev(step.num_tokens, self.model_cfg.hidden_size, self.dtype, dev)
+            with forward_context(self._metadata(step)):
+                return self.model(None, to_device(self._rope_positions(step), dev), self.kv_caches,
+                                  inputs_embeds=hidden)
         input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
         if step.images is not None:  # eagerly: a prefill chunk's matmuls dominate, and no graph takes embeddings
             embeds, extra = self._embeds_with_images(input_ids, step.images)
@@ -1186,7 +1234,7 @@ class ModelRunner:
         tokens rank 0 sampled, kept per row as rank 0 keeps them (a pending token of the next step reads them)."""
         self._run_model(step)
         idx = step.sample_idx
-        if len(idx):
+        if len(idx) and self.pp is None:
             tokens = torch.empty(len(idx), dtype=torch.int64, device=self.device)
             torch.distributed.broadcast(tokens, src=0)
             self.keep_last_tokens(step.rows[idx], tokens)
@@ -1377,9 +1425,18 @@ class ModelRunner:
             raise RuntimeError(why) from e
 
     def _launch(self, step: StepInputs) -> "PendingStep":
-        dev = self.device
+        if self.pp is not None:  # the first stage now; the rest when its hidden states come back (`result()`)
+            self._run_stage(step)
+            return PipelinedStep(self, step)
         drafts = self.drafter.propose(step.draft) if step.draft is not None else None  # type: ignore[union-attr]
         hidden, features = self._split(self._run_model(step, drafts))
+        return self._sample(step, hidden, features, drafts)
+
+    def _sample(self, step: StepInputs, hidden: torch.Tensor, features: torch.Tensor,
+                drafts: Optional[torch.Tensor]) -> "PendingStep":
+        """The step's final hidden states -> prompt logprobs, pooled sums, logits and sampled tokens (on their way
+        to the host)."""
+        dev = self.device
         prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
         pooled = self._pool(hidden, step.pool) if step.pool is not None else None
         idx = step.sample_idx
@@ -1392,7 +1449,8 @@ class ModelRunner:
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
         if step.eagle is not None:  # the head's KV over this step's tokens, the sampled ones included
             self.drafter.fill(step, step.eagle, features, out.token_ids)  # type: ignore[union-attr]
-        if self.tp_workers is not None:  # workers keep the sampled tokens too: async scheduling's next step reads them
+        if self.tp_workers is not None and self.pp is None:  # workers keep the sampled tokens too: async
+            # scheduling's next step reads them (not with pipeline stages: a request's next step waits for its token)
             torch.distributed.broadcast(out.token_ids, src=0)
         self.keep_last_tokens(step.rows[idx], out.token_ids)
         tensors = [out.token_ids] + ([out.logprobs, out.logprob_token_ids, out.ranks]
@@ -1438,6 +1496,28 @@ class ModelRunner:
         chosen, ranks, top_lps, top_ids = (torch.cat(p).cpu().numpy() for p in zip(*parts))
         chosen = chosen[:, 0]
         return PromptLogprobsOut(want.owners, want.target_ids, chosen, ranks, top_ids, top_lps)
+
+
+class PipelinedStep:
+    """A step launched on rank 0's pipeline stage: `result()` waits for its final hidden states to come back from
+    the last stage (off the device thread, which meanwhile launches the next step), then samples."""
+
+    ready = False
+
+    def __init__(self, runner: ModelRunner, step: StepInputs) -> None:
+        self.runner, self.step = runner, step
+
+    @torch.inference_mode()
+    def result(self) -> RunnerOutput:
+        runner, step = self.runner, self.step
+        try:
+            hidden = runner._pipeline_result(step)
+        except Exception as e:  # a rank lost: say which
+            why = runner.tp_workers.lost(2.0) if runner.tp_workers is not None else None
+            if why is None:
+                raise
+            raise RuntimeError(why) from e
+        return runner._sample(step, hidden, hidden, None).result()
 
 
 class PendingStep:

@@ -64,7 +64,7 @@ _KINDS = ("steps", "watch")
 
 def layout_of(config: "EngineConfig") -> Layout:
     """Where the engine's tensor-parallel ranks run (one machine, or several: the multi-node fields)."""
-    return node_layout(config.tensor_parallel_size, config.device, config.nnodes, config.node_rank,
+    return node_layout(config.world_size, config.device, config.nnodes, config.node_rank,
                        config.nproc_per_node, config.master_addr, config.master_port, config.dist_host,
                        config.distributed_launcher == "torchrun")
 

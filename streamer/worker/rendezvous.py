@@ -95,7 +95,8 @@ def node_layout(world: int, device: str, nnodes: int = 1, node_rank: int = 0, np
         env = os.environ
         world_env = int(env["WORLD_SIZE"])
         if world_env != world:
-            raise ValueError(f"torchrun started {world_env} processes (WORLD_SIZE) for tensor_parallel_size {world}")
+            raise ValueError(f"torchrun started {world_env} processes (WORLD_SIZE) for {world} ranks "
+                             "(tensor_parallel_size x pipeline_parallel_size)")
         local = int(env.get("LOCAL_WORLD_SIZE", world))
         return Layout(world, nnodes=world // local, node_rank=int(env["RANK"]) // local, nproc_per_node=local,
                       master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]), dist_host=dist_host,
@@ -105,7 +106,7 @@ def node_layout(world: int, device: str, nnodes: int = 1, node_rank: int = 0, np
     if nproc_per_node is None:  # every rank on this machine; across machines, the GPUs a node has (T/N on CPU)
         nproc_per_node = world if nnodes == 1 else (_gpus(device) or world // nnodes)
     if nproc_per_node < 1 or nproc_per_node * nnodes != world:
-        raise ValueError(f"tensor_parallel_size {world} does not split into {nnodes} node(s) of "
+        raise ValueError(f"{world} ranks (tensor x pipeline parallel size) does not split into {nnodes} node(s) of "
                          f"{nproc_per_node} rank(s) (--nproc-per-node x --nnodes must equal it)")
     if nnodes > 1 and not master_addr:
         raise ValueError("several nodes need --master-addr: the head's address, routable from every node")
