@@ -904,12 +904,12 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
                                      allow_credentials=cors.allow_credentials))
     if api_key:
         middleware.append(Middleware(BearerAuth, api_key=api_key))
-    app = _App(routes=routes, middleware=middleware, exception_handlers={
-        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
-        _ClientGone: _client_gone, Exception: _internal_error})
     header = getattr(engine, "session_header", None)
     if header:  # data parallelism: the session affinity header, for the router
         middleware.append(Middleware(_SessionKey, header=header.encode("latin-1")))
+    app = _App(routes=routes, middleware=middleware, exception_handlers={
+        APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
+        _ClientGone: _client_gone, Exception: _internal_error})
     app.state.server = s
     app.state.engine = engine
     app.state.responses = responses
