@@ -26,6 +26,7 @@ import os
 import pickle
 import secrets
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -69,6 +70,14 @@ def _portable(exc: BaseException) -> BaseException:
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    """Small messages (a step's outputs) go out at once, not after Nagle's wait for an ACK."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _proof(key: bytes, nonce: bytes) -> bytes:
@@ -253,6 +262,9 @@ class DataParallelEngine:
         gpus = gpu_shares(self.size, self.config.tensor_parallel_size) \
             if self.config.device in ("auto",) or str(self.config.device).startswith("cuda") else None
         cpus = cpu_shares(self.size) if gpus is None else None
+        per = int(os.environ.get("STREAMER_DP_CORES_PER_REPLICA", "0"))  # (benches: fewer cores each)
+        if cpus is not None and per > 0:
+            cpus = [c[:per] for c in cpus]
         for r in self.replicas:
             r.connected = loop.create_future()
             env = dict(os.environ, STREAMER_DP_ADDR=f"127.0.0.1:{port}", STREAMER_DP_KEY=self._key.hex(),
@@ -296,6 +308,7 @@ class DataParallelEngine:
                 loop.call_soon_threadsafe(self._lost, r, f"its process exited (status {code})")
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _nodelay(writer)
         nonce = secrets.token_bytes(32)
         writer.write(nonce)
         try:
@@ -836,6 +849,7 @@ class _ReplicaServer:
 async def _replica_main(addr: str, key: bytes, rank: int) -> int:
     host, port = addr.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
+    _nodelay(writer)
     nonce = await reader.readexactly(32)
     writer.write(_proof(key, nonce) + struct.pack("!I", rank))
     srv = _ReplicaServer(writer)
