@@ -8,9 +8,9 @@ hashes its prefix cache holds (from its BlockStored / BlockRemoved / AllBlocksCl
 Policies (`--dp-routing`):
 - ``cache_aware`` (default, SGLang's cache-aware rule): while the replicas are balanced, the one holding the longest
   prefix of the request's block-hash chain takes it (at least `cache_threshold` of its blocks; ties and misses go to
-  the least loaded). When the best match is hot (its load above `balance_rel` x the idlest's + `balance_abs`), the
-  least loaded takes it instead: a hot prefix spreads to the other replicas, whose caches then hold it too, instead
-  of pinning all traffic to one.
+  the least loaded). When the best match is hot (its requests in flight above `balance_rel` x the idlest's +
+  `balance_abs`), the least loaded takes it instead: a hot prefix spreads to the other replicas, whose caches then
+  hold it too (ties then go to the least loaded), instead of pinning all traffic to one.
 - ``least_loaded``: the smallest waiting * 4 + running (vLLM's data-parallel load score), ties to the lowest index.
 - ``round_robin``: each up replica in turn.
 Any policy: a request with a session key (the affinity header) goes to its key's replica by rendezvous hashing,
@@ -69,7 +69,7 @@ def rendezvous_pick(key: str, candidates: Sequence[int]) -> int:
 
 class Router:
     def __init__(self, num_replicas: int, policy: str = "cache_aware", *, cache_threshold: float = 0.5,
-                 balance_abs: int = 2, balance_rel: float = 1.5) -> None:
+                 balance_abs: int = 4, balance_rel: float = 1.5) -> None:
         if policy not in POLICIES:
             raise ValueError(f"dp routing policy must be one of {POLICIES}, got {policy!r}")
         if num_replicas < 1:
@@ -151,8 +151,9 @@ class Router:
         return best.index
 
     def hot(self, r: ReplicaView, idlest: ReplicaView) -> bool:
-        """Whether `r` is too far ahead of the idlest replica to take more work for its cache's sake."""
-        return r.load > self.balance_rel * idlest.load + self.balance_abs
+        """Whether `r` is too far ahead of the idlest replica to take more work for its cache's sake (in requests
+        in flight: the waiting * 4 weighting would call a replica hot over a report's lag)."""
+        return r.inflight > self.balance_rel * idlest.inflight + self.balance_abs
 
 
 def least_loaded(replicas: Sequence[ReplicaView]) -> ReplicaView:
