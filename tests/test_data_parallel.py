@@ -101,6 +101,8 @@ def test_health_metrics_and_affinity(server):
     after = server.call(lambda: list(server.engine.router.routed))
     sticky = rendezvous_pick(key, [0, 1])
     assert after[sticky] - before[sticky] == 4 and after[1 - sticky] == before[1 - sticky]
+    for _ in range(2):  # (round robin: one on each replica)
+        client.completions.create(model=server.model_name, prompt="def g():", max_tokens=2)
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert metric(text, "vllm:generation_tokens_total", engine="0") > 0
     assert metric(text, "vllm:generation_tokens_total", engine="1") > 0
