@@ -121,6 +121,13 @@ class EngineConfig:
     nproc_per_node: Optional[int] = None
     dist_host: Optional[str] = None
     distributed_launcher: str = "streamer"
+    # Data parallelism (docs/data-parallel.md): this many engine replicas, each its own process with its own device
+    # (GPU i, each replica's tensor-parallel group its own GPUs; on CPU its own share of the cores) and KV cache,
+    # behind one router (streamer/engine/data_parallel.py). `dp_routing`: cache_aware, least_loaded or round_robin
+    # (streamer/engine/dp_router.py); `dp_session_header`: a request header whose value keeps a session on one replica.
+    data_parallel_size: int = 1
+    dp_routing: str = "cache_aware"
+    dp_session_header: Optional[str] = "x-session-id"
     # Structured outputs: when the grammar admits only one continuation (a JSON key, `":"`, the rest of an enum
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
@@ -300,6 +307,13 @@ class EngineConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min must be in [1, prompt_lookup_max], got {self.prompt_lookup_min} "
                              f"and {self.prompt_lookup_max}")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
+        if self.dp_routing not in ("cache_aware", "least_loaded", "round_robin"):
+            raise ValueError(f"dp_routing must be cache_aware, least_loaded or round_robin, got {self.dp_routing!r}")
+        if dp > 1 and self.nnodes > 1:
+            raise ValueError("data_parallel_size > 1 does not run with nnodes > 1 yet (each replica on one machine)")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")

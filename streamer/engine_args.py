@@ -92,6 +92,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split the layers into this many stages, each its own tensor-parallel group of processes, "
                         "with as many batches in flight (docs/multi-node.md)")
     g.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("data parallelism (docs/data-parallel.md)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="this many engine replicas, each its own process, device (GPU, or its share of the CPU "
+                        "cores) and KV cache, behind one router (each a tensor-parallel group with -tp)")
+    d.add_argument("--dp-routing", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
+                   help="which replica takes a request: cache_aware (the longest cached prefix unless that replica "
+                        "runs hot, then the least loaded), least_loaded (waiting*4+running) or round_robin")
+    d.add_argument("--dp-session-header", default="x-session-id", metavar="HEADER",
+                   help="requests with this header go to one replica per value (session affinity; '' turns it off)")
     n = p.add_argument_group("tensor parallelism over several machines (docs/multi-node.md)")
     n.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
     n.add_argument("--node-rank", type=int, default=0,
@@ -174,8 +183,9 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "state_checkpoints", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
-                "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "node_rank", "master_addr", "master_port", "nproc_per_node",
-                "dist_host", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "node_rank", "master_addr",
+                "master_port", "nproc_per_node", "dist_host", "data_parallel_size", "dp_routing", "dp_session_header",
+                "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",

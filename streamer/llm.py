@@ -48,7 +48,13 @@ class LLM:
     """vLLM-shaped offline API. Engine arguments are `EngineConfig` fields (dtype, block_size, ...)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
+        self._dp = None
+        if engine_args.get("data_parallel_size", 1) not in (None, 1):  # replicas in their own processes
+            from streamer.engine.data_parallel import OfflineDataParallel
+            EngineConfig.from_kwargs(model, **engine_args)  # (bad arguments fail here, before any process starts)
+            self._dp = self.engine = OfflineDataParallel(model, engine_args)  # type: ignore[assignment]
+        else:
+            self.engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._chat_template: Any = None  # made on the first chat() call
 
@@ -111,6 +117,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         prios = list(priority) if priority is not None else [0] * len(prompts)
         loras = self._loras(lora_request, len(prompts))
+        if self._dp is not None:
+            return self._dp.generate(prompts, params, prios, loras)
         engine = self.engine
         # Tokenize and validate everything first, so one bad prompt adds nothing.
         tokenized = [engine.truncate(*engine.process_prompt(p, sp.truncate_prompt_tokens), sp)

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import uvicorn
 
 from streamer.engine.async_engine import AsyncEngine
+from streamer.engine.data_parallel import make_async_engine
 from streamer.server.app import build_app
 from streamer.server.connections import HttpLimits, uvicorn_config
 
@@ -98,7 +99,7 @@ class LiveServer:
 
     async def _main(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.engine = AsyncEngine(str(self.model_dir), **self.engine_kwargs)
+        self.engine = make_async_engine(str(self.model_dir), **self.engine_kwargs)  # (data_parallel_size=N: N)
         try:
             await self.engine.start()
             for name, path in self.loras.items():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import re
 import time
@@ -505,6 +506,9 @@ class OpenAIServer:
         return await route(Request(request.scope, _replay(raw, request.receive)))
 
     async def health(self, request: Request) -> Response:
+        replicas = getattr(self.engine, "replica_health", None)
+        if replicas is not None:  # data parallelism: which replicas are up (503 only when none is)
+            return JSONResponse({"replicas": replicas()}, status_code=200 if self.engine.is_alive else 503)
         return Response(status_code=200 if self.engine.is_alive else 503)
 
     async def version(self, request: Request) -> Response:
@@ -541,6 +545,8 @@ class OpenAIServer:
 
     async def metrics(self, request: Request) -> Response:
         text = self.engine.metrics.render() if self.engine.metrics is not None else ""
+        if inspect.isawaitable(text):  # (data parallelism: the replicas' metrics are fetched)
+            text = await text
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def tokenize(self, request: Request) -> Response:
@@ -678,6 +684,29 @@ class CORSConfig:
 
 
 _OPEN_PATHS = frozenset({"/health", "/ping"})
+
+
+class _SessionKey:
+    """Data parallelism: the session affinity header's value, where the router reads it (data_parallel.SESSION_KEY)
+    while the request is served."""
+
+    def __init__(self, app: ASGIApp, header: bytes) -> None:
+        from streamer.engine.data_parallel import SESSION_KEY
+        self.app = app
+        self.header = header
+        self.var = SESSION_KEY
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == self.header:
+                    token = self.var.set(value.decode("latin-1"))
+                    try:
+                        await self.app(scope, receive, send)
+                    finally:
+                        self.var.reset(token)
+                    return
+        await self.app(scope, receive, send)
 
 
 class BearerAuth:
@@ -875,6 +904,9 @@ def build_app(engine: AsyncEngine, *, api_key: Optional[str] = None,
                                      allow_credentials=cors.allow_credentials))
     if api_key:
         middleware.append(Middleware(BearerAuth, api_key=api_key))
+    header = getattr(engine, "session_header", None)
+    if header:  # data parallelism: the session affinity header, for the router
+        middleware.append(Middleware(_SessionKey, header=header.encode("latin-1")))
     app = _App(routes=routes, middleware=middleware, exception_handlers={
         APIError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone,
         _ClientGone: _client_gone, Exception: _internal_error})

@@ -190,9 +190,9 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 async def _run_batch(args: argparse.Namespace, kwargs: dict, lines: list[str], out: IO[str],
                      concurrency: int) -> int:
-    from streamer.engine.async_engine import AsyncEngine
+    from streamer.engine.data_parallel import make_async_engine
     from streamer.server.batch import run_batch
-    engine = AsyncEngine(args.model, **kwargs)
+    engine = make_async_engine(args.model, **kwargs)
     try:
         try:
             await engine.start()
@@ -383,11 +383,11 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
 async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict) -> int:
     from sse_starlette.sse import AppStatus
 
-    from streamer.engine.async_engine import AsyncEngine
+    from streamer.engine.data_parallel import make_async_engine
     AppStatus.disable_automatic_graceful_drain()  # we drain: streams must finish, not be cut at SIGTERM
     shutdown = _Shutdown(args.shutdown_timeout)
     shutdown.install()  # before loading: a signal during start-up still exits 0
-    engine = shutdown.engine = AsyncEngine(args.model, **kwargs)
+    engine = shutdown.engine = make_async_engine(args.model, **kwargs)  # (DataParallelEngine with -dp N)
     try:
         try:
             await engine.start()
@@ -398,7 +398,7 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
             return 1
         if shutdown.requested:
             return 0
-        if engine.config.world_size > 1:
+        if engine.config.world_size > 1 and engine.config.data_parallel_size == 1:
             asyncio.ensure_future(_exit_on_rank_loss(engine, shutdown))
         cors = (CORSConfig(tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers),
                            args.allow_credentials) if args.allowed_origins else None)

@@ -1,0 +1,175 @@
+"""Data parallelism end to end (streamer/engine/data_parallel.py): replicas are real processes, each a real AsyncEngine.
+
+DP=2 answers as DP=1 does (fp32, greedy and seeded sampling) through the offline LLM and the HTTP server (the
+`openai` client); /health lists the replicas, /metrics labels each one's samples with `engine`; a replica killed
+with SIGKILL mid-stream fails its requests at once, with a message naming it, while the other replica goes on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from streamer import LLM, SamplingParams
+from streamer.engine.dp_router import rendezvous_pick
+from tests.server_utils import LiveServer, metric, sse_events
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):",
+           "for i in range(10):", "x = [1, 2, 3]\nprint(", "while True:\n    line ="]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+ENGINE = dict(dtype="float32", num_kv_blocks=256, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    """DP=1's outputs (token ids), greedy and seeded."""
+    with LLM(str(llama_dir), **ENGINE) as llm:
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)]
+    return greedy, seeded
+
+
+def test_offline_dp2_equals_dp1(llama_dir, reference):
+    greedy, seeded = reference
+    llm = LLM(str(llama_dir), data_parallel_size=2, **ENGINE)
+    try:
+        pids = [r.proc.pid for r in llm.engine.engine.replicas]
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == greedy
+        assert [o.prompt for o in outs] == PROMPTS  # (in the prompts' order)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded
+        assert all(n > 0 for n in llm.engine.engine.router.routed)  # (both replicas worked)
+        with pytest.raises(ValueError, match="data_parallel_size"):
+            llm.embed("x")
+    finally:
+        llm.close()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    with LiveServer(llama_dir, data_parallel_size=2, enforce_eager=True, dp_routing="round_robin") as s:
+        pids = [r.proc.pid for r in s.engine.replicas]
+        yield s
+    # no orphans: every replica process is gone once the server stopped
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def _completions(client: openai.OpenAI, model: str, params: list[dict]) -> list[list[int]]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(args):
+        prompt, extra = args
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=24, logprobs=0, **extra)
+        return [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens]
+    with ThreadPoolExecutor(len(params)) as pool:
+        return list(pool.map(one, zip(PROMPTS, params)))
+
+
+def test_server_dp2_equals_dp1(server, reference):
+    greedy, seeded = reference
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    ids_extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    got = _completions(client, server.model_name, [{"temperature": 0.0, "extra_body": ids_extra}] * len(PROMPTS))
+    assert got == greedy
+    got = _completions(client, server.model_name, [{"temperature": 1.0, "top_p": 0.9, "seed": 100 + i,
+                                                    "extra_body": ids_extra} for i in range(len(PROMPTS))])
+    assert got == seeded
+    routed = server.call(lambda: list(server.engine.router.routed))
+    assert routed[0] > 0 and routed[1] > 0
+
+
+def test_health_metrics_and_affinity(server):
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    reps = health.json()["replicas"]
+    assert [(r["engine"], r["up"]) for r in reps] == [(0, True), (1, True)]
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    before = server.call(lambda: list(server.engine.router.routed))
+    key = "user-42"
+    for _ in range(4):  # (round robin, but the session header wins)
+        client.completions.create(model=server.model_name, prompt="def f():", max_tokens=2,
+                                  extra_headers={"X-Session-ID": key})
+    after = server.call(lambda: list(server.engine.router.routed))
+    sticky = rendezvous_pick(key, [0, 1])
+    assert after[sticky] - before[sticky] == 4 and after[1 - sticky] == before[1 - sticky]
+    for _ in range(2):  # (round robin: one on each replica)
+        client.completions.create(model=server.model_name, prompt="def g():", max_tokens=2)
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert metric(text, "vllm:generation_tokens_total", engine="0") > 0
+    assert metric(text, "vllm:generation_tokens_total", engine="1") > 0
+    assert text.count("# TYPE vllm:generation_tokens_total") == 1
+    assert metric(text, "streamer:dp_replica_up", engine="1") == 1
+
+
+def _stream(url: str, model: str, key: str, out: dict) -> None:
+    body = {"model": model, "prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": True,
+            "temperature": 0.0}
+    t0 = time.monotonic()
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers={"X-Session-ID": key},
+                          timeout=60) as r:
+            raw = ""
+            for chunk in r.iter_text():
+                raw += chunk
+                out.setdefault("first", time.monotonic())
+            out["events"] = sse_events(raw)
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+    out["end"] = time.monotonic()
+    out["t0"] = t0
+
+
+def test_a_killed_replica_fails_its_requests_and_the_other_goes_on(server):
+    """(Last in this module: it leaves the server with one replica.)"""
+    import threading
+    keys = {}
+    for k in range(100):
+        keys.setdefault(rendezvous_pick(f"s{k}", [0, 1]), f"s{k}")
+    victim = 0
+    pids = [r["pid"] for r in httpx.get(server.url + "/health", timeout=10).json()["replicas"]]
+    outs = [{}, {}]
+    threads = [threading.Thread(target=_stream, args=(server.url, server.model_name, keys[i], outs[i]))
+               for i in (0, 1)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not all("first" in o for o in outs) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all("first" in o for o in outs), outs
+    killed_at = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    dead, alive = outs[victim], outs[1 - victim]
+    # the victim's stream ended promptly, with an error naming the replica
+    assert dead["end"] - killed_at < 5.0
+    payloads = [json.loads(e) for e in dead.get("events", []) if e != "[DONE]"]
+    errors = [p["error"] for p in payloads if "error" in p]
+    assert errors and "data-parallel replica 0 was lost" in errors[0]["message"], (dead, errors)
+    # the other finished all its tokens
+    chunks = [json.loads(e) for e in alive["events"] if e != "[DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) > 0
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200
+    reps = health.json()["replicas"]
+    assert reps[victim]["up"] is False
+    assert "exited" in reps[victim]["error"] or "connection" in reps[victim]["error"]
+    assert reps[1 - victim]["up"] is True
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    for _ in range(3):  # (the router skips the dead one, session keys included)
+        out = client.completions.create(model=server.model_name, prompt="x =", max_tokens=3,
+                                        extra_headers={"X-Session-ID": keys[victim]})
+        assert out.choices[0].finish_reason in ("length", "stop")
+    assert not psutil.pid_exists(pids[victim]) or psutil.Process(pids[victim]).status() == psutil.STATUS_ZOMBIE
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert metric(text, "streamer:dp_replica_up", engine=str(victim)) == 0
