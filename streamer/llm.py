@@ -343,6 +343,8 @@ class LLM:
                     step = engine.schedule()
                     if step is None:
                         break
+                    if inflight:
+                        engine.core.num_overlapped_steps += 1
                     inflight.append((step[0], waiter.submit(engine.runner.launch(step[1]).result)))
                 if not inflight:
                     if engine.has_unfinished():

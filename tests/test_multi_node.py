@@ -88,9 +88,11 @@ def _serve(model: Path, *args: str, prefix: tuple[str, ...] = ()) -> Proc:
 
 @contextlib.contextmanager
 def two_nodes(model: Path, master: str = "127.0.0.1", head_prefix: tuple[str, ...] = (),
-              node_prefix: tuple[str, ...] = ()) -> Iterator[tuple[Proc, Proc, str]]:
-    """A head (node 0: rank 0, the engine, the server on 127.0.0.1 of its network) and a headless node 1."""
-    meet = ("-tp", "2", "--nnodes", "2", "--master-addr", master, "--master-port", str(_free_port()))
+              node_prefix: tuple[str, ...] = (), split: tuple[str, ...] = ("-tp", "2")
+              ) -> Iterator[tuple[Proc, Proc, str]]:
+    """A head (node 0: rank 0, the engine, the server on 127.0.0.1 of its network) and a headless node 1; `split`:
+    how the two ranks share the model (two tensor-parallel shards, or `-pp 2`: two pipeline stages)."""
+    meet = (*split, "--nnodes", "2", "--master-addr", master, "--master-port", str(_free_port()))
     head = _serve(model, *meet, "--node-rank", "0", "--port", "0", "--num-kv-blocks", "64", prefix=head_prefix)
     node = _serve(model, *meet, "--node-rank", "1", "--headless", prefix=node_prefix)
     try:
@@ -186,10 +188,29 @@ def test_two_nodes_on_loopback_match_one_process(make_ckpt, family) -> None:
     assert got_text == want_text
 
 
-def test_worker_node_killed_mid_stream(llama_dir) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_two_pipeline_stages_on_two_nodes_match_one_process(make_ckpt, family) -> None:
+    """Pipeline parallelism across nodes: the head runs stage 0 (and samples), the headless node stage 1; greedy
+    tokens and streamed text through the openai client equal the single-process engine's."""
+    name, kw = CHECKPOINTS[family]
+    model = make_ckpt(name, **kw)
+    want_tokens, want_text = _reference(model)
+    with two_nodes(model, split=("-pp", "2")) as (head, node, url):
+        got_tokens, got_text = _greedy_over_http(url)
+        assert _health(url) == 200
+        head.proc.send_signal(signal.SIGTERM)
+        assert head.proc.wait(120) == 0, head.stderr
+        assert node.proc.wait(BOUND_S) == 0, node.stderr
+    assert got_tokens == want_tokens
+    assert got_text == want_text
+
+
+@pytest.mark.parametrize("split", [("-tp", "2"), ("-pp", "2")], ids=["tp", "pp"])
+def test_worker_node_killed_mid_stream(llama_dir, split) -> None:
     """kill -9 of the headless node while a stream runs: the head names the rank, fails the request, answers 503
-    on /health and exits 1 within the bound; the node's rank dies with it; no process is left."""
-    with two_nodes(llama_dir) as (head, node, url):
+    on /health and exits 1 within the bound; the node's rank dies with it; no process is left. With pipeline
+    stages the head is waiting for the lost stage's hidden states (not in a collective) when it goes."""
+    with two_nodes(llama_dir, split=split) as (head, node, url):
         everyone = head.tree() + node.tree()
         assert len(everyone) == 3  # the head (rank 0), the node and its rank 1
         _, chunks = _start_long_stream(url)

@@ -636,6 +636,8 @@ class AsyncEngine:
                     step = core.schedule()
                     if step is None:
                         break
+                    if inflight:
+                        core.core.num_overlapped_steps += 1
                     launched = loop.run_in_executor(self._device, core.runner.launch, step[1])
                     inflight.append((step[0], loop.create_task(self._pipeline_result(launched))))
                 if inflight:

@@ -396,7 +396,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         weights. A checkpoint's calibrated FP8 k_scale / v_scale describe per-head K and V, not the latent: they
         are not used for a latent cache (scales 1.0)."""
         latent = False
-        for layer in self.layers:
+        for layer in self.own_layers():
             layer.self_attn.absorb()
             latent = layer.self_attn.latent
         if latent and getattr(self, "kv_scales", None):
@@ -406,5 +406,5 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     def pre_reload(self) -> None:
         """Before new weights load in place: the absorbed kv_b_proj weights get their float tensors back
         (`post_load` absorbs them again)."""
-        for layer in self.layers:
+        for layer in self.own_layers():
             layer.self_attn.unabsorb()

@@ -165,7 +165,7 @@ class Lfm2ForCausalLM(HybridModel, LlamaForCausalLM):
             if name == "model.embedding_norm.weight":
                 name = "model.norm.weight"
             elif (m := _LAYER.match(name)) is not None:
-                if self.layers[int(m.group(1))].feed_forward is None:  # an LFM2-MoE sparse layer: `mlp`
+                if getattr(self.layers[int(m.group(1))], "feed_forward", 0) is None:  # an LFM2-MoE sparse layer: `mlp`
                     name = name.replace(".feed_forward.", ".mlp.")
                 for theirs, ours in _RENAME:
                     name = name.replace(theirs, ours)

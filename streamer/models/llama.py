@@ -290,6 +290,11 @@ class LlamaForCausalLM(nn.Module):
         out = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
+    def own_layers(self) -> list[nn.Module]:
+        """The decoder layers this pipeline stage runs (all of them with one stage)."""
+        lo, hi = self.pp_layers or (0, len(self.layers))
+        return list(self.layers[lo:hi])
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start (Gemma and Granite scale it)."""
         return self.embed_tokens(input_ids)

@@ -100,9 +100,9 @@ class PhimoeForCausalLM(LlamaForCausalLM):
         super().__init__(replace(cfg, rope_scaling=None), backend_cls, max_positions)
         self.cfg = cfg
         if table is not None:  # (one rotary, shared by every layer)
-            self.layers[0].self_attn.rotary.cos_sin_cache.copy_(table)
+            self.own_layers()[0].self_attn.rotary.cos_sin_cache.copy_(table)
         self.norm = LayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if head_bias:  # (loaded as the checkpoint's lm_head.bias, whole on every rank)
+        if head_bias and self.lm_head is not None:  # (loaded as the checkpoint's lm_head.bias, whole on every rank)
             self.lm_head.bias = nn.Parameter(torch.zeros(cfg.vocab_size), requires_grad=False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
