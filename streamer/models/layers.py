@@ -43,6 +43,9 @@ class ParallelContext:
 
     rank: int = 0
     size: int = 1
+    # vLLM's --enable-expert-parallel: sparse MoE layers (models/moe.py) place whole experts on the ranks instead of
+    # a slice of every expert; everything else stays split as above. Meaningless with size 1.
+    expert_parallel: bool = False
 
 
 def _check_shape(name: str, param: torch.Tensor, loaded: torch.Tensor) -> None:
