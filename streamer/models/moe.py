@@ -76,8 +76,9 @@ def unfuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
 def _expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum over each token's k experts e of weight * expert(e, its rows of x), one call per expert that has tokens,
-    in expert order, accumulated in x's dtype; ids >= num_experts (other ranks' experts) are skipped. A lone token (single-stream decode) skips the sort, the count and
-    the scatter (~0.1 ms a layer on the CPU), with the same sums in the same order."""
+    in expert order, accumulated in x's dtype; ids >= num_experts (other ranks' experts) are skipped. A lone token
+    (single-stream decode) skips the sort, the count and the scatter (~0.1 ms a layer on the CPU), with the same
+    sums in the same order."""
     if x.shape[0] == 1:
         out = None
         for e, j in sorted(zip(topk_ids[0].tolist(), range(topk_ids.shape[1]))):
