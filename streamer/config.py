@@ -107,6 +107,11 @@ class EngineConfig:
     # stage * T + its place in the stage); hidden states pass from stage to stage and back to rank 0, which samples,
     # with up to this many batches (of different requests) in flight.
     pipeline_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: with tensor_parallel_size T > 1, the sparse MoE layers place whole experts on
+    # the ranks (rank r: experts [r*E//T, (r+1)*E//T)) instead of a slice of every expert; attention, dense MLPs and
+    # shared experts stay tensor-parallel. The ranks are the same processes (and nodes). No effect with T == 1, nor
+    # on a dense model (ignored with a warning, as vLLM ignores it).
+    enable_expert_parallel: bool = False
     # Tensor parallelism over several machines (docs/multi-node.md; vLLM's flags): node n of `nnodes` runs ranks
     # n*P .. n*P+P-1 (P = `nproc_per_node`; default the GPUs a node has, or tensor_parallel_size / nnodes on CPU).
     # The engine runs on node 0 (the head), which hosts the rendezvous store at master_addr:master_port; the other
@@ -321,6 +326,8 @@ class EngineConfig:
         if not _is_int(pp) or pp < 1:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
         self._check_nodes()
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         if self.speculative_method not in (None, "mtp", "suffix"):
             raise ValueError(f"speculative_method must be 'mtp', 'suffix' or None, got {self.speculative_method!r}")
         if self.speculative_method is not None and self.speculative_model is not None:

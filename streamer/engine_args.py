@@ -91,6 +91,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                    help="split the layers into this many stages, each its own tensor-parallel group of processes, "
                         "with as many batches in flight (docs/multi-node.md)")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="MoE models: place whole experts on the --tensor-parallel-size ranks (each holds 1/T of "
+                        "the experts) instead of a slice of every expert; attention, dense and shared-expert "
+                        "layers stay tensor-parallel. No effect without -tp > 1, nor on a dense model")
     g.add_argument("--seed", type=int, default=0)
     d = p.add_argument_group("data parallelism (docs/data-parallel.md)")
     d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
@@ -183,9 +187,9 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "num_kv_blocks",
                 "enable_prefix_caching", "state_checkpoints", "scheduling_policy", "priority_aging", "attention_backend",
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
-                "tensor_parallel_size", "pipeline_parallel_size", "nnodes", "node_rank", "master_addr",
-                "master_port", "nproc_per_node", "dist_host", "data_parallel_size", "dp_routing", "dp_session_header",
-                "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
+                "master_addr", "master_port", "nproc_per_node", "dist_host", "data_parallel_size", "dp_routing",
+                "dp_session_header", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",

@@ -41,7 +41,9 @@ class GptOssMoE(SparseMoE):
                          norm_topk_prob=True, router_bias=True)
         self.alpha = float(raw.get("swiglu_alpha", 1.702))
         self.limit = float(raw.get("swiglu_limit", 7.0))
-        self.w13_bias = nn.Parameter(torch.empty(self.num_experts, 2 * self.inter), requires_grad=False)
+        # (this rank's experts' gate/up biases; the down biases are added after the all-reduce, all of them on
+        # every rank, indexed by the router's ids)
+        self.w13_bias = nn.Parameter(torch.empty(self.local_experts, 2 * self.inter), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(self.num_experts, cfg.hidden_size), requires_grad=False)
         self.w13_bias.weight_loader = self._load_w13  # type: ignore[attr-defined]
 
@@ -51,6 +53,7 @@ class GptOssMoE(SparseMoE):
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
         """gate_up_proj [E, H, 2I] or its bias [E, 2I], gate and up interleaved along the last dim -> this rank's
         gate rows then up rows, as w13 [E, 2I, H] / w13_bias [E, 2I] hold them."""
+        loaded = self.local_rows(loaded, name)  # (this rank's experts: all but with expert parallelism)
         last = loaded.dim() - 1
         rows = torch.cat([self._slice(loaded[..., i::2], last, name) for i in (0, 1)], dim=last)
         if loaded.dim() == 3:
@@ -59,6 +62,7 @@ class GptOssMoE(SparseMoE):
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
         """down_proj [E, I, H] -> this rank's columns of w2 [E, H, I]."""
+        loaded = self.local_rows(loaded, name)
         default_weight_loader(param, self._slice(loaded, 1, name).transpose(1, 2), name)
 
 

@@ -47,6 +47,9 @@ class ParallelContext:
     # The ranks this one all-reduces with: its pipeline stage's (None: every rank, one stage). Read at each
     # all-reduce (`tp_all_reduce`), not kept by the layers.
     group: Any = None
+    # vLLM's --enable-expert-parallel: sparse MoE layers (models/moe.py) place whole experts on the ranks instead of
+    # a slice of every expert; everything else stays split as above. Meaningless with size 1.
+    expert_parallel: bool = False
     # Pipeline parallelism: this rank's stage of `num_stages` (models/llama.py builds only its layers)
     stage: int = 0
     num_stages: int = 1

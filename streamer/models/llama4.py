@@ -130,7 +130,7 @@ class Llama4MoE(SparseMoE):
         self.fused = True
         if loaded.dim() != 3 or loaded.shape[-1] % 2:
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected [experts, hidden, 2 * I]")
-        gate, up = loaded.chunk(2, dim=-1)
+        gate, up = self.local_rows(loaded, name).chunk(2, dim=-1)
         rows = torch.cat([self._slice(gate, 2, name), self._slice(up, 2, name)], dim=2).transpose(1, 2)
         default_weight_loader(param, rows, name)
 
@@ -141,6 +141,7 @@ class Llama4MoE(SparseMoE):
         self.fused = True
         if loaded.dim() != 3:
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected [experts, I, hidden]")
+        loaded = self.local_rows(loaded, name)
         default_weight_loader(param, self._slice(loaded, 1, name).transpose(1, 2), name)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

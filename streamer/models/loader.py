@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 
@@ -83,7 +83,7 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
         mistral = is_mistral_folder(folder)
         files = mistral_weight_files(folder) if mistral else weight_files(folder, load_format)
         kv_scales: dict[tuple[int, str], float] = {}
-        weights = iter_weights(files)
+        weights = iter_weights(files, _not_this_ranks(model))
         if mistral:  # Mistral's tensor names and rotary layout -> transformers' (streamer/tokenizer/mistral_format.py)
             weights = mistral_weights(weights, cfg.num_heads, cfg.num_kv_heads)
         if is_bnb(cfg.quantization):  # (before renames: a model that splits fused tensors needs them whole)
@@ -114,6 +114,35 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
 
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor, in any family's spelling
+
+
+def _not_this_ranks(model: torch.nn.Module) -> Optional[Callable[[str], bool]]:
+    """Checkpoint tensors to skip unread: other pipeline stages' layers (`LlamaForCausalLM.holds`), other ranks'
+    experts (`_other_ranks_experts`); None: none."""
+    experts = _other_ranks_experts(model)
+    if getattr(model, "pp_layers", None) is None:
+        return experts
+    holds = model.holds
+    return (lambda name: not holds(name)) if experts is None else (lambda name: experts(name) or not holds(name))
+
+
+def _other_ranks_experts(model: torch.nn.Module) -> Optional[Callable[[str], bool]]:
+    """Expert parallelism: whether a checkpoint tensor name is one expert's (`....experts.E.....`) that another
+    rank holds, to be skipped unread; None where this rank holds every expert, or where its sparse layers hold
+    different ranges (then the layers' loaders drop the others' experts after reading them). Experts stored fused
+    (several in one tensor) are read whole and cut by the loaders."""
+    ranges = {m.expert_range for m in model.modules() if isinstance(m, SparseMoE) and m.expert_parallel}
+    if len(ranges) != 1:
+        return None
+    mine = ranges.pop()
+
+    def skip(name: str) -> bool:
+        m = _EXPERT_INDEX.search(name)
+        return m is not None and int(m.group(1)) not in mine
+    return skip
 
 
 def checkpoint_tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -209,7 +238,8 @@ def _prepare_int4(model: LlamaForCausalLM, iq: IntQuant, files: list[Path]) -> s
                 continue
             pieces = {shard for _, shard in parts}
             expected = {p for ps in m.expected_shards().values() for p in ps}
-            if not iq.act_order and pieces == expected and m.prepare_int4(iq.group_size):
+            # (with expert parallelism the checkpoint holds more experts than this rank's)
+            if not iq.act_order and expected <= pieces and m.prepare_int4(iq.group_size):
                 keep.update(base for base, _ in parts)
             continue
         if not isinstance(m, PackableLinear):

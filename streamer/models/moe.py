@@ -8,6 +8,10 @@ splits a checkpoint's fused experts (transformers 5's layout, Granite MoE's) int
 The experts' weights are stacked, [E, 2 * I, H] (gate and up; [E, I, H] for an ungated activation, Nemotron-H's
 relu2) and [E, H, I] (down), and split over tensor-parallel
 ranks along I, as a dense MLP's are (each rank holds a slice of every expert; the partial sums are all-reduced).
+With expert parallelism (`ParallelContext.expert_parallel`, vLLM's --enable-expert-parallel) they are split along E
+instead: rank r of T holds whole experts [r*E//T, (r+1)*E//T) (a balanced split: counts differ by at most one where
+T does not divide E), every rank routes every token with the whole router, runs only its own experts (the others'
+(token, expert) pairs are skipped, their weights zeroed) and the partial sums are all-reduced as before.
 Which experts a step uses depends on the data, so the expert computation is one opaque custom op: torch.compile
 captures the rest of the model whole. On a GPU the op is `streamer_kernels.fused_moe` (two grouped GEMM launches over
 the step's (token, expert) pairs sorted by expert, no host sync, so MoE decode batches replay as CUDA graphs); on the
@@ -72,11 +76,14 @@ def unfuse_experts(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, An
 def _expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """sum over each token's k experts e of weight * expert(e, its rows of x), one call per expert that has tokens,
-    in expert order, accumulated in x's dtype. A lone token (single-stream decode) skips the sort, the count and
-    the scatter (~0.1 ms a layer on the CPU), with the same sums in the same order."""
+    in expert order, accumulated in x's dtype; ids >= num_experts (other ranks' experts) are skipped. A lone token
+    (single-stream decode) skips the sort, the count and the scatter (~0.1 ms a layer on the CPU), with the same
+    sums in the same order."""
     if x.shape[0] == 1:
         out = None
         for e, j in sorted(zip(topk_ids[0].tolist(), range(topk_ids.shape[1]))):
+            if e >= num_experts:  # another rank's expert (expert parallelism: `SparseMoE.local_ids`)
+                continue
             y = (expert(e, x) * topk_weights[0, j]).to(x.dtype)
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
@@ -93,13 +100,14 @@ def _scattered(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tens
 
 
 def _by_expert(topk_ids: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each expert that has tokens: (expert, its (token, slot) pairs' flat indices, their tokens)."""
+    """For each expert that has tokens: (expert, its (token, slot) pairs' flat indices, their tokens). Ids past
+    num_experts (other ranks' experts, which sort last) are left out."""
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = flat.argsort()
     token_of = order // k
     start = 0
-    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]):
         if n:
             yield e, order[start:start + n], token_of[start:start + n]
             start += n
@@ -130,6 +138,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     """sum over a token's k experts e of weight * down_e(act(gate_e(x), up_e(x))). x [T, H]; ids/weights [T, k];
     b13 [E, 2I]: the gate/up biases (the down bias is the caller's: see SparseMoE.forward). fused: through
     streamer_kernels' grouped GEMM kernels (no per-expert loop, no host sync: CUDA-graph safe) where Triton runs."""
+    if w13.shape[0] and x.device.type != "cpu":  # (other ranks' experts, zero-weighted, index a real one here)
+        topk_ids = topk_ids.clamp(max=w13.shape[0] - 1)
     if fused and K.use_triton(x) and not _fused_moe_unbuildable:
         try:
             return K.fused_moe(x, w13, w2, topk_weights, topk_ids, b13, activation, alpha, limit)
@@ -176,7 +186,7 @@ def moe_experts_int4(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         if m.w13_bias is not None:
             h = h + m.w13_bias[e]
         return w2[e].matmul(expert_activation(h, m.activation, m.alpha, m.limit))
-    return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
+    return _expert_loop(x, topk_weights, topk_ids, m.local_experts, expert)
 
 
 @moe_experts_int4.register_fake
@@ -200,7 +210,7 @@ def moe_experts_packed(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                                                "none", [], "")
         act = expert_activation(h, m.activation, m.alpha, m.limit)
         return torch.ops.mkldnn._linear_pointwise(act, w2[e], None, "none", [], "")
-    return _expert_loop(x, topk_weights, topk_ids, m.num_experts, expert)
+    return _expert_loop(x, topk_weights, topk_ids, m.local_experts, expert)
 
 
 @moe_experts_packed.register_fake
@@ -228,17 +238,30 @@ class SparseMoE(nn.Module):
         cast to the model's dtype first (Qwen3-MoE), as each model's reference does."""
         super().__init__()
         self.fp32_weights = fp32_weights
-        tp = ParallelContext.size
-        if intermediate_size % tp:
-            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by {tp} ranks")
-        self.tp_size = tp
+        tp, rank = ParallelContext.size, ParallelContext.rank
+        self.tp_size = tp  # (the partial sums are all-reduced whenever tp > 1, whichever way the experts split)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.inter = intermediate_size // tp
+        self.expert_parallel = ParallelContext.expert_parallel and tp > 1
+        if self.expert_parallel:  # whole experts per rank, a balanced split; I is not split
+            if num_experts < tp:
+                raise ValueError(f"expert parallelism: {num_experts} experts (the config's number of experts) "
+                                 f"cannot be spread over {tp} ranks (at least one each)")
+            self.expert_start = rank * num_experts // tp
+            self.local_experts = (rank + 1) * num_experts // tp - self.expert_start
+            self.inter_split, self.inter_rank = 1, 0
+        else:
+            if intermediate_size % tp:
+                raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by {tp} ranks "
+                                 "(--enable-expert-parallel places whole experts on ranks instead)")
+            self.expert_start, self.local_experts = 0, num_experts
+            self.inter_split, self.inter_rank = tp, rank
+        self.inter = intermediate_size // self.inter_split
         self.gate = nn.Linear(hidden_size, num_experts, bias=router_bias)  # the router, whole on every rank
         self.gate.requires_grad_(False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, (2 if self.gated else 1) * self.inter, hidden_size),
+        n = self.local_experts
+        self.w13 = nn.Parameter(torch.empty(n, (2 if self.gated else 1) * self.inter, hidden_size),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden_size, self.inter), requires_grad=False)
         self.w13.weight_loader = self._load_w13  # type: ignore[attr-defined]
         self.w2.weight_loader = self._load_w2  # type: ignore[attr-defined]
         self.register_parameter("w13_bias", None)
@@ -249,11 +272,38 @@ class SparseMoE(nn.Module):
         """Whether an expert's first matrix is a gate and an up projection (w13 [E, 2I, H]) or an up one alone."""
         return self.activation != "relu2"
 
+    @property
+    def expert_range(self) -> range:
+        """The (checkpoint's) experts this rank holds: all of them unless expert-parallel."""
+        return range(self.expert_start, self.expert_start + self.local_experts)
+
+    def local_expert(self, e: int) -> Optional[int]:
+        """Checkpoint expert `e`'s index in this rank's stacked weights; None where another rank holds it."""
+        e -= self.expert_start
+        return e if 0 <= e < self.local_experts else None
+
+    def local_rows(self, loaded: torch.Tensor, name: str = "") -> torch.Tensor:
+        """This rank's experts of a tensor stacked by expert along dim 0 (fused checkpoint experts, per-expert
+        biases): all of them unless expert-parallel."""
+        if loaded.shape[0] != self.num_experts:
+            raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}: expected {self.num_experts} experts "
+                             "along dim 0")
+        return loaded.narrow(0, self.expert_start, self.local_experts)
+
+    def local_ids(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the routed (weights, ids) with ids made this rank's local indices; another rank's
+        expert becomes `local_experts` (the ops skip it) with weight 0. Unchanged otherwise."""
+        if not self.expert_parallel:
+            return weights, ids
+        local = ids - self.expert_start
+        mine = (local >= 0) & (local < self.local_experts)
+        return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, self.local_experts)
+
     def expected_shards(self) -> dict[str, list[str]]:
-        """Parameter -> the checkpoint pieces it needs (for the loader's missing-tensor check)."""
+        """Parameter -> the checkpoint pieces it needs (for the loader's missing-tensor check): this rank's experts'."""
         first = ("gate_proj", "up_proj") if self.gated else ("up_proj",)
-        return {"w13": [f"{e}.{p}" for e in range(self.num_experts) for p in first],
-                "w2": [f"{e}.down_proj" for e in range(self.num_experts)]}
+        return {"w13": [f"{e}.{p}" for e in self.expert_range for p in first],
+                "w2": [f"{e}.down_proj" for e in self.expert_range]}
 
     def _slice(self, loaded: torch.Tensor, dim: int, name: str, n: Optional[int] = None) -> torch.Tensor:
         """This rank's `n` (default: its share of I) of `loaded`'s `dim`; a lone scale (4-bit, one group per row)
@@ -261,19 +311,23 @@ class SparseMoE(nn.Module):
         n = self.inter if n is None else n
         if n == 1 and loaded.shape[dim] == 1:
             return loaded
-        full = n * self.tp_size
+        full = n * self.inter_split
         if loaded.shape[dim] != full:
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}: expected {full} along dim {dim}")
-        rank = ParallelContext.rank
-        return loaded.narrow(dim, rank * n, n)
+        return loaded.narrow(dim, self.inter_rank * n, n)
 
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
         expert, proj = shard.split(".")  # type: ignore[union-attr]
+        e = self.local_expert(int(expert))
+        if e is None:  # another rank's expert (expert parallelism)
+            return
         offset = self.inter if proj == "up_proj" and self.gated else 0
-        param.data[int(expert), offset:offset + self.inter].copy_(self._slice(loaded, 0, name))
+        param.data[e, offset:offset + self.inter].copy_(self._slice(loaded, 0, name))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard: Optional[str] = None):
-        e = int(shard.split(".")[0])  # type: ignore[union-attr]
+        e = self.local_expert(int(shard.split(".")[0]))  # type: ignore[union-attr]
+        if e is None:
+            return
         param.data[e].copy_(self._slice(loaded, 1, name, param.shape[-1]))
 
     # ------------------------------------------------------------------ 4-bit experts (models/woq.py)
@@ -303,7 +357,7 @@ class SparseMoE(nn.Module):
         dtype, device = self.compute_dtype, self.w13.device
         assert dtype is not None, "finish_int4 without prepare_int4"
         experts = {w: [Unpacked(getattr(self, w).data[e], getattr(self, f"{w}_scale").data[e],
-                                getattr(self, f"{w}_zero").data[e]) for e in range(self.num_experts)]
+                                getattr(self, f"{w}_zero").data[e]) for e in range(self.local_experts)]
                    for w in ("w13", "w2")}
         for w in ("w13", "w2"):
             delattr(self, f"{w}_scale")
@@ -336,7 +390,7 @@ class SparseMoE(nn.Module):
         if None in groups or not all(int4_supported(w.shape[1], w.shape[2], g, w.dtype, w.device)
                                      for w, g in zip((w13, w2), groups)):
             return None
-        return tuple([pack_int4(quantize_rtn(w[e], g), w.dtype, w.device) for e in range(self.num_experts)]
+        return tuple([pack_int4(quantize_rtn(w[e], g), w.dtype, w.device) for e in range(self.local_experts)]
                      for w, g in zip((w13, w2), groups))  # type: ignore[return-value]
 
     def _use_int4(self, w13: list[Int4Weight], w2: list[Int4Weight]) -> None:
@@ -374,7 +428,9 @@ class SparseMoE(nn.Module):
                      for w in (self.w13.data, self.w2.data))  # type: ignore[return-value]
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum for each token (this rank's part under tensor parallelism)."""
+        """The routed experts' weighted sum for each token (this rank's part under tensor parallelism: a slice of
+        every expert, or its own experts' whole outputs with expert parallelism). ids: the router's (global)."""
+        weights, ids = self.local_ids(weights, ids)
         if self.int4_id is not None:
             return moe_experts_int4(x, weights, ids, self.int4_id)
         if self.cpu_packed is not None:

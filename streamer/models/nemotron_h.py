@@ -30,7 +30,14 @@ from torch import nn
 from streamer.attention.base import AttentionBackend, AttentionSpec, DecodeBatch
 from streamer.models.config import ModelConfig
 from streamer.models.family_configs import nemotron_h_layer_kinds, nemotron_h_mixer_config
-from streamer.models.layers import ColumnParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, tp_all_reduce
+from streamer.models.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    tp_all_reduce,
+)
 from streamer.models.llama import Attention, LlamaForCausalLM, add_and_norm
 from streamer.models.mamba import HybridModel, MambaMixer
 from streamer.models.moe import SparseMoE
@@ -153,7 +160,10 @@ class NemotronHForCausalLM(HybridModel, LlamaForCausalLM):
         m = nemotron_h_mixer_config(cfg.raw)
         MambaMixer.check_split(tp, "mamba_num_heads", int(m["mamba_n_heads"]), "n_groups", int(m["mamba_n_groups"]))
         if "moe" in nemotron_h_layer_kinds(cfg.raw):  # (experts split along their intermediate size)
-            for field in ("moe_intermediate_size", "moe_shared_expert_intermediate_size"):
+            # (expert parallelism: the routed experts stay whole, the shared expert still splits)
+            fields = ("moe_shared_expert_intermediate_size",) if ParallelContext.expert_parallel else \
+                ("moe_intermediate_size", "moe_shared_expert_intermediate_size")
+            for field in fields:
                 if int(cfg.raw.get(field, 7688)) % tp:
                     raise ValueError(f"tensor_parallel_size {tp} does not divide {field} "
                                      f"({cfg.raw.get(field, 7688)}): each rank holds a slice of every expert")

@@ -19,7 +19,7 @@ Three kinds of names:
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
@@ -103,6 +103,9 @@ class ModelEntry:
     vlm_text: tuple[str, ...] = ()
     tensor_parallel: str = HEADS  # how its layers split over ranks (HEADS or OWN_CHECK)
     no_tensor_parallel: Optional[str] = None  # why tensor parallelism is refused (before any worker starts)
+    # a mixture of experts: the config.json keys that may give its routed experts' count, the family's own first
+    # (transformers 5 writes some under another). Expert parallelism spreads these experts over the ranks.
+    experts: tuple[str, ...] = ()
     # --- reading its config.json (ModelConfig.from_dict)
     config: Optional[ConfigFn] = None  # its translation into the common names (models/family_configs.py)
     defaults: Mapping[str, Any] = _no_map()  # transformers' config defaults that differ from Llama's
@@ -130,6 +133,32 @@ class ModelEntry:
     def model_class(self) -> type:
         """The class, its module imported now if it was not yet."""
         return getattr(importlib.import_module(f"streamer.models.{self.module}"), self.cls)
+
+    def routed_experts(self, cfg: "ModelConfig") -> Optional[tuple[str, Optional[int]]]:
+        """(the config key, its routed experts' count) of a mixture-of-experts config; None for a dense model (not
+        a mixture, or a config that sets its experts to 0 / null: Granite 4's dense hybrids). The count is None
+        where the config leaves it to the family's default."""
+        if not self.experts:
+            return None
+        given = [k for k in self.experts if k in cfg.raw]
+        for key in given:
+            n = cfg.raw[key]
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                return key, n
+        return None if given else (self.experts[0], None)
+
+    def check_expert_parallel(self, cfg: "ModelConfig", tp: int) -> bool:
+        """Expert parallelism over `tp` ranks (vLLM's --enable-expert-parallel): True if the model's sparse layers
+        split by experts; False for a dense model (the flag has nothing to act on: the caller warns and ignores
+        it, as vLLM does). ValueError, naming the field, where there are fewer experts than ranks."""
+        experts = self.routed_experts(cfg)
+        if experts is None:
+            return False
+        key, n = experts
+        if n is not None and n < tp:
+            raise ValueError(f"enable_expert_parallel: {key} {n} (the routed experts) is less than "
+                             f"tensor_parallel_size {tp}: every rank must hold at least one expert")
+        return True
 
     def check_tensor_parallel(self, cfg: "ModelConfig", tp: int) -> None:
         """ValueError unless a model of this config splits over `tp` ranks (the refusal, `no_tensor_parallel`,
@@ -351,6 +380,21 @@ _VISION_LIST: tuple[VisionLanguage, ...] = (
                    ("text", "audio"), default_text_config=_d(model_type="qwen2")),
 )
 
+# The mixtures of experts (`ModelEntry.experts`): each one's config key for its routed experts' count, then the
+# other spellings (transformers 5 writes Qwen3-MoE's as num_local_experts, say).
+_ALSO = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_MOE_EXPERTS: Mapping[str, tuple[str, ...]] = _d(**{arch: (key, *(k for k in _ALSO if k != key)) for arch, key in dict(
+    MixtralForCausalLM="num_local_experts", Qwen3MoeForCausalLM="num_experts", GptOssForCausalLM="num_local_experts",
+    Llama4ForCausalLM="num_local_experts", DeepseekV2ForCausalLM="n_routed_experts",
+    DeepseekV3ForCausalLM="n_routed_experts", Glm4MoeForCausalLM="n_routed_experts", Qwen2MoeForCausalLM="num_experts",
+    OlmoeForCausalLM="num_experts", GraniteMoeForCausalLM="num_local_experts",
+    GraniteMoeSharedForCausalLM="num_local_experts", Ernie4_5_MoeForCausalLM="moe_num_experts",
+    HunYuanMoEV1ForCausalLM="num_experts", PhimoeForCausalLM="num_local_experts",
+    GraniteMoeHybridForCausalLM="num_local_experts", NemotronHForCausalLM="n_routed_experts",
+    Qwen3NextForCausalLM="num_experts", Qwen3_5MoeForCausalLM="num_experts", Lfm2MoeForCausalLM="num_experts",
+    Gemma4ForCausalLM="num_experts").items()})
+_MODEL_LIST = tuple(replace(e, experts=_MOE_EXPERTS[e.architecture]) if e.architecture in _MOE_EXPERTS else e
+                    for e in _MODEL_LIST)
 MODELS: Mapping[str, ModelEntry] = MappingProxyType({e.architecture: e for e in _MODEL_LIST})
 VISION_LANGUAGE: Mapping[str, VisionLanguage] = MappingProxyType({v.architecture: v for v in _VISION_LIST})
 # config.json name -> (the model serving it, as what); a model's own name included

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -116,12 +116,16 @@ def open_weights(path: Path) -> Any:
     return _PtFile(path)
 
 
-def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(files: list[Path], skip: Optional[Callable[[str], bool]] = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, by name, read as it is reached; `skip(name)` true: left unread (another
+    expert-parallel rank's expert)."""
     try:
         for path in files:
             with open_weights(path) as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if skip is None or not skip(name):
+                        yield name, f.get_tensor(name)
     finally:
         _pt_state.cache_clear()  # (the last .bin shards' mappings are not kept once the model has its copies)
 

@@ -7,7 +7,9 @@ each sampling request's last scheduled token, and samples.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
@@ -263,6 +265,11 @@ class ModelRunner:
         # tp_rank: this process's rank among all (stage * T + its place in the stage); world: T x P processes
         self.tp_size, self.tp_rank = config.tensor_parallel_size, tp_rank
         self.pp_size, self.world_size = config.pipeline_parallel_size, config.world_size
+        # (vLLM's --enable-expert-parallel: whole experts per rank (models/moe.py); meaningless without tensor
+        # parallelism, and on a dense model (rank 0's `_check_tp` warns). Every rank decides alike, from the config.)
+        self.expert_parallel = (config.enable_expert_parallel and self.tp_size > 1
+                                and registry.entry(model_cfg.architecture).routed_experts(model_cfg) is not None)
+        ParallelContext.expert_parallel = self.expert_parallel  # (the models' own split checks read it too)
         self.device = (rank_device(config.device, tp_rank if local_rank is None else local_rank)
                        if self.world_size > 1 else resolve_device(config.device))
         if self.device.type == "cpu":
@@ -303,6 +310,7 @@ class ModelRunner:
         config, model_cfg, max_model_len = self.config, self.model_cfg, self.max_model_len
         # read while the layers are built: the place in the stage, the stage (PipelineLinks.enter)
         ParallelContext.rank, ParallelContext.size = self.tp_rank % self.tp_size, self.tp_size
+        ParallelContext.expert_parallel = self.expert_parallel
         if self.pp is not None:
             self.pp.enter()
         else:
@@ -504,6 +512,9 @@ class ModelRunner:
         if self.device.type == "cuda" and local_ranks > torch.cuda.device_count():
             raise ValueError(f"{local_ranks} tensor-parallel ranks on this node need {local_ranks} GPUs; "
                              f"{torch.cuda.device_count()} visible")
+        if self.config.enable_expert_parallel and not model.check_expert_parallel(self.model_cfg, tp):
+            logger.warning("%s is not a mixture of experts: enable_expert_parallel is ignored (every layer is "
+                           "tensor-parallel), as vLLM ignores it", model.architecture)
         # (the registry entry's rule: the attention heads, or the model's own check, hybrids' recurrent layers too)
         if tp > 1:
             model.check_tensor_parallel(self.model_cfg, tp)
@@ -1362,6 +1373,45 @@ class ModelRunner:
             if not need <= parts:
                 raise ValueError(f"update_weights: {name}'s weight is derived (packed or rounded) from all of its "
                                  f"parts: give them together (missing: {_some({str(s) for s in need - parts})})")
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """The bytes this rank's model holds: "experts", its sparse layers' routed experts (float, packed for the
+        CPU or 4-bit, and their per-expert biases), and "total", every parameter and buffer with those experts. Read
+        from the tensors themselves (what the rank holds, not what its shapes should hold)."""
+        def nbytes(t: object) -> int:
+            if isinstance(t, torch.Tensor):
+                return t.numel() * t.element_size()
+            if dataclasses.is_dataclass(t):  # (a 4-bit weight: its packed codes, scales and zeros)
+                return sum(nbytes(getattr(t, f.name)) for f in dataclasses.fields(t))
+            return 0
+        experts, counted = 0, set()
+        for m in self.model.modules():
+            if isinstance(m, SparseMoE):
+                held: list[Any] = [m.w13, m.w2, m.w13_bias]
+                for parts in (m.cpu_packed, m.int4):
+                    if parts is not None:
+                        held.extend(w for ws in parts for w in ws)
+                experts += sum(nbytes(t) for t in held)
+                counted.update(id(t) for t in held)
+        rest = sum(nbytes(t) for t in (*self.model.parameters(), *self.model.buffers()) if id(t) not in counted)
+        return {"experts": experts, "total": experts + rest}
+
+    def write_parameter_bytes(self, path: str) -> None:
+        """`parameter_bytes()` as JSON to `path` with {rank} filled in: a command every rank runs
+        (`TensorParallelWorkers.command`; see `ranks_parameter_bytes`)."""
+        Path(path.format(rank=self.tp_rank)).write_text(json.dumps(self.parameter_bytes()))
+
+    def ranks_parameter_bytes(self, folder: Path) -> list[dict[str, int]]:
+        """Every rank's `parameter_bytes()`, by rank, each reported by that rank (written to files in `folder`, which
+        every rank can reach: one machine)."""
+        pattern = str(Path(folder) / "parameter_bytes.{rank}.json")
+        if self.tp_workers is not None:
+            self.tp_workers.command("write_parameter_bytes", pattern)
+            errors = [e for e in self.tp_workers.replies() if e]
+            if errors:
+                raise RuntimeError(f"a rank could not report its parameter bytes: {errors[0]}")
+        self.write_parameter_bytes(pattern)
+        return [json.loads(Path(pattern.format(rank=r)).read_text()) for r in range(self.tp_size)]
 
     @torch.inference_mode()
     def load_weights_in_place(self, source: Path | NamedTensors, partial: bool = False) -> None:
