@@ -537,6 +537,8 @@ class OpenAIServer:
             n = await self.engine.reset_prefix_cache()
         except Exception as e:
             raise engine_error(e) from None
+        if self.engine.kv_event_sinks:  # AllBlocksCleared now, not at the next step (the server may be idle)
+            self.engine._publish_kv_events()
         return JSONResponse({"reset": True, "blocks": n})
 
     async def metrics(self, request: Request) -> Response:
