@@ -401,7 +401,10 @@ class AsyncEngine:
         """Forget every cached prefix; running requests go on. (Called on the loop, so between two steps'
         scheduling: what a step in flight reads was settled when it was scheduled.)"""
         self._check_alive()
-        return self._core.reset_prefix_cache()
+        n = self._core.reset_prefix_cache()
+        if self.config.kv_events:  # AllBlocksCleared now, not at the next step (the server may be idle)
+            self._publish_kv_events()
+        return n
 
     # ------------------------------------------------------------------ LoRA adapters
     async def add_lora(self, name: str, path: str) -> None:
@@ -591,7 +594,7 @@ class AsyncEngine:
                     result = (pending.result() if pending.ready
                               else await loop.run_in_executor(self._waiter, pending.result))
                     self._dispatch(core.process(sched, result))
-                    if self.kv_event_sinks:
+                    if self.config.kv_events:  # (drained even with no sink: the log would grow)
                         self._publish_kv_events()
                 elif nxt is None:
                     if self._paused:  # (nothing in flight now: pause_generation may return)
@@ -643,7 +646,7 @@ class AsyncEngine:
                 if inflight:
                     sched, result = inflight.popleft()
                     self._dispatch(core.process(sched, await result))
-                    if self.kv_event_sinks:
+                    if self.config.kv_events:  # (drained even with no sink: the log would grow)
                         self._publish_kv_events()
                 elif self._paused:
                     self._quiet.set()  # type: ignore[union-attr]

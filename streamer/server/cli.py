@@ -31,6 +31,7 @@ from streamer.server.tool_calls import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from streamer.engine.async_engine import AsyncEngine
+    from streamer.server.kv_events import KVEventsConfig
 
 logger = logging.getLogger("streamer.server")
 
@@ -148,6 +149,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
     g.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
     g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates against")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish what the prefix cache stores and evicts as vLLM's KV cache events, for KV-aware "
+                        "routers (llm-d, Dynamo, vllm-router's kv_aware): vLLM's JSON, e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (fields: publisher, endpoint, "
+                        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic; see docs/serving.md)")
 
 
 def add_run_batch_args(p: argparse.ArgumentParser) -> None:
@@ -266,6 +273,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.lora_modules or args.allow_runtime_lora_updating:
         kwargs["enable_lora"] = True
+    try:
+        args.kv_events = _kv_events_config(args, kwargs)
+    except (ValueError, ImportError) as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 2
     try:  # bad engine arguments: one line and exit 2, before loading anything (not a traceback at start-up)
         EngineConfig.from_kwargs(args.model, **kwargs)
     except (TypeError, ValueError) as e:
@@ -273,6 +285,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(args, api_key, kwargs))
+
+
+def _kv_events_config(args: argparse.Namespace, kwargs: dict) -> "Optional[KVEventsConfig]":
+    """--kv-events-config, checked (and pyzmq / msgspec found) before anything loads; one that publishes turns the
+    engine's KV events on (without a publisher nothing would drain them)."""
+    text = getattr(args, "kv_events_config", None)
+    if text is None:
+        return None
+    from streamer.server.kv_events import KVEventsConfig, check_available
+    config = KVEventsConfig.parse(text)
+    if not config.publishes:
+        return None
+    check_available()
+    if kwargs.get("enable_prefix_caching") is False:
+        raise ValueError("--kv-events-config publishes what the prefix cache holds: it needs prefix caching "
+                         "(drop --no-enable-prefix-caching)")
+    kwargs["kv_events"] = True
+    return config
 
 
 def _torchrun(args: argparse.Namespace, kwargs: dict) -> Optional[int]:
@@ -388,8 +418,17 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     shutdown = _Shutdown(args.shutdown_timeout)
     shutdown.install()  # before loading: a signal during start-up still exits 0
     engine = shutdown.engine = make_async_engine(args.model, **kwargs)  # (DataParallelEngine with -dp N)
+    publisher = None
     try:
         try:
+            if getattr(args, "kv_events", None) is not None:  # (a port in use fails before the model loads)
+                from streamer.server.kv_events import make_publisher
+                publisher = make_publisher(args.kv_events)
+                if publisher is not None:
+                    if not hasattr(engine, "kv_event_sinks"):
+                        raise ValueError("--kv-events-config with --data-parallel-size > 1 is not supported yet "
+                                         "(each replica would publish its own events)")
+                    engine.kv_event_sinks.append(publisher.sink)
             await engine.start()
             for name, path in args.lora_modules:
                 await engine.add_lora(name, path)
@@ -438,6 +477,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     finally:
         await engine.stop()  # whatever outlived the drain is aborted here
         logger.info("engine stopped")
+        if publisher is not None:
+            publisher.close()
         if shutdown.server is not None:
             await _let_requests_end(shutdown.server)
 
