@@ -107,6 +107,9 @@ class EngineConfig:
     # stage * T + its place in the stage); hidden states pass from stage to stage and back to rank 0, which samples,
     # with up to this many batches (of different requests) in flight.
     pipeline_parallel_size: int = 1
+    # Steps in flight at once with pipeline stages (None: one per stage; 1: one at a time, stages idle in turn:
+    # bench/pipeline_parallel.py's baseline)
+    pipeline_depth: Optional[int] = None
     # vLLM's --enable-expert-parallel: with tensor_parallel_size T > 1, the sparse MoE layers place whole experts on
     # the ranks (rank r: experts [r*E//T, (r+1)*E//T)) instead of a slice of every expert; attention, dense MLPs and
     # shared experts stay tensor-parallel. The ranks are the same processes (and nodes). No effect with T == 1, nor
@@ -325,6 +328,8 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if not _is_int(pp) or pp < 1:
             raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+        if self.pipeline_depth is not None and (not _is_int(self.pipeline_depth) or self.pipeline_depth < 1):
+            raise ValueError(f"pipeline_depth must be a positive integer or None, got {self.pipeline_depth!r}")
         self._check_nodes()
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
@@ -362,6 +367,11 @@ class EngineConfig:
         if self.nnodes > 1 and self.world_size % self.nnodes:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({self.world_size} ranks) does not split "
                              f"over nnodes {self.nnodes}")
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps that may be in flight at once with pipeline stages (1 without them)."""
+        return self.pipeline_depth or self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1
 
     @property
     def world_size(self) -> int:

@@ -145,7 +145,7 @@ class Scheduler:
         self.clock = time.monotonic  # (arrival times' clock)
         # Pipeline parallelism: up to this many steps in flight, each of other requests (a request's next step
         # needs the token its step in flight samples): the ids in steps not yet landed (`landed`)
-        self.pipeline_depth = config.pipeline_parallel_size
+        self.pipeline_depth = config.steps_in_flight
         self.in_flight: set[str] = set()
 
     def use_itl_budget(self) -> None:

@@ -269,7 +269,7 @@ class LLMEngine:
     @property
     def pipeline_depth(self) -> int:
         """Steps that may be in flight at once: the pipeline stages (1: none, or async scheduling's overlap)."""
-        return self.config.pipeline_parallel_size
+        return self.config.steps_in_flight
 
     @staticmethod
     def undelivered(state: SeqState) -> Optional[SeqUpdate]:
