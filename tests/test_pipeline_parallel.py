@@ -33,6 +33,7 @@ CHECKPOINTS = {
     "qwen3_moe": ("qwen3_moe_tp", {"family": "qwen3_moe", "seed": 3}),
     "granitemoehybrid": ("granite_moe", {"family": "granitemoehybrid"}),  # Mamba2 + attention + MoE
     "qwen3_next": ("qwen3_next", {"family": "qwen3_next"}),  # gated DeltaNet + gated attention + MoE
+    "gemma3": ("gemma3_pp", {"family": "gemma3"}),  # builds its layers itself: the loader keeps its stage's
 }
 
 
@@ -93,6 +94,10 @@ def test_what_cannot_split_into_stages_is_refused(make_ckpt) -> None:
     model = make_ckpt(name, **kw)
     with pytest.raises(ValueError, match="5 stages for its 4 decoder layers"):
         LLM(str(model), pipeline_parallel_size=5, **EAGER)
+    mamba2 = make_ckpt("recurrent_mamba2", family="mamba2")
+    with pytest.raises(ValueError, match="Mamba2ForCausalLM does not split into pipeline stages: its forward is its "
+                                         "own"):
+        LLM(str(mamba2), pipeline_parallel_size=2, **EAGER)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer"):
         EngineConfig(pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
@@ -101,7 +106,7 @@ def test_what_cannot_split_into_stages_is_refused(make_ckpt) -> None:
 
 # ---------------------------------------------------------------------------------------------------- equality
 @pytest.mark.parametrize("family,tp", [("llama", 1), ("llama", 2), ("qwen3_moe", 1), ("granitemoehybrid", 1),
-                                       ("qwen3_next", 1)])
+                                       ("qwen3_next", 1), ("gemma3", 1)])
 def test_pipeline_matches_one_process(make_ckpt, family, tp) -> None:
     """PP=2 (and TP=2 x PP=2 on the Llama: four processes) gives the single process's greedy and seeded tokens,
     with two steps in flight; rank 0 holds only the first stage's layers (and the head)."""

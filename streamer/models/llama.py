@@ -290,6 +290,20 @@ class LlamaForCausalLM(nn.Module):
         out = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return torch.cat([out, *aux], dim=-1) if aux else out
 
+    def keep_stage(self) -> None:
+        """A class whose own __init__ built every layer (Gemma 3's): keep only this pipeline stage's, as __init__
+        builds them (the loader calls it before loading; nothing to do with one stage or after __init__ did it)."""
+        stage, stages = ParallelContext.stage, ParallelContext.num_stages
+        if stages == 1 or self.pp_layers is not None:
+            return
+        self.pp_first, self.pp_last = stage == 0, stage == stages - 1
+        self.pp_layers = lo, hi = stage_layers(len(self.layers), stage, stages)
+        for i in range(len(self.layers)):
+            if not lo <= i < hi:
+                self.layers[i] = MissingLayer()
+        if not self.pp_first:
+            self.embed_tokens = self.lm_head = None
+
     def own_layers(self) -> list[nn.Module]:
         """The decoder layers this pipeline stage runs (all of them with one stage)."""
         lo, hi = self.pp_layers or (0, len(self.layers))

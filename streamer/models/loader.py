@@ -76,6 +76,8 @@ def load_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch
             model = model_cls(cfg, backend_cls, max_positions)
     finally:
         torch.set_default_dtype(old_dtype)
+    if hasattr(model, "keep_stage"):  # (pipeline stages: a family that builds its layers itself keeps its own now)
+        model.keep_stage()
     model.kv_scales = None  # [(k_scale, v_scale)] per layer, for an FP8 KV cache, if the checkpoint has them
     if load_format == "dummy":
         _dummy_init(model, seed)

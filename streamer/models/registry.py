@@ -175,13 +175,13 @@ class ModelEntry:
         """ValueError unless a model of this config splits into `pp` pipeline stages: a decoder whose forward is the
         Llama family's (embeddings, then `run_layers`, which runs a stage's layers: models/llama.py), text only,
         with at least one decoder layer a stage."""
-        from streamer.models.llama import LlamaForCausalLM
         cls = self.model_class()
+        llama_forward = all(getattr(getattr(cls, name, None), "__qualname__", "") == f"LlamaForCausalLM.{name}"
+                            for name in ("forward", "run_layers"))  # (by name: the registry imports no model file)
         why = ("its prompts attend both ways (an encoder)" if self.kind == ENCODER else
                "an encoder-decoder model" if self.kind == ENCODER_DECODER else
                "images and audio do not pass between stages yet" if cfg.multimodal_architecture is not None else
-               "its forward is its own, not split into stages yet" if not (
-                   cls.forward is LlamaForCausalLM.forward and cls.run_layers is LlamaForCausalLM.run_layers) else
+               "its forward is its own, not split into stages yet" if not llama_forward else
                f"{pp} stages for its {cfg.num_layers} decoder layers" if pp > cfg.num_layers else None)
         if why is not None:
             raise ValueError(f"pipeline_parallel_size {pp}: {self.architecture} does not split into pipeline "
