@@ -307,17 +307,18 @@ def _on(pool: ThreadPoolExecutor, fn: Callable[..., T], *args) -> T:
     return pool.submit(fn, *args).result(300)
 
 
-def test_two_nodes_in_network_namespaces_then_the_link_drops(llama_dir) -> None:
+@pytest.mark.parametrize("split", [("-tp", "2"), ("-pp", "2")], ids=["tp", "pp"])
+def test_two_nodes_in_network_namespaces_then_the_link_drops(llama_dir, split) -> None:
     """Each node in its own network namespace, reaching the other only over the veth pair (its 127.0.0.1 is its
-    own): equal outputs. Then the link goes down mid-stream (no FIN, no RST): the head reports rank 1 silent, fails
-    the request and exits; the node sees the head silent and exits; all within the bound after the heartbeat
-    timeout."""
+    own): equal outputs, with two tensor-parallel shards or two pipeline stages. Then the link goes down
+    mid-stream (no FIN, no RST): the head reports rank 1 silent, fails the request and exits; the node sees the head
+    silent and exits; all within the bound after the heartbeat timeout."""
     want_tokens, want_text = _reference(llama_dir)
     with _namespaces() as (a, b, addr_a, _addr_b, link_b):
         pool = _in_netns(a)
         try:
             with two_nodes(llama_dir, master=addr_a, head_prefix=("ip", "netns", "exec", a),
-                           node_prefix=("ip", "netns", "exec", b)) as (head, node, url):
+                           node_prefix=("ip", "netns", "exec", b), split=split) as (head, node, url):
                 got_tokens, got_text = _on(pool, _greedy_over_http, url)
                 assert got_tokens == want_tokens
                 assert got_text == want_text

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from streamer.models.layers import ParallelContext
+from streamer.worker.rendezvous import gloo_bound
 
 
 @dataclasses.dataclass
@@ -36,8 +37,9 @@ class PipelineLinks:
     @classmethod
     def build(cls, rank: int, tp: int, pp: int) -> "PipelineLinks":
         """On every rank alike, after the process group started; sets ParallelContext for the build that follows."""
-        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
-        forward, back = dist.new_group(list(range(tp * pp))), dist.new_group(list(range(tp * pp)))
+        with gloo_bound():  # (bound where the first group is: a node's routable address)
+            groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+            forward, back = dist.new_group(list(range(tp * pp))), dist.new_group(list(range(tp * pp)))
         links = cls(rank, tp, pp, groups[rank // tp], forward, back)
         links.enter()
         return links

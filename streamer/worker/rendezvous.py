@@ -19,6 +19,7 @@ other go.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import datetime
@@ -34,7 +35,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -205,20 +206,35 @@ def lookup(store: torch.distributed.Store) -> tuple[str, bytes]:
     return store.get(_STEPS).decode(), key
 
 
+_gloo_host: Optional[str] = None  # this process's routable address, for the groups made after the first
+
+
 def init_process_group(group: RankGroup, device: torch.device) -> None:
+    global _gloo_host
     backend = "nccl" if device.type == "cuda" else "gloo"
-    saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    if backend == "gloo" and group.host and saved is None:
-        iface = interface_of(group.host)
-        if iface is None:
-            logger.warning("no network interface holds %s: gloo binds where the hostname resolves (set "
-                           "GLOO_SOCKET_IFNAME)", group.host)
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = iface  # read as the group is built, then put back
-    try:
+    _gloo_host = group.host if backend == "gloo" else None
+    with gloo_bound():
         # The timeout bounds the rendezvous (a rank that died while importing) and any one collective.
         torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore("streamer/pg", group.store),
                                              rank=group.rank, world_size=group.world, timeout=STORE_TIMEOUT)
+
+
+@contextlib.contextmanager
+def gloo_bound() -> Iterator[None]:
+    """While gloo groups are made (the first, and any `new_group` after it: pipeline stages): bind them to the
+    interface holding this node's routable address (GLOO_SOCKET_IFNAME, read as a group is built, then put back),
+    not where the hostname resolves (often 127.0.0.1)."""
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    host = _gloo_host
+    if host and saved is None:
+        iface = interface_of(host)
+        if iface is None:
+            logger.warning("no network interface holds %s: gloo binds where the hostname resolves (set "
+                           "GLOO_SOCKET_IFNAME)", host)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+    try:
+        yield
     finally:
         if saved is None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
