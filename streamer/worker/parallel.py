@@ -43,6 +43,7 @@ from streamer.worker.rendezvous import (
     head_store,
     init_process_group,
     lookup,
+    no_delay,
     node_layout,
     publish,
     rank_command,
@@ -235,7 +236,7 @@ def _accept(listener: Listener, procs: list[subprocess.Popen],
     def accept_all() -> None:
         while not complete():
             try:
-                conn = listener.accept()
+                conn = no_delay(listener.accept())
             except (AuthenticationError, EOFError, ConnectionError) as e:  # (a stray client without the key)
                 logger.warning("a connection to the tensor-parallel step listener failed: %r", e)
                 continue
@@ -348,7 +349,7 @@ def run_rank_process(entry: str, spec: dict[str, Any]) -> int:
         address, key = lookup(store)
     host, port_str = address.rsplit(":", 1)
     there = f"pid {os.getpid()} on {spec.get('host') or socket.gethostname()}"
-    conn = Client((host, int(port_str)), authkey=key)
+    conn = no_delay(Client((host, int(port_str)), authkey=key))
     conn.send(("steps", rank, world, there))
     watch = Client((host, int(port_str)), authkey=key)
     watch.send(("watch", rank, world, there))
