@@ -188,14 +188,15 @@ def test_two_nodes_on_loopback_match_one_process(make_ckpt, family) -> None:
     assert got_text == want_text
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_two_pipeline_stages_on_two_nodes_match_one_process(make_ckpt, family) -> None:
-    """Pipeline parallelism across nodes: the head runs stage 0 (and samples), the headless node stage 1; greedy
-    tokens and streamed text through the openai client equal the single-process engine's."""
+@pytest.mark.parametrize("family,tp", [("llama", "1"), ("qwen3_moe", "1"), ("bamba", "1"), ("llama", "2")])
+def test_two_pipeline_stages_on_two_nodes_match_one_process(make_ckpt, family, tp) -> None:
+    """Pipeline parallelism across nodes: the head runs stage 0 (and samples), the headless node stage 1 (with
+    -tp 2: each node a tensor-parallel group of two ranks); greedy tokens and streamed text through the openai
+    client equal the single-process engine's, on a dense Llama, a MoE and a hybrid."""
     name, kw = CHECKPOINTS[family]
     model = make_ckpt(name, **kw)
     want_tokens, want_text = _reference(model)
-    with two_nodes(model, split=("-pp", "2")) as (head, node, url):
+    with two_nodes(model, split=("-pp", "2", "-tp", tp)) as (head, node, url):
         got_tokens, got_text = _greedy_over_http(url)
         assert _health(url) == 200
         head.proc.send_signal(signal.SIGTERM)
@@ -234,13 +235,14 @@ def test_head_killed(llama_dir) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- torchrun
-def test_torchrun_two_ranks_match_one_process(llama_dir) -> None:
-    """`torchrun --nproc-per-node 2 -m streamer serve MODEL`: rank 0 serves, rank 1 is its worker; SIGTERM to rank 0
-    drains and stops both, and torchrun exits 0."""
+@pytest.mark.parametrize("split", [(), ("-pp", "2")], ids=["tp", "pp"])
+def test_torchrun_two_ranks_match_one_process(llama_dir, split) -> None:
+    """`torchrun --nproc-per-node 2 -m streamer serve MODEL` (-tp from WORLD_SIZE, or `-pp 2`: two stages): rank 0
+    serves, rank 1 is its worker; SIGTERM to rank 0 drains and stops both, and torchrun exits 0."""
     want_tokens, want_text = _reference(llama_dir)
     run = Proc([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", str(_free_port()), "-m", "streamer", "serve", str(llama_dir), "--dtype", "float32",
-                "--enforce-eager", "--port", "0", "--num-kv-blocks", "64"])
+                "--enforce-eager", "--port", "0", "--num-kv-blocks", "64", *split])
     try:
         url = run.wait_url()
         got_tokens, got_text = _greedy_over_http(url)

@@ -406,7 +406,7 @@ class KVCacheManager:
     def _log_stored(self, req: Request, stored: list[int]) -> None:
         """One BlockStored per run of consecutive block indices newly stored for `req`."""
         bs, hashes, tokens = self.block_size, req.block_hashes, req.all_token_ids
-        lora = req.lora.uid if req.lora is not None else None
+        lora, name = (req.lora.uid, req.lora.name) if req.lora is not None else (None, None)
         runs: list[list[int]] = []
         for i in stored:
             if runs and runs[-1][-1] == i - 1:
@@ -417,7 +417,7 @@ class KVCacheManager:
             first, last = run[0], run[-1]
             self.pool.events.stored(BlockStored(  # type: ignore[union-attr]
                 hashes[first:last + 1], hashes[first - 1] if first else None,
-                list(tokens[first * bs:(last + 1) * bs]), bs, lora))
+                list(tokens[first * bs:(last + 1) * bs]), bs, lora, name))
 
     def take_events(self) -> list[KVEvent]:
         """What the prefix cache stored and evicted since the last call ([] unless built with kv_events)."""

@@ -21,7 +21,8 @@ class BlockStored:
     parent_block_hash: Optional[bytes]
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int] = None
+    lora_id: Optional[int] = None  # the LoRA adapter the blocks were computed with (None: the base model)
+    lora_name: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

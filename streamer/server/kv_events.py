@@ -185,7 +185,7 @@ class ZmqEventPublisher:
             if isinstance(e, core_events.BlockStored):
                 out.append(wire.BlockStored(block_hashes=list(e.block_hashes), parent_block_hash=e.parent_block_hash,
                                             token_ids=list(e.token_ids), block_size=e.block_size, lora_id=e.lora_id,
-                                            medium=self.medium, lora_name=None, group_idx=0))
+                                            medium=self.medium, lora_name=e.lora_name, group_idx=0))
             elif isinstance(e, core_events.BlockRemoved):
                 out.append(wire.BlockRemoved(block_hashes=list(e.block_hashes), medium=self.medium, group_idx=0))
             elif isinstance(e, core_events.AllBlocksCleared):
