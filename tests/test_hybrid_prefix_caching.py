@@ -132,7 +132,7 @@ class StateSim(Sim):
     def __init__(self, *args, checkpoints: int, **kw) -> None:
         super().__init__(*args, **kw)
         self.kv = KVCacheManager(self.kv.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching,
-                                 state_slots=self.cfg.max_num_seqs, checkpoint_slots=checkpoints)
+                                 state_slots=self.cfg.max_num_seqs, checkpoint_slots=checkpoints, kv_events=True)
         self.sched = Scheduler(self.cfg, self.kv, max_model_len=10_000)
         schedule = self.sched.schedule
         self.sched.schedule = lambda: self.run_states(schedule())  # type: ignore[method-assign]
