@@ -185,7 +185,7 @@ def test_serve_without_model_uses_the_demo_model():
             assert r.status_code == 200, r.text  # (its template reads contents as strings)
             assert r.json()["usage"]["completion_tokens"] >= 1
         srv.proc.send_signal(signal.SIGINT)
-        assert srv.proc.wait(60) == 0
+        assert srv.proc.wait(60) == 0, srv.stderr[-4000:]
         # serve compiles the model by default, also on CPU: in the background, answering eagerly meanwhile
         assert "compiling in the background" in srv.stderr
     finally:

@@ -284,7 +284,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"streamer serve: error: {e}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-        return runner.run(_serve(args, api_key, kwargs))
+        code = runner.run(_serve(args, api_key, kwargs))
+    if _compiling[0]:
+        # The model still compiles in the background (a thread inside Inductor): the interpreter's shutdown would
+        # tear that thread's C++ state down under it ("terminate called without an active exception", SIGABRT).
+        # Everything is stopped and drained by now: leave at once.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+_compiling = [False]  # set as `serve` stops while the model still compiles in the background
 
 
 def _kv_events_config(args: argparse.Namespace, kwargs: dict) -> "Optional[KVEventsConfig]":
@@ -477,6 +489,8 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     finally:
         await engine.stop()  # whatever outlived the drain is aborted here
         logger.info("engine stopped")
+        done = getattr(getattr(getattr(engine, "engine", None), "runner", None), "compile_done", None)
+        _compiling[0] = done is not None and not done.is_set()
         if publisher is not None:
             publisher.close()
         if shutdown.server is not None:
