@@ -382,6 +382,8 @@ class DataParallelEngine:
                     continue
                 stream, queue, _ = entry
                 if isinstance(item, BaseException):
+                    if isinstance(item, EngineDeadError) and "data-parallel replica" not in str(item):
+                        item = EngineDeadError(f"data-parallel replica {r.index}: {item}")  # (which one failed)
                     queue.put_nowait(item)
                     self._end(rid, r)
                     continue
@@ -822,7 +824,7 @@ class _ReplicaServer:
         """The engine died (its device thread failed, a tensor-parallel rank was lost): its requests have failed
         with the reason; this process then exits, so the front marks the replica down."""
         assert self.engine is not None and self.engine._task is not None
-        await asyncio.shield(self.engine._task) if not self.engine._task.done() else None
+        await asyncio.wait([self.engine._task])  # (not `await task`: a lost rank ends it cancelled)
         if self.done.is_set() or self.stopping:
             return
         await asyncio.sleep(0.2)  # (the failed requests' errors go out first)
