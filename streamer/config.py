@@ -136,6 +136,14 @@ class EngineConfig:
     data_parallel_size: int = 1
     dp_routing: str = "cache_aware"
     dp_session_header: Optional[str] = "x-session-id"
+    # Replicas on several machines (vLLM's flags): this node runs `data_parallel_size_local` of them (default: all),
+    # numbered from `data_parallel_start_rank`; the head (start rank 0) serves and routes over all
+    # `data_parallel_size`, the others run `serve --headless` and join it at data_parallel_address's rendezvous store
+    # (data_parallel_rpc_port), which hands out its replica listener's address and a random key.
+    data_parallel_size_local: Optional[int] = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: Optional[str] = None
+    data_parallel_rpc_port: Optional[int] = None
     # Structured outputs: when the grammar admits only one continuation (a JSON key, `":"`, the rest of an enum
     # value), append its tokens without sampling them; the next step computes them like prompt tokens. Cuts a
     # JSON object's decode steps by about half (bench/structured_output.py). Requests that ask for logprobs skip it.
@@ -321,7 +329,23 @@ class EngineConfig:
         if self.dp_routing not in ("cache_aware", "least_loaded", "round_robin"):
             raise ValueError(f"dp_routing must be cache_aware, least_loaded or round_robin, got {self.dp_routing!r}")
         if dp > 1 and self.nnodes > 1:
-            raise ValueError("data_parallel_size > 1 does not run with nnodes > 1 yet (each replica on one machine)")
+            raise ValueError("data_parallel_size > 1 does not run with nnodes > 1 (each replica on one machine): "
+                             "spread the replicas over machines with --data-parallel-size-local, "
+                             "--data-parallel-start-rank, --data-parallel-address and --headless instead")
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if local is not None and (not _is_int(local) or not 0 <= local <= dp):
+            raise ValueError(f"data_parallel_size_local must be in 0..data_parallel_size ({dp}), got {local!r}")
+        if not _is_int(start) or start < 0 or start + (dp if local is None else local) > dp:
+            raise ValueError(f"data_parallel_start_rank {start!r} with {dp if local is None else local} local "
+                             f"replica(s) does not fit in data_parallel_size {dp}")
+        port = self.data_parallel_rpc_port
+        if port is not None and (not _is_int(port) or not 1 <= port <= 65535):
+            raise ValueError(f"data_parallel_rpc_port must be a TCP port (1-65535), got {port!r}")
+        if self.dp_multi_node and not self.data_parallel_address:
+            raise ValueError("replicas on several machines (data_parallel_size_local < data_parallel_size) need "
+                             "--data-parallel-address: the head's address, routable from every node")
+        if self.data_parallel_address in ("0.0.0.0", "::"):
+            raise ValueError("--data-parallel-address: give the head's own address, which the other nodes reach")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -372,6 +396,12 @@ class EngineConfig:
     def steps_in_flight(self) -> int:
         """Steps that may be in flight at once with pipeline stages (1 without them)."""
         return self.pipeline_depth or self.pipeline_parallel_size if self.pipeline_parallel_size > 1 else 1
+
+    @property
+    def dp_multi_node(self) -> bool:
+        """Whether some of the data-parallel replicas run on other machines than this one."""
+        local = self.data_parallel_size_local
+        return local is not None and local < self.data_parallel_size
 
     @property
     def world_size(self) -> int:

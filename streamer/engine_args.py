@@ -103,6 +103,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dp-routing", default="cache_aware", choices=["cache_aware", "least_loaded", "round_robin"],
                    help="which replica takes a request: cache_aware (the longest cached prefix unless that replica "
                         "runs hot, then the least loaded), least_loaded (waiting*4+running) or round_robin")
+    d.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None, metavar="K",
+                   help="replicas on this machine (default: all of them); the others run on other nodes, started "
+                        "with --headless (docs/data-parallel.md)")
+    d.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0, metavar="S",
+                   help="the first of this node's replicas (a --headless node: S..S+K-1; the head's are 0..K-1)")
+    d.add_argument("--data-parallel-address", "-dpa", default=None, metavar="HOST",
+                   help="the head's address, routable from every node (its rendezvous store and replica listener)")
+    d.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="PORT",
+                   help="the head's rendezvous store's port, the same on every node (default: 29550)")
     d.add_argument("--dp-session-header", default="x-session-id", metavar="HEADER",
                    help="requests with this header go to one replica per value (session affinity; '' turns it off)")
     n = p.add_argument_group("tensor parallelism over several machines (docs/multi-node.md)")
@@ -189,7 +198,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
                 "master_addr", "master_port", "nproc_per_node", "dist_host", "data_parallel_size", "dp_routing",
-                "dp_session_header", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "dp_session_header", "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
+                "data_parallel_rpc_port", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import hmac
 import logging
@@ -73,11 +74,19 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def _nodelay(writer: asyncio.StreamWriter) -> None:
-    """Small messages (a step's outputs) go out at once, not after Nagle's wait for an ACK."""
+    """Small messages (a step's outputs) go out at once, not after Nagle's wait for an ACK. And a link that drops
+    without a FIN (a node or its network gone) ends within ~10 s: TCP keepalive probes an idle link, and unacked
+    data times out (Linux)."""
     sock = writer.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError, AttributeError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 10_000)
 
 
 def _proof(key: bytes, nonce: bytes) -> bytes:
@@ -112,6 +121,91 @@ def gpu_shares(num_replicas: int, tp: int) -> Optional[list[str]]:
         raise ValueError(f"data_parallel_size {num_replicas} x tensor_parallel_size {tp} needs {need} GPUs; "
                          f"{len(ids)} visible")
     return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(num_replicas)]
+
+
+def spawn_replicas(ranks: range, addr: str, key: bytes, config: EngineConfig, parent: int,
+                   model: Optional[str] = None) -> dict[int, subprocess.Popen]:
+    """Start replicas `ranks` on this machine (`python -m streamer.engine.data_parallel`), each with its share of this
+    machine's GPUs or cores, connecting to the front's listener at `addr` with `key`. model: this node's own path to
+    the model (a headless node), sent in place of the head's."""
+    gpus = gpu_shares(len(ranks), config.tensor_parallel_size) \
+        if config.device in ("auto",) or str(config.device).startswith("cuda") else None
+    cpus = cpu_shares(len(ranks)) if gpus is None else None
+    per = int(os.environ.get("STREAMER_DP_CORES_PER_REPLICA", "0"))  # (benches: fewer cores each)
+    if cpus is not None and per > 0:
+        cpus = [c[:per] for c in cpus]
+    procs = {}
+    for i, rank in enumerate(ranks):
+        env = dict(os.environ, STREAMER_DP_ADDR=addr, STREAMER_DP_KEY=key.hex(), STREAMER_DP_RANK=str(rank),
+                   STREAMER_DP_PARENT=str(parent))
+        if model is not None:
+            env["STREAMER_DP_MODEL"] = model
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+        if cpus is not None:
+            env["STREAMER_DP_CPUS"] = ",".join(map(str, cpus[i]))
+            env["OMP_NUM_THREADS"] = str(max(1, len(cpus[i]) // config.tensor_parallel_size))
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "streamer.engine.data_parallel"], env=env,
+                                       stdin=subprocess.DEVNULL)
+    return procs
+
+
+# Across machines the head's rendezvous store (a torch.distributed TCPStore at --data-parallel-address:
+# --data-parallel-rpc-port) hands the other nodes its replica listener's address and this start's random key.
+DEFAULT_RPC_PORT = 29550  # vLLM's
+_STORE_LISTENER = "streamer/dp/listener"
+_STORE_KEY = "streamer/dp/key"
+
+
+def _secret_key() -> Optional[bytes]:
+    """A key every node is given ($STREAMER_DP_SECRET, the same on each), in place of the head's random one (which
+    then never goes through the store)."""
+    secret = os.environ.get("STREAMER_DP_SECRET")
+    return hashlib.sha256(b"streamer-dp-secret" + secret.encode()).digest() if secret else None
+
+
+def _store(config: EngineConfig, is_master: bool) -> Any:
+    import torch
+
+    from streamer.worker.rendezvous import STORE_TIMEOUT
+    return torch.distributed.TCPStore(config.data_parallel_address, config.data_parallel_rpc_port or DEFAULT_RPC_PORT,
+                                      is_master=is_master, wait_for_workers=False, timeout=STORE_TIMEOUT)
+
+
+def run_headless_node(config: EngineConfig, model: Optional[str]) -> int:
+    """`streamer serve MODEL -dp N --data-parallel-size-local K --data-parallel-start-rank S --data-parallel-address
+    HEAD --headless`: start this node's replicas S..S+K-1, which join the head's router, and wait for them. They die
+    with this process (SIGKILL on Linux); SIGTERM / SIGINT stop them. A replica that fails leaves the others running
+    (the head routes around it). Returns 0 when the head stopped every replica, else 1."""
+    local = config.data_parallel_size_local or 0
+    start = config.data_parallel_start_rank
+    head = f"{config.data_parallel_address}:{config.data_parallel_rpc_port or DEFAULT_RPC_PORT}"
+    logger.warning("data-parallel node: replicas %d..%d of %d, joining the head at %s", start, start + local - 1,
+                   config.data_parallel_size, head)
+    store = _store(config, is_master=False)  # (waits for the head, up to 10 minutes)
+    addr = store.get(_STORE_LISTENER).decode()
+    key = _secret_key() or bytes.fromhex(store.get(_STORE_KEY).decode())
+    del store
+    procs = spawn_replicas(range(start, start + local), addr, key, config, os.getpid(), model)
+    stopping: list[int] = []
+
+    def on_signal(sig: int, _frame: object) -> None:
+        stopping.append(sig)
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    reported: set[int] = set()
+    while any(p.poll() is None for p in procs.values()):
+        for rank, p in procs.items():
+            if p.returncode not in (None, 0) and rank not in reported and not stopping:
+                reported.add(rank)
+                logger.error("data-parallel replica %d exited (status %d); this node's others go on", rank,
+                             p.returncode)
+        time.sleep(0.2)
+    return 0 if stopping or all(p.returncode == 0 for p in procs.values()) else 1
 
 
 # ---------------------------------------------------------------------------------------------------- the front
@@ -223,7 +317,10 @@ class DataParallelEngine:
     def __init__(self, model: Optional[str] = None, **engine_args) -> None:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.size = self.config.data_parallel_size
-        self._replica_args = dict(engine_args, data_parallel_size=1, kv_events=True)
+        local = self.config.data_parallel_size_local
+        self.local = self.size if local is None else local  # replicas 0..local-1 run here, the rest on other nodes
+        self._replica_args = dict(engine_args, data_parallel_size=1, kv_events=True, data_parallel_size_local=None,
+                                  data_parallel_start_rank=0, data_parallel_address=None, data_parallel_rpc_port=None)
         self._model = model
         self.router = Router(self.size, self.config.dp_routing)
         self.replicas = [_Replica(i) for i in range(self.size)]
@@ -232,8 +329,10 @@ class DataParallelEngine:
         self._remaining: dict[str, int] = {}  # request id -> sequences not finished
         self._guesses: dict[int, int] = {}  # an add's call id -> the sequences counted in flight for it
         self._ids = 0
-        self._key = secrets.token_bytes(32)
+        self._key = _secret_key() or secrets.token_bytes(32)
         self._server: Optional[asyncio.AbstractServer] = None
+        self._remote_server: Optional[asyncio.AbstractServer] = None
+        self._store: Any = None  # (across machines: the rendezvous store the other nodes read)
         self._started = False
         self._stopped = False
         self._paused = False
@@ -257,33 +356,36 @@ class DataParallelEngine:
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.config, model_dir)
         self._max_model_len = _max_model_len(self.config, model_config, model_dir)
         self.engine = _FrontCore(model_config, model_dir, model_config.vocab_size)
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(functools.partial(self._accept, remote=False), "127.0.0.1", 0)
         port = self._server.sockets[0].getsockname()[1]
-        gpus = gpu_shares(self.size, self.config.tensor_parallel_size) \
-            if self.config.device in ("auto",) or str(self.config.device).startswith("cuda") else None
-        cpus = cpu_shares(self.size) if gpus is None else None
-        per = int(os.environ.get("STREAMER_DP_CORES_PER_REPLICA", "0"))  # (benches: fewer cores each)
-        if cpus is not None and per > 0:
-            cpus = [c[:per] for c in cpus]
         for r in self.replicas:
             r.connected = loop.create_future()
-            env = dict(os.environ, STREAMER_DP_ADDR=f"127.0.0.1:{port}", STREAMER_DP_KEY=self._key.hex(),
-                       STREAMER_DP_RANK=str(r.index), STREAMER_DP_PARENT=str(os.getpid()))
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[r.index]
-            if cpus is not None:
-                env["STREAMER_DP_CPUS"] = ",".join(map(str, cpus[r.index]))
-                env["OMP_NUM_THREADS"] = str(max(1, len(cpus[r.index]) // self.config.tensor_parallel_size))
-            r.proc = subprocess.Popen([sys.executable, "-m", "streamer.engine.data_parallel"], env=env,
-                                      stdin=subprocess.DEVNULL)
-            threading.Thread(target=self._watch_exit, args=(loop, r), name=f"streamer-dp-watch-{r.index}",
-                             daemon=True).start()
         try:
-            await asyncio.wait_for(asyncio.gather(*(r.connected for r in self.replicas)), START_TIMEOUT_S)
+            if self.local < self.size:  # replicas on other nodes: a listener they reach, published in the store
+                host = self.config.data_parallel_address
+                self._remote_server = await asyncio.start_server(functools.partial(self._accept, remote=True),
+                                                                 host, 0)
+                remote_port = self._remote_server.sockets[0].getsockname()[1]
+                self._store = await asyncio.to_thread(_store, self.config, True)
+                self._store.set(_STORE_LISTENER, f"{host}:{remote_port}")
+                self._store.set(_STORE_KEY, "" if _secret_key() else self._key.hex())
+                logger.info("data parallelism: waiting for replicas %d..%d of other nodes (rendezvous at %s:%d)",
+                            self.local, self.size - 1, host, self.config.data_parallel_rpc_port or DEFAULT_RPC_PORT)
+            procs = spawn_replicas(range(self.local), f"127.0.0.1:{port}", self._key, self.config, os.getpid())
+            for index, proc in procs.items():
+                r = self.replicas[index]
+                r.proc = proc
+                threading.Thread(target=self._watch_exit, args=(loop, r), name=f"streamer-dp-watch-{r.index}",
+                                 daemon=True).start()
+            await self._wait_connected()
             infos = await asyncio.gather(*(self._call(r, "__start__", self._model, self._replica_args, timeout=None)
                                            for r in self.replicas))
         except BaseException as e:
             await self._kill_all()
+            for server in (self._server, self._remote_server):
+                if server is not None:
+                    server.close()
+            self._store = None
             if isinstance(e, asyncio.TimeoutError):
                 raise RuntimeError(f"the data-parallel replicas did not start within {START_TIMEOUT_S:g} s") from None
             raise
@@ -300,6 +402,26 @@ class DataParallelEngine:
         logger.info("data parallelism: %d replicas up (routing: %s)", self.size, self.router.policy)
         return self
 
+    async def _wait_connected(self) -> None:
+        """Until every replica has connected (those of other nodes logged every 30 s while missing)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = asyncio.gather(*(r.connected for r in self.replicas))
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                try:
+                    await asyncio.wait_for(asyncio.shield(waiting), min(30.0, left))
+                    return
+                except asyncio.TimeoutError:
+                    missing = [r.index for r in self.replicas if r.connected is not None and not r.connected.done()]
+                    logger.warning("data parallelism: waiting for replicas %s to connect", missing)
+        finally:
+            if not waiting.done():
+                waiting.cancel()
+                waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+
     def _watch_exit(self, loop: asyncio.AbstractEventLoop, r: _Replica) -> None:
         assert r.proc is not None
         code = r.proc.wait()
@@ -307,7 +429,7 @@ class DataParallelEngine:
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
                 loop.call_soon_threadsafe(self._lost, r, f"its process exited (status {code})")
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: bool = False) -> None:
         _nodelay(writer)
         nonce = secrets.token_bytes(32)
         writer.write(nonce)
@@ -317,11 +439,16 @@ class DataParallelEngine:
             writer.close()
             return
         index = struct.unpack("!I", proof[32:])[0]
+        peer = writer.get_extra_info("peername")
         if not hmac.compare_digest(proof[:32], _proof(self._key, nonce)) or index >= self.size \
-                or self.replicas[index].writer is not None:
-            logger.warning("data parallelism: refused a connection that is no replica of this engine")
+                or self.replicas[index].writer is not None or self.replicas[index].why_down is not None \
+                or (index >= self.local) != remote:
+            logger.warning("data parallelism: refused a connection from %s that is no replica of this engine (or "
+                           "a replica %d that is here already, or belongs on another node)", peer, index)
             writer.close()
             return
+        if remote:
+            logger.info("data parallelism: replica %d joined from %s", index, peer)
         r = self.replicas[index]
         r.writer, r.up = writer, True
         if r.connected is not None and not r.connected.done():
@@ -382,6 +509,8 @@ class DataParallelEngine:
                     continue
                 stream, queue, _ = entry
                 if isinstance(item, BaseException):
+                    if isinstance(item, EngineDeadError) and "data-parallel replica" not in str(item):
+                        item = EngineDeadError(f"data-parallel replica {r.index}: {item}")  # (which one failed)
                     queue.put_nowait(item)
                     self._end(rid, r)
                     continue
@@ -471,9 +600,11 @@ class DataParallelEngine:
             queue.put_nowait(EngineDeadError("the engine has stopped"))
         self._streams.clear()
         self._maybe_idle()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        for server in (self._server, self._remote_server):
+            if server is not None:
+                server.close()
+        self._server = self._remote_server = None
+        self._store = None
 
     async def _kill_all(self, grace: float = 0.0) -> None:
         self._stopped = True
@@ -497,7 +628,8 @@ class DataParallelEngine:
 
     def replica_health(self) -> list[dict]:
         """Each replica: up or down (and why), its process id and its in-flight requests."""
-        return [{"engine": r.index, "up": r.up, "pid": r.proc.pid if r.proc is not None else None,
+        return [{"engine": r.index, "up": r.up, "pid": r.proc.pid if r.proc is not None else r.info.get("pid"),
+                 **({"host": r.info.get("host")} if r.proc is None else {}),
                  "in_flight": len(r.streams), **({"error": r.why_down} if not r.up and r.why_down else {})}
                 for r in self.replicas]
 
@@ -793,6 +925,7 @@ class _ReplicaServer:
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         if method == "__start__":
             model, engine_args = args
+            model = os.environ.get("STREAMER_DP_MODEL") or model  # (a headless node's own path to it)
             self.engine = AsyncEngine(model, **engine_args)
             await self.engine.start()
             self.engine.kv_event_sinks.append(self.on_events)
@@ -802,7 +935,7 @@ class _ReplicaServer:
             return {"max_model_len": core.max_model_len, "takes_media": self.engine.takes_media,
                     "classifier": core.classifier, "sampling_defaults": core.sampling_defaults,
                     "default_params": core.default_sampling_params(), "vocab_size": core.vocab_size,
-                    "pid": os.getpid()}
+                    "pid": os.getpid(), "host": socket.gethostname()}
         assert self.engine is not None
         if method == "__metrics__":
             if self.engine.metrics is None:
@@ -822,7 +955,7 @@ class _ReplicaServer:
         """The engine died (its device thread failed, a tensor-parallel rank was lost): its requests have failed
         with the reason; this process then exits, so the front marks the replica down."""
         assert self.engine is not None and self.engine._task is not None
-        await asyncio.shield(self.engine._task) if not self.engine._task.done() else None
+        await asyncio.wait([self.engine._task])  # (not `await task`: a lost rank ends it cancelled)
         if self.done.is_set() or self.stopping:
             return
         await asyncio.sleep(0.2)  # (the failed requests' errors go out first)

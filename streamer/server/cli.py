@@ -245,8 +245,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     launched = _torchrun(args, kwargs)
     if launched is not None:
         return launched
+    if args.headless and (kwargs.get("data_parallel_size") or 1) > 1:
+        return _serve_dp_headless(args, kwargs)
     if args.headless:
         return _serve_headless(args, kwargs)
+    if kwargs.get("data_parallel_start_rank"):
+        print("streamer serve: error: --data-parallel-start-rank is for the other nodes, started with --headless "
+              "(the head runs replicas 0..--data-parallel-size-local - 1)", file=sys.stderr)
+        return 2
     if kwargs.get("node_rank"):
         print(f"streamer serve: error: --node-rank {kwargs['node_rank']} runs no engine: start that node with "
               "--headless (node 0 runs the engine and the server)", file=sys.stderr)
@@ -367,6 +373,28 @@ def _serve_headless(args: argparse.Namespace, kwargs: dict) -> int:
         print(f"streamer serve: error: {e}", file=sys.stderr)
         return 2
     return run_node(layout, entry_of(run_tensor_parallel_rank), model_dir)
+
+
+def _serve_dp_headless(args: argparse.Namespace, kwargs: dict) -> int:
+    """`serve -dp N --data-parallel-size-local K --data-parallel-start-rank S --data-parallel-address HEAD
+    --headless`: this node's data-parallel replicas, which join the head's router (docs/data-parallel.md)."""
+    from streamer.config import EngineConfig
+    from streamer.engine.data_parallel import run_headless_node
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig.from_kwargs(args.model, **kwargs)
+        if not config.dp_multi_node or not config.data_parallel_size_local or not config.data_parallel_start_rank:
+            raise ValueError("--headless with --data-parallel-size runs some of the replicas of another node than "
+                             "the head: give it --data-parallel-size-local K (1..N-1), --data-parallel-start-rank S "
+                             "(>= 1: the head runs replicas 0..) and the head's --data-parallel-address")
+    except (TypeError, ValueError, OSError) as e:
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_headless_node(config, args.model)
+    except (RuntimeError, OSError) as e:  # (the head never came: the store's wait timed out)
+        print(f"streamer serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def transcription_config(args: argparse.Namespace) -> TranscriptionConfig:

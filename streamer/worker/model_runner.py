@@ -50,7 +50,7 @@ from streamer.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamer.worker.input_batch import PoolTokens, PromptLogprobTokens, SamplingRows, StepInputs, to_device
 from streamer.worker.parallel import TensorParallelWorkers, layout_of, serve_steps
 from streamer.worker.pipeline import PipelineLinks
-from streamer.worker.rendezvous import RankGroup, init_process_group
+from streamer.worker.rendezvous import RankGroup, init_process_group, pin, rank_cpu_shares, rank_threads
 from streamer.worker.sampler import (
     Sampler,
     SamplerOutput,
@@ -276,18 +276,26 @@ class ModelRunner:
             keep_freed_memory()  # a step's large temporaries are reused, not page-faulted in afresh
         self.tp_workers: Optional[TensorParallelWorkers] = None
         self._threads_before = 0
+        self._affinity_before: Optional[set[int]] = None
         self._warming_up = False
         self.pp: Optional[PipelineLinks] = None
         if self.world_size > 1 and tp_rank == 0:
             local_ranks = layout_of(config).nproc_per_node  # (ValueError for flags that do not fit)
             self._check_tp(local_ranks)
-            if self.device.type == "cpu":  # this node's ranks share its cores (workers do the same); close() restores
+            # On CPU this node's ranks share this process's cores (its affinity, not the machine's: a data-parallel
+            # replica's share), each its part; inside a replica each rank is pinned to its own run of them (workers
+            # do the same); close() restores the threads and the affinity.
+            shares = rank_cpu_shares(local_ranks) if self.device.type == "cpu" else None
+            if self.device.type == "cpu":
                 self._threads_before = torch.get_num_threads()
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+                torch.set_num_threads(rank_threads(local_ranks, shares[0] if shares else None))
             else:  # NCCL binds each rank to the current device
                 torch.cuda.set_device(self.device)
             self.tp_workers = TensorParallelWorkers(config, model_dir, model_cfg, max_model_len, self.device,
-                                                    run_tensor_parallel_rank)
+                                                    run_tensor_parallel_rank, shares)
+            if shares:  # (after the workers started: they would inherit it)
+                self._affinity_before = os.sched_getaffinity(0)
+                pin(shares[0])
         if self.pp_size > 1:  # (every rank alike, once the process group started)
             self.pp = PipelineLinks.build(tp_rank, self.tp_size, self.pp_size)
         self.drafter: Optional["DraftModel | EagleDrafter"] = None
@@ -1459,6 +1467,9 @@ class ModelRunner:
         if self._threads_before:
             torch.set_num_threads(self._threads_before)
             self._threads_before = 0
+        if self._affinity_before is not None:
+            pin(sorted(self._affinity_before))
+            self._affinity_before = None
 
     @torch.inference_mode()
     def launch(self, step: StepInputs) -> "PendingStep":
@@ -1631,8 +1642,8 @@ def run_tensor_parallel_rank(conn: Connection, group: RankGroup, config: EngineC
     device = rank_device(config.device, group.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the node's ranks share its cores: each takes its share rather than all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.local_world))
+    else:  # the node's ranks share its cores: each takes its share (or the cores it is pinned to), not all of them
+        torch.set_num_threads(rank_threads(group.local_world, group.cpus))
     init_process_group(group, device)
     try:
         runner = ModelRunner(config, model_dir, model_cfg, max_model_len, tp_rank=group.rank,

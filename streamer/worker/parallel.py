@@ -45,6 +45,7 @@ from streamer.worker.rendezvous import (
     lookup,
     no_delay,
     node_layout,
+    pin,
     publish,
     rank_command,
     rank_store,
@@ -99,8 +100,9 @@ class TensorParallelWorkers:
     the rendezvous store."""
 
     def __init__(self, config: "EngineConfig", model_dir: Path, model_cfg: "ModelConfig", max_model_len: int,
-                 device: torch.device, run_rank: Callable[..., Any]) -> None:
-        """run_rank: what each worker runs once connected, a module-level function (named to the worker by its
+                 device: torch.device, run_rank: Callable[..., Any],
+                 cpus: Optional[list[list[int]]] = None) -> None:
+        """cpus: each local rank's cores (rendezvous.rank_cpu_shares), or None (unpinned). run_rank: what each worker runs once connected, a module-level function (named to the worker by its
         module and name), called as run_rank(conn, group, config, model_dir, model_cfg, max_model_len) with its
         `RankGroup`; it returns False when rank 0 went away rather than stopping it."""
         entry = entry_of(run_rank)
@@ -126,8 +128,8 @@ class TensorParallelWorkers:
             env = dict(os.environ, STREAMER_TP_KEY=key.hex())
             if not layout.torchrun:  # (torchrun started every rank itself)
                 for local in range(1, layout.nproc_per_node):
-                    links.procs.append(subprocess.Popen(rank_command(entry, dict(spec, rank=local, local_rank=local)),
-                                                        env=env))
+                    links.procs.append(subprocess.Popen(rank_command(entry, dict(
+                        spec, rank=local, local_rank=local, cpus=cpus[local] if cpus else None)), env=env))
             joined = _accept(listener, links.procs, layout)
         where = {rank: w for rank, (_, _, w) in joined.items()}
         links.conns.extend(joined[r][0] for r in sorted(joined))
@@ -136,7 +138,7 @@ class TensorParallelWorkers:
         for conn in links.conns:
             conn.send((config, model_dir, model_cfg, max_model_len))
         init_process_group(RankGroup(0, world, 0, layout.nproc_per_node, store,
-                                     host if layout.multi_node else None), device)
+                                     host if layout.multi_node else None, cpus[0] if cpus else None), device)
 
     def wait_ready(self) -> None:
         """Block until every worker has built its shard (and report a worker that failed to)."""
@@ -330,6 +332,7 @@ def run_rank_process(entry: str, spec: dict[str, Any]) -> int:
     global _watchdog
     if spec.get("parent"):  # a headless node's rank: it dies with the node's process
         die_with_parent(spec["parent"])
+    pin(spec.get("cpus"))  # (a data-parallel replica's rank: its part of the replica's cores)
     # The entry comes as "module:function" from the runner that started the workers, so this module need not
     # import the runner (which imports it); imported before connecting, as before, so that a worker whose imports
     # fail exits before connecting and rank 0 reports it (`_accept`).
@@ -366,7 +369,7 @@ def run_rank_process(entry: str, spec: dict[str, Any]) -> int:
         model_dir = Path(spec["model_dir"])
     _watchdog = Watchdog(watch, rank, address)
     group = RankGroup(rank, world, spec.get("local_rank", rank), spec.get("local_world", world), store,
-                      spec.get("host"))
+                      spec.get("host"), spec.get("cpus"))
     stopped = run_rank(conn, group, config, model_dir, model_cfg, max_model_len)
     return 0 if stopped else 1
 

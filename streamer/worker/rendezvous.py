@@ -172,6 +172,44 @@ class RankGroup:
     local_world: int
     store: torch.distributed.Store
     host: Optional[str] = None  # this node's routable address (multi-node): gloo binds to its interface
+    cpus: Optional[list[int]] = None  # the cores this rank is pinned to (rank_cpu_shares), if it is
+
+
+# ---------------------------------------------------------------------------------------------------- cores
+def usable_cpus() -> list[int]:
+    """The cores this process may run on (its affinity: a data-parallel replica's share, taskset, a cpuset), not
+    every core of the machine (os.cpu_count)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        return list(range(os.cpu_count() or 1))
+
+
+def rank_cpu_shares(local_world: int) -> Optional[list[list[int]]]:
+    """Each of this node's ranks' cores (local rank i: the i-th equal run of this process's cores) when its ranks
+    are pinned apart: inside a data-parallel replica (STREAMER_DP_CPUS: the replica's own share, which its ranks
+    split further) with at least one core per rank. None otherwise: every rank then runs usable_cpus() // local_world
+    threads, unpinned."""
+    if not os.environ.get("STREAMER_DP_CPUS"):
+        return None
+    cpus = usable_cpus()
+    per = len(cpus) // local_world
+    if per == 0:
+        return None
+    return [cpus[i * per:(i + 1) * per] for i in range(local_world)]
+
+
+def rank_threads(local_world: int, cpus: Optional[list[int]] = None) -> int:
+    """A CPU rank's torch threads: its own cores when pinned, else its share of this process's usable cores."""
+    return len(cpus) if cpus else max(1, len(usable_cpus()) // local_world)
+
+
+def pin(cpus: Optional[list[int]]) -> None:
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError) as e:
+            logger.warning("cannot pin this rank to cores %s: %s", cpus, e)
 
 
 def head_store(layout: Layout) -> torch.distributed.Store:
