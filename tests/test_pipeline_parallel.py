@@ -157,3 +157,11 @@ def test_pipeline_through_the_server(make_ckpt) -> None:
     assert got == want
     assert text == want_text
     assert overlapped > 0, "the server never had two steps in flight"
+
+
+def test_a_layer_partition_given_by_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("STREAMER_PP_LAYER_PARTITION", "5,7")
+    assert [stage_layers(12, s, 2) for s in range(2)] == [(0, 5), (5, 12)]
+    monkeypatch.setenv("STREAMER_PP_LAYER_PARTITION", "6,7")
+    with pytest.raises(ValueError, match="adding up to the model's 12 layers"):
+        stage_layers(12, 0, 2)

@@ -9,6 +9,7 @@ the identity, so tensor parallelism only adds the collective, not a rewrite.
 from __future__ import annotations
 
 import math
+import os
 import re
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -57,8 +58,16 @@ class ParallelContext:
 
 def stage_layers(num_layers: int, stage: int, num_stages: int) -> tuple[int, int]:
     """The decoder layers [lo, hi) that pipeline stage `stage` of `num_stages` runs: contiguous, the first stages
-    one layer more when they do not divide (rank 0's stage also embeds and samples, but the last normalizes, and
-    a layer costs far more than either)."""
+    one layer more when they do not divide, or as $STREAMER_PP_LAYER_PARTITION says (vLLM's
+    VLLM_PP_LAYER_PARTITION: layers per stage, "5,7"; the same on every node)."""
+    given = os.environ.get("STREAMER_PP_LAYER_PARTITION")
+    if given:
+        sizes = [int(n) for n in given.split(",")]
+        if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ValueError(f"STREAMER_PP_LAYER_PARTITION={given!r}: {num_stages} positive layer counts adding up to "
+                             f"the model's {num_layers} layers are needed")
+        lo = sum(sizes[:stage])
+        return lo, lo + sizes[stage]
     base, extra = divmod(num_layers, num_stages)
     lo = stage * base + min(stage, extra)
     return lo, lo + base + (stage < extra)
