@@ -597,14 +597,7 @@ class AsyncEngine:
                     if self.config.kv_events:  # (drained even with no sink: the log would grow)
                         self._publish_kv_events()
                 elif nxt is None:
-                    if self._paused:  # (nothing in flight now: pause_generation may return)
-                        self._quiet.set()  # type: ignore[union-attr]
-                        await self._resumed.wait()  # type: ignore[union-attr]
-                    elif core.has_unfinished():
-                        await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)
-                    else:
-                        self._wakeup.clear()  # type: ignore[union-attr]
-                        await self._wakeup.wait()  # type: ignore[union-attr]
+                    await self._wait_for_work()
                 inflight = nxt
         except asyncio.CancelledError:
             if self._dead is not None:  # (failed from outside: `_on_rank_lost`)
@@ -648,14 +641,8 @@ class AsyncEngine:
                     self._dispatch(core.process(sched, await result))
                     if self.config.kv_events:  # (drained even with no sink: the log would grow)
                         self._publish_kv_events()
-                elif self._paused:
-                    self._quiet.set()  # type: ignore[union-attr]
-                    await self._resumed.wait()  # type: ignore[union-attr]
-                elif core.has_unfinished():
-                    await asyncio.sleep(0.001)  # nothing fits now (KV pool or seats full)
                 else:
-                    self._wakeup.clear()  # type: ignore[union-attr]
-                    await self._wakeup.wait()  # type: ignore[union-attr]
+                    await self._wait_for_work()
         except asyncio.CancelledError:
             for _, result in inflight:
                 result.cancel()
@@ -665,6 +652,18 @@ class AsyncEngine:
             for _, result in inflight:
                 result.cancel()
             self._fail(exc)
+
+    async def _wait_for_work(self) -> None:
+        """Nothing in flight and nothing scheduled: wait to be resumed (paused: pause_generation may return now), a
+        moment (requests wait for KV blocks or seats), or a new request."""
+        if self._paused:
+            self._quiet.set()  # type: ignore[union-attr]
+            await self._resumed.wait()  # type: ignore[union-attr]
+        elif self._core.has_unfinished():
+            await asyncio.sleep(0.001)
+        else:
+            self._wakeup.clear()  # type: ignore[union-attr]
+            await self._wakeup.wait()  # type: ignore[union-attr]
 
     async def _pipeline_result(self, launched: asyncio.Future) -> Any:
         """A launched step's result, waited for on the waiter thread (one at a time: steps come back in order)."""
