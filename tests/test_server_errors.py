@@ -423,15 +423,20 @@ def test_client_leaving_a_beam_search_logs_nothing(live, caplog, path, prompts):
                {"messages": [{"role": "user", "content": "hi"}]})}
     raw = json.dumps(body).encode()
     with caplog.at_level("WARNING"):
+        steps = lambda: live.call(lambda: live.engine.engine.num_steps)  # noqa: E731
+        start = steps()
         s = socket.create_connection(("127.0.0.1", live.port))
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        # (a step counter, not `running`: each beam round's requests run for one step, so a poll of `running` on
+        # a loaded box can fall between rounds every time)
         deadline = time.monotonic() + 30
-        while live.pool_state()["running"] == 0 and time.monotonic() < deadline:
+        while steps() < start + 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert live.pool_state()["running"] > 0
+        assert steps() >= start + 3, "the beam search did not start"
         s.close()
         live.wait_idle()
+        assert steps() < start + 400, "the search ran to the end: leaving did not stop it"
         live.call(gc.collect)
         time.sleep(0.2)
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
