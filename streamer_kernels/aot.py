@@ -225,6 +225,10 @@ def _cases(quick: bool, only_dtype: str | None = None, arch: int = 90) -> Iterat
     ids = torch.zeros(8, 8, dtype=torch.int64)
     yield ("fused_moe bfloat16 E=128 k=8, 8 tokens",
            lambda: fused_moe(xm, w13, w2, torch.empty(8, 8, dtype=torch.bfloat16), ids))
+    # One token, top-1: Triton compiles an int argument equal to 1 as a constant (a Python int, not a tensor),
+    # which only compiled code sees (the interpreter passes it as it is).
+    yield ("fused_moe bfloat16 E=128 k=1, 1 token",
+           lambda: fused_moe(xm[:1], w13, w2, torch.empty(1, 1, dtype=torch.bfloat16), ids[:1, :1]))
     # The Triton sampler (sampling_backend="triton"): fp32 logits, every filter on, Llama 3's vocabulary.
     from streamer_kernels.sampling import top_k_top_p_sample
     logits, ones = torch.empty(8, 128256), torch.ones(8)

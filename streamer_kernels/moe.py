@@ -63,7 +63,7 @@ def _moe_align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
     tl.store(num_padded_ptr, tl.sum(padded, axis=0).to(tl.int64))
     for s0 in range(0, size, CHUNK * TILES):  # padding everywhere first; the pairs overwrite their slots below
         s = s0 + tl.arange(0, CHUNK * TILES)
-        tl.store(sorted_ids_ptr + s, num_pairs.to(tl.int64), mask=s < size)
+        tl.store(sorted_ids_ptr + s, tl.full([CHUNK * TILES], num_pairs, tl.int64), mask=s < size)
     real_expert = e < num_experts
     for t0 in range(0, size // BLOCK_M, CHUNK):  # a tile's expert: how many runs end at or before its start
         t = t0 + tl.arange(0, CHUNK)
