@@ -81,6 +81,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _free_port_pair() -> int:
+    """p such that p and p + 1 are both free (data-parallel replica r publishes on the port + r)."""
+    for _ in range(50):
+        p = _free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+            except OSError:
+                continue
+        return p
+    raise AssertionError("no two consecutive free ports")
+
+
 def test_payload_is_vllms_bytes():
     h1, h2 = bytes(range(16)), bytes(range(16, 32))
     events = [core.BlockStored([h1, h2], None, list(range(10, 42)), 16),
@@ -130,10 +143,14 @@ class Subscriber:
     as vLLM's does) and a DEALER on the replay socket, asked for what the SUB missed (a PUB drops what it sends
     before the subscription reaches it, and a sequence gap means lost batches)."""
 
-    def __init__(self, ctx: Any, topic: str, replay_port: int) -> None:
+    def __init__(self, ctx: Any, topic: str, replay_port: int, port: Optional[int] = None) -> None:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
-        self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        if port is None:
+            self.port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        else:
+            self.sub.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
         self.replay = ctx.socket(zmq.DEALER)
         self.replay.connect(f"tcp://127.0.0.1:{replay_port}")
         self.topic = topic.encode()
@@ -227,4 +244,37 @@ def test_a_subscriber_sees_what_requests_store_evict_and_clear():
     finally:
         srv.kill()
         sub.close()
+        ctx.term()
+
+
+def test_each_data_parallel_replica_publishes_its_own_events():
+    """With -dp 2 each replica publishes what its own prefix cache stores, as vLLM's engine cores do: replica r on
+    the endpoint's port + r (the replay endpoint's too), data_parallel_rank r in its batches, its own sequence."""
+    ctx = zmq.Context()
+    port, replay = _free_port_pair(), _free_port_pair()
+    subs = [Subscriber(ctx, "kv", replay + r, port=port + r) for r in range(2)]
+    config = ('{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv", '
+              f'"endpoint": "tcp://127.0.0.1:{port}", "replay_endpoint": "tcp://127.0.0.1:{replay}"}}')
+    srv = ServeProcess("--port", "0", "--enforce-eager", "-dp", "2", "--dp-routing", "round_robin",
+                       "--max-model-len", "128", "--kv-events-config", config)
+    prompts = [list(range(100, 148)), list(range(400, 448))]  # three full blocks of 16 each
+    try:
+        url = srv.wait_url(timeout=300)
+        with httpx.Client(base_url=url, timeout=120) as h:
+            for prompt in prompts:  # (round robin: one prompt per replica)
+                r = h.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+                assert r.status_code == 200, r.text
+        seen = []
+        for r, sub in enumerate(subs):
+            sub.poll(lambda ev: sum(len(e.block_hashes) for e in ev if isinstance(e, BlockStored)) >= 3)
+            assert {b.data_parallel_rank for _, b, _ in sub.batches.values()} == {r}
+            assert sorted(sub.batches) == list(range(len(sub.batches))), "each replica counts from 0, none lost"
+            seen.append([t for e in sub.events() if isinstance(e, BlockStored) for t in e.token_ids][:48])
+        assert sorted(seen) == sorted(prompts), "each replica published the prompt it served"
+        # each replay socket answers for its own replica
+        assert [seq for seq, _ in subs[1].ask_replay(0)] == sorted(subs[1].batches)
+    finally:
+        srv.kill()
+        for sub in subs:
+            sub.close()
         ctx.term()

@@ -343,6 +343,10 @@ class DataParallelEngine:
         self.metrics: Optional[DataParallelMetrics] = None
         self.rank_lost: Optional[str] = None  # (AsyncEngine's: a lost replica is not fatal here)
         self.on_replica_lost: list[Callable[[int, str], None]] = []
+        # `serve --kv-events-config` (a server.kv_events.KVEventsConfig that publishes), set before start: each
+        # replica publishes its own prefix cache's events, replica r on the endpoint's port + r and with
+        # data_parallel_rank r in its batches, as vLLM's engine cores do (on another node: from that node).
+        self.kv_events_config: Any = None
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> "DataParallelEngine":
@@ -378,7 +382,8 @@ class DataParallelEngine:
                 threading.Thread(target=self._watch_exit, args=(loop, r), name=f"streamer-dp-watch-{r.index}",
                                  daemon=True).start()
             await self._wait_connected()
-            infos = await asyncio.gather(*(self._call(r, "__start__", self._model, self._replica_args, timeout=None)
+            infos = await asyncio.gather(*(self._call(r, "__start__", self._model, self._replica_args,
+                                                      self.kv_events_config, timeout=None)
                                            for r in self.replicas))
         except BaseException as e:
             await self._kill_all()
@@ -859,9 +864,11 @@ def make_async_engine(model: Optional[str] = None, **engine_args) -> "AsyncEngin
 class _ReplicaServer:
     """One replica's side: a real AsyncEngine, driven by the front's messages."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, rank: int) -> None:
         self.writer = writer
+        self.rank = rank
         self.engine: Optional[AsyncEngine] = None
+        self.publisher: Any = None  # (--kv-events-config: server/kv_events.py's ZmqEventPublisher)
         self.outbox: list[tuple] = []
         self.events: list = []
         self._flush_scheduled = False
@@ -924,11 +931,16 @@ class _ReplicaServer:
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         if method == "__start__":
-            model, engine_args = args
+            model, engine_args, events_config = args
             model = os.environ.get("STREAMER_DP_MODEL") or model  # (a headless node's own path to it)
+            if events_config is not None:  # (a port in use fails before the model loads)
+                from streamer.server.kv_events import make_publisher
+                self.publisher = make_publisher(events_config, data_parallel_rank=self.rank)
             self.engine = AsyncEngine(model, **engine_args)
             await self.engine.start()
             self.engine.kv_event_sinks.append(self.on_events)
+            if self.publisher is not None:
+                self.engine.kv_event_sinks.append(self.publisher.sink)
             asyncio.ensure_future(self.watch_engine())
             core = self.engine.engine
             assert core is not None
@@ -945,11 +957,17 @@ class _ReplicaServer:
         if method == "__stop__":
             self.stopping = True
             await self.engine.stop()
+            self.close_publisher()
             return None
         result = getattr(self.engine, method)(*args, **kwargs)
         if asyncio.iscoroutine(result):
             result = await result
         return result
+
+    def close_publisher(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     async def watch_engine(self) -> None:
         """The engine died (its device thread failed, a tensor-parallel rank was lost): its requests have failed
@@ -985,7 +1003,7 @@ async def _replica_main(addr: str, key: bytes, rank: int) -> int:
     _nodelay(writer)
     nonce = await reader.readexactly(32)
     writer.write(_proof(key, nonce) + struct.pack("!I", rank))
-    srv = _ReplicaServer(writer)
+    srv = _ReplicaServer(writer, rank)
     tasks: set[asyncio.Task] = set()
 
     async def read_loop() -> None:
@@ -1005,6 +1023,7 @@ async def _replica_main(addr: str, key: bytes, rank: int) -> int:
         srv.stopping = True
         if srv.engine is not None:
             await srv.engine.stop()
+        srv.close_publisher()
         return 1
     try:
         await writer.drain()

@@ -461,13 +461,14 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     publisher = None
     try:
         try:
-            if getattr(args, "kv_events", None) is not None:  # (a port in use fails before the model loads)
+            if getattr(args, "kv_events", None) is None:
+                pass
+            elif not hasattr(engine, "kv_event_sinks"):  # -dp N: each replica publishes its own (port + rank)
+                engine.kv_events_config = args.kv_events
+            else:  # (a port in use fails before the model loads)
                 from streamer.server.kv_events import make_publisher
                 publisher = make_publisher(args.kv_events)
                 if publisher is not None:
-                    if not hasattr(engine, "kv_event_sinks"):
-                        raise ValueError("--kv-events-config with --data-parallel-size > 1 is not supported yet "
-                                         "(each replica would publish its own events)")
                     engine.kv_event_sinks.append(publisher.sink)
             await engine.start()
             for name, path in args.lora_modules:
