@@ -127,6 +127,32 @@ def test_pipeline_matches_one_process(make_ckpt, family, tp) -> None:
     assert overlapped > 0, "no step was launched while another was in flight"
 
 
+def test_prompt_logprobs_through_stages(make_ckpt) -> None:
+    """The last stage sends rank 0 only the sampled tokens' rows, except in a step that scores prompt tokens, which
+    needs them all: requests with and without prompt_logprobs in one batch give the single process's numbers."""
+    name, kw = CHECKPOINTS["llama"]
+    model = make_ckpt(name, **kw)
+    scored = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = [scored if i % 2 else plain for i in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run(**kw) -> list:
+        with LLM(str(model), **EAGER, **kw) as llm:
+            return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+
+    want, got = run(), run(pipeline_parallel_size=2)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for i, ((_, w), (_, g)) in enumerate(zip(want, got)):
+        if i % 2 == 0:
+            assert w is None and g is None
+            continue
+        assert len(g) == len(w) == len(PROMPTS[i])
+        for wp, gp in zip(w[1:], g[1:]):
+            assert wp.keys() == gp.keys()
+            assert all(abs(wp[t].logprob - gp[t].logprob) < 1e-4 for t in wp)
+
+
 def test_pipeline_through_the_server(make_ckpt) -> None:
     """PP=2 behind the HTTP server: concurrent greedy completions through the openai client (so that two steps are
     in flight) and a streamed one give the single process's tokens and text."""

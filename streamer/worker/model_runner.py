@@ -1099,13 +1099,26 @@ class ModelRunner:
         rank its stage's output."""
         out = self._run_stage(step, drafts)
         if self.pp is not None and self.tp_rank == 0:
-            out = self._pipeline_result(step)
+            out = self._pipeline_result(step)[0]
         return out
 
-    def _pipeline_result(self, step: StepInputs) -> torch.Tensor:
-        """Rank 0: the last stage's final hidden states of `step` (steps come back in the order they were sent)."""
-        return self.pp.recv_back(step.num_tokens, self.model_cfg.hidden_size,  # type: ignore[union-attr]
-                                 self.dtype, self.device)
+    @staticmethod
+    def _rows_back(step: StepInputs) -> Optional[np.ndarray]:
+        """With pipeline stages, the rows of the final hidden states that come back to rank 0: only the sampled
+        tokens' (a prefill chunk's thousands of rows are not sent for its one), unless the step scores prompt
+        tokens or pools (None: every row). At least one row: gloo sends no empty tensor."""
+        if step.prompt_logprobs or step.pool is not None:
+            return None
+        rows = step.sample_tokens
+        return rows if rows is not None and len(rows) else np.zeros(1, dtype=np.int64)
+
+    def _pipeline_result(self, step: StepInputs) -> tuple[torch.Tensor, bool]:
+        """Rank 0: the last stage's final hidden states of `step` (steps come back in the order they were sent),
+        and whether they are only the sampled tokens' rows (`_rows_back`)."""
+        rows = self._rows_back(step)
+        hidden = self.pp.recv_back(step.num_tokens if rows is None else len(rows),  # type: ignore[union-attr]
+                                   self.model_cfg.hidden_size, self.dtype, self.device)
+        return hidden, rows is not None
 
     def _run_stage(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """This rank's part of the step's forward: the whole model, or its pipeline stage's layers (their output
@@ -1113,7 +1126,8 @@ class ModelRunner:
         out = self._run_stage_model(step, drafts)
         if self.pp is not None:
             if self.pp.last:
-                self.pp.send_back(out)
+                rows = self._rows_back(step)
+                self.pp.send_back(out if rows is None else out.index_select(0, to_device(rows, self.device)))
             else:
                 self.pp.send_next(out)
         return out
@@ -1494,9 +1508,9 @@ class ModelRunner:
         return self._sample(step, hidden, features, drafts)
 
     def _sample(self, step: StepInputs, hidden: torch.Tensor, features: torch.Tensor,
-                drafts: Optional[torch.Tensor]) -> "PendingStep":
+                drafts: Optional[torch.Tensor], sampled_rows_only: bool = False) -> "PendingStep":
         """The step's final hidden states -> prompt logprobs, pooled sums, logits and sampled tokens (on their way
-        to the host)."""
+        to the host). sampled_rows_only: `hidden` holds just the sampled tokens' rows, in order."""
         dev = self.device
         prompt_lp = self._prompt_logprobs(hidden, step.prompt_logprobs) if step.prompt_logprobs else None
         pooled = self._pool(hidden, step.pool) if step.pool is not None else None
@@ -1505,8 +1519,10 @@ class ModelRunner:
             if step.eagle is not None:
                 self.drafter.fill(step, step.eagle, features, None)  # type: ignore[union-attr]
             return PendingStep(step, idx, [], prompt_logprobs=prompt_lp, pooled=pooled)
-        last = to_device(step.sample_tokens, dev)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if sampled_rows_only:
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, to_device(step.sample_tokens, dev)))
         out: SamplerOutput = self.sampler(logits, self._sampling_batch(step.sampling))
         if step.eagle is not None:  # the head's KV over this step's tokens, the sampled ones included
             self.drafter.fill(step, step.eagle, features, out.token_ids)  # type: ignore[union-attr]
@@ -1572,13 +1588,13 @@ class PipelinedStep:
     def result(self) -> RunnerOutput:
         runner, step = self.runner, self.step
         try:
-            hidden = runner._pipeline_result(step)
+            hidden, sampled_rows_only = runner._pipeline_result(step)
         except Exception as e:  # a rank lost: say which
             why = runner.tp_workers.lost(2.0) if runner.tp_workers is not None else None
             if why is None:
                 raise
             raise RuntimeError(why) from e
-        return runner._sample(step, hidden, hidden, None).result()
+        return runner._sample(step, hidden, hidden, None, sampled_rows_only).result()
 
 
 class PendingStep:
