@@ -2,6 +2,10 @@
 (issue 46: ">= 1.5x"), and the single process for reference; greedy, fp32, eager (stages run eagerly).
 
     python bench/pipeline_parallel.py [--model DIR] [--requests 32] [--prompt-len 64] [--new 64] [--rounds 2]
+        [--compiled]
+
+--compiled adds the single process and PP=2 with two steps in flight compiled (torch.compile, each stage its own
+graphs), beside the eager rows.
 
 The model is the 90M bench Llama (bench/make_bench_model.py) unless --model says otherwise. Each stage is a process
 with one thread (on this 2-core box: a core each); the single process runs with --threads (default 1: one core's
@@ -23,14 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_mode(model: str, pp: int, depth: int | None, args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+def run_mode(model: str, pp: int, depth: int | None, compiled: bool,
+             args: argparse.Namespace) -> tuple[float, list[list[int]]]:
     import torch
 
     from streamer import LLM, SamplingParams
     torch.set_num_threads(args.threads)
     prompts = [[(31 * r + 7 * i) % 20000 + 100 for i in range(args.prompt_len)] for r in range(args.requests)]
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
-    kw = dict(dtype="float32", enforce_eager=True, max_num_seqs=max(args.requests, 8), num_kv_blocks=2048)
+    kw = dict(dtype="float32", enforce_eager=not compiled, max_num_seqs=max(args.requests, 8), num_kv_blocks=2048)
     if pp > 1:
         kw.update(pipeline_parallel_size=pp, pipeline_depth=depth)
     times = []
@@ -52,16 +57,19 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the single process")
-    p.add_argument("--mode", help=argparse.SUPPRESS)  # (one mode, in a fresh process: "pp,depth")
+    p.add_argument("--compiled", action="store_true", help="also the compiled single process and PP=2")
+    p.add_argument("--mode", help=argparse.SUPPRESS)  # (one mode, in a fresh process: "pp,depth,compiled")
     args = p.parse_args()
     if not Path(args.model, "config.json").exists():
         subprocess.run([sys.executable, str(ROOT / "bench/make_bench_model.py")], check=True)
     if args.mode:
-        pp, depth = (int(x) for x in args.mode.split(","))
-        tok_s, tokens = run_mode(args.model, pp, depth or None, args)
+        pp, depth, compiled = (int(x) for x in args.mode.split(","))
+        tok_s, tokens = run_mode(args.model, pp, depth or None, bool(compiled), args)
         print(f"RESULT {tok_s:.3f} {hashlib.sha1(str(tokens).encode()).hexdigest()[:12]}")
         return
-    modes = [("one process", "1,0"), ("PP=2, one step in flight", "2,1"), ("PP=2, two steps in flight", "2,2")]
+    modes = [("one process", "1,0,0"), ("PP=2, one step in flight", "2,1,0"), ("PP=2, two steps in flight", "2,2,0")]
+    if args.compiled:
+        modes += [("one process, compiled", "1,0,1"), ("PP=2, two steps in flight, compiled", "2,2,1")]
     rows = []
     for name, mode in modes:  # each in its own process: a fresh engine and process group
         out = subprocess.run([sys.executable, __file__, "--mode", mode, "--model", args.model,
@@ -72,7 +80,7 @@ def main() -> None:
         _, tok_s, digest = line.split()
         rows.append((name, float(tok_s), digest))
     same = len({d for _, _, d in rows}) == 1
-    print(f"{args.requests} requests x {args.prompt_len} prompt + {args.new} new tokens, fp32, eager; "
+    print(f"{args.requests} requests x {args.prompt_len} prompt + {args.new} new tokens, fp32; "
           f"median of {args.rounds}; greedy tokens equal across modes: {same}")
     print("| mode | output tok/s | vs PP=2 one in flight |")
     print("|---|---|---|")

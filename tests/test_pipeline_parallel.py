@@ -1,8 +1,8 @@
 """Pipeline parallelism (-pp, worker/pipeline.py): the layers in contiguous stages, each a process (or a
 tensor-parallel group of processes), hidden states passed between them and back to rank 0, which samples; up to P
 steps of different requests in flight. fp32 outputs equal the single-process engine's (greedy and seeded sampling)
-on a dense Llama, a MoE and hybrid families, offline and through the server with the openai client; stages hold
-only their own layers; what cannot split is refused with the reason. (Across two nodes: test_multi_node.py.)"""
+on a dense Llama, a MoE and hybrid families, eager and compiled, offline and through the server with the openai
+client; stages hold only their own layers; what cannot split is refused with the reason. (Across two nodes: test_multi_node.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -125,6 +125,21 @@ def test_pipeline_matches_one_process(make_ckpt, family, tp) -> None:
     assert all(isinstance(layers[i], MissingLayer) for i in range(hi, len(layers)))
     assert not any(isinstance(layers[i], MissingLayer) for i in range(hi))
     assert overlapped > 0, "no step was launched while another was in flight"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_compiled_stages_match_one_process(make_ckpt, family) -> None:
+    """torch.compile'd stages (a later stage's graphs start from the hidden states it receives) give the eager
+    single process's greedy and seeded tokens."""
+    name, kw = CHECKPOINTS[family]
+    model = make_ckpt(name, **kw)
+    want_greedy, want_seeded = _reference(model)
+    with LLM(str(model), pipeline_parallel_size=2, dtype="float32", enforce_eager=False) as llm:
+        got_greedy, got_seeded = _tokens(llm, GREEDY), _tokens(llm, SEEDED)
+        compiled = llm.engine.runner.compiled
+    assert compiled
+    assert got_greedy == want_greedy
+    assert got_seeded == want_seeded
 
 
 def test_prompt_logprobs_through_stages(make_ckpt) -> None:

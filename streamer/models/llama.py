@@ -264,8 +264,8 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states [T, hidden]; `compute_logits` projects only the rows that sample.
         The step's attention metadata comes from `streamer.attention.base.forward_context`; a decode-only step
         may instead carry its own (`decode`), so that a backend that can attends inside the compiled graph.
-        `inputs_embeds`: the residual stream's start given (images' features placed among the tokens' embeddings;
-        only ever run eagerly, so the compiled graphs never see it)."""
+        `inputs_embeds`: the residual stream's start given (images' features placed among the tokens' embeddings,
+        run eagerly; or, in a later pipeline stage, the stage before's output, through its own compiled graphs)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         return self.run_layers(positions, x, kv_caches, decode)
 

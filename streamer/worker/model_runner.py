@@ -599,10 +599,6 @@ class ModelRunner:
                 logger.info("%s: running eagerly (enforce_eager=False ignored)", "encoder-decoder model" if self.cross
                             else "hybrid model on the Triton attention backend")
             return False
-        if self.pp_size > 1:  # (a later stage's forward starts from the hidden states, which no graph takes yet)
-            if self.config.enforce_eager is False:
-                logger.info("pipeline parallelism: running eagerly (enforce_eager=False ignored)")
-            return False
         if self.config.enforce_eager is not None:
             return not self.config.enforce_eager
         return self.device.type == "cuda"
@@ -1194,9 +1190,7 @@ class ModelRunner:
         dev = self.device
         if self.pp is not None and not self.pp.first:  # a later pipeline stage: from the stage before's output
             hidden = self.pp.recv_prev(step.num_tokens, self.model_cfg.hidden_size, self.dtype, dev)
-            with forward_context(self._metadata(step)):
-                return self.model(None, to_device(self._rope_positions(step), dev), self.kv_caches,
-                                  inputs_embeds=hidden)
+            return self._forward_with(self.forward, step, inputs_embeds=hidden)
         input_ids, positions = self._input_ids(step, drafts), to_device(self._rope_positions(step), dev)
         if step.images is not None:  # eagerly: a prefill chunk's matmuls dominate, and no graph takes embeddings
             embeds, extra = self._embeds_with_images(input_ids, step.images)
@@ -1209,20 +1203,22 @@ class ModelRunner:
         return self._forward_with(self.forward, step, input_ids=input_ids, positions=positions)
 
     def _forward_with(self, forward: Any, step: StepInputs, compiled: Optional[bool] = None,
-                      input_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
+                      input_ids: Optional[torch.Tensor] = None, positions: Optional[torch.Tensor] = None,
+                      inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A text step through `forward` (the model, or its compiled graphs; `compiled`: which, None: the
-        runner's own). A background compile's warm-up steps come here with their own inputs."""
+        runner's own). A background compile's warm-up steps come here with their own inputs; a later pipeline
+        stage with the stage before's output (`inputs_embeds`: the graphs then start from it, not the tokens)."""
         dev = self.device
-        if input_ids is None:
+        if input_ids is None and inputs_embeds is None:
             input_ids = to_device(step.input_ids, dev)
         if positions is None:
             positions = to_device(self._rope_positions(step), dev)
         decode = self._decode_inputs(step) if compiled is None else self._decode_batch(step, compiled)
+        extra = {} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         if decode is not None:
-            return forward(input_ids, positions, self.kv_caches, decode)
+            return forward(input_ids, positions, self.kv_caches, decode, **extra)
         with forward_context(self._metadata(step)):  # (a hybrid model's other steps: eagerly)
-            return (self.model if self.hybrid else forward)(input_ids, positions, self.kv_caches)
+            return (self.model if self.hybrid else forward)(input_ids, positions, self.kv_caches, **extra)
 
     def _embeds_with_images(self, input_ids: torch.Tensor, images: ImageStep) -> tuple[torch.Tensor, dict[str, Any]]:
         """The tokens' embeddings, with the image placeholders' replaced by the images' features (encoded now
