@@ -224,6 +224,39 @@ def test_worker_node_killed_mid_stream(llama_dir, split) -> None:
     assert "tensor-parallel rank 1 was lost" in head.stderr or "tensor-parallel rank 1 has exited" in head.stderr
 
 
+@pytest.mark.parametrize("split", [("-tp", "2"), ("-pp", "2")], ids=["tp", "pp"])
+def test_offline_llm_loses_its_node_mid_generate(llama_dir, split) -> None:
+    """The offline LLM as the head of two nodes (rank 0 in this process): kill -9 of the headless node while
+    generate runs raises at once, naming the rank, and close() returns without waiting on the lost rank."""
+    port = _free_port()
+    meet = (*split, "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port))
+    node = _serve(llama_dir, *meet, "--node-rank", "1", "--headless")
+    size = dict(tensor_parallel_size=2) if split[0] == "-tp" else dict(pipeline_parallel_size=2)
+    try:
+        llm = LLM(str(llama_dir), dtype="float32", enforce_eager=True, nnodes=2, node_rank=0,
+                  master_addr="127.0.0.1", master_port=port, **size)
+        everyone = node.tree()
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        first = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], first)[0].outputs[0].token_ids) == 4
+        with ThreadPoolExecutor(1) as pool:
+            start = llm.engine.num_steps
+            running = pool.submit(llm.generate, [{"prompt_token_ids": p} for p in PROMPTS * 16], params)
+            deadline = time.monotonic() + 60
+            while llm.engine.num_steps < start + 5 and time.monotonic() < deadline:  # (mid-generate)
+                time.sleep(0.01)
+            assert not running.done()
+            node.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(RuntimeError, match="rank 1 was lost"):
+                running.result(timeout=BOUND_S)
+        t = time.monotonic()
+        llm.close()
+        assert time.monotonic() - t < BOUND_S
+        _assert_all_gone(everyone, "after the node was killed")
+    finally:
+        node.kill()
+
+
 def test_head_killed(llama_dir) -> None:
     """kill -9 of the head: the node's rank sees it go and exits, and so does the node, within the bound."""
     with two_nodes(llama_dir) as (head, node, url):
