@@ -1,9 +1,11 @@
 """Two `streamer serve` replicas behind vllm-router (pip package `vllm-router`, a Rust binary) on loopback: the real
 openai client gets through the router what a replica gives directly (greedy), streaming included; round_robin
-spreads requests over both replicas, cache_aware keeps a prompt on the replica that has its prefix. Which replica
-served a request is read from its /metrics (vllm:request_success_total)."""
+spreads requests over both replicas, cache_aware keeps a prompt on the replica that has its prefix, and kv_aware
+routes by the KV cache events the replicas publish (--kv-events-config). Which replica served a request is read from
+its /metrics (vllm:request_success_total)."""
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import time
@@ -138,3 +140,35 @@ def test_cache_aware_sticks_by_prefix(replicas):
                 for u, h in zip(replicas, hits_before)]
         for (i,) in where.values():  # the second and third asks found the prefix where it was cached
             assert hits[i] >= 2 * 16, (hits, where)
+
+
+def test_kv_aware_routes_by_the_published_kv_events():
+    """kv_aware learns what each replica caches only from the KV events it publishes (vLLM's wire format over ZMQ):
+    a prompt cached on one replica (asked directly, not through the router) sends its follow-ups there, first on
+    the second replica, then another on the first."""
+    events = [_free_port(), _free_port()]
+    procs = [ServeProcess("--port", "0", "--enforce-eager", "--num-kv-blocks", "128", "--kv-events-config",
+                          json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": f"tcp://*:{port}"}))
+             for port in events]
+    try:
+        replicas = [p.wait_url() for p in procs]
+        sources = [a for url, port in zip(replicas, events)
+                   for a in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{port}")]
+        with Router(replicas, "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", MODEL,
+                    *sources) as router:
+            routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+            shared = "def compute(x):\n" + "    x = x * 2 + 1  # a long shared prefix line\n" * 12
+            for target in (1, 0):
+                prompt = shared + f"# cached on replica {target}\n" * 3
+                direct = openai.OpenAI(base_url=replicas[target] + "/v1", api_key="none", max_retries=0)
+                direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+                time.sleep(2.0)  # (the events reach the router's subscriber)
+                for k in range(3):
+                    before = _served(replicas)
+                    routed.completions.create(model=MODEL, prompt=prompt + f"    return {k}", max_tokens=1,
+                                              temperature=0)
+                    assert _which(replicas, before) == target, f"follow-up {k} did not go to replica {target}"
+    finally:
+        for p in procs:
+            p.kill()
