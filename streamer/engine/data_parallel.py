@@ -339,6 +339,7 @@ class DataParallelEngine:
         self._idle: Optional[asyncio.Event] = None
         self._loras: dict[str, Any] = {}
         self._tokenizer: Any = None
+        self._image_prompts: Any = None
         self.engine: Optional[_FrontCore] = None
         self.metrics: Optional[DataParallelMetrics] = None
         self.rank_lost: Optional[str] = None  # (AsyncEngine's: a lost replica is not fatal here)
@@ -397,9 +398,10 @@ class DataParallelEngine:
         for r, info in zip(self.replicas, infos):
             r.info = info
         info = infos[0]
-        if info["takes_media"]:
+        if info["speech"]:
             await self._kill_all()
-            raise ValueError("data_parallel_size > 1 does not run with vision, audio or speech models yet")
+            raise ValueError("data_parallel_size > 1 does not run with speech-to-text models (Whisper) yet")
+        self._image_prompts = info["image_prompts"]  # (a replica's: what the server's chat templates read)
         self._max_model_len = info["max_model_len"]
         self.engine.vocab_size = info["vocab_size"]
         self.metrics = DataParallelMetrics(self, self.model_name)
@@ -651,17 +653,23 @@ class DataParallelEngine:
         return self._max_model_len
 
     @property
-    def image_prompts(self) -> None:
-        return None  # (refused at start: see `start`)
+    def image_prompts(self) -> Any:
+        """How the model takes images, video or audio (a replica's ImagePrompts / AudioPrompts; None: a text
+        model). Prompts with media go to a replica as they came: it loads and encodes them."""
+        return self._image_prompts
 
     @property
     def takes_media(self) -> bool:
-        return False
+        return self._image_prompts is not None
 
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple]:
-        if data:
-            raise ValueError("data_parallel_size > 1 does not take images yet")
-        return token_ids, ()
+        """LLMEngine.place_images, here (the server's /tokenize: the prompt the model would read)."""
+        from streamer.engine.input_processor import place_media
+        if self._image_prompts is None:
+            if data:
+                raise ValueError("multi_modal_data: this model takes no images, video or audio")
+            return token_ids, ()
+        return place_media(self._image_prompts, token_ids, data)
 
     @property
     def classifier(self):
@@ -945,6 +953,7 @@ class _ReplicaServer:
             core = self.engine.engine
             assert core is not None
             return {"max_model_len": core.max_model_len, "takes_media": self.engine.takes_media,
+                    "image_prompts": self.engine.image_prompts, "speech": core.speech is not None,
                     "classifier": core.classifier, "sampling_defaults": core.sampling_defaults,
                     "default_params": core.default_sampling_params(), "vocab_size": core.vocab_size,
                     "pid": os.getpid(), "host": socket.gethostname()}
@@ -1082,7 +1091,7 @@ class OfflineDataParallel:
             raise
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
-        self.image_prompts = None
+        self.image_prompts = self.engine.image_prompts
         self.classifier = None
 
     def _run(self, coro: Any) -> Any:

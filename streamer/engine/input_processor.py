@@ -30,7 +30,7 @@ from streamer.engine.structured_output import Grammar, GrammarCompiler
 from streamer.engine.thinking import ThinkTags
 from streamer.models.config import ModelConfig
 from streamer.multimodal.audio_prompts import AudioPrompts, as_clips
-from streamer.multimodal.inputs import ImageInput, as_media
+from streamer.multimodal.inputs import ImageInput, ImagePrompts, as_media
 from streamer.multimodal.prompts import image_prompts_for
 from streamer.multimodal.speech import SpeechPrompts
 from streamer.sampling_params import SamplingParams
@@ -365,23 +365,11 @@ class InputProcessor:
         None: no images, which a prompt with placeholders must then not have). ValueError for a mismatch."""
         if self.speech is not None:  # a speech model: the prompt's audio, for its encoder
             return token_ids, (self.speech.encoder_input(data),)
-        mm = self.image_prompts
-        if mm is None:
+        if self.image_prompts is None:
             if data is not None:
                 self._refuse_media(data)
             return token_ids, ()
-        if isinstance(mm, AudioPrompts):
-            return self._place_audio(mm, token_ids, data)
-        if isinstance(data, dict) and data.get("audio") is not None:
-            raise ValueError("multi_modal_data['audio']: this model takes no audio")
-        if isinstance(data, dict) and "video" in data and not mm.takes_video:
-            raise ValueError(f"multi_modal_data must be {{'image': image or list of images}} for this model: "
-                             f"multi_modal_data['video']: {mm.no_video}")
-        images, videos = as_media(data) if data is not None else ([], [])
-        if not images and not videos and not mm.has_placeholders(token_ids):
-            return token_ids, ()
-        ids, inputs = mm.expand(token_ids, images, videos)
-        return ids, tuple(inputs)
+        return place_media(self.image_prompts, token_ids, data)
 
     def _refuse_media(self, data: Any) -> None:
         """A text model's prompt came with media: ValueError naming them."""
@@ -391,14 +379,33 @@ class InputProcessor:
         raise ValueError(f"multi_modal_data: this model takes no {what}" + (
             f" ({of} is served as its text model alone: its vision encoder is not supported)" if of else ""))
 
-    @staticmethod
-    def _place_audio(mm: AudioPrompts, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """An audio-language model's prompt with its clips' placeholders expanded (streamer/multimodal/audio_prompts.py)."""
-        if data is not None and (not isinstance(data, dict) or set(data) - {"audio"}):
-            raise ValueError("multi_modal_data must be {'audio': clip or list of clips} for this model (it takes no "
-                             f"images or video), got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
-        clips = as_clips(data["audio"]) if data is not None and data.get("audio") is not None else []
-        if not clips and not mm.has_placeholders(token_ids):
-            return token_ids, ()
-        ids, inputs = mm.expand(token_ids, clips)
-        return ids, tuple(inputs)
+
+def place_media(mm: Union[ImagePrompts, AudioPrompts], token_ids: list[int],
+                data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """A multimodal model's prompt with its media's placeholders expanded, and the media's inputs
+    (`InputProcessor.place_images`; data parallelism's front calls it with the prompts object a replica sent).
+    ValueError for media the model does not take or a mismatch."""
+    if isinstance(mm, AudioPrompts):
+        return _place_audio(mm, token_ids, data)
+    if isinstance(data, dict) and data.get("audio") is not None:
+        raise ValueError("multi_modal_data['audio']: this model takes no audio")
+    if isinstance(data, dict) and "video" in data and not mm.takes_video:
+        raise ValueError(f"multi_modal_data must be {{'image': image or list of images}} for this model: "
+                         f"multi_modal_data['video']: {mm.no_video}")
+    images, videos = as_media(data) if data is not None else ([], [])
+    if not images and not videos and not mm.has_placeholders(token_ids):
+        return token_ids, ()
+    ids, inputs = mm.expand(token_ids, images, videos)
+    return ids, tuple(inputs)
+
+
+def _place_audio(mm: AudioPrompts, token_ids: list[int], data: Any) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """An audio-language model's prompt with its clips' placeholders expanded (streamer/multimodal/audio_prompts.py)."""
+    if data is not None and (not isinstance(data, dict) or set(data) - {"audio"}):
+        raise ValueError("multi_modal_data must be {'audio': clip or list of clips} for this model (it takes no "
+                         f"images or video), got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    clips = as_clips(data["audio"]) if data is not None and data.get("audio") is not None else []
+    if not clips and not mm.has_placeholders(token_ids):
+        return token_ids, ()
+    ids, inputs = mm.expand(token_ids, clips)
+    return ids, tuple(inputs)

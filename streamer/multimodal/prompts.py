@@ -4,6 +4,7 @@
 on inputs), so neither imports the other for it."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -14,6 +15,12 @@ from streamer.multimodal.inputs import ImagePrompts
 if TYPE_CHECKING:
     from streamer.config import EngineConfig
     from streamer.models.config import ModelConfig
+
+
+def _encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Text's ids without special tokens (Qwen3-VL's frame times; a function, not a lambda: the prompts object
+    pickles, for data parallelism's front)."""
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir: Path,
@@ -63,7 +70,7 @@ def image_prompts_for(cfg: "ModelConfig", model: Any, tokenizer: Any, model_dir:
                          video_placeholder=f"{text_of(start)}{text_of(video_id)}{text_of(end)}")
             if arch.startswith("Qwen3"):  # each grid step after its time as text, between start and end
                 video.update(frame_wrap=(start, end),
-                             encode_text=lambda text: tokenizer.encode(text, add_special_tokens=False))
+                             encode_text=functools.partial(_encode_plain, tokenizer))
         return ImagePrompts(folder, image, None, f"{text_of(start)}{text_of(image)}{text_of(end)}", limit,
                             merge=model.vision_tower.spatial_merge_size, **video)
     if arch == "Mistral3ForConditionalGeneration":
