@@ -1,7 +1,7 @@
-"""Data parallelism with multimodal models (streamer/engine/data_parallel.py): the front holds the replicas' prompts
-object (ImagePrompts, sent back pickled at start) for chat templates and /tokenize, and a prompt with images goes to
-a replica as it came, which loads and encodes them. DP=2 answers as DP=1 (fp32, greedy), offline and through the
-server with the openai client."""
+"""Data parallelism with multimodal models and prompt embeddings (streamer/engine/data_parallel.py): the front holds
+the replicas' prompts object (ImagePrompts, sent back pickled at start) for chat templates and /tokenize, and a prompt
+with images (or embeddings) goes to a replica as it came, which loads and encodes them. DP=2 answers as DP=1 (fp32,
+greedy), offline and through the server with the openai client."""
 from __future__ import annotations
 
 import pickle
@@ -77,3 +77,35 @@ def test_prompt_objects_pickle_for_the_front(ckpt_root):
         mm = llm.engine.image_prompts
         back = pickle.loads(pickle.dumps(mm))
         assert back.encode_text("<1.0 seconds>") == mm.encode_text("<1.0 seconds>") != []
+
+
+def test_dp2_with_prompt_embeddings_equals_dp1(llama_dir):
+    """Prompts given as embeddings (--enable-prompt-embeds) reach a replica as tensors: DP=2 gives DP=1's tokens,
+    offline and through the server's prompt_embeds (base64 torch.save)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.test_prompt_embeds import _b64
+    weights: dict = {}
+    for f in sorted(llama_dir.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    table = weights["model.embed_tokens.weight"].float()
+    embeds = [table[torch.tensor(ids)] for ids in ([5, 17, 33, 9, 100], [40, 41, 42] * 5)]
+    prompts = [{"prompt_embeds": e} for e in embeds]
+    kw = dict(dtype="float32", enforce_eager=True, enable_prompt_embeds=True)
+    with LLM(str(llama_dir), **kw) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    with LLM(str(llama_dir), data_parallel_size=2, **kw) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == want
+    with LiveServer(llama_dir, data_parallel_size=2, dp_routing="round_robin", **kw) as two:
+        client = openai.OpenAI(base_url=two.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = []
+        for e in embeds:
+            r = client.completions.create(model=client.models.list().data[0].id, prompt="", max_tokens=6,
+                                          temperature=0.0, logprobs=1,
+                                          extra_body={"prompt_embeds": _b64(e), "ignore_eos": True,
+                                                      "return_tokens_as_token_ids": True})
+            got.append([int(t.split(":", 1)[1]) for t in r.choices[0].logprobs.tokens])
+        routed = list(two.engine.router.routed)
+    assert got == want
+    assert routed == [1, 1]
