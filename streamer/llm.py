@@ -160,6 +160,8 @@ class LLM:
                     ) -> list[BeamSearchOutput]:
         """The `beam_width` best continuations of each prompt by cumulative log-probability (streamer/engine/beam_search.py):
         one engine step per token over all beams of all prompts, the shared prefixes served by the prefix cache."""
+        if self._dp is not None:
+            return self._dp.beam_search(_prompt_list(prompts), params)
         ids = [self.engine.tokenize_prompt(p)[1] for p in _prompt_list(prompts)]
         for p in ids:
             self.engine.validate(p, SamplingParams(max_tokens=1))
@@ -224,19 +226,17 @@ class LLM:
               lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[EmbeddingOutput]:
         """Each prompt's embedding: the model's final hidden states pooled (default: the model's own pooling,
         normalised; streamer/engine/pooling.py). Batched with each other as generation is."""
-        states = self._pool(prompts, (pooling or PoolingParams()).for_task("embed"), lora_request)
-        return [EmbeddingOutput(s.req.request_id, s.embedding, list(s.req.prompt_token_ids),  # type: ignore[arg-type]
-                                max(s.req.num_cached_tokens, 0)) for s in states]
+        pooled = self._pool(prompts, (pooling or PoolingParams()).for_task("embed"), lora_request)
+        return [EmbeddingOutput(rid, vec, ids, cached) for rid, vec, ids, cached in pooled]
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: Optional[PoolingParams] = None,
                  lora_request: Union[LoRAType, Sequence[LoRAType]] = None) -> list[ClassificationOutput]:
         """Each prompt's label probabilities from a sequence-classification model (`*ForSequenceClassification`):
         its score head over the last token's hidden state, then softmax over the labels (a sigmoid for one label;
         the raw logits with `PoolingParams(activation=False)`)."""
-        states = self._pool(prompts, (pooling or PoolingParams()).for_task("classify"), lora_request)
+        pooled = self._pool(prompts, (pooling or PoolingParams()).for_task("classify"), lora_request)
         label = self.engine.classifier.label  # type: ignore[union-attr]  # (only a classifier classifies)
-        return [ClassificationOutput(s.req.request_id, s.embedding, label(s.embedding),  # type: ignore[arg-type]
-                                     list(s.req.prompt_token_ids), max(s.req.num_cached_tokens, 0)) for s in states]
+        return [ClassificationOutput(rid, probs, label(probs), ids, cached) for rid, probs, ids, cached in pooled]
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]],
               lora_request: LoRAType = None) -> list[ScoringOutput]:
@@ -248,9 +248,8 @@ class LLM:
         pairs = pair_up(first, second)
         if self.engine.classifier is not None:
             prompts = [{"prompt_token_ids": encode_pair(self.tokenizer, a, b)} for a, b in pairs]
-            states = self._pool(prompts, PoolingParams(task="score"), lora_request)
-            return [ScoringOutput(s.req.request_id, s.embedding[0], list(s.req.prompt_token_ids))  # type: ignore
-                    for s in states]
+            pooled = self._pool(prompts, PoolingParams(task="score"), lora_request)
+            return [ScoringOutput(rid, scores[0], ids) for rid, scores, ids, _ in pooled]
         vecs = self.embed(first + second, PoolingParams(task="embed"), lora_request)  # (normalised)
         a, b = vecs[:len(first)], vecs[len(first):]
         return [ScoringOutput(f"{x.request_id}+{y.request_id}", sum(p * q for p, q in zip(x.embedding, y.embedding)),
@@ -258,10 +257,13 @@ class LLM:
                 for x, y in zip(a * len(b) if len(a) == 1 else a, b)]
 
     def _pool(self, prompts: Union[PromptType, Sequence[PromptType]], pooling: PoolingParams,
-              lora_request: Union[LoRAType, Sequence[LoRAType]]) -> list[SeqState]:
-        """Run pooling requests (streamer/engine/pooling.py) to the end; their states hold the results."""
+              lora_request: Union[LoRAType, Sequence[LoRAType]]) -> list[tuple[str, Any, list[int], int]]:
+        """Run pooling requests (streamer/engine/pooling.py) to the end: each one's (request id, result, prompt
+        token ids, cached tokens)."""
         prompts = _prompt_list(prompts)
         loras = self._loras(lora_request, len(prompts))
+        if self._dp is not None:
+            return self._dp.pool(prompts, pooling, loras)
         engine = self.engine
         # (images too: a VLM embeds them)
         keep = pooling.truncate_prompt_tokens
@@ -280,7 +282,8 @@ class LLM:
                                                  prompt_token_ids=ids, lora_request=adapter, pooling=checked,
                                                  images=images)[0])
             self._run()
-        return states
+        return [(s.req.request_id, s.embedding, list(s.req.prompt_token_ids), max(s.req.num_cached_tokens, 0))
+                for s in states]
 
     @staticmethod
     def _loras(lora_request: Union[LoRAType, Sequence[LoRAType]], n: int) -> list[LoRAType]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import signal
 import time
 
@@ -48,10 +49,46 @@ def test_offline_dp2_equals_dp1(llama_dir, reference):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SEEDED)] == seeded
         assert all(n > 0 for n in llm.engine.engine.router.routed)  # (both replicas worked)
         with pytest.raises(ValueError, match="data_parallel_size"):
-            llm.embed("x")
+            llm.engine.runner  # noqa: B018  (what only one engine in process has)
     finally:
         llm.close()
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_offline_pooling_and_beam_search_dp2_equal_dp1(llama_dir, ckpt_root):
+    """embed, beam_search (each search on one replica), classify and score (a one-label cross-encoder) with DP=2:
+    DP=1's results."""
+    import numpy as np
+
+    from streamer import BeamSearchParams
+    from tests.checkpoints import make_classifier_checkpoint
+    texts = PROMPTS[:4]
+    beam = BeamSearchParams(beam_width=2, max_tokens=6)
+
+    def generative(dp: int) -> tuple:
+        with LLM(str(llama_dir), data_parallel_size=dp, **ENGINE) as llm:
+            return ([o.embedding for o in llm.embed(texts)],
+                    [[s.token_ids for s in o.sequences] for o in llm.beam_search(texts, beam)])
+
+    def classifiers(dp: int, labels: Path, cross: Path) -> tuple:
+        with LLM(str(labels), data_parallel_size=dp, **ENGINE) as llm:
+            probs = [o.probs for o in llm.classify(texts)]
+        with LLM(str(cross), data_parallel_size=dp, **ENGINE) as llm:
+            return probs, [o.score for o in llm.score(texts[0], texts[1:])]
+
+    want_vecs, want_beams = generative(1)
+    got_vecs, got_beams = generative(2)
+    assert got_beams == want_beams and all(len(b) == 2 for b in got_beams)
+    assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got_vecs, want_vecs))
+    labels, cross = ckpt_root / "dp_classifier", ckpt_root / "dp_cross_encoder"
+    if not (labels / "config.json").exists():
+        make_classifier_checkpoint(labels)
+    if not (cross / "config.json").exists():
+        make_classifier_checkpoint(cross, labels=("relevant",))
+    want_probs, want_scores = classifiers(1, labels, cross)
+    got_probs, got_scores = classifiers(2, labels, cross)
+    assert all(np.allclose(g, w, atol=1e-5) for g, w in zip(got_probs, want_probs))
+    assert np.allclose(got_scores, want_scores, atol=1e-5) and len(got_scores) == 3
 
 
 @pytest.fixture(scope="module")

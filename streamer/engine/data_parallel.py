@@ -1092,7 +1092,7 @@ class OfflineDataParallel:
         self.config = self.engine.config
         self.tokenizer = self.engine.tokenizer
         self.image_prompts = self.engine.image_prompts
-        self.classifier = None
+        self.classifier = self.engine.classifier
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -1101,15 +1101,26 @@ class OfflineDataParallel:
         return self.engine.get_default_sampling_params()
 
     def generate(self, prompts: list, params: list, priorities: list[int], loras: list) -> list:
-        async def all_of() -> list:
-            tasks = [asyncio.ensure_future(self.engine.generate(p, sp, priority=prio, lora_request=lo))
-                     for p, sp, prio, lo in zip(prompts, params, priorities, loras)]
-            try:
-                return list(await asyncio.gather(*tasks))
-            finally:
-                for t in tasks:
-                    t.cancel()
-        return self._run(all_of())
+        return self._run(self._all(self.engine.generate(p, sp, priority=prio, lora_request=lo)
+                                   for p, sp, prio, lo in zip(prompts, params, priorities, loras)))
+
+    def pool(self, prompts: list, pooling: PoolingParams, loras: list) -> list[tuple[str, Any, list[int], int]]:
+        """Pooling requests (embed, classify, score) spread over the replicas: each one's (request id, result,
+        prompt token ids, cached tokens), in the prompts' order."""
+        return self._run(self._all(self.engine._pool(p, pooling, None, 0, lo) for p, lo in zip(prompts, loras)))
+
+    def beam_search(self, prompts: list, params: Any) -> list:
+        """Each prompt's search on one replica (the least loaded when it starts)."""
+        return self._run(self._all(self.engine.beam_search(p, params) for p in prompts))
+
+    @staticmethod
+    async def _all(coros: Any) -> list:
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
 
     def reset_prefix_cache(self) -> int:
         return self._run(self.engine.reset_prefix_cache())
@@ -1133,5 +1144,6 @@ class OfflineDataParallel:
         self._loop.close()
 
     def __getattr__(self, name: str) -> Any:
-        raise ValueError(f"LLM(data_parallel_size > 1) runs generate(), chat() on text, reset_prefix_cache(), "
-                         f"update_weights() and add_lora(); not this ({name}): use data_parallel_size=1")
+        raise ValueError(f"LLM(data_parallel_size > 1) runs generate(), chat(), beam_search(), embed(), classify(), "
+                         f"score(), reset_prefix_cache(), update_weights() and add_lora(); not this ({name}): use "
+                         f"data_parallel_size=1")
