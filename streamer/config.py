@@ -136,6 +136,10 @@ class EngineConfig:
     data_parallel_size: int = 1
     dp_routing: str = "cache_aware"
     dp_session_header: Optional[str] = "x-session-id"
+    # A replica of this machine that dies is started again, at most this many times in all (the k-th after
+    # min(2**k, 30) s); a replica of another node rejoins when its node starts it again. Not once the weights were
+    # updated at runtime (a new replica would load the checkpoint's). 0: a lost replica stays down.
+    dp_max_restarts: int = 3
     # Replicas on several machines (vLLM's flags): this node runs `data_parallel_size_local` of them (default: all),
     # numbered from `data_parallel_start_rank`; the head (start rank 0) serves and routes over all
     # `data_parallel_size`, the others run `serve --headless` and join it at data_parallel_address's rendezvous store
@@ -326,6 +330,9 @@ class EngineConfig:
         dp = self.data_parallel_size
         if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {dp!r}")
+        if not isinstance(self.dp_max_restarts, int) or isinstance(self.dp_max_restarts, bool) \
+                or self.dp_max_restarts < 0:
+            raise ValueError(f"dp_max_restarts must be an integer >= 0, got {self.dp_max_restarts!r}")
         if self.dp_routing not in ("cache_aware", "least_loaded", "round_robin"):
             raise ValueError(f"dp_routing must be cache_aware, least_loaded or round_robin, got {self.dp_routing!r}")
         if dp > 1 and self.nnodes > 1:

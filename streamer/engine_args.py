@@ -114,6 +114,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the head's rendezvous store's port, the same on every node (default: 29550)")
     d.add_argument("--dp-session-header", default="x-session-id", metavar="HEADER",
                    help="requests with this header go to one replica per value (session affinity; '' turns it off)")
+    d.add_argument("--dp-max-restarts", type=int, default=3, metavar="N",
+                   help="start a replica of this machine that died again, at most N times in all (0: never); not "
+                        "once the weights were updated at runtime")
     n = p.add_argument_group("tensor parallelism over several machines (docs/multi-node.md)")
     n.add_argument("--nnodes", type=int, default=1, help="machines the tensor-parallel ranks span")
     n.add_argument("--node-rank", type=int, default=0,
@@ -198,8 +201,8 @@ _ENGINE_KEYS = ("dtype", "device", "load_format", "max_model_len", "max_num_batc
                 "sampling_backend", "seed", "enforce_eager", "async_scheduling", "cuda_graph_max_batch",
                 "tensor_parallel_size", "pipeline_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
                 "master_addr", "master_port", "nproc_per_node", "dist_host", "data_parallel_size", "dp_routing",
-                "dp_session_header", "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
-                "data_parallel_rpc_port", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
+                "dp_max_restarts", "dp_session_header", "data_parallel_size_local", "data_parallel_start_rank",
+                "data_parallel_address", "data_parallel_rpc_port", "tokenizer", "jump_forward", "num_speculative_tokens", "prompt_lookup_max",
                 "prompt_lookup_min", "speculative_max_batch", "speculative_model",
                 "speculative_method", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                 "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",

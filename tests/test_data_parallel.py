@@ -93,7 +93,10 @@ def test_offline_pooling_and_beam_search_dp2_equal_dp1(llama_dir, ckpt_root):
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    with LiveServer(llama_dir, data_parallel_size=2, enforce_eager=True, dp_routing="round_robin") as s:
+    # (dp_max_restarts=0: the kill test checks a lost replica's state; test_a_killed_replica_is_started_again the
+    # restart)
+    with LiveServer(llama_dir, data_parallel_size=2, enforce_eager=True, dp_routing="round_robin",
+                    dp_max_restarts=0) as s:
         pids = [r.proc.pid for r in s.engine.replicas]
         yield s
     # no orphans: every replica process is gone once the server stopped
@@ -210,3 +213,52 @@ def test_a_killed_replica_fails_its_requests_and_the_other_goes_on(server):
     assert not psutil.pid_exists(pids[victim]) or psutil.Process(pids[victim]).status() == psutil.STATUS_ZOMBIE
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert metric(text, "streamer:dp_replica_up", engine=str(victim)) == 0
+
+
+def test_a_killed_replica_is_started_again(llama_dir, tmp_path):
+    """kill -9 of an idle replica: it is started again (on its own cores) with the adapters added at runtime, and
+    serves its sessions again; the restart budget (dp_max_restarts) is counted and, once spent, a lost replica
+    stays down."""
+    from tests.lora_adapters import ALL_LINEARS, make_adapter
+    adapter = make_adapter(llama_dir, tmp_path / "lora", 1, r=4, alpha=8, targets=ALL_LINEARS)
+    keys: dict[int, str] = {}
+    for k in range(100):
+        keys.setdefault(rendezvous_pick(f"s{k}", [0, 1]), f"s{k}")
+    victim = 0
+
+    def health(s: LiveServer) -> list[dict]:
+        return httpx.get(s.url + "/health", timeout=10).json()["replicas"]
+
+    def wait_for(s: LiveServer, up: bool, pid_not: int = -1) -> list[dict]:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            reps = health(s)
+            if reps[victim]["up"] is up and reps[victim]["pid"] != pid_not:
+                return reps
+            time.sleep(0.1)
+        raise AssertionError(f"replica {victim} not {'up' if up else 'down'}: {health(s)}")
+
+    with LiveServer(llama_dir, data_parallel_size=2, enforce_eager=True, dp_routing="round_robin",
+                    enable_lora=True, dp_max_restarts=1, loras={"mine": str(adapter)}) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+
+        def ask(model: str) -> str:
+            out = client.completions.create(model=model, prompt="x =", max_tokens=4, temperature=0.0,
+                                            extra_headers={"X-Session-ID": keys[victim]})
+            return out.choices[0].text
+        want = ask("mine")
+        first = health(s)[victim]["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_for(s, up=False)
+        reps = wait_for(s, up=True, pid_not=first)  # (started again: a new process)
+        assert reps[1 - victim]["up"] is True
+        before = s.engine.router.routed[victim]
+        assert ask("mine") == want  # (the adapter added at start-up is there again)
+        assert s.engine.router.routed[victim] == before + 1
+        assert metric(httpx.get(s.url + "/metrics", timeout=10).text, "streamer:dp_replica_restarts_total") == 1
+        # the budget (1) is spent: killed again, it stays down
+        os.kill(reps[victim]["pid"], signal.SIGKILL)
+        wait_for(s, up=False)
+        time.sleep(3.0)  # (longer than the next restart's pause would be)
+        assert health(s)[victim]["up"] is False and s.engine.restarts == 1
+        assert ask("mine") == want  # (the other replica serves the session now)

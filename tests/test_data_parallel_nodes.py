@@ -103,6 +103,39 @@ def test_headless_node_on_loopback(llama_dir) -> None:
         _assert_all_gone(everyone, "after the head stopped")
 
 
+def test_a_headless_node_started_again_rejoins(llama_dir) -> None:
+    """kill -9 of the headless node, then the same command again: its replica joins the head again (through the
+    same rendezvous store) and serves as before."""
+    want, _ = _reference(llama_dir)
+    meet = ("-dp", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+            "--data-parallel-rpc-port", str(_free_port()), "--dp-routing", "round_robin")
+    node_args = (*meet, "--data-parallel-start-rank", "1", "--headless")
+    head = _serve(llama_dir, *meet, "--port", "0")
+    node = _serve(llama_dir, *node_args)
+    again = None
+    try:
+        url = head.wait_url(others=(node,))
+        _node_killed_then_head_serves_on(head, node, url)
+        again = _serve(llama_dir, *node_args)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not _health(url)["replicas"][1]["up"]:
+            assert again.proc.poll() is None, again.stderr
+            time.sleep(0.2)
+        reps = _health(url)["replicas"]
+        assert [r["up"] for r in reps] == [True, True], reps
+        assert reps[1]["pid"] in [p.pid for p in again.tree()]
+        assert _greedy(url) == want + want  # (round robin: both replicas again)
+        everyone = head.tree() + again.tree()
+        head.proc.send_signal(signal.SIGTERM)
+        assert head.proc.wait(60) == 0, head.stderr
+        assert again.proc.wait(BOUND_S) == 0, again.stderr
+        _assert_all_gone(everyone, "after the head stopped")
+    finally:
+        for p in (head, node, again):
+            if p is not None:
+                p.kill()
+
+
 def test_head_stops_the_headless_node(llama_dir) -> None:
     """SIGTERM on the head stops the node's replicas too; the node then exits 0."""
     with dp_nodes(llama_dir) as (head, node, url):

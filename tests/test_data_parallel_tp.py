@@ -38,7 +38,7 @@ def reference(model):
 @pytest.fixture(scope="module")
 def server(model):
     with LiveServer(model, data_parallel_size=2, tensor_parallel_size=2, enforce_eager=True,
-                    dp_routing="round_robin", num_kv_blocks=64) as s:
+                    dp_routing="round_robin", num_kv_blocks=64, dp_max_restarts=0) as s:  # (the kill test)
         tree = []
         for r in s.engine.replicas:
             top = psutil.Process(r.proc.pid)

@@ -124,10 +124,11 @@ def gpu_shares(num_replicas: int, tp: int) -> Optional[list[str]]:
 
 
 def spawn_replicas(ranks: range, addr: str, key: bytes, config: EngineConfig, parent: int,
-                   model: Optional[str] = None) -> dict[int, subprocess.Popen]:
+                   model: Optional[str] = None, only: Optional[set[int]] = None) -> dict[int, subprocess.Popen]:
     """Start replicas `ranks` on this machine (`python -m streamer.engine.data_parallel`), each with its share of this
     machine's GPUs or cores, connecting to the front's listener at `addr` with `key`. model: this node's own path to
-    the model (a headless node), sent in place of the head's."""
+    the model (a headless node), sent in place of the head's. only: start just these of `ranks` (a restart: the
+    same share as before)."""
     gpus = gpu_shares(len(ranks), config.tensor_parallel_size) \
         if config.device in ("auto",) or str(config.device).startswith("cuda") else None
     cpus = cpu_shares(len(ranks)) if gpus is None else None
@@ -136,6 +137,8 @@ def spawn_replicas(ranks: range, addr: str, key: bytes, config: EngineConfig, pa
         cpus = [c[:per] for c in cpus]
     procs = {}
     for i, rank in enumerate(ranks):
+        if only is not None and rank not in only:
+            continue
         env = dict(os.environ, STREAMER_DP_ADDR=addr, STREAMER_DP_KEY=key.hex(), STREAMER_DP_RANK=str(rank),
                    STREAMER_DP_PARENT=str(parent))
         if model is not None:
@@ -219,6 +222,7 @@ class _Replica:
     proc: Optional[subprocess.Popen] = None
     writer: Optional[asyncio.StreamWriter] = None
     up: bool = False
+    joining: bool = False  # (connected again after it was lost: being started, not yet routed to)
     why_down: Optional[str] = None
     info: dict = dataclasses.field(default_factory=dict)
     calls: dict = dataclasses.field(default_factory=dict)  # call id -> future
@@ -255,6 +259,9 @@ class DataParallelMetrics:
                 "# TYPE streamer:dp_replica_up gauge"]
         rows += [f'streamer:dp_replica_up{{model_name="{self.model_name}",engine="{r.index}"}} {int(r.up)}'
                  for r in e.replicas]
+        rows += ["# HELP streamer:dp_replica_restarts_total Replicas of this machine started again after they died.",
+                 "# TYPE streamer:dp_replica_restarts_total counter",
+                 f'streamer:dp_replica_restarts_total{{model_name="{self.model_name}"}} {e.restarts}']
         rows += ["# HELP streamer:dp_routed_requests_total Requests the router sent to each replica.",
                  "# TYPE streamer:dp_routed_requests_total counter"]
         rows += [f'streamer:dp_routed_requests_total{{model_name="{self.model_name}",engine="{i}"}} {n}'
@@ -348,6 +355,10 @@ class DataParallelEngine:
         # replica publishes its own prefix cache's events, replica r on the endpoint's port + r and with
         # data_parallel_rank r in its batches, as vLLM's engine cores do (on another node: from that node).
         self.kv_events_config: Any = None
+        self.restarts = 0  # replicas of this machine started again (dp_max_restarts)
+        self._weights_updated = False  # (a replica started now would serve the checkpoint's weights)
+        self._listener = ""
+        self._rejoining: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ life cycle
     async def start(self) -> "DataParallelEngine":
@@ -376,12 +387,10 @@ class DataParallelEngine:
                 self._store.set(_STORE_KEY, "" if _secret_key() else self._key.hex())
                 logger.info("data parallelism: waiting for replicas %d..%d of other nodes (rendezvous at %s:%d)",
                             self.local, self.size - 1, host, self.config.data_parallel_rpc_port or DEFAULT_RPC_PORT)
-            procs = spawn_replicas(range(self.local), f"127.0.0.1:{port}", self._key, self.config, os.getpid())
+            self._listener = f"127.0.0.1:{port}"
+            procs = spawn_replicas(range(self.local), self._listener, self._key, self.config, os.getpid())
             for index, proc in procs.items():
-                r = self.replicas[index]
-                r.proc = proc
-                threading.Thread(target=self._watch_exit, args=(loop, r), name=f"streamer-dp-watch-{r.index}",
-                                 daemon=True).start()
+                self._watch(loop, self.replicas[index], proc)
             await self._wait_connected()
             infos = await asyncio.gather(*(self._call(r, "__start__", self._model, self._replica_args,
                                                       self.kv_events_config, timeout=None)
@@ -429,12 +438,17 @@ class DataParallelEngine:
                 waiting.cancel()
                 waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    def _watch_exit(self, loop: asyncio.AbstractEventLoop, r: _Replica) -> None:
-        assert r.proc is not None
-        code = r.proc.wait()
+    def _watch(self, loop: asyncio.AbstractEventLoop, r: _Replica, proc: subprocess.Popen) -> None:
+        r.proc = proc
+        threading.Thread(target=self._watch_exit, args=(loop, r, proc), name=f"streamer-dp-watch-{r.index}",
+                         daemon=True).start()
+
+    def _watch_exit(self, loop: asyncio.AbstractEventLoop, r: _Replica, proc: subprocess.Popen) -> None:
+        code = proc.wait()
         if not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
-                loop.call_soon_threadsafe(self._lost, r, f"its process exited (status {code})")
+                loop.call_soon_threadsafe(functools.partial(self._lost, r, f"its process exited (status {code})",
+                                                            proc=proc))
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: bool = False) -> None:
         _nodelay(writer)
@@ -447,17 +461,25 @@ class DataParallelEngine:
             return
         index = struct.unpack("!I", proof[32:])[0]
         peer = writer.get_extra_info("peername")
+        rejoin = remote and self._started and index < self.size and self.replicas[index].why_down is not None
         if not hmac.compare_digest(proof[:32], _proof(self._key, nonce)) or index >= self.size \
-                or self.replicas[index].writer is not None or self.replicas[index].why_down is not None \
-                or (index >= self.local) != remote:
+                or self.replicas[index].writer is not None \
+                or (self.replicas[index].why_down is not None and not rejoin) or (index >= self.local) != remote:
             logger.warning("data parallelism: refused a connection from %s that is no replica of this engine (or "
                            "a replica %d that is here already, or belongs on another node)", peer, index)
             writer.close()
             return
         if remote:
-            logger.info("data parallelism: replica %d joined from %s", index, peer)
+            logger.info("data parallelism: replica %d %s from %s", index, "joined again" if rejoin else "joined",
+                        peer)
         r = self.replicas[index]
-        r.writer, r.up = writer, True
+        r.writer = writer
+        if self._started:  # (a restarted or rejoining replica: routed to once it is started again)
+            r.why_down, r.joining = None, True
+        else:
+            r.up = True
+        if rejoin:
+            self._keep(asyncio.ensure_future(self._rejoin(r)))
         if r.connected is not None and not r.connected.done():
             r.connected.set_result(None)
         r.reader_task = asyncio.current_task()
@@ -465,19 +487,22 @@ class DataParallelEngine:
             while True:
                 self._on_message(r, await _read(reader))
         except (asyncio.IncompleteReadError, ConnectionError, EOFError) as e:
-            self._lost(r, f"its connection ended ({type(e).__name__})")
+            self._lost(r, f"its connection ended ({type(e).__name__})", writer=writer)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # (a message that does not unpickle: the link is unusable)
             logger.exception("data parallelism: replica %d sent a bad message", r.index)
-            self._lost(r, f"it sent a bad message: {e!r}")
+            self._lost(r, f"it sent a bad message: {e!r}", writer=writer)
 
-    def _lost(self, r: _Replica, why: str) -> None:
-        """Replica r is gone: fail its requests and calls, route around it."""
-        if r.why_down is not None:
+    def _lost(self, r: _Replica, why: str, proc: Optional[subprocess.Popen] = None,
+              writer: Optional[asyncio.StreamWriter] = None) -> None:
+        """Replica r is gone: fail its requests and calls, route around it; start it again (`_restart`). `proc` /
+        `writer`: what was lost (news of an earlier process or connection of a restarted replica is stale)."""
+        if r.why_down is not None or (proc is not None and proc is not r.proc) \
+                or (writer is not None and writer is not r.writer):
             return
         r.why_down = why
-        r.up = False
+        r.up = r.joining = False
         self.router.mark_down(r.index)
         if self._stopped:
             return
@@ -499,9 +524,75 @@ class DataParallelEngine:
             r.connected.set_exception(RuntimeError(f"data-parallel replica {r.index} failed to start: {why}"))
         if r.writer is not None:
             r.writer.close()
+            r.writer = None
         self._maybe_idle()
         for cb in self.on_replica_lost:
             cb(r.index, why)
+        self._maybe_restart(r)
+
+    # ------------------------------------------------------------------ a lost replica back
+    def _maybe_restart(self, r: _Replica) -> None:
+        """A replica of this machine starts again (dp_max_restarts in all, after a growing pause); one of another
+        node comes back when that node starts it again (`_accept`)."""
+        if r.index >= self.local:
+            logger.warning("data parallelism: replica %d is served again once its node starts it again", r.index)
+            return
+        why_not = ("the weights were updated at runtime (it would load the checkpoint's)" if self._weights_updated
+                   else f"{self.restarts} restart(s) used of dp_max_restarts={self.config.dp_max_restarts}"
+                   if self.restarts >= self.config.dp_max_restarts else None)
+        if why_not is not None:
+            logger.error("data parallelism: replica %d stays down: %s", r.index, why_not)
+            return
+        self.restarts += 1
+        self._keep(asyncio.ensure_future(self._restart(r, min(2.0 ** (self.restarts - 1), 30.0))))
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._rejoining.add(task)
+        task.add_done_callback(self._rejoining.discard)
+
+    async def _restart(self, r: _Replica, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._stopped or r.why_down is None:
+            return
+        old = r.proc
+        if old is not None and old.poll() is None:  # (its connection ended first)
+            old.kill()
+            await asyncio.to_thread(old.wait)
+        logger.warning("data parallelism: starting replica %d again (restart %d of at most %d)", r.index,
+                       self.restarts, self.config.dp_max_restarts)
+        loop = asyncio.get_running_loop()
+        r.connected = loop.create_future()
+        r.why_down, r.joining = None, True  # (from here its process's exit or its connection's end is news)
+        procs = spawn_replicas(range(self.local), self._listener, self._key, self.config, os.getpid(),
+                               only={r.index})
+        self._watch(loop, r, procs[r.index])
+        try:
+            await asyncio.wait_for(asyncio.shield(r.connected), START_TIMEOUT_S)
+        except Exception as e:  # (it died first: `_lost` has failed the future and decided what comes next)
+            if r.why_down is None:
+                self._lost(r, f"it did not connect again ({e!r})")
+            return
+        await self._rejoin(r)
+
+    async def _rejoin(self, r: _Replica) -> None:
+        """A replica connected again: start its engine as the others were (and the adapters added since, a pause in
+        force), then route to it."""
+        try:
+            r.info = await self._call(r, "__start__", self._model, self._replica_args, self.kv_events_config)
+            for lora in self._loras.values():
+                await self._call(r, "add_lora", lora.name, lora.path)
+            if self._paused:
+                await self._call(r, "pause_generation", "keep")
+        except Exception as e:
+            if r.why_down is None:
+                self._lost(r, f"it failed to start again: {e}")
+            return
+        if self._stopped or not r.joining:
+            return
+        r.up, r.joining = True, False
+        self.router.mark_up(r.index)
+        logger.warning("data parallelism: replica %d is up again; %d of %d replicas up", r.index,
+                       sum(x.up for x in self.replicas), self.size)
 
     def _on_message(self, r: _Replica, msg: tuple) -> None:
         kind = msg[0]
@@ -561,7 +652,7 @@ class DataParallelEngine:
             self._idle.set()
 
     def _send(self, r: _Replica, msg: tuple) -> None:
-        if not r.up or r.writer is None:
+        if not (r.up or r.joining) or r.writer is None:
             raise EngineDeadError(f"the engine has failed: data-parallel replica {r.index} is down ({r.why_down})")
         _write(r.writer, msg)
 
@@ -594,6 +685,8 @@ class DataParallelEngine:
             except asyncio.TimeoutError:
                 logger.warning("drain timeout: aborting %d request(s)", len(self._streams))
         self._stopped = True
+        for task in list(self._rejoining):
+            task.cancel()
         for rid in list(self._streams):
             self.abort_now(rid)
         stops = []
@@ -635,7 +728,8 @@ class DataParallelEngine:
 
     def replica_health(self) -> list[dict]:
         """Each replica: up or down (and why), its process id and its in-flight requests."""
-        return [{"engine": r.index, "up": r.up, "pid": r.proc.pid if r.proc is not None else r.info.get("pid"),
+        return [{"engine": r.index, "up": r.up, **({"restarting": True} if r.joining else {}),
+                 "pid": r.proc.pid if r.proc is not None else r.info.get("pid"),
                  **({"host": r.info.get("host")} if r.proc is None else {}),
                  "in_flight": len(r.streams), **({"error": r.why_down} if not r.up and r.why_down else {})}
                 for r in self.replicas]
@@ -708,7 +802,7 @@ class DataParallelEngine:
         if self._stopped:
             raise EngineDeadError("the engine is not running")
         if not any(r.up for r in self.replicas):
-            why = "; ".join(f"replica {r.index}: {r.why_down}" for r in self.replicas)
+            why = "; ".join(f"replica {r.index}: {r.why_down or 'starting again'}" for r in self.replicas)
             raise EngineDeadError(f"the engine has failed: every data-parallel replica is down ({why})")
 
     # ------------------------------------------------------------------ requests
@@ -828,6 +922,7 @@ class DataParallelEngine:
 
     async def update_weights(self, weights: Any, partial: bool = False) -> None:
         """Every replica loads the same weights (a checkpoint folder, or tensors, which are pickled to each)."""
+        self._weights_updated = True
         await self._fan_out("update_weights", weights, partial)
 
     async def add_lora(self, name: str, path: str) -> None:

@@ -91,6 +91,14 @@ class Router:
     def up(self) -> list[ReplicaView]:
         return [r for r in self.replicas if r.up]
 
+    def mark_up(self, index: int) -> None:
+        """Replica `index` is back (restarted): routable again, with nothing cached and nothing in flight."""
+        r = self.replicas[index]
+        r.up = True
+        r.blocks.clear()
+        r.inflight = r.running = 0
+        r.kv_usage = 0.0
+
     def mark_down(self, index: int) -> None:
         r = self.replicas[index]
         r.up = False
