@@ -533,7 +533,10 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ a lost replica back
     def _maybe_restart(self, r: _Replica) -> None:
         """A replica of this machine starts again (dp_max_restarts in all, after a growing pause); one of another
-        node comes back when that node starts it again (`_accept`)."""
+        node comes back when that node starts it again (`_accept`). (Not while starting: a replica that fails then
+        fails the start.)"""
+        if not self._started:
+            return
         if r.index >= self.local:
             logger.warning("data parallelism: replica %d is served again once its node starts it again", r.index)
             return
