@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
