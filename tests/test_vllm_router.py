@@ -146,29 +146,43 @@ def test_kv_aware_routes_by_the_published_kv_events():
     """kv_aware learns what each replica caches only from the KV events it publishes (vLLM's wire format over ZMQ):
     a prompt cached on one replica (asked directly, not through the router) sends its follow-ups there, first on
     the second replica, then another on the first."""
+    zmq = pytest.importorskip("zmq")
     events = [_free_port(), _free_port()]
     procs = [ServeProcess("--port", "0", "--enforce-eager", "--num-kv-blocks", "128", "--kv-events-config",
                           json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                       "endpoint": f"tcp://*:{port}"}))
              for port in events]
+    ctx = zmq.Context()
+    subs = []  # (our own subscribers beside the router's: once they have a batch, the router's has it too)
     try:
         replicas = [p.wait_url() for p in procs]
+        for port in events:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            subs.append(sub)
         sources = [a for url, port in zip(replicas, events)
                    for a in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{port}")]
         with Router(replicas, "kv_aware", "--kv-event-block-size", "16", "--kv-event-model", MODEL,
                     *sources) as router:
             routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
             shared = "def compute(x):\n" + "    x = x * 2 + 1  # a long shared prefix line\n" * 12
+            time.sleep(1.0)  # (a SUB misses what is published before its subscription has arrived)
             for target in (1, 0):
                 prompt = shared + f"# cached on replica {target}\n" * 3
                 direct = openai.OpenAI(base_url=replicas[target] + "/v1", api_key="none", max_retries=0)
                 direct.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
-                time.sleep(2.0)  # (the events reach the router's subscriber)
+                assert subs[target].poll(30_000), "no KV events published"
+                subs[target].recv_multipart()
+                time.sleep(1.0)  # (the router's subscriber is as near as ours)
                 for k in range(3):
                     before = _served(replicas)
                     routed.completions.create(model=MODEL, prompt=prompt + f"    return {k}", max_tokens=1,
                                               temperature=0)
                     assert _which(replicas, before) == target, f"follow-up {k} did not go to replica {target}"
     finally:
+        for sub in subs:
+            sub.close(linger=0)
+        ctx.term()
         for p in procs:
             p.kill()
