@@ -137,7 +137,7 @@ class EngineConfig:
     dp_routing: str = "cache_aware"
     dp_session_header: Optional[str] = "x-session-id"
     # A replica of this machine that dies is started again, at most this many times in all (the k-th after
-    # min(2**k, 30) s); a replica of another node rejoins when its node starts it again. Not once the weights were
+    # min(2**(k-1), 30) s); a replica of another node rejoins when its node starts it again. Not once the weights were
     # updated at runtime (a new replica would load the checkpoint's). 0: a lost replica stays down.
     dp_max_restarts: int = 3
     # Replicas on several machines (vLLM's flags): this node runs `data_parallel_size_local` of them (default: all),

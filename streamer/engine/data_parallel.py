@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 from streamer.config import EngineConfig
 from streamer.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from streamer.engine.dp_router import NoReplicaError, Router
-from streamer.engine.input_processor import LoRAType, PromptType
+from streamer.engine.input_processor import LoRAType, PromptType, place_media
 from streamer.engine.pooling import PoolingParams
 from streamer.sampling_params import SamplingParams
 
@@ -761,7 +761,6 @@ class DataParallelEngine:
 
     def place_images(self, token_ids: list[int], data: Any) -> tuple[list[int], tuple]:
         """LLMEngine.place_images, here (the server's /tokenize: the prompt the model would read)."""
-        from streamer.engine.input_processor import place_media
         if self._image_prompts is None:
             if data:
                 raise ValueError("multi_modal_data: this model takes no images, video or audio")

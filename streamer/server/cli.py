@@ -461,11 +461,10 @@ async def _serve(args: argparse.Namespace, api_key: Optional[str], kwargs: dict)
     publisher = None
     try:
         try:
-            if getattr(args, "kv_events", None) is None:
-                pass
-            elif not hasattr(engine, "kv_event_sinks"):  # -dp N: each replica publishes its own (port + rank)
-                engine.kv_events_config = args.kv_events
-            else:  # (a port in use fails before the model loads)
+            events = getattr(args, "kv_events", None)
+            if events is not None and not hasattr(engine, "kv_event_sinks"):  # -dp N: each replica its own
+                engine.kv_events_config = events  # (port + rank)
+            elif events is not None:  # (a port in use fails before the model loads)
                 from streamer.server.kv_events import make_publisher
                 publisher = make_publisher(args.kv_events)
                 if publisher is not None:

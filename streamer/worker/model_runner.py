@@ -1091,8 +1091,8 @@ class ModelRunner:
         return input_ids
 
     def _run_model(self, step: StepInputs, drafts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The step's final hidden states (on rank 0 of several pipeline stages: once they came back); on another
-        rank its stage's output."""
+        """The step's final hidden states (on rank 0 of several pipeline stages: once they came back, perhaps only the
+        sampled rows: `_rows_back`); on another rank its stage's output."""
         out = self._run_stage(step, drafts)
         if self.pp is not None and self.tp_rank == 0:
             out = self._pipeline_result(step)[0]
